@@ -1,0 +1,51 @@
+"""reshard: distributed checkpoints that load into any parallel layout.
+
+Save the training state of any layout (each rank describes its pieces as boxes of global tensors) and
+load it into any other, reading only the bytes each rank needs. Metadata is JSON, never pickle; a
+checkpoint is committed atomically by its ``metadata.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from reshard._version import __version__
+from reshard.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CommunicationError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    MismatchError,
+    ShardingError,
+    StateDictError,
+    StorageError,
+)
+from reshard.load import LoadStats, load, read_metadata
+from reshard.metadata import Metadata
+from reshard.save import save
+from reshard.sharding import ShardedObject, ShardedTensor
+
+logging.getLogger("reshard").addHandler(logging.NullHandler())
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CommunicationError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "LoadStats",
+    "Metadata",
+    "MismatchError",
+    "ShardedObject",
+    "ShardedTensor",
+    "ShardingError",
+    "StateDictError",
+    "StorageError",
+    "__version__",
+    "load",
+    "read_metadata",
+    "save",
+]

@@ -1,0 +1,149 @@
+"""N-dimensional box math: the geometry that saving and loading are built on.
+
+A *box* is an axis-aligned region of a global tensor: ``offset`` (the global index of its first element
+on every axis) and ``shape`` (its extent on every axis), in elements. A 0-dimensional tensor is the one
+box with ``offset == shape == ()``. Boxes are stored row-major (C order) in data files, so a sub-box of a
+stored box is a set of equally sized contiguous *runs* of bytes.
+
+Everything here is pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Box", "ReadPattern", "read_pattern", "row_major_strides"]
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """An axis-aligned region ``[offset, offset + shape)`` of a global tensor, in elements."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offset) != len(self.shape):
+            raise ValueError(f"box offset {self.offset} and shape {self.shape} differ in rank")
+        if any(o < 0 for o in self.offset) or any(s < 0 for s in self.shape):
+            raise ValueError(f"box offset {self.offset} and shape {self.shape} must be non-negative")
+
+    @classmethod
+    def full(cls, global_shape: tuple[int, ...]) -> Box:
+        """The box covering a whole tensor of ``global_shape``."""
+        return cls((0,) * len(global_shape), tuple(global_shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def end(self) -> tuple[int, ...]:
+        """The exclusive upper corner, ``offset + shape``."""
+        return tuple(o + s for o, s in zip(self.offset, self.shape, strict=True))
+
+    @property
+    def volume(self) -> int:
+        """Number of elements in the box (1 for a 0-dimensional box)."""
+        return math.prod(self.shape)
+
+    def is_inside(self, global_shape: tuple[int, ...]) -> bool:
+        """Whether the box lies within a tensor of ``global_shape`` (same rank, no element outside)."""
+        return len(global_shape) == self.ndim and all(e <= g for e, g in zip(self.end, global_shape, strict=True))
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common region of two boxes, or None when they share no element."""
+        if other.ndim != self.ndim:
+            raise ValueError(f"cannot intersect boxes of rank {self.ndim} and {other.ndim}")
+        lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset, strict=True))
+        hi = tuple(min(a, b) for a, b in zip(self.end, other.end, strict=True))
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
+            return None
+        return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=True)))
+
+    def relative_to(self, outer: Box) -> tuple[slice, ...]:
+        """Index slices that select this box inside a tensor that holds ``outer``."""
+        return tuple(slice(o - oo, o - oo + s) for o, oo, s in zip(self.offset, outer.offset, self.shape, strict=True))
+
+
+def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous tensor of ``shape``."""
+    strides = [1] * len(shape)
+    for axis in range(len(shape) - 2, -1, -1):
+        strides[axis] = strides[axis + 1] * shape[axis + 1]
+    return tuple(strides)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPattern:
+    """How to fetch a sub-box of a stored box: ``count`` reads of ``span`` elements each.
+
+    Read ``i`` starts ``first + i_multi . lead_strides`` elements into the stored box, where ``i_multi`` is
+    ``i`` unravelled over ``lead_shape`` (the first ``len(lead_shape)`` axes of the sub-box). Inside a read,
+    the sub-box's remaining axes are laid out with the stored box's strides ``inner_strides``. ``needed``
+    is the number of elements of the sub-box; ``count * span - needed`` elements are read and discarded.
+    """
+
+    first: int
+    span: int
+    lead_shape: tuple[int, ...]
+    lead_strides: tuple[int, ...]
+    inner_shape: tuple[int, ...]
+    inner_strides: tuple[int, ...]
+    needed: int
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.lead_shape)
+
+    @property
+    def read_elements(self) -> int:
+        return self.count * self.span
+
+    def starts(self) -> list[int]:
+        """Element offset, in the stored box, of every read, in row-major order of the lead axes."""
+        starts = [self.first]
+        for size, stride in zip(self.lead_shape, self.lead_strides, strict=True):
+            starts = [s + i * stride for s in starts for i in range(size)]
+        return starts
+
+
+def read_pattern(stored: Box, sub: Box, *, max_amplification: float) -> ReadPattern:
+    """Plan the reads of ``sub`` (inside ``stored``) from ``stored``'s row-major bytes.
+
+    Reads are whole slabs: for each index of the first ``L`` axes of ``sub``, one read spans from the first
+    to the last needed element of the remaining axes. ``L`` is chosen as small as possible (fewest reads)
+    such that elements read / elements needed stays at most ``max_amplification``; the largest ``L``
+    considered reads exactly the needed elements (runs over the trailing axes that ``sub`` covers whole),
+    so the result always respects the bound when ``max_amplification >= 1``.
+    """
+    if sub.intersect(stored) != sub and sub.volume > 0:
+        raise ValueError(f"sub-box {sub} is not inside stored box {stored}")
+    strides = row_major_strides(stored.shape)
+    rel = tuple(o - so for o, so in zip(sub.offset, stored.offset, strict=True))
+    first = sum(r * st for r, st in zip(rel, strides, strict=True))
+    ndim = sub.ndim
+    needed = sub.volume
+    # The deepest useful level: axes after `exact` are covered whole by the sub-box, so one read per
+    # index of the axes before `exact` (inclusive of nothing after) is exactly contiguous.
+    exact = ndim
+    while exact > 0 and sub.shape[exact - 1] == stored.shape[exact - 1]:
+        exact -= 1
+    exact = max(exact - 1, 0)
+    for level in range(exact + 1):
+        inner_shape = sub.shape[level:]
+        inner_strides = strides[level:]
+        span = 1 + sum((n - 1) * st for n, st in zip(inner_shape, inner_strides, strict=True)) if needed else 0
+        count = math.prod(sub.shape[:level])
+        if level == exact or count * span <= max_amplification * needed:
+            return ReadPattern(
+                first=first,
+                span=span,
+                lead_shape=sub.shape[:level],
+                lead_strides=strides[:level],
+                inner_shape=inner_shape,
+                inner_strides=inner_strides,
+                needed=needed,
+            )
+    raise AssertionError("unreachable: the exact level always returns")

@@ -1,0 +1,55 @@
+"""The element types a checkpoint can hold, by the names the format uses.
+
+Names are torch's own dtype names without the ``torch.`` prefix. Bytes are stored little-endian.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DTYPE_BY_NAME", "byte_view", "dtype_from_name", "dtype_name", "itemsize"]
+
+DTYPE_BY_NAME: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+_NAME_BY_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The format's name of ``dtype``.
+
+    Raises:
+        KeyError: reshard cannot store this dtype.
+    """
+    return _NAME_BY_DTYPE[dtype]
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype of a format name. Raises ``KeyError`` for a name the format does not define."""
+    return DTYPE_BY_NAME[name]
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return dtype.itemsize
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A flat, writable byte view of a contiguous CPU tensor's memory (no copy)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("byte_view needs a contiguous CPU tensor")
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")

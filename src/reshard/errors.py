@@ -1,0 +1,94 @@
+"""The exceptions reshard raises.
+
+Every error is a :class:`CheckpointError`. Specific errors also derive from the builtin that a caller
+would catch without knowing reshard (``FileNotFoundError``, ``ValueError``, ``OSError``...), so existing
+``except`` clauses keep working.
+
+When a step fails on some ranks of a group, every rank of the group raises the same class of error with
+the same message, naming the failing ranks; :attr:`CheckpointError.failures` maps each failing rank to
+its message.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CommunicationError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "MismatchError",
+    "ShardingError",
+    "StateDictError",
+    "StorageError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error reshard raises.
+
+    Attributes:
+        failures: for an error agreed across ranks, the message of each failing rank, keyed by its rank
+            in the group; empty for an error raised by one process on its own.
+    """
+
+    def __init__(self, message: str, *, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures: dict[int, str] = dict(failures or {})
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The path does not exist, or holds nothing that looks like a checkpoint."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A complete checkpoint already exists where a save was asked to write (and overwrite is off)."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The path holds checkpoint data but no ``metadata.json``: a save that never committed."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """The checkpoint is committed but damaged or malformed: invalid metadata, a checksum mismatch,
+    a truncated or missing data file."""
+
+
+class ShardingError(CheckpointError, ValueError):
+    """The boxes the ranks describe do not form a valid layout: gaps, overlaps, disagreeing dtypes or
+    global shapes, or a box claimed as primary by two ranks."""
+
+
+class MismatchError(CheckpointError, ValueError):
+    """The load template does not match the checkpoint: missing keys, other global shapes or dtypes."""
+
+
+class StateDictError(CheckpointError, TypeError):
+    """The state dict holds a value reshard cannot save (an unsupported type, clashing keys)."""
+
+
+class StorageError(CheckpointError, OSError):
+    """Reading or writing the checkpoint's files failed (permissions, a full disk, an I/O error)."""
+
+
+class CommunicationError(CheckpointError):
+    """A collective among the ranks failed: it timed out, or a peer process died."""
+
+
+ERROR_CLASSES: dict[str, type[CheckpointError]] = {
+    cls.__name__: cls
+    for cls in (
+        CheckpointError,
+        CheckpointNotFoundError,
+        CheckpointExistsError,
+        IncompleteCheckpointError,
+        CorruptCheckpointError,
+        ShardingError,
+        MismatchError,
+        StateDictError,
+        StorageError,
+        CommunicationError,
+    )
+}
+"""Error classes by name, to raise on every rank the class that a failing rank raised."""

@@ -1,0 +1,335 @@
+"""``reshard.save``: every rank writes its unique boxes once; the coordinator commits.
+
+Flow (each phase ends in agreement, so a failure on any rank raises on every rank and nothing is
+committed):
+
+1. *describe*: each rank flattens its state dict into pieces (boxes, no data); the descriptions are
+   gathered on the coordinator, which validates the global tiling, elects one writer per box and
+   prepares the directory.
+2. *write*: each elected rank writes its boxes, with CRC-32C checksums, into its own data file, whose
+   name is unique to this save, and fsyncs it.
+3. *commit*: the coordinator writes ``metadata.json`` atomically (temporary file, fsync, rename,
+   directory fsync). Until then the directory holds no committed checkpoint from this save.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+import torch
+import torch.distributed as dist
+
+from reshard._version import __version__
+from reshard.codec import encode_object_blob, encode_tagged
+from reshard.comm import Communicator
+from reshard.dtypes import byte_view, dtype_name
+from reshard.errors import CheckpointError, CheckpointExistsError, StorageError
+from reshard.metadata import (
+    DATA_DIR,
+    METADATA_FILE,
+    DataFile,
+    Metadata,
+    ObjectMetadata,
+    SavedBox,
+    SavedObject,
+    TensorMetadata,
+)
+from reshard.planning.save_plan import LocalSaveDescription, ObjectPiece, TensorPiece, WriteAssignment, plan_save
+from reshard.statedict import FlatStateDict, flatten_state_dict
+from reshard.storage import FileWriter, Storage, storage_for
+
+__all__ = ["DEFAULT_CHECKSUM_CHUNK_BYTES", "save"]
+
+logger = logging.getLogger("reshard")
+
+DEFAULT_CHECKSUM_CHUNK_BYTES = 4 * 1024 * 1024
+"""Stored bytes are checksummed in pieces of this size, so a partial read can verify what it touches."""
+
+_ALIGNMENT = 64
+"""Every stored box starts at a multiple of this many bytes of its data file."""
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of ``tensor`` in C order, without a copy when it is a contiguous CPU tensor."""
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    return byte_view(data.contiguous())
+
+
+def _write_checksummed(writer: FileWriter, data: memoryview, chunk_bytes: int) -> tuple[int, int, tuple[int, ...]]:
+    """Append ``data`` at the next aligned offset; return (byte_offset, byte_length, chunk checksums)."""
+    padding = -writer.tell() % _ALIGNMENT
+    if padding:
+        writer.write(memoryview(bytes(padding)))
+    offset = writer.tell()
+    checksums = []
+    for start in range(0, len(data), chunk_bytes):
+        chunk = data[start : start + chunk_bytes]
+        checksums.append(crc32c.crc32c(chunk))
+        writer.write(chunk)
+    return offset, len(data), tuple(checksums)
+
+
+@dataclass
+class _SaveState:
+    """What one rank keeps between the phases of one save."""
+
+    flat: FlatStateDict = field(default_factory=FlatStateDict)
+    blobs: list[bytes] = field(default_factory=list)
+    descriptions: list[LocalSaveDescription] = field(default_factory=list)
+    """Every rank's description; on the coordinator only."""
+
+
+def save(
+    state_dict: Any,
+    path: str | os.PathLike[str],
+    *,
+    group: dist.ProcessGroup | None = None,
+    overwrite: bool = False,
+    timeout: datetime.timedelta | float | None = None,
+    checksum_chunk_bytes: int = DEFAULT_CHECKSUM_CHUNK_BYTES,
+) -> Metadata:
+    """Save a (sharded) state dict as a checkpoint at ``path``. Called by all ranks of ``group``.
+
+    Args:
+        state_dict: nested dicts/lists whose leaves are :class:`~reshard.ShardedTensor`,
+            :class:`~reshard.ShardedObject`, plain tensors (full, replicated on every rank: written
+            once) or JSON-like common values (the coordinator's are written).
+        path: the checkpoint directory; created if needed. Every rank passes the same path.
+        group: the ranks that save together; ``None`` means the default group, or this process alone
+            when ``torch.distributed`` is not initialised.
+        overwrite: replace a complete checkpoint at ``path``. The old one stays loadable until the new
+            ``metadata.json`` replaces it; its data files are removed after that.
+        timeout: how long any collective may wait for the slowest rank (default 10 minutes).
+        checksum_chunk_bytes: size of the pieces each stored box is checksummed in.
+
+    Returns:
+        The committed checkpoint's metadata (on every rank).
+
+    Raises:
+        ShardingError: the ranks' boxes do not tile their tensors (same on every rank).
+        CheckpointExistsError: ``path`` holds a complete checkpoint and ``overwrite`` is off.
+        StorageError: a file could not be written on some rank.
+        CheckpointError: any failure, on every rank, naming the failing ranks.
+    """
+    started = time.perf_counter()
+    comm = Communicator(group, timeout=timeout)
+    storage = storage_for(path)
+    state = _SaveState()
+
+    def describe() -> dict[str, Any]:
+        state.flat = flatten_state_dict(state_dict, rank=comm.rank)
+        state.blobs = [encode_object_blob(o.value, where=f"object {o.key!r}") for o in state.flat.objects]
+        if comm.is_coordinator:
+            for item_path, value in state.flat.common.items():
+                encode_tagged(value, where=f"common value {item_path!r}")
+        return _describe(state.flat).to_json()
+
+    def plan(docs: list[dict[str, Any]]) -> dict[str, Any]:
+        state.descriptions = [LocalSaveDescription.from_json(d) for d in docs]
+        assignments = plan_save(state.descriptions)
+        _prepare_root(storage, overwrite=overwrite)
+        return {
+            "save_id": uuid.uuid4().hex,
+            "assignments": [[list(a.tensors), list(a.objects)] for a in assignments],
+        }
+
+    decision = comm.step("save planning", describe, plan)
+    save_id: str = decision["save_id"]
+    tensors_to_write, objects_to_write = decision["assignments"][comm.rank]
+    assignment = WriteAssignment(tensors=tuple(tensors_to_write), objects=tuple(objects_to_write))
+    logger.debug("[rank=%d] save %s: writing %d boxes", comm.rank, save_id, len(assignment.tensors))
+
+    def write() -> dict[str, Any]:
+        return _write_assigned(storage, state, assignment, save_id, comm.rank, checksum_chunk_bytes)
+
+    def commit(results: list[dict[str, Any]]) -> dict[str, Any]:
+        metadata = _build_metadata(state, results, save_id, comm.size, checksum_chunk_bytes)
+        previous = _read_previous_files(storage) if overwrite else set()
+        storage.sync_dir(DATA_DIR)
+        storage.write_atomic(METADATA_FILE, metadata.to_json_bytes())
+        for stale in previous - {f.path for f in metadata.files}:
+            storage.delete(stale)
+        return metadata.to_json_dict()
+
+    try:
+        committed = comm.step("save", write, commit)
+    except CheckpointError:
+        if comm.is_coordinator:
+            _remove_save_files(storage, save_id)
+        raise
+    metadata = Metadata.from_json_bytes(_json_bytes(committed))
+    logger.info(
+        "[rank=%d] saved %s (%d bytes in %d files) in %.3f s",
+        comm.rank,
+        storage.describe(),
+        metadata.total_bytes,
+        len(metadata.files),
+        time.perf_counter() - started,
+    )
+    return metadata
+
+
+def _json_bytes(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _describe(flat: FlatStateDict) -> LocalSaveDescription:
+    tensors = []
+    for st in flat.tensors:
+        try:
+            name = dtype_name(st.data.dtype)
+        except KeyError:
+            raise CheckpointError(f"{st.key!r}: dtype {st.data.dtype} cannot be stored") from None
+        tensors.append(
+            TensorPiece(
+                key=st.key, dtype=name, global_shape=st.global_shape, box=st.local_box, replica_id=st.replica_id
+            )
+        )
+    objects = [
+        ObjectPiece(key=o.key, global_shape=o.global_shape, offset=o.global_offset, replica_id=o.replica_id)
+        for o in flat.objects
+    ]
+    return LocalSaveDescription(tensors=tuple(tensors), objects=tuple(objects))
+
+
+def _prepare_root(storage: Storage, *, overwrite: bool) -> None:
+    """On the coordinator, before anyone writes: refuse to clobber a checkpoint; create directories."""
+    if storage.exists(METADATA_FILE) and not overwrite:
+        raise CheckpointExistsError(
+            f"{storage.describe()} already holds a complete checkpoint; pass overwrite=True to replace it"
+        )
+    try:
+        storage.prepare_root()
+    except OSError as exc:
+        raise StorageError(f"cannot create checkpoint directory {storage.describe()}: {exc}") from exc
+
+
+def _read_previous_files(storage: Storage) -> set[str]:
+    """Data files of the checkpoint being overwritten (empty when there is none or it is unreadable)."""
+    try:
+        return {f.path for f in Metadata.from_json_bytes(storage.read_bytes(METADATA_FILE)).files}
+    except (OSError, CheckpointError):
+        return set()
+
+
+def _data_file_name(save_id: str, rank: int) -> str:
+    return f"{DATA_DIR}/{save_id}-r{rank:05d}.bin"
+
+
+def _write_assigned(
+    storage: Storage, state: _SaveState, assignment: WriteAssignment, save_id: str, rank: int, chunk_bytes: int
+) -> dict[str, Any]:
+    """Write this rank's assigned boxes and objects into its data file; describe where they went."""
+    if not assignment.tensors and not assignment.objects:
+        return {"file": None, "size": 0, "tensors": [], "objects": []}
+    name = _data_file_name(save_id, rank)
+    try:
+        writer = storage.open_writer(name)
+    except OSError as exc:
+        raise StorageError(f"cannot create data file {storage.describe(name)}: {exc}") from exc
+    written_tensors = []
+    written_objects = []
+    try:
+        for index in assignment.tensors:
+            tensor = state.flat.tensors[index]
+            offset, length, checksums = _write_checksummed(writer, tensor_bytes(tensor.data), chunk_bytes)
+            written_tensors.append([index, offset, length, list(checksums)])
+        for index in assignment.objects:
+            offset, length, checksums = _write_checksummed(writer, memoryview(state.blobs[index]), chunk_bytes)
+            written_objects.append([index, offset, length, list(checksums)])
+        size = writer.tell()
+        writer.commit()
+    except OSError as exc:
+        writer.abort()
+        raise StorageError(f"writing {storage.describe(name)} failed: {exc}") from exc
+    except BaseException:
+        writer.abort()
+        raise
+    return {"file": name, "size": size, "tensors": written_tensors, "objects": written_objects}
+
+
+def _build_metadata(
+    state: _SaveState, results: list[dict[str, Any]], save_id: str, world_size: int, chunk_bytes: int
+) -> Metadata:
+    """On the coordinator: combine every rank's description and write report into the metadata."""
+    files: list[DataFile] = []
+    tensor_info: dict[str, tuple[str, tuple[int, ...]]] = {}
+    boxes: dict[str, list[SavedBox]] = {}
+    object_shapes: dict[str, tuple[int, ...]] = {}
+    entries: dict[str, list[SavedObject]] = {}
+    for desc in state.descriptions:
+        for piece in desc.tensors:
+            tensor_info.setdefault(piece.key, (piece.dtype, piece.global_shape))
+            boxes.setdefault(piece.key, [])
+        for obj in desc.objects:
+            object_shapes.setdefault(obj.key, obj.global_shape)
+            entries.setdefault(obj.key, [])
+    for rank, report in enumerate(results):
+        if report["file"] is None:
+            continue
+        file_index = len(files)
+        files.append(DataFile(path=report["file"], size=report["size"]))
+        desc = state.descriptions[rank]
+        for index, offset, length, checksums in report["tensors"]:
+            piece = desc.tensors[index]
+            boxes[piece.key].append(
+                SavedBox(
+                    offset=piece.box.offset,
+                    shape=piece.box.shape,
+                    file=file_index,
+                    byte_offset=offset,
+                    byte_length=length,
+                    checksums=tuple(checksums),
+                )
+            )
+        for index, offset, length, checksums in report["objects"]:
+            obj = desc.objects[index]
+            entries[obj.key].append(
+                SavedObject(
+                    offset=obj.offset,
+                    file=file_index,
+                    byte_offset=offset,
+                    byte_length=length,
+                    checksums=tuple(checksums),
+                )
+            )
+    return Metadata(
+        save_id=save_id,
+        created_by=f"reshard {__version__}",
+        world_size=world_size,
+        checksum_chunk_bytes=chunk_bytes,
+        files=tuple(files),
+        tensors={
+            key: TensorMetadata(
+                key=key, dtype=dtype, global_shape=shape, boxes=tuple(sorted(boxes[key], key=lambda b: b.offset))
+            )
+            for key, (dtype, shape) in sorted(tensor_info.items())
+        },
+        objects={
+            key: ObjectMetadata(
+                key=key, global_shape=shape, entries=tuple(sorted(entries[key], key=lambda e: e.offset))
+            )
+            for key, shape in sorted(object_shapes.items())
+        },
+        common=dict(state.flat.common),
+    )
+
+
+def _remove_save_files(storage: Storage, save_id: str) -> None:
+    """Best effort, on the coordinator after a failed save: remove the data files this save wrote."""
+    try:
+        for name in storage.list_files(DATA_DIR):
+            if name.startswith(f"{DATA_DIR}/{save_id}-"):
+                storage.delete(name)
+    except OSError as exc:
+        logger.warning("could not remove the data files of failed save %s: %s", save_id, exc)

@@ -1,0 +1,122 @@
+"""Walking nested state dicts: flatten to dotted paths, and rebuild the same structure with new leaves.
+
+Containers are dicts (string or int keys), lists and tuples (named tuples and ``torch.Size`` included).
+Everything else is a leaf: :class:`~reshard.ShardedTensor`, :class:`~reshard.ShardedObject`, a plain
+``torch.Tensor`` (a full tensor, replicated on every rank) or a *common* value (JSON-like scalars, saved
+once by the coordinator). A leaf's path is its container keys joined with dots: ``optimizer.state.0.lr``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from reshard.errors import StateDictError
+from reshard.sharding import ShardedObject, ShardedTensor
+
+__all__ = ["FlatStateDict", "flatten_state_dict", "map_leaves"]
+
+Leaf = Any
+PathKey = str | int
+
+
+def _walk(obj: object, path: tuple[PathKey, ...], visit: Callable[[str, Leaf], Leaf]) -> object:
+    if isinstance(obj, dict):
+        out: dict[Any, object] = {}
+        for key, value in obj.items():
+            if not isinstance(key, str | int) or isinstance(key, bool):
+                raise StateDictError(
+                    f"{_dotted(path) or '<root>'}: dict keys must be str or int, got {type(key).__name__}"
+                )
+            out[key] = _walk(value, (*path, key), visit)
+        return out
+    if isinstance(obj, list):
+        return [_walk(v, (*path, i), visit) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        items = [_walk(v, (*path, i), visit) for i, v in enumerate(obj)]
+        cls: Any = type(obj)
+        if hasattr(obj, "_fields"):  # a named tuple
+            return cls(*items)
+        return cls(items)
+    return visit(_dotted(path), obj)
+
+
+def _dotted(path: tuple[PathKey, ...]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def map_leaves(state_dict: object, fn: Callable[[str, Leaf], Leaf]) -> object:
+    """Return a copy of ``state_dict``'s containers with every leaf replaced by ``fn(path, leaf)``."""
+    return _walk(state_dict, (), fn)
+
+
+@dataclass
+class FlatStateDict:
+    """The leaves of one rank's state dict, sorted by kind.
+
+    Plain tensors are described as ShardedTensors that cover their whole global tensor, keyed by their
+    path, with this rank's rank as ``replica_id`` (so the group's rank 0 holds the primary copy).
+    """
+
+    tensors: list[ShardedTensor] = field(default_factory=list)
+    objects: list[ShardedObject] = field(default_factory=list)
+    common: dict[str, object] = field(default_factory=dict)
+    """Common values by dotted path."""
+
+
+def flatten_state_dict(state_dict: object, *, rank: int, dedup: bool = True) -> FlatStateDict:
+    """Sort the leaves of ``state_dict`` into tensors, objects and common values.
+
+    With ``dedup`` (for saving), leaves that repeat a key with the same box (tied weights) are kept once;
+    a load keeps them all, so that every one of them is filled.
+
+    Raises:
+        StateDictError: two leaves share a path, or two different tensors/objects share a key.
+    """
+    flat = FlatStateDict()
+    seen_paths: set[str] = set()
+
+    def visit(path: str, leaf: Leaf) -> Leaf:
+        if path in seen_paths:
+            raise StateDictError(f"two entries of the state dict flatten to the same path {path!r}")
+        seen_paths.add(path)
+        if isinstance(leaf, ShardedTensor):
+            flat.tensors.append(leaf)
+        elif isinstance(leaf, ShardedObject):
+            flat.objects.append(leaf)
+        elif isinstance(leaf, torch.Tensor):
+            if not path:
+                raise StateDictError("a plain tensor needs a key: put it in a dict")
+            flat.tensors.append(ShardedTensor(path, leaf, tuple(leaf.shape), (0,) * leaf.ndim, replica_id=rank))
+        else:
+            if not path:
+                raise StateDictError("the state dict must be a dict or list, not a single value")
+            flat.common[path] = leaf
+        return leaf
+
+    map_leaves(state_dict, visit)
+    if dedup:
+        flat.tensors = _dedup(flat.tensors, "tensor")
+        flat.objects = _dedup(flat.objects, "object")
+    return flat
+
+
+def _dedup(items: list[Any], kind: str) -> list[Any]:
+    """Keep one of several leaves that describe the same key and box (tied weights); refuse others."""
+    by_key: dict[str, Any] = {}
+    out = []
+    for item in items:
+        previous = by_key.get(item.key)
+        if previous is None:
+            by_key[item.key] = item
+            out.append(item)
+            continue
+        same = previous.global_offset == item.global_offset and previous.global_shape == item.global_shape
+        if isinstance(item, ShardedTensor):
+            same = same and previous.data.shape == item.data.shape and previous.data.dtype == item.data.dtype
+        if not same:
+            raise StateDictError(f"{kind} key {item.key!r} appears twice in the state dict with different boxes")
+    return out

@@ -1,0 +1,139 @@
+"""Checkpoints in a local (or shared, POSIX) filesystem directory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from pathlib import Path
+
+from reshard.storage.base import FileReader, FileWriter, Storage
+
+__all__ = ["LocalStorage"]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _LocalWriter(FileWriter):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.position = 0
+
+    def write(self, data: memoryview) -> None:
+        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        while view:
+            written = os.write(self.fd, view)
+            self.position += written
+            view = view[written:]
+
+    def tell(self) -> int:
+        return self.position
+
+    def commit(self) -> None:
+        try:
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+
+class _LocalReader(FileReader):
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def read_into(self, offset: int, buffer: memoryview) -> int:
+        view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+        total = 0
+        while total < len(view):
+            n = os.preadv(self.fd, [view[total:]], offset + total)
+            if n == 0:
+                break
+            total += n
+        return total
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class LocalStorage(Storage):
+    """A checkpoint directory. ``write_atomic`` writes a temporary file in the same directory, fsyncs
+    it, renames it over the target and fsyncs the directory, so a crash leaves the old file or the new
+    one, never a mix, and never a temp file outside the checkpoint."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def describe(self, name: str = "") -> str:
+        return str(self.root / name) if name else str(self.root)
+
+    def root_exists(self) -> bool:
+        return self.root.is_dir()
+
+    def exists(self, name: str) -> bool:
+        return (self.root / name).exists()
+
+    def size(self, name: str) -> int:
+        return (self.root / name).stat().st_size
+
+    def list_files(self, prefix: str = "") -> list[str]:
+        base = self.root / prefix if prefix else self.root
+        if not base.is_dir():
+            return []
+        return sorted(p.relative_to(self.root).as_posix() for p in base.rglob("*") if p.is_file())
+
+    def read_bytes(self, name: str) -> bytes:
+        return (self.root / name).read_bytes()
+
+    def prepare_root(self) -> None:
+        (self.root / "data").mkdir(parents=True, exist_ok=True)
+
+    def open_writer(self, name: str) -> FileWriter:
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return _LocalWriter(path)
+
+    def open_reader(self, name: str) -> FileReader:
+        return _LocalReader(self.root / name)
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        target = self.root / name
+        temp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        try:
+            os.replace(temp, target)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(target.parent)
+
+    def delete(self, name: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
+
+    def sync_dir(self, name: str) -> None:
+        """fsync a directory so that the files created in it survive a crash."""
+        _fsync_dir(self.root / name)
