@@ -189,6 +189,8 @@ class Communicator:
         and their messages (the original exception is chained on a failing rank). If ``combine`` raised
         (a global check, such as a layout validation), every rank raises that error as it is.
         """
+        if self.size == 1:
+            return self._step_alone(local, combine)
         own_error: BaseException | None = None
         try:
             outcome: dict[str, Any] = {"ok": local()}
@@ -208,6 +210,18 @@ class Communicator:
             error = ERROR_CLASSES[result["error"]["class"]](result["error"]["message"])
             raise error from own_error
         return result["result"]
+
+    @staticmethod
+    def _step_alone(local: Callable[[], Any], combine: Callable[[list[Any]], Any] | None) -> Any:
+        """A step of a one-process group: reshard's errors propagate unchanged, others are wrapped."""
+        try:
+            value = local()
+            return combine([value]) if combine is not None else None
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            failure = StepFailure.from_exception(exc)
+            raise ERROR_CLASSES[failure.error_class](failure.message) from exc
 
     def _decide(self, phase: str, outcomes: list[dict[str, Any]], combine: Callable[[list[Any]], Any] | None) -> bytes:
         failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}

@@ -268,6 +268,14 @@ class _Parser:
         return value
 
     def parse(self, doc: object) -> Metadata:
+        if isinstance(doc, dict):  # format and version first: another version may have other fields
+            if doc.get("format") != FORMAT_NAME:
+                raise self.fail("format", f"expected {FORMAT_NAME!r}, got {doc.get('format')!r}: not a reshard checkpoint")
+            if doc.get("version") != FORMAT_VERSION:
+                raise self.fail(
+                    "version",
+                    f"format version {doc.get('version')!r} is not supported (this reshard reads {FORMAT_VERSION})",
+                )
         top = self.obj(
             doc,
             "$",
