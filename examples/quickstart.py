@@ -41,8 +41,10 @@ def load_on_2(rank: int, path: str, port: int) -> None:
     loaded = reshard.load(template, path, stats=stats)
     assert torch.equal(loaded["weight"], GLOBAL[:, rank * 3 : rank * 3 + 3])
     assert loaded["step"] == 100
-    print(f"rank {rank}: loaded columns {rank * 3}..{rank * 3 + 2}, read {stats.bytes_read} of "
-          f"{stats.bytes_needed} needed bytes in {stats.read_requests} requests")
+    print(
+        f"rank {rank}: loaded columns {rank * 3}..{rank * 3 + 2}, read {stats.bytes_read} of "
+        f"{stats.bytes_needed} needed bytes in {stats.read_requests} requests"
+    )
     dist.destroy_process_group()
 
 

@@ -78,7 +78,9 @@ def save_layout(rank: int, size: int) -> dict[str, object]:
             "dp_weight": sharded("dp_weight", full("dp_weight"), 0, rank % tp, tp, replica_id=rank // tp),
             "bias": global_tensor("bias", (5,), torch.float32),
         },
-        "rng": ShardedObject("rng", {"rank": rank, "state": torch.arange(3) + rank, "t": (rank, "x")}, (size,), (rank,)),
+        "rng": ShardedObject(
+            "rng", {"rank": rank, "state": torch.arange(3) + rank, "t": (rank, "x")}, (size,), (rank,)
+        ),
         "step": 42,
         "config": {"lr": 0.1, "name": "gpt", "sizes": [1, 2], "nothing": None},
     }
@@ -113,7 +115,9 @@ def check_loaded(result: dict[str, object], template: dict[str, object], rank: i
         assert isinstance(target, ShardedTensor)
         expected = box_of(full(key), target.global_offset, tuple(target.data.shape))
         assert model[key] is target.data, key
-        assert torch.equal(model[key].view(-1).view(torch.uint8), expected.contiguous().reshape(-1).view(torch.uint8)), key
+        assert torch.equal(
+            model[key].view(-1).view(torch.uint8), expected.contiguous().reshape(-1).view(torch.uint8)
+        ), key
     assert torch.equal(model["bias"], global_tensor("bias", (5,), torch.float32))
     rng = result["rng"]
     assert isinstance(rng, dict)

@@ -144,7 +144,7 @@ class RankPool:
             if expected is not None and status != expected:
                 self.broken = True
                 raise PoolBrokenError(f"rank {rank} failed to start: {value}")
-            out[rank] = value if status == "ok" or expected is not None else value
+            out[rank] = value
         return [out[r] for r in range(self.world_size)]
 
     def run(self, fn: Any, *args: Any, timeout_s: float = 180.0, **kwargs: Any) -> list[Any]:

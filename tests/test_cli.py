@@ -13,7 +13,9 @@ import reshard
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "reshard", *args], capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "reshard", *args], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def _checkpoint(path: Path) -> None:
@@ -41,7 +43,14 @@ def test_inspect_table_and_json(tmp_path: Path) -> None:
     assert as_json.returncode == 0, as_json.stderr
     doc = json.loads(as_json.stdout)
     by_key = {t["key"]: t for t in doc["tensors"]}
-    assert by_key["w"] == {"key": "w", "dtype": "float32", "global_shape": [4, 6], "boxes": 1, "grid": [1, 1], "bytes": 96}
+    assert by_key["w"] == {
+        "key": "w",
+        "dtype": "float32",
+        "global_shape": [4, 6],
+        "boxes": 1,
+        "grid": [1, 1],
+        "bytes": 96,
+    }
     assert by_key["model.b"]["dtype"] == "bfloat16"
     assert doc["layout"]["world_size"] == 1
     assert doc["tensor_bytes"] == 96 + 6

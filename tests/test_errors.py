@@ -12,7 +12,7 @@ import torch
 
 import reshard
 from reshard.metadata import METADATA_FILE
-from tests.rankpool import RankContext, RankFailure, RankPool, RankPool as _Pool
+from tests.rankpool import RankContext, RankFailure, RankPool
 
 TIMEOUT = 60.0
 
@@ -183,7 +183,7 @@ def rank_load_with_missing_key(ctx: RankContext, path: str, strict: bool) -> lis
     return [*out["w"].reshape(-1).tolist(), *out["extra"].tolist(), out["step"]]
 
 
-class _no_warning:  # noqa: N801 - a tiny context manager used like pytest.warns
+class _no_warning:  # a tiny context manager used in place of pytest.warns
     def __enter__(self) -> None:
         return None
 
@@ -214,7 +214,9 @@ def test_corrupt_data_is_detected_on_every_rank(pool4: RankPool, tmp_path: Path)
     raw[box.byte_offset + 3] ^= 0x10
     data_file.write_bytes(bytes(raw))
     results = pool4.run(rank_load_plain, str(path))
-    _assert_same_error_everywhere(results, "CorruptCheckpointError", "rank 2", "checksum mismatch", "'w'", data_file.name)
+    _assert_same_error_everywhere(
+        results, "CorruptCheckpointError", "rank 2", "checksum mismatch", "'w'", data_file.name
+    )
 
 
 def test_truncated_and_missing_data_files(pool4: RankPool, tmp_path: Path) -> None:
@@ -245,10 +247,10 @@ def test_missing_path_and_non_checkpoint(tmp_path: Path) -> None:
         reshard.load({"x": torch.zeros(1)}, tmp_path / "nowhere")
     assert "\n" not in str(info.value)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(reshard.CheckpointNotFoundError, match="not a reshard checkpoint"):
+    with pytest.raises(reshard.CheckpointNotFoundError, match=r"not a reshard checkpoint"):
         reshard.read_metadata(tmp_path / "empty")
     (tmp_path / "file").write_text("x")
-    with pytest.raises(reshard.CheckpointNotFoundError, match="not a checkpoint directory"):
+    with pytest.raises(reshard.CheckpointNotFoundError, match=r"not a checkpoint directory"):
         reshard.read_metadata(tmp_path / "file")
     assert issubclass(reshard.CheckpointNotFoundError, FileNotFoundError)
 
@@ -256,20 +258,20 @@ def test_missing_path_and_non_checkpoint(tmp_path: Path) -> None:
 def test_corrupt_metadata_is_refused(tmp_path: Path) -> None:
     reshard.save({"w": torch.ones(3)}, tmp_path)
     (tmp_path / METADATA_FILE).write_text('{"format": "reshard", "version": 99}')
-    with pytest.raises(reshard.CorruptCheckpointError, match="version 99 is not supported"):
+    with pytest.raises(reshard.CorruptCheckpointError, match=r"version 99 is not supported"):
         reshard.load({"w": torch.zeros(3)}, tmp_path)
 
 
 def test_sharded_tensor_validation_names_the_key() -> None:
-    with pytest.raises(ValueError, match="'w'.*extends past"):
+    with pytest.raises(ValueError, match=r"'w'.*extends past"):
         reshard.ShardedTensor("w", torch.zeros(2, 2), (3, 2), (2, 0))
-    with pytest.raises(ValueError, match="'w'.*same number of axes"):
+    with pytest.raises(ValueError, match=r"'w'.*same number of axes"):
         reshard.ShardedTensor("w", torch.zeros(2, 2), (4,), (0,))
-    with pytest.raises(ValueError, match="'w'.*negative"):
+    with pytest.raises(ValueError, match=r"'w'.*negative"):
         reshard.ShardedTensor("w", torch.zeros(2), (4,), (-1,))
-    with pytest.raises(ValueError, match="'w'.*replica_id"):
+    with pytest.raises(ValueError, match=r"'w'.*replica_id"):
         reshard.ShardedTensor("w", torch.zeros(2), (2,), (0,), replica_id=-1)
-    with pytest.raises(ValueError, match="'w'.*rank 2 is not within 2 parts"):
+    with pytest.raises(ValueError, match=r"'w'.*rank 2 is not within 2 parts"):
         reshard.ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, 2, 2))
     st = reshard.ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), (0, 1, 4), (1, 2, 3))
     assert st.global_shape == (8, 9) and st.global_offset == (2, 6)
@@ -289,7 +291,7 @@ def rank_save_but_rank1_absent(ctx: RankContext, path: str) -> str:
 
 
 def test_absent_rank_times_out_instead_of_hanging(tmp_path: Path) -> None:
-    pool = _Pool(2)  # its own pool: the timed-out collective leaves the group unusable
+    pool = RankPool(2)  # its own pool: the timed-out collective leaves the group unusable
     try:
         results = pool.run(rank_save_but_rank1_absent, str(tmp_path / "ckpt"), timeout_s=120)
     finally:
