@@ -307,3 +307,13 @@ def test_library_errors_are_not_base_exceptions() -> None:
         assert issubclass(cls, ValueError) and issubclass(cls, reshard.CheckpointError)
     assert issubclass(reshard.StorageError, OSError)
     assert os.sep == "/"
+
+
+def rank_save_to_own_path(ctx: RankContext, root: str) -> None:
+    reshard.save(_state(ctx.rank, ctx.world_size), f"{root}/ckpt{ctx.rank % 2}", timeout=TIMEOUT)
+
+
+def test_ranks_passing_different_paths_are_refused(pool4: RankPool, tmp_path: Path) -> None:
+    results = pool4.run(rank_save_to_own_path, str(tmp_path))
+    _assert_same_error_everywhere(results, "CheckpointError", "different checkpoint paths", "ckpt1': [1, 3]")
+    assert not (tmp_path / "ckpt0" / METADATA_FILE).exists()

@@ -146,16 +146,17 @@ def load(
     started = time.perf_counter()
     comm = Communicator(group, timeout=timeout)
     storage = storage_for(path)
-    metadata_holder: list[Metadata] = []
+    metadata_holder: list[tuple[bytes, Metadata]] = []
 
     def read_on_coordinator() -> None:
         if comm.is_coordinator:
             raw = read_metadata_bytes(storage)
-            metadata_holder.append(Metadata.from_json_bytes(raw, where=storage.describe(METADATA_FILE)))
+            metadata_holder.append((raw, Metadata.from_json_bytes(raw, where=storage.describe(METADATA_FILE))))
 
+    # Only the coordinator touches metadata.json; the others get the bytes it validated.
     comm.step("reading metadata", read_on_coordinator)
-    raw = comm.broadcast_bytes(metadata_holder[0].to_json_bytes() if comm.is_coordinator else None)
-    metadata = metadata_holder[0] if comm.is_coordinator else Metadata.from_json_bytes(raw)
+    raw = comm.broadcast_bytes(metadata_holder[0][0] if comm.is_coordinator else None)
+    metadata = metadata_holder[0][1] if comm.is_coordinator else Metadata.from_json_bytes(raw)
 
     flat = FlatStateDict()
     plan_holder: list[LoadPlan] = []

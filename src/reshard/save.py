@@ -132,10 +132,14 @@ def save(
         if comm.is_coordinator:
             for item_path, value in state.flat.common.items():
                 encode_tagged(value, where=f"common value {item_path!r}")
-        return _describe(state.flat).to_json()
+        return {"path": os.fspath(path), "pieces": _describe(state.flat).to_json()}
 
     def plan(docs: list[dict[str, Any]]) -> dict[str, Any]:
-        state.descriptions = [LocalSaveDescription.from_json(d) for d in docs]
+        paths = {doc["path"] for doc in docs}
+        if len(paths) > 1:
+            by_path = {p: [r for r, doc in enumerate(docs) if doc["path"] == p] for p in sorted(paths)}
+            raise CheckpointError(f"the ranks passed different checkpoint paths: {by_path}")
+        state.descriptions = [LocalSaveDescription.from_json(d["pieces"]) for d in docs]
         assignments = plan_save(state.descriptions)
         _prepare_root(storage, overwrite=overwrite)
         return {

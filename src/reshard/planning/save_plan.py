@@ -177,6 +177,11 @@ def _validate_tensor(
                 "give all but one copy a non-zero replica_id"
             )
         holders[piece.box] = [(rank, index)]
+    if not primaries and any(p.box.volume for _, _, p in pieces):
+        raise ShardingError(
+            f"{key!r}: no rank holds a primary copy (replica_id 0): ranks {sorted({r for r, _, _ in pieces})} "
+            "all hold replicas; a plain tensor must be present on rank 0 of the group"
+        )
     problem = find_tiling_problem(first.global_shape, [p.box for _, _, p in primaries])
     if problem is not None:
         if problem.kind == "overlap":
