@@ -270,7 +270,8 @@ class _Parser:
     def parse(self, doc: object) -> Metadata:
         if isinstance(doc, dict):  # format and version first: another version may have other fields
             if doc.get("format") != FORMAT_NAME:
-                raise self.fail("format", f"expected {FORMAT_NAME!r}, got {doc.get('format')!r}: not a reshard checkpoint")
+                found = doc.get("format")
+                raise self.fail("format", f"expected {FORMAT_NAME!r}, got {found!r}: not a reshard checkpoint")
             if doc.get("version") != FORMAT_VERSION:
                 raise self.fail(
                     "version",
@@ -292,12 +293,6 @@ class _Parser:
                 "common",
             },
         )
-        if top["format"] != FORMAT_NAME:
-            raise self.fail("format", f"expected {FORMAT_NAME!r}, got {top['format']!r}: not a reshard checkpoint")
-        if top["version"] != FORMAT_VERSION:
-            raise self.fail(
-                "version", f"format version {top['version']!r} is not supported (this reshard reads {FORMAT_VERSION})"
-            )
         checksum = self.obj(top["checksum"], "checksum", {"algorithm", "chunk_bytes"})
         if checksum["algorithm"] != CHECKSUM_ALGORITHM:
             raise self.fail("checksum.algorithm", f"unsupported algorithm {checksum['algorithm']!r}")
