@@ -317,3 +317,28 @@ def test_ranks_passing_different_paths_are_refused(pool4: RankPool, tmp_path: Pa
     results = pool4.run(rank_save_to_own_path, str(tmp_path))
     _assert_same_error_everywhere(results, "CheckpointError", "different checkpoint paths", "ckpt1': [1, 3]")
     assert not (tmp_path / "ckpt0" / METADATA_FILE).exists()
+
+
+def test_overwrite_survives_a_failed_cleanup_of_old_files(tmp_path: Path) -> None:
+    """Removing the replaced checkpoint's files happens after the commit and is best effort: a failure
+    there must not cost the new checkpoint."""
+    reshard.save({"w": torch.ones(4)}, tmp_path)
+    old = reshard.read_metadata(tmp_path)
+    old_file = tmp_path / old.files[0].path
+    old_file.unlink()
+    old_file.mkdir()  # deleting it as a file now fails
+    (old_file / "keep").write_text("x")
+    reshard.save({"w": torch.full((4,), 2.0)}, tmp_path, overwrite=True)
+    assert torch.equal(reshard.load({"w": torch.zeros(4)}, tmp_path)["w"], torch.full((4,), 2.0))
+
+
+def test_symlinked_data_file_is_not_followed(tmp_path: Path) -> None:
+    reshard.save({"w": torch.ones(4)}, tmp_path / "ckpt")
+    metadata = reshard.read_metadata(tmp_path / "ckpt")
+    data_file = tmp_path / "ckpt" / metadata.files[0].path
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(data_file.read_bytes())
+    data_file.unlink()
+    data_file.symlink_to(outside)
+    with pytest.raises(reshard.StorageError, match=r"cannot open data file .*symbolic links"):
+        reshard.load({"w": torch.zeros(4)}, tmp_path / "ckpt")

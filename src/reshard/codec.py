@@ -32,12 +32,34 @@ import torch
 from reshard.dtypes import DTYPE_BY_NAME, byte_view, dtype_name
 from reshard.errors import CorruptCheckpointError, StateDictError
 
-__all__ = ["decode_object_blob", "decode_tagged", "encode_object_blob", "encode_tagged"]
+__all__ = ["decode_object_blob", "decode_tagged", "encode_object_blob", "encode_tagged", "strict_json_loads"]
 
 JSONValue = Any
 """A value made of dict/list/str/int/float/bool/None, as ``json`` produces."""
 
 _MAX_DEPTH = 64
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def strict_json_loads(raw: bytes) -> Any:
+    """Parse UTF-8 JSON strictly: no NaN/Infinity constants, no duplicate keys.
+
+    Raises:
+        UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError: invalid input.
+    """
+    return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant, object_pairs_hook=_refuse_duplicates)
 
 
 def encode_tagged(value: object, tensors: list[torch.Tensor] | None = None, *, where: str = "") -> JSONValue:
@@ -177,8 +199,8 @@ def decode_object_blob(blob: bytes | memoryview, *, where: str) -> object:
     if header_len > len(blob) - 8:
         raise CorruptCheckpointError(f"{where}: object header length {header_len} exceeds the blob")
     try:
-        header = json.loads(bytes(blob[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        header = strict_json_loads(bytes(blob[8 : 8 + header_len]))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{where}: object header is not valid JSON: {exc}") from exc
     if not isinstance(header, dict) or set(header) != {"value", "tensors"} or not isinstance(header["tensors"], list):
         raise CorruptCheckpointError(f"{where}: object header must hold exactly 'value' and 'tensors'")

@@ -5,6 +5,8 @@ Names are torch's own dtype names without the ``torch.`` prefix. Bytes are store
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = ["DTYPE_BY_NAME", "byte_view", "dtype_from_name", "dtype_name", "itemsize"]
@@ -52,4 +54,6 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     """A flat, writable byte view of a contiguous CPU tensor's memory (no copy)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("byte_view needs a contiguous CPU tensor")
+    if sys.byteorder != "little":  # the format is little-endian; byte-swapping is not implemented
+        raise NotImplementedError("reshard reads and writes tensor bytes on little-endian hosts only")
     return tensor.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")

@@ -297,7 +297,10 @@ class _ReadExecutor:
                 raise CorruptCheckpointError(
                     f"data file {where} has {size} bytes, the metadata says {entry.size}: it was truncated or altered"
                 )
-            reader = self.storage.open_reader(entry.path)
+            try:
+                reader = self.storage.open_reader(entry.path)
+            except OSError as exc:
+                raise StorageError(f"cannot open data file {where}: {exc}") from exc
             self.readers[file] = reader
         return reader
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from reshard.boxes import Box
-from reshard.codec import decode_tagged, encode_tagged
+from reshard.codec import decode_tagged, encode_tagged, strict_json_loads
 from reshard.dtypes import DTYPE_BY_NAME
 from reshard.errors import CorruptCheckpointError
 from reshard.planning.tiling import find_tiling_problem
@@ -201,14 +201,10 @@ class Metadata:
             CorruptCheckpointError: anything wrong, with the JSON path of the offending field.
         """
         try:
-            doc = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+            doc = strict_json_loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
             raise CorruptCheckpointError(f"{where}: not valid JSON: {exc}") from exc
         return _Parser(where).parse(doc)
-
-
-def _refuse_constant(name: str) -> object:
-    raise ValueError(f"non-standard JSON constant {name}")
 
 
 def check_relative_path(path: str) -> str | None:
@@ -272,7 +268,7 @@ class _Parser:
             if doc.get("format") != FORMAT_NAME:
                 found = doc.get("format")
                 raise self.fail("format", f"expected {FORMAT_NAME!r}, got {found!r}: not a reshard checkpoint")
-            if doc.get("version") != FORMAT_VERSION:
+            if type(doc.get("version")) is not int or doc.get("version") != FORMAT_VERSION:
                 raise self.fail(
                     "version",
                     f"format version {doc.get('version')!r} is not supported (this reshard reads {FORMAT_VERSION})",
@@ -300,6 +296,8 @@ class _Parser:
         if chunk_bytes == 0:
             raise self.fail("checksum.chunk_bytes", "must be positive")
         world_size = self.integer(top["world_size"], "world_size")
+        if world_size == 0:
+            raise self.fail("world_size", "must be at least 1")
         files = self.files(top["files"])
         tensors_doc = top["tensors"]
         if not isinstance(tensors_doc, dict):
@@ -428,4 +426,6 @@ class _Parser:
                     offset=offset, file=file, byte_offset=byte_offset, byte_length=byte_length, checksums=checksums
                 )
             )
+        if len(entries) != math.prod(global_shape):
+            raise self.fail(path, f"{len(entries)} entries for a grid of {math.prod(global_shape)} cells")
         return ObjectMetadata(key=key, global_shape=global_shape, entries=tuple(entries))

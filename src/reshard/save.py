@@ -62,6 +62,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     data = tensor.detach()
     if data.device.type != "cpu":
         data = data.cpu()
+    data = data.resolve_conj().resolve_neg()
     return byte_view(data.contiguous())
 
 
@@ -156,22 +157,26 @@ def save(
     def write() -> dict[str, Any]:
         return _write_assigned(storage, state, assignment, save_id, comm.rank, checksum_chunk_bytes)
 
+    replaced_files: set[str] = set()
+
     def commit(results: list[dict[str, Any]]) -> dict[str, Any]:
         metadata = _build_metadata(state, results, save_id, comm.size, checksum_chunk_bytes)
-        previous = _read_previous_files(storage) if overwrite else set()
+        replaced_files.update(_read_previous_files(storage) if overwrite else ())
         storage.sync_dir(DATA_DIR)
+        # The commit point: before it the old checkpoint (if any) is intact, after it the new one is.
         storage.write_atomic(METADATA_FILE, metadata.to_json_bytes())
-        for stale in previous - {f.path for f in metadata.files}:
-            storage.delete(stale)
         return metadata.to_json_dict()
 
     try:
         committed = comm.step("save", write, commit)
     except CheckpointError:
+        # Nothing was committed (write_atomic is all or nothing): this save's files are garbage.
         if comm.is_coordinator:
             _remove_save_files(storage, save_id)
         raise
     metadata = Metadata.from_json_bytes(_json_bytes(committed))
+    if comm.is_coordinator and replaced_files:
+        _remove_replaced_files(storage, replaced_files - {f.path for f in metadata.files})
     logger.info(
         "[rank=%d] saved %s (%d bytes in %d files) in %.3f s",
         comm.rank,
@@ -327,6 +332,19 @@ def _build_metadata(
         },
         common=dict(state.flat.common),
     )
+
+
+def _remove_replaced_files(storage: Storage, names: set[str]) -> None:
+    """Best effort, on the coordinator after an overwrite committed: remove the replaced checkpoint's
+    data files. Only names under ``data/`` are touched; a failure is logged, never raised, because the
+    new checkpoint is already committed and complete."""
+    for name in sorted(names):
+        if not name.startswith(f"{DATA_DIR}/"):
+            continue
+        try:
+            storage.delete(name)
+        except OSError as exc:
+            logger.warning("could not remove %s of the replaced checkpoint: %s", storage.describe(name), exc)
 
 
 def _remove_save_files(storage: Storage, save_id: str) -> None:

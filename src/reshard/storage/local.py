@@ -54,7 +54,8 @@ class _LocalWriter(FileWriter):
 
 class _LocalReader(FileReader):
     def __init__(self, path: Path) -> None:
-        self.fd = os.open(path, os.O_RDONLY)
+        # A data file that is a symbolic link could point anywhere: refuse to follow it.
+        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
 
     def read_into(self, offset: int, buffer: memoryview) -> int:
         view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
