@@ -41,3 +41,11 @@ def pools() -> Iterator[PoolRegistry]:
 def pool4(pools: PoolRegistry) -> RankPool:
     """Four ranks in one gloo group, with subgroups ``first1``, ``first2``, ``lower_half``, ``upper_half``."""
     return pools.get(4)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep hypothesis' own cache out of the working directory (tests never write into the CWD)."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "reshard-hypothesis"))

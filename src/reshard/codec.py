@@ -97,17 +97,30 @@ def _encode(value: object, tensors: list[torch.Tensor] | None, where: str, depth
                 [_encode(k, tensors, where, depth + 1), _encode(v, tensors, where, depth + 1)] for k, v in value.items()
             ]
         }
-    if isinstance(value, torch.Tensor | np.ndarray) and tensors is not None:
-        tag = "$tensor" if isinstance(value, torch.Tensor) else "$ndarray"
-        tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
-        tensors.append(tensor.detach())
-        return {tag: len(tensors) - 1}
+    if isinstance(value, torch.Tensor) and tensors is not None:
+        tensors.append(value.detach())
+        return {"$tensor": len(tensors) - 1}
+    if isinstance(value, np.ndarray) and tensors is not None:
+        tensors.append(_tensor_of_array(value, where))
+        return {"$ndarray": len(tensors) - 1}
     if isinstance(value, np.generic):
         return _encode(value.item(), tensors, where, depth + 1)
     raise StateDictError(
         f"{where}: cannot store a value of type {type(value).__name__} (reshard stores JSON-like "
         "values, bytes and tensors, and never pickles)"
     )
+
+
+def _tensor_of_array(array: np.ndarray[Any, Any], where: str) -> torch.Tensor:
+    """A tensor with the array's dtype and shape (0-d included), in native byte order."""
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    if not array.flags.c_contiguous:
+        array = array.copy(order="C")
+    try:
+        return torch.from_numpy(array)
+    except (TypeError, ValueError) as exc:
+        raise StateDictError(f"{where}: cannot store a numpy array of dtype {array.dtype}: {exc}") from exc
 
 
 def decode_tagged(data: JSONValue, tensors: list[torch.Tensor] | None = None, *, where: str = "") -> object:
@@ -162,7 +175,12 @@ def _decode_tag(tag: str, payload: JSONValue, tensors: list[torch.Tensor] | None
         if not isinstance(payload, int) or isinstance(payload, bool) or not 0 <= payload < len(tensors):
             raise CorruptCheckpointError(f"{where}: {tag} index {payload!r} is out of range")
         tensor = tensors[payload]
-        return tensor if tag == "$tensor" else tensor.numpy()
+        if tag == "$tensor":
+            return tensor
+        try:
+            return tensor.numpy()
+        except TypeError as exc:
+            raise CorruptCheckpointError(f"{where}: $ndarray of dtype {tensor.dtype}, which numpy lacks") from exc
     raise CorruptCheckpointError(f"{where}: unknown or malformed tag {tag!r}")
 
 
@@ -176,7 +194,7 @@ def encode_object_blob(value: object, *, where: str) -> bytes:
     for tensor in tensors:
         if tensor.dtype not in DTYPE_BY_NAME.values():
             raise StateDictError(f"{where}: tensor dtype {tensor.dtype} cannot be stored")
-        raw = byte_view(tensor.detach().cpu().contiguous())
+        raw = byte_view(tensor.detach().cpu().resolve_conj().resolve_neg().contiguous())
         entries.append(
             {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape), "offset": offset, "length": len(raw)}
         )

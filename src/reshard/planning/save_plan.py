@@ -158,6 +158,11 @@ def _validate_tensor(
     """Check one tensor's pieces; return its write jobs: (bytes, key, offset, holders as (rank, index))."""
     first_rank, _, first = pieces[0]
     for rank, _, piece in pieces:
+        if not piece.box.is_inside(piece.global_shape):
+            raise ShardingError(
+                f"{key!r}: rank {rank} describes box {_box_text(piece.box)}, which does not lie inside its "
+                f"global_shape {list(piece.global_shape)}"
+            )
         if piece.dtype != first.dtype:
             raise ShardingError(
                 f"{key!r}: ranks disagree on dtype: rank {first_rank} has {first.dtype}, rank {rank} has {piece.dtype}"
