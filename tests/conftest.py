@@ -49,3 +49,10 @@ def pytest_configure(config: pytest.Config) -> None:
     import tempfile
 
     os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "reshard-hypothesis"))
+
+
+@pytest.fixture
+def pool8(pools: PoolRegistry) -> RankPool:
+    """Eight ranks in one gloo group, with subgroups ``first1``, ``first2``, ``first4``, ``lower_half``,
+    ``upper_half``."""
+    return pools.get(8)

@@ -23,13 +23,11 @@ from hypothesis import strategies as st
 
 import reshard
 from reshard.boxes import Box
-from reshard.codec import encode_object_blob
 from reshard.metadata import METADATA_FILE, Metadata
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION
 from reshard.planning.save_plan import LocalSaveDescription, plan_save
-from reshard.save import _build_metadata, _describe, _prepare_root, _SaveState, _write_assigned
+from reshard.save import _build_metadata, _prepare_rank_state, _prepare_root, _SaveState, _write_assigned
 from reshard.sharding import ReplicaId
-from reshard.statedict import flatten_state_dict
 from reshard.storage import LocalStorage
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
@@ -142,9 +140,8 @@ def simulate_save(state_dicts: list[dict[str, object]], path: Path, chunk_bytes:
     docs = []
     for rank, state_dict in enumerate(state_dicts):
         state = _SaveState()
-        state.flat = flatten_state_dict(state_dict, rank=rank)
-        state.blobs = [encode_object_blob(o.value, where=f"object {o.key!r}") for o in state.flat.objects]
-        docs.append(json.loads(json.dumps(_describe(state.flat).to_json())))
+        description = _prepare_rank_state(state, state_dict, rank=rank, is_coordinator=rank == 0)
+        docs.append(json.loads(json.dumps(description.to_json())))
         states.append(state)
     # The coordinator: gathered descriptions (as JSON), the plan, the directory.
     coordinator = states[0]

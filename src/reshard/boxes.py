@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Box", "ReadPattern", "read_pattern", "row_major_strides"]
+__all__ = ["Box", "ReadPattern", "flat_range_boxes", "read_pattern", "row_major_strides"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,3 +147,54 @@ def read_pattern(stored: Box, sub: Box, *, max_amplification: float) -> ReadPatt
                 needed=needed,
             )
     raise AssertionError("unreachable: the exact level always returns")
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[Box, int]]:
+    """Decompose elements ``[start, end)`` of the row-major flattening of a tensor of ``shape`` into boxes.
+
+    Returns ``(box, flat_offset)`` pairs in flat order, where ``box`` is in the tensor's own coordinates
+    and its elements are exactly ``[flat_offset, flat_offset + box.volume)`` of the flattening, in the
+    box's own row-major order (so a contiguous 1-D slice of the flat data, reshaped to ``box.shape``, is
+    the box). On 2-D: at most three boxes (partial first row, whole middle rows, partial last row); in
+    general at most ``2 * ndim - 1``. An empty range gives no boxes.
+    """
+    total = math.prod(shape)
+    if not 0 <= start <= end <= total:
+        raise ValueError(f"flat range [{start}, {end}) does not lie within the {total} elements of shape {shape}")
+    out: list[tuple[Box, int]] = []
+    _flat_boxes(shape, start, end, (), 0, out)
+    return out
+
+
+def _flat_boxes(
+    shape: tuple[int, ...], start: int, end: int, prefix: tuple[int, ...], base: int, out: list[tuple[Box, int]]
+) -> None:
+    """Boxes of ``[start, end)`` of ``shape``'s flattening, each prefixed by the fixed leading indices
+    ``prefix`` (as size-1 axes); ``base`` is the flat offset of element ``prefix + (0, ...)``."""
+    if start >= end:
+        return
+    ones = (1,) * len(prefix)
+    if not shape:
+        out.append((Box(prefix, ones), base))
+        return
+    inner = math.prod(shape[1:])
+    if inner == 0:
+        return
+    first_row, first_rem = divmod(start, inner)
+    last_row, last_rem = divmod(end, inner)
+    if first_row == last_row:
+        _flat_boxes(shape[1:], first_rem, last_rem, (*prefix, first_row), base + first_row * inner, out)
+        return
+    whole_start = first_row
+    if first_rem:
+        _flat_boxes(shape[1:], first_rem, inner, (*prefix, first_row), base + first_row * inner, out)
+        whole_start += 1
+    if last_row > whole_start:
+        out.append(
+            (
+                Box((*prefix, whole_start, *(0,) * (len(shape) - 1)), (*ones, last_row - whole_start, *shape[1:])),
+                base + whole_start * inner,
+            )
+        )
+    if last_rem:
+        _flat_boxes(shape[1:], 0, last_rem, (*prefix, last_row), base + last_row * inner, out)

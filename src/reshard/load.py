@@ -38,7 +38,7 @@ from reshard.errors import (
 )
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata, SavedObject
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan, ReadItem, TargetPiece, plan_load
-from reshard.sharding import ShardedObject, ShardedTensor
+from reshard.sharding import LocalPiece, ShardedObject, ShardedTensor
 from reshard.statedict import FlatStateDict, flatten_state_dict, map_leaves
 from reshard.storage import FileReader, Storage, storage_for
 
@@ -112,13 +112,15 @@ def load(
     strict: bool = True,
     timeout: datetime.timedelta | float | None = None,
     stats: LoadStats | None = None,
+    allow_dtype_cast: bool = True,
     max_read_amplification: float = DEFAULT_MAX_READ_AMPLIFICATION,
 ) -> Any:
     """Load a checkpoint into a template state dict of the current layout. Called by all ranks of ``group``.
 
     The template says what this rank needs: :class:`~reshard.ShardedTensor` leaves (any layout: other
-    world size, split axes or offsets than the saving one), plain tensors (read whole), ShardedObjects
-    and common values. Tensors are filled in place.
+    world size, split axes or offsets, segments, flat ranges or padding than the saving one), plain
+    tensors (read whole), ShardedObjects and common values. Tensors are filled in place; padding past a
+    template's ``logical_shape`` is set to zero.
 
     Args:
         state_dict: the template.
@@ -128,6 +130,8 @@ def load(
             :class:`~reshard.MismatchError`; when False they are skipped (left as they are) with a warning.
         timeout: how long any collective may wait for the slowest rank.
         stats: if given, filled with this rank's read accounting.
+        allow_dtype_cast: convert saved elements to the template's dtype while copying (bf16 <-> fp32,
+            fp16 -> fp32, ...); when False a dtype difference raises :class:`~reshard.MismatchError`.
         max_read_amplification: bytes read / bytes needed allowed when merging strided runs into larger
             reads (at least 1.0).
 
@@ -137,7 +141,8 @@ def load(
 
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError: nothing loadable at ``path``.
-        MismatchError: missing keys (with ``strict``), or a global shape or dtype that differs.
+        MismatchError: missing keys (with ``strict``), a (logical) global shape that differs, or a dtype
+            that differs when ``allow_dtype_cast`` is off.
         CorruptCheckpointError: invalid metadata, a checksum mismatch, a truncated or missing file.
         CheckpointError: any failure, raised on every rank and naming the failing ranks.
     """
@@ -161,12 +166,17 @@ def load(
     flat = FlatStateDict()
     plan_holder: list[LoadPlan] = []
     missing: list[str] = []
+    pieces: list[LocalPiece] = []
 
     def plan() -> None:
         template = flatten_state_dict(state_dict, rank=comm.rank, dedup=False)
-        missing.extend(_check_template(template, metadata, strict=strict))
+        missing.extend(_check_template(template, metadata, strict=strict, allow_dtype_cast=allow_dtype_cast))
         flat.tensors, flat.objects = template.tensors, template.objects
-        targets = [TargetPiece(key=t.key, box=t.local_box) for t in flat.tensors]
+        targets = []
+        for tensor in flat.tensors:
+            for piece in tensor.pieces():
+                pieces.append(piece)
+                targets.append(TargetPiece(key=tensor.key, box=piece.box))
         plan_holder.append(plan_load(metadata, targets, max_read_amplification=max_read_amplification))
 
     comm.step("load planning", plan)
@@ -181,7 +191,11 @@ def load(
 
     def read() -> None:
         try:
-            executor.run(plan_holder[0], [t.data for t in flat.tensors], [t.local_box for t in flat.tensors])
+            with torch.no_grad():
+                for piece in pieces:
+                    if piece.padded_view is not None:
+                        piece.padded_view.zero_()
+            executor.run(plan_holder[0], [p.view for p in pieces], [p.box for p in pieces])
             for obj in flat.objects:
                 loaded_objects[(obj.key, obj.global_offset)] = executor.read_object(obj)
         finally:
@@ -217,7 +231,7 @@ def load(
     return result
 
 
-def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool) -> list[str]:
+def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool, allow_dtype_cast: bool) -> list[str]:
     """Compare the template with the checkpoint. Return the missing entries (when not strict) and drop
     them from ``flat.tensors`` and ``flat.objects``, so that only present entries are planned and read.
 
@@ -232,12 +246,17 @@ def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool) ->
         if saved is None:
             missing.append(f"tensor {st.key!r}")
             continue
-        if saved.global_shape != st.global_shape:
+        if saved.global_shape != st.saved_shape:
+            kind = "logical shape" if st.logical_shape is not None else "global shape"
             mismatches.append(
-                f"tensor {st.key!r}: saved global shape {list(saved.global_shape)}, requested {list(st.global_shape)}"
+                f"tensor {st.key!r}: saved global shape {list(saved.global_shape)}, requested {kind} "
+                f"{list(st.saved_shape)}"
             )
-        elif saved.dtype != dtype_name(st.data.dtype):
-            mismatches.append(f"tensor {st.key!r}: saved dtype {saved.dtype}, requested {dtype_name(st.data.dtype)}")
+        elif saved.dtype != dtype_name(st.data.dtype) and not allow_dtype_cast:
+            mismatches.append(
+                f"tensor {st.key!r}: saved dtype {saved.dtype}, requested {dtype_name(st.data.dtype)} "
+                "(allow_dtype_cast=False)"
+            )
         present.append(st)
     present_objects = []
     for obj in flat.objects:

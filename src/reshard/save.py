@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from reshard._version import __version__
+from reshard.boxes import Box
 from reshard.codec import encode_object_blob, encode_tagged
 from reshard.comm import Communicator
 from reshard.dtypes import byte_view, dtype_name
@@ -43,6 +44,7 @@ from reshard.metadata import (
     TensorMetadata,
 )
 from reshard.planning.save_plan import LocalSaveDescription, ObjectPiece, TensorPiece, WriteAssignment, plan_save
+from reshard.sharding import LocalPiece
 from reshard.statedict import FlatStateDict, flatten_state_dict
 from reshard.storage import FileWriter, Storage, storage_for
 
@@ -85,6 +87,8 @@ class _SaveState:
     """What one rank keeps between the phases of one save."""
 
     flat: FlatStateDict = field(default_factory=FlatStateDict)
+    views: list[torch.Tensor] = field(default_factory=list)
+    """The local data of every described box, in description order."""
     blobs: list[bytes] = field(default_factory=list)
     descriptions: list[LocalSaveDescription] = field(default_factory=list)
     """Every rank's description; on the coordinator only."""
@@ -128,12 +132,8 @@ def save(
     state = _SaveState()
 
     def describe() -> dict[str, Any]:
-        state.flat = flatten_state_dict(state_dict, rank=comm.rank)
-        state.blobs = [encode_object_blob(o.value, where=f"object {o.key!r}") for o in state.flat.objects]
-        if comm.is_coordinator:
-            for item_path, value in state.flat.common.items():
-                encode_tagged(value, where=f"common value {item_path!r}")
-        return {"path": os.fspath(path), "pieces": _describe(state.flat).to_json()}
+        description = _prepare_rank_state(state, state_dict, rank=comm.rank, is_coordinator=comm.is_coordinator)
+        return {"path": os.fspath(path), "pieces": description.to_json()}
 
     def plan(docs: list[dict[str, Any]]) -> dict[str, Any]:
         paths = {doc["path"] for doc in docs}
@@ -192,23 +192,42 @@ def _json_bytes(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _describe(flat: FlatStateDict) -> LocalSaveDescription:
+def _prepare_rank_state(
+    state: _SaveState, state_dict: Any, *, rank: int, is_coordinator: bool
+) -> LocalSaveDescription:
+    """Phase one on one rank: flatten the state dict, encode object values (and, on the coordinator,
+    check that common values can be encoded), and describe every box. Fills ``state``."""
+    state.flat = flatten_state_dict(state_dict, rank=rank)
+    state.blobs = [encode_object_blob(o.value, where=f"object {o.key!r}") for o in state.flat.objects]
+    if is_coordinator:
+        for item_path, value in state.flat.common.items():
+            encode_tagged(value, where=f"common value {item_path!r}")
+    description, state.views = _describe(state.flat)
+    return description
+
+
+def _describe(flat: FlatStateDict) -> tuple[LocalSaveDescription, list[torch.Tensor]]:
+    """This rank's description (boxes, no data) and, in the same order, the views holding each box."""
     tensors = []
+    views = []
     for st in flat.tensors:
-        try:
-            name = dtype_name(st.data.dtype)
-        except KeyError:
-            raise CheckpointError(f"{st.key!r}: dtype {st.data.dtype} cannot be stored") from None
-        tensors.append(
-            TensorPiece(
-                key=st.key, dtype=name, global_shape=st.global_shape, box=st.local_box, replica_id=st.replica_id
+        name = dtype_name(st.data.dtype)
+        pieces = st.pieces()
+        if not pieces:  # nothing to store, but the key, dtype and shape are still recorded
+            empty = Box((0,) * len(st.saved_shape), (0,) * len(st.saved_shape))
+            pieces = [LocalPiece(empty, st.data.new_empty((0,) * len(st.saved_shape)))]
+        for piece in pieces:
+            tensors.append(
+                TensorPiece(
+                    key=st.key, dtype=name, global_shape=st.saved_shape, box=piece.box, replica_id=st.replica_id
+                )
             )
-        )
+            views.append(piece.view)
     objects = [
         ObjectPiece(key=o.key, global_shape=o.global_shape, offset=o.global_offset, replica_id=o.replica_id)
         for o in flat.objects
     ]
-    return LocalSaveDescription(tensors=tuple(tensors), objects=tuple(objects))
+    return LocalSaveDescription(tensors=tuple(tensors), objects=tuple(objects)), views
 
 
 def _prepare_root(storage: Storage, *, overwrite: bool) -> None:
@@ -250,8 +269,7 @@ def _write_assigned(
     written_objects = []
     try:
         for index in assignment.tensors:
-            tensor = state.flat.tensors[index]
-            offset, length, checksums = _write_checksummed(writer, tensor_bytes(tensor.data), chunk_bytes)
+            offset, length, checksums = _write_checksummed(writer, tensor_bytes(state.views[index]), chunk_bytes)
             written_tensors.append([index, offset, length, list(checksums)])
         for index in assignment.objects:
             offset, length, checksums = _write_checksummed(writer, memoryview(state.blobs[index]), chunk_bytes)
