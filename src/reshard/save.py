@@ -192,9 +192,7 @@ def _json_bytes(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _prepare_rank_state(
-    state: _SaveState, state_dict: Any, *, rank: int, is_coordinator: bool
-) -> LocalSaveDescription:
+def _prepare_rank_state(state: _SaveState, state_dict: Any, *, rank: int, is_coordinator: bool) -> LocalSaveDescription:
     """Phase one on one rank: flatten the state dict, encode object values (and, on the coordinator,
     check that common values can be encoded), and describe every box. Fills ``state``."""
     state.flat = flatten_state_dict(state_dict, rank=rank)

@@ -74,7 +74,7 @@ def flatten_state_dict(state_dict: object, *, rank: int, dedup: bool = True) -> 
     a load keeps them all, so that every one of them is filled.
 
     Raises:
-        StateDictError: two leaves share a path, or two different tensors/objects share a key.
+        StateDictError: two leaves share a path.
     """
     flat = FlatStateDict()
     seen_paths: set[str] = set()
@@ -99,24 +99,39 @@ def flatten_state_dict(state_dict: object, *, rank: int, dedup: bool = True) -> 
 
     map_leaves(state_dict, visit)
     if dedup:
-        flat.tensors = _dedup(flat.tensors, "tensor")
-        flat.objects = _dedup(flat.objects, "object")
+        flat.tensors = _dedup(flat.tensors)
+        flat.objects = _dedup(flat.objects)
     return flat
 
 
-def _dedup(items: list[Any], kind: str) -> list[Any]:
-    """Keep one of several leaves that describe the same key and box (tied weights); refuse others."""
-    by_key: dict[str, Any] = {}
+def _layout_signature(item: ShardedTensor | ShardedObject) -> tuple[object, ...]:
+    if isinstance(item, ShardedObject):
+        return (item.key, item.global_shape, item.global_offset)
+    return (
+        item.key,
+        item.global_shape,
+        item.global_offset,
+        item.logical_shape,
+        item.segment_axis,
+        item.segments,
+        item.flat_range,
+        item.local_shape,
+        tuple(item.data.shape),
+        item.data.dtype,
+    )
+
+
+def _dedup(items: list[Any]) -> list[Any]:
+    """Keep one of several leaves that describe exactly the same part of the same key (tied weights).
+
+    Leaves that share a key but describe different parts (several experts or layer chunks of a stacked
+    tensor on one rank) are all kept; the save planner checks that they do not overlap.
+    """
+    seen: set[tuple[object, ...]] = set()
     out = []
     for item in items:
-        previous = by_key.get(item.key)
-        if previous is None:
-            by_key[item.key] = item
+        signature = _layout_signature(item)
+        if signature not in seen:
+            seen.add(signature)
             out.append(item)
-            continue
-        same = previous.global_offset == item.global_offset and previous.global_shape == item.global_shape
-        if isinstance(item, ShardedTensor):
-            same = same and previous.data.shape == item.data.shape and previous.data.dtype == item.data.dtype
-        if not same:
-            raise StateDictError(f"{kind} key {item.key!r} appears twice in the state dict with different boxes")
     return out
