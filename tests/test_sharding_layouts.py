@@ -7,6 +7,7 @@ exactly the range. Then real single-process saves and loads of each layout.
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def segmented_case(draw: st.DrawFn) -> tuple:
     global_shape = tuple(draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim)))
     axis = draw(st.integers(0, ndim - 1))
     cuts = sorted(set(draw(st.lists(st.integers(0, global_shape[axis]), max_size=6))) | {0, global_shape[axis]})
-    ranges = [(lo, hi - lo) for lo, hi in zip(cuts, cuts[1:], strict=False)]
+    ranges = [(lo, hi - lo) for lo, hi in itertools.pairwise(cuts)]
     chosen = draw(st.lists(st.sampled_from(ranges), unique=True, min_size=1)) if ranges else []
     chosen = draw(st.permutations(chosen))
     flat = draw(st.booleans())

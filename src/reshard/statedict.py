@@ -127,11 +127,14 @@ def _dedup(items: list[Any]) -> list[Any]:
     Leaves that share a key but describe different parts (several experts or layer chunks of a stacked
     tensor on one rank) are all kept; the save planner checks that they do not overlap.
     """
-    seen: set[tuple[object, ...]] = set()
-    out = []
+    kept: dict[tuple[object, ...], int] = {}
+    out: list[Any] = []
     for item in items:
         signature = _layout_signature(item)
-        if signature not in seen:
-            seen.add(signature)
+        index = kept.get(signature)
+        if index is None:
+            kept[signature] = len(out)
             out.append(item)
+        elif item.is_main_replica and not out[index].is_main_replica:
+            out[index] = item  # the primary copy wins, whatever the order of the leaves
     return out

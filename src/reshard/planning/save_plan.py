@@ -187,6 +187,15 @@ def _validate_tensor(
             f"{key!r}: no rank holds a primary copy (replica_id 0): ranks {sorted({r for r, _, _ in pieces})} "
             "all hold replicas; a plain tensor must be present on rank 0 of the group"
         )
+    for rank, index, piece in pieces:
+        if is_main_replica(piece.replica_id) or piece.box.volume == 0:
+            continue
+        if piece.box not in holders:
+            raise ShardingError(
+                f"{key!r}: rank {rank} holds a replica (replica_id {piece.replica_id}) of box "
+                f"{_box_text(piece.box)}, which no rank holds as primary; a replica must equal its primary's box"
+            )
+        holders[piece.box].append((rank, index))
     problem = find_tiling_problem(first.global_shape, [p.box for _, _, p in primaries])
     if problem is not None:
         if problem.kind == "overlap":
@@ -199,15 +208,6 @@ def _validate_tensor(
             f"{list(first.global_shape)} (ranks with primaries: {sorted({r for r, _, _ in primaries})}); "
             "some part of the tensor is held by no rank as primary"
         )
-    for rank, index, piece in pieces:
-        if is_main_replica(piece.replica_id) or piece.box.volume == 0:
-            continue
-        if piece.box not in holders:
-            raise ShardingError(
-                f"{key!r}: rank {rank} holds a replica (replica_id {piece.replica_id}) of box "
-                f"{_box_text(piece.box)}, which no rank holds as primary; a replica must equal its primary's box"
-            )
-        holders[piece.box].append((rank, index))
     itemsize = DTYPE_BY_NAME[first.dtype].itemsize
     return [(box.volume * itemsize, key, box.offset, hs) for box, hs in holders.items()]
 
