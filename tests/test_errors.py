@@ -64,7 +64,16 @@ def rank_save_with_gap(ctx: RankContext, path: str) -> None:
 
 def test_gap_and_orphan_replica_raise_sharding_error(pool4: RankPool, tmp_path: Path) -> None:
     results = pool4.run(rank_save_with_gap, str(tmp_path / "ckpt"))
-    _assert_same_error_everywhere(results, "ShardingError", "'w'", "cover 6 of 8 elements")
+    _assert_same_error_everywhere(results, "ShardingError", "'w'", "rank 3 holds a replica", "no rank holds as primary")
+    results = pool4.run(rank_save_with_gap_only, str(tmp_path / "ckpt"))
+    _assert_same_error_everywhere(results, "ShardingError", "'w'", "cover 6 of 8 elements", "[0, 1, 2]")
+
+
+def rank_save_with_gap_only(ctx: RankContext, path: str) -> None:
+    state = _state(ctx.rank, ctx.world_size)
+    if ctx.rank == 3:
+        del state["w"]
+    reshard.save(state, path, timeout=TIMEOUT)
 
 
 def rank_save_disagreeing_dtype(ctx: RankContext, path: str) -> None:

@@ -255,8 +255,11 @@ class TestPlanSaveValidation:
         ]
         message = sharding_error(descriptions)
         assert "'w'" in message
+        assert "rank 2 holds a replica" in message  # the rank whose replica_id is wrong is named first
+        del descriptions[2]
+        message = sharding_error(descriptions)
         assert "cover 6 of 8 elements" in message
-        assert "[0, 1, 3]" in message
+        assert "[0, 1, 2]" in message
 
     def test_missing_tensor_on_some_ranks_is_a_gap(self) -> None:
         g = (4,)

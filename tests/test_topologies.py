@@ -561,7 +561,7 @@ def rank_save_invalid(ctx: RankContext, path: str, case: str) -> str | None:
 
 BOTH_RANKS = r"ranks? 0\b.*\b1\b"
 INVALID_CASES = {
-    "etp_offset_from_tp_rank": (KEY_TRAP, ["cover"]),
+    "etp_offset_from_tp_rank": (KEY_TRAP, [r"rank [23] holds a replica", "no rank holds as primary"]),
     "duplicate_segments": (KEY_GQA, [BOTH_RANKS, "claimed as primary"]),
     "overlapping_segments": (KEY_GQA, [BOTH_RANKS, "overlap"]),
     "replica_box_differs": (KEY_NORM, [r"rank 1\b", "replica"]),
