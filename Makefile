@@ -15,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_PIN)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,demo]'
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -28,7 +28,7 @@ test: lint typecheck
 	$(BIN)/pytest
 
 demo: $(STAMP)
-	$(BIN)/reshard demo
+	$(BIN)/reshard demo --plot demo-loss.png
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo-checkpoint
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo-checkpoint demo-loss.png

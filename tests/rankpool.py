@@ -73,8 +73,10 @@ def _subgroup_specs(world_size: int) -> dict[str, list[int]]:
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+    import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # up to 8 ranks share 2 cores
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(

@@ -111,11 +111,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    sys.stdout.write(
-        "reshard demo: not yet available. The reference model (train on one layout, resume on another)\n"
-        "comes with a later release; `reshard inspect PATH` works today.\n"
-    )
-    return 0
+    from reshard.demo.run import main as demo_main
+
+    return demo_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", help="checkpoint directory")
     inspect.add_argument("--json", action="store_true", help="print the same facts as JSON")
     inspect.set_defaults(func=_cmd_inspect)
-    demo = sub.add_parser("demo", help="train, save, resume on another layout (not yet available)")
+    demo = sub.add_parser("demo", help="train a small GPT on CPU ranks, save, resume on another layout, train on")
+    from reshard.demo.run import build_parser as build_demo_parser
+
+    build_demo_parser(demo)
     demo.set_defaults(func=_cmd_demo)
     return parser
 

@@ -1,0 +1,294 @@
+"""``reshard demo``: train on one layout, save, resume on another layout, keep training.
+
+Each phase spawns its own CPU ranks (gloo). Phase A trains ``--steps`` steps on layout A and saves to
+``--out``; phase B starts on layout B, loads the checkpoint (resharding it), checks that the resumed
+state equals the saved one (a digest of every parameter and Adam state gathered into full tensors), and
+trains ``--resume-steps`` more steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import queue
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DemoOptions", "PhaseResult", "main", "run_demo"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoOptions:
+    layout_a: str = "tp=2,pp=2"
+    layout_b: str = "dp=2,tp=2,zero"
+    steps: int = 10
+    resume_steps: int = 10
+    out: str = "demo-checkpoint"
+    hidden: int = 32
+    layers: int = 4
+    plot: str | None = None
+    timeout_s: float = 300.0
+
+
+@dataclass
+class PhaseResult:
+    layout: str
+    world_size: int
+    first_step: int
+    losses: list[float] = field(default_factory=list)
+    seconds_save: float = 0.0
+    seconds_load: float = 0.0
+    checkpoint_bytes: int = 0
+    bytes_read: list[int] = field(default_factory=list)
+    bytes_needed: list[int] = field(default_factory=list)
+    digest_saved: str = ""
+    digest_loaded: str = ""
+
+
+def state_digest(full: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every full tensor's key and bytes, in key order."""
+    h = hashlib.sha256()
+    for key in sorted(full):
+        h.update(key.encode())
+        h.update(full[key].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any) -> None:
+    """One rank of one phase (spawned)."""
+    import torch.distributed as dist
+
+    import reshard
+    from reshard.demo.model import ModelConfig
+    from reshard.demo.parallel import ParallelConfig, ParallelGroups
+    from reshard.demo.training import Trainer, TrainingConfig, timed
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=task["timeout_s"]),
+    )
+    try:
+        parallel = ParallelConfig.parse(task["layout"])
+        model = ModelConfig(hidden=task["hidden"], num_layers=task["layers"])
+        groups = ParallelGroups.create(parallel)
+        if groups is None:  # cannot happen: the phase spawned exactly the layout's ranks
+            return
+        trainer = Trainer(model, TrainingConfig(), groups)
+        out: dict[str, Any] = {"rank": rank}
+        if task.get("resume_from"):
+            stats = reshard.LoadStats()
+            _, out["seconds_load"] = timed(trainer.load, task["resume_from"], stats=stats)
+            out["bytes_read"], out["bytes_needed"] = stats.bytes_read, stats.bytes_needed
+            out["digest_loaded"] = state_digest(trainer.full_state())
+        out["first_step"] = trainer.step
+        out["losses"] = [trainer.train_step() for _ in range(task["steps"])]
+        if task.get("save_to"):
+            out["digest_saved"] = state_digest(trainer.full_state())
+            metadata, out["seconds_save"] = timed(trainer.save, task["save_to"], overwrite=True)
+            out["checkpoint_bytes"] = sum(f.size for f in metadata.files)
+        results.put(out)
+    except BaseException as exc:
+        results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_phase(task: dict[str, Any], world: int, timeout_s: float) -> PhaseResult:
+    """Spawn ``world`` ranks for one phase and collect what they report."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    processes = [ctx.Process(target=_phase, args=(r, world, port, task, results), daemon=True) for r in range(world)]
+    for p in processes:
+        p.start()
+    reports: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(reports) < world:
+            try:
+                report = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"phase {task['layout']} did not finish within {timeout_s:.0f} s") from None
+            if "error" in report:
+                raise RuntimeError(f"rank {report['rank']} of phase {task['layout']} failed: {report['error']}")
+            reports[report["rank"]] = report
+    finally:
+        for p in processes:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    first = reports[0]
+    return PhaseResult(
+        layout=task["layout"],
+        world_size=world,
+        first_step=first["first_step"],
+        losses=first["losses"],
+        seconds_save=max(r.get("seconds_save", 0.0) for r in reports.values()),
+        seconds_load=max(r.get("seconds_load", 0.0) for r in reports.values()),
+        checkpoint_bytes=first.get("checkpoint_bytes", 0),
+        bytes_read=[reports[r].get("bytes_read", 0) for r in range(world)],
+        bytes_needed=[reports[r].get("bytes_needed", 0) for r in range(world)],
+        digest_saved=first.get("digest_saved", ""),
+        digest_loaded=first.get("digest_loaded", ""),
+    )
+
+
+def run_demo(options: DemoOptions) -> tuple[PhaseResult, PhaseResult]:
+    """Phase A (train, save) then phase B (resume resharded, train); returns both phases' results."""
+    from reshard.demo.model import ModelConfig
+    from reshard.demo.parallel import ParallelConfig
+
+    layout_a = ParallelConfig.parse(options.layout_a)
+    layout_b = ParallelConfig.parse(options.layout_b)
+    model = ModelConfig(hidden=options.hidden, num_layers=options.layers)
+    model.check(layout_a)
+    model.check(layout_b)
+    out = str(Path(options.out).resolve())
+    common = {"hidden": options.hidden, "layers": options.layers, "timeout_s": options.timeout_s}
+    phase_a = run_phase(
+        {**common, "layout": options.layout_a, "steps": options.steps, "save_to": out},
+        layout_a.world_size,
+        options.timeout_s,
+    )
+    phase_b = run_phase(
+        {**common, "layout": options.layout_b, "steps": options.resume_steps, "resume_from": out},
+        layout_b.world_size,
+        options.timeout_s,
+    )
+    return phase_a, phase_b
+
+
+def _table(options: DemoOptions, a: PhaseResult, b: PhaseResult) -> str:
+    from reshard.demo.parallel import ParallelConfig
+
+    equal = a.digest_saved == b.digest_loaded and bool(a.digest_saved)
+    rows = [
+        ("", "phase A (train, save)", "phase B (resume, train)"),
+        ("layout", ParallelConfig.parse(a.layout).describe(), ParallelConfig.parse(b.layout).describe()),
+        ("ranks", str(a.world_size), str(b.world_size)),
+        ("steps", f"{a.first_step}..{a.first_step + len(a.losses)}", f"{b.first_step}..{b.first_step + len(b.losses)}"),
+        (
+            "loss first -> last",
+            f"{a.losses[0]:.4f} -> {a.losses[-1]:.4f}" if a.losses else "-",
+            f"{b.losses[0]:.4f} -> {b.losses[-1]:.4f}" if b.losses else "-",
+        ),
+        (
+            "loss before save / after resume",
+            f"{a.losses[-1]:.4f}" if a.losses else "-",
+            f"{b.losses[0]:.4f}" if b.losses else "-",
+        ),
+        ("checkpoint bytes", f"{a.checkpoint_bytes:,}", ""),
+        ("save / load seconds", f"{a.seconds_save:.3f}", f"{b.seconds_load:.3f}"),
+        ("bytes read per rank", "", ", ".join(f"{n:,}" for n in b.bytes_read)),
+        ("read / needed", "", f"{sum(b.bytes_read) / max(1, sum(b.bytes_needed)):.3f}"),
+        ("resumed state == saved state", "", "yes (bit-exact)" if equal else "NO"),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"reshard demo: checkpoint at {options.out}"]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(path: str, a: PhaseResult, b: PhaseResult) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    from reshard.demo.parallel import ParallelConfig
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps_a = list(range(a.first_step + 1, a.first_step + len(a.losses) + 1))
+    steps_b = list(range(b.first_step + 1, b.first_step + len(b.losses) + 1))
+    ax.plot(steps_a, a.losses, marker="o", label=ParallelConfig.parse(a.layout).describe())
+    ax.plot(steps_b, b.losses, marker="o", label=ParallelConfig.parse(b.layout).describe())
+    ax.axvline(b.first_step + 0.5, color="grey", linestyle="--", label="save / resume")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("reshard demo: resume on another layout")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="reshard demo")
+    defaults = DemoOptions()
+    parser.description = (
+        "Train a small Megatron-style GPT on CPU ranks (gloo) with layout A, save it with reshard, resume it "
+        "on layout B (resharding the checkpoint), check that the resumed state is bit-exact, and train on."
+    )
+    parser.add_argument(
+        "--layout-a",
+        default=defaults.layout_a,
+        help="layout of phase A, e.g. 'tp=2,pp=2' (sizes tp, pp, dp, cp, ep, etp, vpp; 'zero' "
+        f"for ZeRO-1; default {defaults.layout_a!r})",
+    )
+    parser.add_argument(
+        "--layout-b", default=defaults.layout_b, help=f"layout of phase B (default {defaults.layout_b!r})"
+    )
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="training steps before the save")
+    parser.add_argument(
+        "--resume-steps", type=int, default=defaults.resume_steps, help="training steps after the resume"
+    )
+    parser.add_argument("--out", default=defaults.out, help="checkpoint directory (default ./demo-checkpoint)")
+    parser.add_argument("--hidden", type=int, default=defaults.hidden, help="model width")
+    parser.add_argument("--layers", type=int, default=defaults.layers, help="number of transformer layers")
+    parser.add_argument(
+        "--plot", default=None, help="write the loss curve to this PNG (needs matplotlib: pip install 'reshard[demo]')"
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    options = DemoOptions(
+        layout_a=args.layout_a,
+        layout_b=args.layout_b,
+        steps=args.steps,
+        resume_steps=args.resume_steps,
+        out=args.out,
+        hidden=args.hidden,
+        layers=args.layers,
+        plot=args.plot,
+    )
+    a, b = run_demo(options)
+    if args.json:
+        json.dump({"phase_a": a.__dict__, "phase_b": b.__dict__}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(_table(options, a, b))
+    if options.plot:
+        written = _plot(options.plot, a, b)
+        sys.stdout.write(f"loss curve: {written}\n" if written else "loss curve skipped: matplotlib is not installed\n")
+    ok = a.digest_saved == b.digest_loaded
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(build_parser().parse_args()))

@@ -1,0 +1,290 @@
+"""Training the demo GPT on one layout, checkpointing it with reshard, and resuming on another.
+
+Everything a rank needs lives in a :class:`Trainer`: the model stage, Adam, the learning-rate schedule,
+the step counter and the parallel groups. The data is synthetic and deterministic: the global batch of
+step ``s`` depends only on the seed and ``s``, and each data-parallel rank takes its slice of it, so every
+layout trains on the same tokens.
+
+Resume semantics: parameters, Adam's state, the step, the consumed samples and the schedule continue.
+RNG states are saved per rank, at coordinates (pp, dp, cp, tp); on resume, a rank whose coordinates
+exist in the saved layout gets its saved RNG state back, and a rank that is new (the saved layout had
+fewer ranks along some axis) is seeded with ``seed + 7919 * step + rank`` (deterministic).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import reshard
+from reshard.comm import Communicator
+from reshard.demo.model import GPTStage, ModelConfig
+from reshard.demo.optimizer import Adam, AdamConfig, LRSchedule
+from reshard.demo.parallel import ParallelGroups
+from reshard.sharding import ShardedObject, ShardedTensor
+
+__all__ = ["Trainer", "TrainingConfig", "global_batch"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingConfig:
+    """Batch sizes and schedule. ``global_batch`` sequences per step are split over data-parallel ranks,
+    then into micro-batches of ``micro_batch``."""
+
+    global_batch: int = 8
+    micro_batch: int = 2
+    data_seed: int = 7
+    schedule: LRSchedule = field(default_factory=LRSchedule)
+    adam: AdamConfig = field(default_factory=AdamConfig)
+
+
+def global_batch(step: int, model: ModelConfig, training: TrainingConfig) -> torch.Tensor:
+    """The token sequences of step ``step`` (``[global_batch, seq_len + 1]``): arithmetic progressions
+    modulo the vocabulary with a random start and stride, which a small model can learn."""
+    generator = torch.Generator().manual_seed(training.data_seed * 1_000_003 + step)
+    start = torch.randint(0, model.vocab_size, (training.global_batch, 1), generator=generator)
+    stride = torch.randint(1, 5, (training.global_batch, 1), generator=generator)
+    return (start + stride * torch.arange(model.seq_len + 1)) % model.vocab_size
+
+
+class Trainer:
+    """One rank's training state on one layout. Created by every rank of the layout."""
+
+    def __init__(self, model: ModelConfig, training: TrainingConfig, groups: ParallelGroups) -> None:
+        parallel = groups.config
+        if training.global_batch % (parallel.dp * training.micro_batch):
+            raise ValueError(
+                f"global_batch={training.global_batch} is not divisible by dp*micro_batch="
+                f"{parallel.dp * training.micro_batch}"
+            )
+        self.model_config = model
+        self.training = training
+        self.groups = groups
+        self.stage = GPTStage(model, groups)
+        self.optimizer = Adam(self.stage, training.adam, zero=parallel.zero)
+        self.step = 0
+        self.consumed_samples = 0
+        torch.manual_seed(model.seed + groups.rank)
+
+    # ---- one training step -----------------------------------------------------------------------
+
+    def train_step(self) -> float:
+        """Forward and backward over this rank's micro-batches (pipeline: all forward, then all backward,
+        per micro-batch), gradient reduction, Adam. Returns the global mean loss (on every rank)."""
+        g = self.groups
+        parallel = g.config
+        batch = global_batch(self.step, self.model_config, self.training)
+        per_rank = self.training.global_batch // parallel.dp
+        mine = batch[g.coords.dp * per_rank : (g.coords.dp + 1) * per_rank]
+        micro = torch.split(mine, self.training.micro_batch)
+        total = torch.zeros(())
+        for tokens in micro:
+            total += self._forward_backward(tokens, scale=1.0 / len(micro)) / len(micro)
+        self.optimizer.reduce_gradients()
+        self.optimizer.update(self.training.schedule.lr(self.step))
+        self.step += 1
+        self.consumed_samples += self.training.global_batch
+        # Only the last pipeline stage has the loss: sum over the layout, divided by its holders.
+        if not self.stage.has_output:
+            total.zero_()
+        dist.all_reduce(total, group=g.layout.process_group)
+        holders = parallel.tp * parallel.cp * parallel.dp
+        return float(total) / holders
+
+    def _forward_backward(self, tokens: torch.Tensor, *, scale: float) -> torch.Tensor:
+        """One micro-batch through every virtual pipeline stage and back. Returns this rank's loss (0 where
+        the rank does not hold the last stage)."""
+        g = self.groups
+        stage = self.stage
+        pp = g.config.pp
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        shape = (tokens.shape[0], self.model_config.seq_len, self.model_config.hidden)
+        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        carry: torch.Tensor | None = None
+        loss = torch.zeros(())
+        for virtual in range(stage.num_chunks):
+            owner = virtual % pp
+            if owner != g.coords.pp:
+                continue
+            if virtual == 0:
+                x_in = None
+                x = stage.embed(inputs)
+            else:
+                if (virtual - 1) % pp == owner and carry is not None:
+                    x_in = carry.detach().requires_grad_(True)
+                else:
+                    x_in = torch.empty(shape)
+                    dist.recv(x_in, src=g.pp.ranks[(virtual - 1) % pp], group=g.pp.process_group)
+                    x_in.requires_grad_(True)
+                x = x_in
+            for layer in stage.chunks[stage.virtual_stages.index(virtual)]:
+                x = stage.layer(layer, x)
+            if virtual == stage.num_chunks - 1:
+                logits = stage.output(x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+                x = loss * scale
+            elif (virtual + 1) % pp != owner:
+                dist.send(x.detach(), dst=g.pp.ranks[(virtual + 1) % pp], group=g.pp.process_group)
+            saved[virtual] = (x_in, x)
+            carry = x
+        grad_carry: torch.Tensor | None = None
+        for virtual in reversed(range(stage.num_chunks)):
+            owner = virtual % pp
+            if owner != g.coords.pp:
+                continue
+            x_in, x_out = saved[virtual]
+            if virtual == stage.num_chunks - 1:
+                torch.autograd.backward(x_out)
+            else:
+                if (virtual + 1) % pp == owner and grad_carry is not None:
+                    grad = grad_carry
+                else:
+                    grad = torch.empty(shape)
+                    dist.recv(grad, src=g.pp.ranks[(virtual + 1) % pp], group=g.pp.process_group)
+                torch.autograd.backward(x_out, grad)
+            if x_in is not None:
+                grad_in = x_in.grad if x_in.grad is not None else torch.zeros_like(x_in)
+                if (virtual - 1) % pp != owner:
+                    dist.send(grad_in, dst=g.pp.ranks[(virtual - 1) % pp], group=g.pp.process_group)
+                grad_carry = grad_in
+        return loss.detach()
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The whole training state, described for reshard: model, optimizer, per-rank RNG, trainer state."""
+        g = self.groups
+        c = g.coords
+        p = g.config
+        model = {key: layout.sharded(self.stage.params[key].detach()) for key, layout in self.stage.layouts.items()}
+        return {
+            "model": model,
+            "optimizer": self.optimizer.sharded_state_dict(),
+            "rng": ShardedObject(
+                "rng_state", {"torch": torch.get_rng_state()}, (p.pp, p.dp, p.cp, p.tp), (c.pp, c.dp, c.cp, c.tp)
+            ),
+            "trainer": self.trainer_state(),
+        }
+
+    def trainer_state(self) -> dict[str, Any]:
+        p = self.groups.config
+        return {
+            "step": self.step,
+            "consumed_samples": self.consumed_samples,
+            "optimizer_step": self.optimizer.step,
+            "model_config": self.model_config.to_dict(),
+            "parallel": {**asdict(p)},
+            "schedule": asdict(self.training.schedule),
+        }
+
+    def save(self, path: str, *, overwrite: bool = False) -> reshard.Metadata:
+        """Save the training state (collective over the layout)."""
+        return reshard.save(
+            self.sharded_state_dict(), path, group=self.groups.layout.process_group, overwrite=overwrite
+        )
+
+    def load(self, path: str, *, stats: reshard.LoadStats | None = None) -> None:
+        """Resume from a checkpoint saved on any layout (collective over the layout). See the module
+        docstring for what continues and how RNG states of new ranks are seeded."""
+        group = self.groups.layout.process_group
+        saved = reshard.load({"trainer": self.trainer_state()}, path, group=group)["trainer"]
+        saved_parallel = saved["parallel"]
+        if ModelConfig.from_dict(saved["model_config"]) != self.model_config:
+            raise reshard.MismatchError(f"the checkpoint holds another model: {saved['model_config']}")
+        state = self.sharded_state_dict()
+        c = self.groups.coords
+        saved_grid = (saved_parallel["pp"], saved_parallel["dp"], saved_parallel["cp"], saved_parallel["tp"])
+        mine = (c.pp, c.dp, c.cp, c.tp)
+        has_rng = all(i < n for i, n in zip(mine, saved_grid, strict=True))
+        if has_rng:
+            state["rng"] = ShardedObject("rng_state", None, saved_grid, mine)
+        else:
+            del state["rng"]
+        loaded = reshard.load(state, path, group=group, stats=stats)
+        trainer = loaded["trainer"]
+        self.step = trainer["step"]
+        self.consumed_samples = trainer["consumed_samples"]
+        self.optimizer.step = trainer["optimizer_step"]
+        if has_rng:
+            torch.set_rng_state(loaded["rng"]["torch"])
+        else:
+            torch.manual_seed(self.model_config.seed + 7919 * self.step + self.groups.rank)
+
+    def set_full_state(self, full: dict[str, torch.Tensor], trainer_state: dict[str, Any]) -> None:
+        """Take the model and Adam's state from full (logical) tensors, and the counters from
+        ``trainer_state``: an in-memory reshard onto this layout, independent of reshard's save and load."""
+        state = self.sharded_state_dict()
+        with torch.no_grad():
+            for st in (*state["model"].values(), *state["optimizer"].values()):
+                whole = full[st.key]
+                for piece in st.pieces():
+                    if piece.padded_view is not None:
+                        piece.padded_view.zero_()
+                    box = piece.box
+                    piece.view.copy_(whole[tuple(slice(o, o + n) for o, n in zip(box.offset, box.shape, strict=True))])
+        self.step = trainer_state["step"]
+        self.consumed_samples = trainer_state["consumed_samples"]
+        self.optimizer.step = trainer_state["optimizer_step"]
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter and Adam state gathered into full (logical) tensors, on every rank of the
+        layout: the layout-independent picture used to check a resume. Collective over the layout."""
+        state = self.sharded_state_dict()
+        tensors = {**state["model"], **state["optimizer"]}
+        return gather_full_tensors(tensors, self.groups)
+
+
+def gather_full_tensors(tensors: dict[str, ShardedTensor], groups: ParallelGroups) -> dict[str, torch.Tensor]:
+    """Assemble full tensors from every rank's primary pieces (all-gather over the layout's group).
+
+    Independent of reshard's save and load: it only uses :meth:`ShardedTensor.pieces`.
+    """
+    pieces = []
+    for st in tensors.values():
+        if not st.is_main_replica:
+            continue
+        for piece in st.pieces():
+            if piece.box.volume:
+                pieces.append((st.key, st.saved_shape, piece.box.offset, piece.box.shape, piece.view.contiguous()))
+    group = groups.layout
+    sizes = torch.tensor([sum(p[4].numel() for p in pieces)], dtype=torch.int64)
+    all_sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
+    dist.all_gather(all_sizes, sizes, group=group.process_group)
+    longest = max(int(s) for s in all_sizes)
+    flat = torch.zeros(longest)
+    if pieces:
+        flat[: int(sizes)] = torch.cat([p[4].reshape(-1).float() for p in pieces])
+    flats = [torch.empty(longest) for _ in range(group.size)]
+    dist.all_gather(flats, flat, group=group.process_group)
+    comm = Communicator(group.process_group)
+    described = json.dumps([[k, list(s), list(o), list(n)] for k, s, o, n, _ in pieces]).encode()
+    gathered = comm.gather_bytes(described)
+    everyone = json.loads(
+        comm.broadcast_bytes(json.dumps([g.decode() for g in gathered]).encode() if gathered else None)
+    )
+    everyone = [json.loads(e) for e in everyone]
+    full: dict[str, torch.Tensor] = {}
+    for data, entries in zip(flats, everyone, strict=True):
+        position = 0
+        for key, shape, offset, box_shape in entries:
+            target = full.setdefault(key, torch.full(tuple(shape), float("nan")))
+            count = 1
+            for n in box_shape:
+                count *= n
+            region = tuple(slice(o, o + n) for o, n in zip(offset, box_shape, strict=True))
+            target[region] = data[position : position + count].view(tuple(box_shape))
+            position += count
+    return full
+
+
+def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """``fn(*args, **kwargs)`` and its wall time in seconds."""
+    started = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - started
