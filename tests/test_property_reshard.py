@@ -156,7 +156,7 @@ def simulate_save(state_dicts: list[dict[str, object]], path: Path, chunk_bytes:
     ]
     metadata = _build_metadata(coordinator, results, save_id, len(states), chunk_bytes)
     storage.sync_dir("data")
-    storage.write_atomic(METADATA_FILE, metadata.to_json_bytes())
+    storage.commit(METADATA_FILE, metadata.to_json_bytes(), replace=False)
     return metadata
 
 

@@ -18,6 +18,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import crc32c
@@ -39,8 +40,9 @@ from reshard.errors import (
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata, SavedObject
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan, ReadItem, TargetPiece, plan_load
 from reshard.sharding import LocalPiece, ShardedObject, ShardedTensor
+from reshard.staging import StagedFiles, stage_files
 from reshard.statedict import FlatStateDict, flatten_state_dict, map_leaves
-from reshard.storage import FileReader, Storage, storage_for
+from reshard.storage import CheckpointLocation, ReadRequest, Storage, storage_for
 
 __all__ = ["LoadStats", "load", "read_metadata"]
 
@@ -56,6 +58,9 @@ class LoadStats:
         bytes_read: bytes of tensor data actually read (>= needed: strided runs merged into larger reads).
         read_requests: number of read calls issued for tensor data.
         bytes_verified: bytes whose checksum was verified.
+        files_downloaded, bytes_downloaded: with staging, the whole data files this rank downloaded for its
+            node (each file needed by a node is downloaded by exactly one of its ranks).
+        files_reused: with staging, complete files found in the staging directory and reused.
         seconds: wall time of the whole load on this rank.
     """
 
@@ -63,6 +68,9 @@ class LoadStats:
     bytes_read: int = 0
     read_requests: int = 0
     bytes_verified: int = 0
+    files_downloaded: int = 0
+    bytes_downloaded: int = 0
+    files_reused: int = 0
     seconds: float = 0.0
 
     @property
@@ -97,16 +105,20 @@ def read_metadata_bytes(storage: Storage) -> bytes:
     raise CheckpointNotFoundError(f"{where} is not a reshard checkpoint: it has no {METADATA_FILE}")
 
 
-def read_metadata(path: str | os.PathLike[str]) -> Metadata:
+def read_metadata(path: CheckpointLocation, *, storage_options: dict[str, Any] | None = None) -> Metadata:
     """Read and validate a checkpoint's metadata (tensors, dtypes, shapes, boxes, files, common state)
-    without reading any tensor data. Not collective."""
-    storage = storage_for(path)
-    return Metadata.from_json_bytes(read_metadata_bytes(storage), where=storage.describe(METADATA_FILE))
+    without reading any tensor data. Not collective. ``path`` is a directory, URL or Storage."""
+    storage = storage_for(path, storage_options)
+    try:
+        return Metadata.from_json_bytes(read_metadata_bytes(storage), where=storage.describe(METADATA_FILE))
+    finally:
+        if storage is not path:
+            storage.close()
 
 
 def load(
     state_dict: Any,
-    path: str | os.PathLike[str],
+    path: CheckpointLocation,
     *,
     group: dist.ProcessGroup | None = None,
     strict: bool = True,
@@ -114,6 +126,10 @@ def load(
     stats: LoadStats | None = None,
     allow_dtype_cast: bool = True,
     max_read_amplification: float = DEFAULT_MAX_READ_AMPLIFICATION,
+    storage_options: dict[str, Any] | None = None,
+    staging_dir: str | os.PathLike[str] | None = None,
+    keep_staged: bool = False,
+    node_group: dist.ProcessGroup | None = None,
 ) -> Any:
     """Load a checkpoint into a template state dict of the current layout. Called by all ranks of ``group``.
 
@@ -124,7 +140,8 @@ def load(
 
     Args:
         state_dict: the template.
-        path: the checkpoint directory.
+        path: the checkpoint: a directory, a ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix``
+            URL, or a :class:`~reshard.storage.Storage`.
         group: the ranks that load together (``None``: default group, or this process alone).
         strict: when True, keys of the template missing from the checkpoint raise
             :class:`~reshard.MismatchError`; when False they are skipped (left as they are) with a warning.
@@ -134,6 +151,14 @@ def load(
             fp16 -> fp32, ...); when False a dtype difference raises :class:`~reshard.MismatchError`.
         max_read_amplification: bytes read / bytes needed allowed when merging strided runs into larger
             reads (at least 1.0).
+        storage_options: passed to the object-store client (see :func:`reshard.save`).
+        staging_dir: load through node-local staging: the ranks of each node agree on the whole data
+            files any of them needs, each file is downloaded once per node into this directory (a temp
+            name, then renamed; complete files from an earlier run are reused after checking their size
+            and checksums), and all reads are then local. For storage that is slow to range-read.
+        keep_staged: keep the staged files after the load (they are removed by default).
+        node_group: with ``staging_dir``, the process group of the ranks that share this node's staging
+            directory; default: the ranks with the same hostname.
 
     Returns:
         A state dict of the template's structure in which each ShardedTensor is replaced by its filled
@@ -150,7 +175,44 @@ def load(
         raise ValueError(f"max_read_amplification must be at least 1.0, got {max_read_amplification}")
     started = time.perf_counter()
     comm = Communicator(group, timeout=timeout)
-    storage = storage_for(path)
+    storage = storage_for(path, storage_options)
+    try:
+        return _load_from(
+            storage,
+            state_dict,
+            comm,
+            strict=strict,
+            stats=stats,
+            allow_dtype_cast=allow_dtype_cast,
+            max_read_amplification=max_read_amplification,
+            started=started,
+            staging=_StagingOptions(Path(staging_dir), keep_staged, node_group) if staging_dir is not None else None,
+        )
+    finally:
+        if storage is not path:
+            storage.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _StagingOptions:
+    directory: Path
+    keep: bool
+    node_group: dist.ProcessGroup | None
+
+
+def _load_from(
+    storage: Storage,
+    state_dict: Any,
+    comm: Communicator,
+    *,
+    strict: bool,
+    stats: LoadStats | None,
+    allow_dtype_cast: bool,
+    max_read_amplification: float,
+    started: float,
+    staging: _StagingOptions | None,
+) -> Any:
+    """The body of :func:`load` once the storage is open."""
     metadata_holder: list[tuple[bytes, Metadata]] = []
 
     def read_on_coordinator() -> None:
@@ -184,24 +246,33 @@ def load(
         warnings.warn(
             f"reshard.load(strict=False): {len(missing)} entries are not in the checkpoint and were left as "
             f"they are: {', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}",
-            stacklevel=2,
+            stacklevel=3,
         )
-    executor = _ReadExecutor(storage, metadata)
+    load_plan = plan_holder[0]
+    staged: StagedFiles | None = None
+    if staging is not None:
+        needed = {item.file for item in load_plan.items}
+        for obj in flat.objects:
+            needed.update(e.file for e in metadata.objects[obj.key].entries if e.offset == obj.global_offset)
+        staged = stage_files(comm, storage, metadata, needed, staging.directory, staging.node_group)
+    executor = _ReadExecutor(staged.storage if staged is not None else storage, metadata)
     loaded_objects: dict[tuple[str, tuple[int, ...]], object] = {}
 
     def read() -> None:
-        try:
-            with torch.no_grad():
-                for piece in pieces:
-                    if piece.padded_view is not None:
-                        piece.padded_view.zero_()
-            executor.run(plan_holder[0], [p.view for p in pieces], [p.box for p in pieces])
-            for obj in flat.objects:
-                loaded_objects[(obj.key, obj.global_offset)] = executor.read_object(obj)
-        finally:
-            executor.close()
+        with torch.no_grad():
+            for piece in pieces:
+                if piece.padded_view is not None:
+                    piece.padded_view.zero_()
+        executor.run(load_plan, [p.view for p in pieces], [p.box for p in pieces])
+        for obj in flat.objects:
+            loaded_objects[(obj.key, obj.global_offset)] = executor.read_object(obj)
 
-    comm.step("reading data", read)
+    try:
+        comm.step("reading data", read)
+    finally:
+        # Every rank of every node is done reading (or failed) once the step returns or raises.
+        if staged is not None and staging is not None and not staging.keep:
+            staged.remove()
 
     def result_leaf(path: str, leaf: Any) -> Any:
         if isinstance(leaf, ShardedTensor):
@@ -214,18 +285,22 @@ def load(
 
     result = map_leaves(state_dict, result_leaf)
     if stats is not None:
-        stats.bytes_needed = plan_holder[0].bytes_needed
-        stats.bytes_read = plan_holder[0].bytes_read
-        stats.read_requests = plan_holder[0].requests
+        stats.bytes_needed = load_plan.bytes_needed
+        stats.bytes_read = load_plan.bytes_read
+        stats.read_requests = load_plan.requests
         stats.bytes_verified = executor.bytes_verified
+        if staged is not None:
+            stats.files_downloaded = len(staged.downloaded)
+            stats.bytes_downloaded = staged.bytes_downloaded
+            stats.files_reused = len(staged.reused)
         stats.seconds = time.perf_counter() - started
     logger.info(
         "[rank=%d] loaded %s: %d bytes needed, %d read in %d requests, %.3f s",
         comm.rank,
         storage.describe(),
-        plan_holder[0].bytes_needed,
-        plan_holder[0].bytes_read,
-        plan_holder[0].requests,
+        load_plan.bytes_needed,
+        load_plan.bytes_read,
+        load_plan.requests,
         time.perf_counter() - started,
     )
     return result
@@ -285,56 +360,67 @@ def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool, al
     return missing
 
 
-class _ReadExecutor:
-    """Performs one rank's reads: opens each data file once, reuses one staging buffer, verifies
-    checksums of every chunk it reads whole. Single-threaded."""
+DEFAULT_READ_BUFFER_BYTES = 64 * 1024 * 1024
+"""Bytes of staging buffer a rank uses for reads that cannot land directly in their destination."""
 
-    def __init__(self, storage: Storage, metadata: Metadata) -> None:
+
+@dataclass
+class _Pending:
+    """A read item waiting in the current batch: where its bytes land in the staging buffer."""
+
+    item: ReadItem
+    dest: torch.Tensor
+    staging_offset: int
+
+
+class _ReadExecutor:
+    """Performs one rank's reads in batches through :meth:`Storage.read_ranges` (which object stores
+    serve concurrently): reads that are one contiguous run of the destination's dtype land directly in
+    the destination tensor; the others land in a reused staging buffer of at most ``buffer_bytes`` (a
+    single larger read gets a buffer of its own size) and are copied (and converted) into place once the
+    batch is read. Every checksum chunk a read covers whole is verified before the data is used."""
+
+    def __init__(self, storage: Storage, metadata: Metadata, *, buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES) -> None:
         self.storage = storage
         self.metadata = metadata
-        self.readers: dict[int, FileReader] = {}
+        self.buffer_bytes = buffer_bytes
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.bytes_verified = 0
+        self.checked_files: set[int] = set()
 
-    def close(self) -> None:
-        for reader in self.readers.values():
-            reader.close()
-        self.readers.clear()
-
-    def _reader(self, file: int) -> FileReader:
-        reader = self.readers.get(file)
-        if reader is None:
-            entry = self.metadata.files[file]
-            where = self.storage.describe(entry.path)
-            try:
-                size = self.storage.size(entry.path)
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"data file {where} is missing") from None
-            except OSError as exc:
-                raise StorageError(f"cannot open data file {where}: {exc}") from exc
-            if size != entry.size:
-                raise CorruptCheckpointError(
-                    f"data file {where} has {size} bytes, the metadata says {entry.size}: it was truncated or altered"
-                )
-            try:
-                reader = self.storage.open_reader(entry.path)
-            except OSError as exc:
-                raise StorageError(f"cannot open data file {where}: {exc}") from exc
-            self.readers[file] = reader
-        return reader
-
-    def _staging(self, nbytes: int) -> torch.Tensor:
-        if self.buffer.numel() < nbytes:
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self.buffer[:nbytes]
-
-    def _read_exact(self, file: int, offset: int, out: memoryview, what: str) -> None:
-        got = self._reader(file).read_into(offset, out)
-        if got != len(out):
-            path = self.storage.describe(self.metadata.files[file].path)
+    def _check_file(self, file: int) -> None:
+        """Before the first read of a data file: it exists and has the size the metadata says."""
+        if file in self.checked_files:
+            return
+        entry = self.metadata.files[file]
+        where = self.storage.describe(entry.path)
+        try:
+            size = self.storage.size(entry.path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"data file {where} is missing") from None
+        except OSError as exc:
+            raise StorageError(f"cannot open data file {where}: {exc}") from exc
+        if size != entry.size:
             raise CorruptCheckpointError(
-                f"{what}: data file {path} is truncated: expected {len(out)} bytes at offset {offset}, got {got}"
+                f"data file {where} has {size} bytes, the metadata says {entry.size}: it was truncated or altered"
             )
+        self.checked_files.add(file)
+
+    def _read(self, requests: list[ReadRequest], whats: list[str]) -> None:
+        try:
+            got = self.storage.read_ranges(requests)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"{whats[0]}: a data file is missing: {exc}") from exc
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"reading {whats[0]} failed: {exc}") from exc
+        for request, count, what in zip(requests, got, whats, strict=True):
+            if count != len(request.buffer):
+                raise CorruptCheckpointError(
+                    f"{what}: data file {self.storage.describe(request.name)} is truncated: expected "
+                    f"{len(request.buffer)} bytes at offset {request.offset}, got {count}"
+                )
 
     def _check_chunk(self, expected: int, data: memoryview, file: int, file_offset: int, what: str) -> None:
         if crc32c.crc32c(data) != expected:
@@ -346,7 +432,7 @@ class _ReadExecutor:
 
     def _verify_range(
         self,
-        saved_checksums: tuple[int, ...],
+        checksums: tuple[int, ...],
         box_length: int,
         start: int,
         data: memoryview,
@@ -354,64 +440,105 @@ class _ReadExecutor:
         box_offset: int,
         what: str,
     ) -> None:
+        """Verify every checksum chunk lying wholly in ``data``, which holds bytes ``[start, start+len)``
+        of a stored box whose first byte is at ``box_offset`` of ``file``."""
         chunk = self.metadata.checksum_chunk_bytes
         end = start + len(data)
-        for index in range(-(-start // chunk), len(saved_checksums)):
+        for index in range(-(-start // chunk), len(checksums)):
             lo = index * chunk
             hi = min(lo + chunk, box_length)
             if hi > end:
                 break
-            self._check_chunk(saved_checksums[index], data[lo - start : hi - start], file, box_offset + lo, what)
+            self._check_chunk(checksums[index], data[lo - start : hi - start], file, box_offset + lo, what)
 
-    def run(self, plan: LoadPlan, tensors: list[torch.Tensor], boxes: list[Box]) -> None:
-        for item in plan.items:
-            self._read_item(item, tensors[item.target], boxes[item.target])
-
-    def _read_item(self, item: ReadItem, target: torch.Tensor, target_box: Box) -> None:
-        saved = self.metadata.tensors[item.key].boxes[item.saved_index]
+    def _direct(self, item: ReadItem, dest: torch.Tensor) -> bool:
         dtype = self.metadata.tensors[item.key].torch_dtype
-        what = f"tensor {item.key!r} box at {list(saved.offset)}"
-        dest = target.detach()[item.overlap.relative_to(target_box)] if target.ndim else target.detach()
         pattern = item.pattern
-        itemsize = item.itemsize
-        span_bytes = pattern.span * itemsize
-        direct = (
+        return (
             pattern.count == 1
             and pattern.span == pattern.needed
             and dest.dtype == dtype
             and dest.device.type == "cpu"
             and dest.is_contiguous()
         )
-        if direct:
+
+    def run(self, plan: LoadPlan, views: list[torch.Tensor], boxes: list[Box]) -> None:
+        batch_direct: list[tuple[ReadItem, torch.Tensor]] = []
+        batch_staged: list[_Pending] = []
+        staged_bytes = 0
+        for item in plan.items:
+            self._check_file(item.file)
+            target = views[item.target]
+            dest = target.detach()[item.overlap.relative_to(boxes[item.target])] if target.ndim else target.detach()
+            if self._direct(item, dest):
+                batch_direct.append((item, dest))
+                continue
+            need = -(-item.pattern.count * item.pattern.span * item.itemsize // 64) * 64  # keep dtype views aligned
+            if batch_staged and staged_bytes + need > self.buffer_bytes:
+                self._flush(batch_direct, batch_staged, staged_bytes)
+                batch_direct, batch_staged, staged_bytes = [], [], 0
+            batch_staged.append(_Pending(item, dest, staged_bytes))
+            staged_bytes += need
+        if batch_direct or batch_staged:
+            self._flush(batch_direct, batch_staged, staged_bytes)
+
+    def _flush(self, direct: list[tuple[ReadItem, torch.Tensor]], staged: list[_Pending], staged_bytes: int) -> None:
+        if self.buffer.numel() < staged_bytes:
+            self.buffer = torch.empty(staged_bytes, dtype=torch.uint8)
+        staging = byte_view(self.buffer[:staged_bytes]) if staged_bytes else memoryview(b"")
+        requests: list[ReadRequest] = []
+        whats: list[str] = []
+        checks: list[tuple[ReadItem, int, memoryview]] = []
+        for item, dest in direct:
+            saved = self.metadata.tensors[item.key].boxes[item.saved_index]
+            start = item.pattern.first * item.itemsize
             view = byte_view(dest)
-            start = pattern.first * itemsize
-            self._read_exact(saved.file, saved.byte_offset + start, view, what)
+            requests.append(ReadRequest(self.metadata.files[saved.file].path, saved.byte_offset + start, view))
+            whats.append(f"tensor {item.key!r} box at {list(saved.offset)}")
+            checks.append((item, start, view))
+        for pending in staged:
+            item = pending.item
+            saved = self.metadata.tensors[item.key].boxes[item.saved_index]
+            span_bytes = item.pattern.span * item.itemsize
+            for i, first in enumerate(item.pattern.starts()):
+                start = first * item.itemsize
+                lo = pending.staging_offset + i * span_bytes
+                view = staging[lo : lo + span_bytes]
+                requests.append(ReadRequest(self.metadata.files[saved.file].path, saved.byte_offset + start, view))
+                whats.append(f"tensor {item.key!r} box at {list(saved.offset)}")
+                checks.append((item, start, view))
+        if requests:
+            self._read(requests, whats)
+        for (item, start, view), what in zip(checks, whats, strict=True):
+            saved = self.metadata.tensors[item.key].boxes[item.saved_index]
             self._verify_range(saved.checksums, saved.byte_length, start, view, saved.file, saved.byte_offset, what)
-            return
-        staging = self._staging(pattern.count * span_bytes)
-        view = byte_view(staging)
-        for i, first in enumerate(pattern.starts()):
-            start = first * itemsize
-            chunk = view[i * span_bytes : (i + 1) * span_bytes]
-            self._read_exact(saved.file, saved.byte_offset + start, chunk, what)
-            self._verify_range(saved.checksums, saved.byte_length, start, chunk, saved.file, saved.byte_offset, what)
+        for pending in staged:
+            self._copy_staged(pending)
+
+    def _copy_staged(self, pending: _Pending) -> None:
+        item = pending.item
+        pattern = item.pattern
+        dtype = self.metadata.tensors[item.key].torch_dtype
+        nbytes = pattern.count * pattern.span * item.itemsize
+        region = self.buffer[pending.staging_offset : pending.staging_offset + nbytes]
         lead_strides: list[int] = []
         stride = pattern.span
         for size in reversed(pattern.lead_shape):
             lead_strides.insert(0, stride)
             stride *= size
-        source = staging.view(dtype).as_strided(
+        source = region.view(dtype).as_strided(
             (*pattern.lead_shape, *pattern.inner_shape), (*lead_strides, *pattern.inner_strides)
         )
         with torch.no_grad():
-            dest.copy_(source.reshape(dest.shape))
+            pending.dest.copy_(source.reshape(pending.dest.shape))
 
     def read_object(self, obj: ShardedObject) -> object:
         entry: SavedObject = next(e for e in self.metadata.objects[obj.key].entries if e.offset == obj.global_offset)
         what = f"object {obj.key!r} at {list(obj.global_offset)}"
+        self._check_file(entry.file)
         blob = bytearray(entry.byte_length)
         view = memoryview(blob)
-        self._read_exact(entry.file, entry.byte_offset, view, what)
+        self._read([ReadRequest(self.metadata.files[entry.file].path, entry.byte_offset, view)], [what])
         self._verify_range(entry.checksums, entry.byte_length, 0, view, entry.file, entry.byte_offset, what)
         try:
             return decode_object_blob(view, where=what)

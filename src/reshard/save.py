@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from reshard.metadata import (
 from reshard.planning.save_plan import LocalSaveDescription, ObjectPiece, TensorPiece, WriteAssignment, plan_save
 from reshard.sharding import LocalPiece
 from reshard.statedict import FlatStateDict, flatten_state_dict
-from reshard.storage import FileWriter, Storage, storage_for
+from reshard.storage import CheckpointLocation, FileWriter, Storage, storage_for
 
 __all__ = ["DEFAULT_CHECKSUM_CHUNK_BYTES", "save"]
 
@@ -96,10 +95,11 @@ class _SaveState:
 
 def save(
     state_dict: Any,
-    path: str | os.PathLike[str],
+    path: CheckpointLocation,
     *,
     group: dist.ProcessGroup | None = None,
     overwrite: bool = False,
+    storage_options: dict[str, Any] | None = None,
     timeout: datetime.timedelta | float | None = None,
     checksum_chunk_bytes: int = DEFAULT_CHECKSUM_CHUNK_BYTES,
 ) -> Metadata:
@@ -109,13 +109,16 @@ def save(
         state_dict: nested dicts/lists whose leaves are :class:`~reshard.ShardedTensor`,
             :class:`~reshard.ShardedObject`, plain tensors (full, replicated on every rank: written
             once) or JSON-like common values (the coordinator's are written).
-        path: the checkpoint directory; created if needed. Every rank passes the same path.
+        path: the checkpoint: a directory (created if needed), a ``file://``, ``s3://bucket/prefix`` or
+            ``gs://bucket/prefix`` URL, or a :class:`~reshard.storage.Storage`. Every rank passes the same.
         group: the ranks that save together; ``None`` means the default group, or this process alone
             when ``torch.distributed`` is not initialised.
         overwrite: replace a complete checkpoint at ``path``. The old one stays loadable until the new
             ``metadata.json`` replaces it; its data files are removed after that.
         timeout: how long any collective may wait for the slowest rank (default 10 minutes).
         checksum_chunk_bytes: size of the pieces each stored box is checksummed in.
+        storage_options: passed to the object-store client (fsspec ``s3``/``gs`` filesystem options such
+            as ``endpoint_url``); credentials otherwise come from the client's usual configuration.
 
     Returns:
         The committed checkpoint's metadata (on every rank).
@@ -128,12 +131,32 @@ def save(
     """
     started = time.perf_counter()
     comm = Communicator(group, timeout=timeout)
-    storage = storage_for(path)
+    storage = storage_for(path, storage_options)
+    try:
+        return _save_to(
+            storage, state_dict, comm, overwrite=overwrite, checksum_chunk_bytes=checksum_chunk_bytes, started=started
+        )
+    finally:
+        if storage is not path:
+            storage.close()
+
+
+def _save_to(
+    storage: Storage,
+    state_dict: Any,
+    comm: Communicator,
+    *,
+    overwrite: bool,
+    checksum_chunk_bytes: int,
+    started: float,
+) -> Metadata:
+    """The body of :func:`save` once the storage is open."""
+    location = storage.describe()
     state = _SaveState()
 
     def describe() -> dict[str, Any]:
         description = _prepare_rank_state(state, state_dict, rank=comm.rank, is_coordinator=comm.is_coordinator)
-        return {"path": os.fspath(path), "pieces": description.to_json()}
+        return {"path": location, "pieces": description.to_json()}
 
     def plan(docs: list[dict[str, Any]]) -> dict[str, Any]:
         paths = {doc["path"] for doc in docs}
@@ -164,13 +187,19 @@ def save(
         replaced_files.update(_read_previous_files(storage) if overwrite else ())
         storage.sync_dir(DATA_DIR)
         # The commit point: before it the old checkpoint (if any) is intact, after it the new one is.
-        storage.write_atomic(METADATA_FILE, metadata.to_json_bytes())
+        try:
+            storage.commit(METADATA_FILE, metadata.to_json_bytes(), replace=overwrite)
+        except FileExistsError:
+            raise CheckpointExistsError(
+                f"another save committed a checkpoint at {storage.describe()} while this one was writing; "
+                "this save's data was discarded"
+            ) from None
         return metadata.to_json_dict()
 
     try:
         committed = comm.step("save", write, commit)
     except CheckpointError:
-        # Nothing was committed (write_atomic is all or nothing): this save's files are garbage.
+        # Nothing was committed (the commit is all or nothing): this save's files are garbage.
         if comm.is_coordinator:
             _remove_save_files(storage, save_id)
         raise

@@ -1,22 +1,34 @@
-"""Where checkpoints live. :func:`storage_for` picks the backend for a path."""
+"""Where checkpoints live. :func:`storage_for` picks the backend for a path or URL."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from reshard.storage.base import FileReader, FileWriter, Storage
+from reshard.storage.base import FileWriter, ReadRequest, Storage
 from reshard.storage.local import LocalStorage
 
-__all__ = ["FileReader", "FileWriter", "LocalStorage", "Storage", "storage_for"]
+__all__ = ["CheckpointLocation", "FileWriter", "LocalStorage", "ReadRequest", "Storage", "storage_for"]
+
+CheckpointLocation = str | os.PathLike[str] | Storage
+"""Where a checkpoint is: a local path, a ``file://``, ``s3://`` or ``gs://`` URL, or a Storage object."""
 
 
-def storage_for(path: str | os.PathLike[str]) -> Storage:
-    """The storage backend of a checkpoint path: a local directory (``file://`` URLs included)."""
+def storage_for(path: CheckpointLocation, storage_options: dict[str, Any] | None = None) -> Storage:
+    """The storage backend of a checkpoint location.
+
+    Plain paths and ``file://`` URLs are local directories; ``s3://bucket/prefix`` and ``gs://bucket/prefix``
+    are object-store prefixes (through fsspec with s3fs or gcsfs, installed by the ``reshard[s3]`` and
+    ``reshard[gcs]`` extras), configured by the clients' usual environment and files plus
+    ``storage_options``, passed to the fsspec filesystem. A :class:`Storage` is returned as it is.
+    """
+    if isinstance(path, Storage):
+        return path
     text = os.fspath(path)
     if text.startswith("file://"):
-        text = text[len("file://") :]
-    elif "://" in text:
-        from reshard.errors import CheckpointError
+        return LocalStorage(text[len("file://") :])
+    if "://" in text:
+        from reshard.storage.objectstore import ObjectStorage
 
-        raise CheckpointError(f"unsupported checkpoint URL {text!r}: only local paths are supported")
+        return ObjectStorage(text, storage_options)
     return LocalStorage(text)

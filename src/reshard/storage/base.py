@@ -1,16 +1,33 @@
 """The storage seam: what save and load need from a place that holds a checkpoint.
 
-A :class:`Storage` is rooted at one checkpoint (a directory, later an object-store prefix); every name is
-a relative POSIX path inside it, already checked by :func:`reshard.metadata.check_relative_path` when it
+A :class:`Storage` is rooted at one checkpoint (a directory, or an object-store prefix); every name is a
+relative POSIX path inside it, already checked by :func:`reshard.metadata.check_relative_path` when it
 comes from a file. Data goes in and out through memoryviews, so tensors are written from and read into
-their own memory.
+their own memory. Reads are byte-range-first and batched (:meth:`Storage.read_ranges`) so that object
+stores can issue them concurrently.
+
+Methods raise ``OSError`` on failure (``FileNotFoundError`` for a missing name, ``FileExistsError`` when a
+create-only commit finds the name taken); callers turn those into reshard's errors. Object-store
+backends retry transient failures themselves and raise :class:`~reshard.StorageError` when they give up.
 """
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["FileReader", "FileWriter", "Storage"]
+__all__ = ["FileWriter", "ReadRequest", "Storage"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRequest:
+    """Fill ``buffer`` with the bytes of ``name`` that start at ``offset`` (``len(buffer)`` bytes)."""
+
+    name: str
+    offset: int
+    buffer: memoryview
 
 
 class FileWriter(ABC):
@@ -18,7 +35,7 @@ class FileWriter(ABC):
 
     @abstractmethod
     def write(self, data: memoryview) -> None:
-        """Append all of ``data``."""
+        """Append all of ``data`` (the writer may keep a reference until the next call returns)."""
 
     @abstractmethod
     def tell(self) -> int:
@@ -26,30 +43,16 @@ class FileWriter(ABC):
 
     @abstractmethod
     def commit(self) -> None:
-        """Make the file durable (fsync) and close it. After this the file is complete."""
+        """Make the file complete and durable (fsync, or the object's final upload). After this the file
+        exists under its name."""
 
     @abstractmethod
     def abort(self) -> None:
-        """Close and remove the partial file; never raises."""
-
-
-class FileReader(ABC):
-    """Random-access reads of one data file."""
-
-    @abstractmethod
-    def read_into(self, offset: int, buffer: memoryview) -> int:
-        """Fill ``buffer`` from byte ``offset``; return the bytes read (less only at end of file)."""
-
-    @abstractmethod
-    def close(self) -> None: ...
+        """Discard the partial file; never raises."""
 
 
 class Storage(ABC):
-    """A checkpoint's place: its files by relative name.
-
-    ``describe()`` names the root for messages. Methods raise ``OSError`` (``FileNotFoundError`` for a
-    missing name) on failure; callers turn those into reshard's errors.
-    """
+    """A checkpoint's place: its files by relative name."""
 
     @abstractmethod
     def describe(self, name: str = "") -> str:
@@ -57,7 +60,7 @@ class Storage(ABC):
 
     @abstractmethod
     def root_exists(self) -> bool:
-        """Whether the root exists (as a directory or prefix)."""
+        """Whether the root exists (a directory, or a prefix with at least one object)."""
 
     @abstractmethod
     def exists(self, name: str) -> bool: ...
@@ -74,26 +77,52 @@ class Storage(ABC):
         """The whole content of a small file."""
 
     @abstractmethod
+    def read_ranges(self, requests: list[ReadRequest]) -> list[int]:
+        """Fill every request's buffer; return the bytes read for each (fewer only at the end of a file).
+
+        Backends may serve the requests concurrently and in any order; the caller must not touch the
+        buffers until this returns.
+        """
+
+    @abstractmethod
     def prepare_root(self) -> None:
-        """Create the root and its ``data`` directory if needed. Called by the coordinator only, before
-        any rank writes."""
+        """Create the root and its ``data`` directory where the backend has directories. Called by the
+        coordinator only, before any rank writes."""
 
     @abstractmethod
     def open_writer(self, name: str) -> FileWriter:
         """Create ``name`` for writing; it must not exist yet (names are unique to each save)."""
 
     @abstractmethod
-    def open_reader(self, name: str) -> FileReader: ...
-
-    @abstractmethod
-    def write_atomic(self, name: str, data: bytes) -> None:
-        """Publish ``data`` as ``name`` all at once: readers see the old content or the new, never a
-        part. This is the commit of a checkpoint."""
+    def commit(self, name: str, data: bytes, *, replace: bool) -> None:
+        """Publish ``data`` as ``name`` all at once: readers see the old content (or nothing) or the new,
+        never a part. With ``replace`` off the write is create-only and raises ``FileExistsError`` if
+        ``name`` exists, so that of two racing commits exactly one wins. This is a checkpoint's commit."""
 
     @abstractmethod
     def delete(self, name: str) -> None:
         """Remove ``name``; a missing name is not an error."""
 
+    def download(self, name: str, local_path: Path) -> None:
+        """Copy the whole of ``name`` into the local file ``local_path`` (created or truncated).
+
+        The default reads in pieces through :meth:`read_ranges`; object stores override it.
+        """
+        size = self.size(name)
+        piece = 16 * 1024 * 1024
+        with open(local_path, "wb") as out:
+            for start in range(0, size, piece):
+                buffer = bytearray(min(piece, size - start))
+                (got,) = self.read_ranges([ReadRequest(name, start, memoryview(buffer))])
+                if got != len(buffer):
+                    raise OSError(f"{self.describe(name)} ended after {start + got} of {size} bytes")
+                out.write(buffer)
+            out.flush()
+            os.fsync(out.fileno())
+
     def sync_dir(self, name: str) -> None:  # noqa: B027 - optional hook with a default
         """Make the files created under directory ``name`` durable (a directory fsync where the backend
         has directories). Called by the coordinator after every writer finished, before the commit."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook with a default
+        """Release connections and threads. The storage must not be used afterwards."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import uuid
 from pathlib import Path
 
-from reshard.storage.base import FileReader, FileWriter, Storage
+from reshard.storage.base import FileWriter, ReadRequest, Storage
 
 __all__ = ["LocalStorage"]
 
@@ -52,29 +54,26 @@ class _LocalWriter(FileWriter):
             self.path.unlink()
 
 
-class _LocalReader(FileReader):
-    def __init__(self, path: Path) -> None:
-        # A data file that is a symbolic link could point anywhere: refuse to follow it.
-        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-
-    def read_into(self, offset: int, buffer: memoryview) -> int:
-        view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
-        total = 0
-        while total < len(view):
-            n = os.preadv(self.fd, [view[total:]], offset + total)
-            if n == 0:
-                break
-            total += n
-        return total
-
-    def close(self) -> None:
-        os.close(self.fd)
+def _read_fully(fd: int, offset: int, buffer: memoryview) -> int:
+    view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+    total = 0
+    while total < len(view):
+        n = os.preadv(fd, [view[total:]], offset + total)
+        if n == 0:
+            break
+        total += n
+    return total
 
 
 class LocalStorage(Storage):
-    """A checkpoint directory. ``write_atomic`` writes a temporary file in the same directory, fsyncs
-    it, renames it over the target and fsyncs the directory, so a crash leaves the old file or the new
-    one, never a mix, and never a temp file outside the checkpoint."""
+    """A checkpoint directory.
+
+    Commits write a temporary file in the same directory and fsync it; a replacing commit renames it
+    over the target, a create-only commit hard-links it to the target (which fails if the target exists,
+    atomically) and removes the temporary name; then the directory is fsynced. A crash leaves the old
+    file or the new one, never a mix, and never a temporary file outside the checkpoint. Data files are
+    opened with ``O_NOFOLLOW``: a symbolic link could point anywhere.
+    """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
@@ -89,7 +88,11 @@ class LocalStorage(Storage):
         return (self.root / name).exists()
 
     def size(self, name: str) -> int:
-        return (self.root / name).stat().st_size
+        path = self.root / name
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            raise OSError(errno.ELOOP, "a symbolic link: reshard does not follow links inside a checkpoint", str(path))
+        return info.st_size
 
     def list_files(self, prefix: str = "") -> list[str]:
         base = self.root / prefix if prefix else self.root
@@ -100,6 +103,21 @@ class LocalStorage(Storage):
     def read_bytes(self, name: str) -> bytes:
         return (self.root / name).read_bytes()
 
+    def read_ranges(self, requests: list[ReadRequest]) -> list[int]:
+        fds: dict[str, int] = {}
+        try:
+            out = []
+            for request in requests:
+                fd = fds.get(request.name)
+                if fd is None:
+                    fd = os.open(self.root / request.name, os.O_RDONLY | os.O_NOFOLLOW)
+                    fds[request.name] = fd
+                out.append(_read_fully(fd, request.offset, request.buffer))
+            return out
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
     def prepare_root(self) -> None:
         (self.root / "data").mkdir(parents=True, exist_ok=True)
 
@@ -108,10 +126,7 @@ class LocalStorage(Storage):
         path.parent.mkdir(parents=True, exist_ok=True)
         return _LocalWriter(path)
 
-    def open_reader(self, name: str) -> FileReader:
-        return _LocalReader(self.root / name)
-
-    def write_atomic(self, name: str, data: bytes) -> None:
+    def commit(self, name: str, data: bytes, *, replace: bool) -> None:
         target = self.root / name
         temp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -126,15 +141,16 @@ class LocalStorage(Storage):
             raise
         os.close(fd)
         try:
-            os.replace(temp, target)
-        except BaseException:
+            if replace:
+                os.replace(temp, target)
+            else:
+                os.link(temp, target)  # atomic create-only: FileExistsError if a commit got there first
+        finally:
             temp.unlink(missing_ok=True)
-            raise
         _fsync_dir(target.parent)
 
     def delete(self, name: str) -> None:
         (self.root / name).unlink(missing_ok=True)
 
     def sync_dir(self, name: str) -> None:
-        """fsync a directory so that the files created in it survive a crash."""
         _fsync_dir(self.root / name)

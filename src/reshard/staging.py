@@ -1,0 +1,160 @@
+"""Node-local staging of whole data files for a load (``load(..., staging_dir=...)``).
+
+For storage that is slow to range-read, the ranks of each node download the whole data files that any
+of them needs, once per node, into a node-local directory, and then read locally. The seed report of
+the cloud-resume bug is the trap this avoids: a node must stage every file *any* of its ranks needs
+(tensors and objects whose bytes another rank wrote), and common state needs no file at all here: it
+lives in ``metadata.json``, which the coordinator reads once.
+
+Protocol (two agreement steps over the load's group):
+
+1. every rank sends its node id and the data files it needs; the coordinator forms, per node, the union
+   of the files, and assigns each file to one rank of that node (balancing bytes);
+2. every rank downloads its assigned files: a complete file already in the staging directory is reused
+   after checking its size and every checksum of the boxes and objects in it (a partial one never
+   is); others are downloaded to a temporary name and renamed when complete. When the step returns, every
+   node holds every file its ranks need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import crc32c
+import torch.distributed as dist
+
+from reshard.errors import StorageError
+from reshard.metadata import Metadata
+from reshard.storage import LocalStorage, Storage
+
+if TYPE_CHECKING:
+    from reshard.comm import Communicator
+
+__all__ = ["StagedFiles", "stage_files"]
+
+
+@dataclass
+class StagedFiles:
+    """The result of staging on one rank: where to read, and what this rank put there."""
+
+    storage: Storage
+    directory: Path
+    downloaded: list[str] = field(default_factory=list)
+    reused: list[str] = field(default_factory=list)
+    bytes_downloaded: int = 0
+
+    def remove(self) -> None:
+        """Remove the files this rank staged (downloaded or reused), and empty directories; best effort.
+        Called after every rank finished reading."""
+        for name in [*self.downloaded, *self.reused]:
+            with contextlib.suppress(OSError):
+                (self.directory / name).unlink()
+        for folder in sorted({(self.directory / n).parent for n in [*self.downloaded, *self.reused]}, reverse=True):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def node_id(node_group: dist.ProcessGroup | None) -> str:
+    """This rank's node: the global ranks of ``node_group``, or the hostname."""
+    if node_group is not None:
+        return "group:" + ",".join(map(str, dist.get_process_group_ranks(node_group)))
+    return "host:" + socket.gethostname()
+
+
+def file_is_complete(path: Path, metadata: Metadata, file: int) -> bool:
+    """Whether the local file at ``path`` is a complete copy of data file ``file``: its size, and the
+    checksum of every chunk of every box and object stored in it."""
+    entry = metadata.files[file]
+    try:
+        if os.stat(path, follow_symlinks=False).st_size != entry.size:
+            return False
+        ranges = [
+            (b.byte_offset, b.byte_length, b.checksums)
+            for t in metadata.tensors.values()
+            for b in t.boxes
+            if b.file == file
+        ]
+        ranges += [
+            (e.byte_offset, e.byte_length, e.checksums)
+            for o in metadata.objects.values()
+            for e in o.entries
+            if e.file == file
+        ]
+        chunk = metadata.checksum_chunk_bytes
+        with open(path, "rb", buffering=0) as f:
+            for offset, length, checksums in ranges:
+                for index, expected in enumerate(checksums):
+                    f.seek(offset + index * chunk)
+                    data = f.read(min(chunk, length - index * chunk))
+                    if crc32c.crc32c(data) != expected:
+                        return False
+    except OSError:
+        return False
+    return True
+
+
+def _assign(requests: list[dict[str, Any]], metadata: Metadata) -> list[list[int]]:
+    """On the coordinator: for every node, each needed file goes to one of its ranks (largest files
+    first, to the rank with the fewest bytes so far). Returns the files each rank downloads."""
+    nodes: dict[str, list[int]] = {}
+    for rank, request in enumerate(requests):
+        nodes.setdefault(request["node"], []).append(rank)
+    out: list[list[int]] = [[] for _ in requests]
+    for ranks in nodes.values():
+        files = sorted({f for r in ranks for f in requests[r]["files"]}, key=lambda f: (-metadata.files[f].size, f))
+        load = dict.fromkeys(ranks, 0)
+        for file in files:
+            rank = min(ranks, key=lambda r: (load[r], r))
+            load[rank] += metadata.files[file].size
+            out[rank].append(file)
+    return out
+
+
+def stage_files(
+    comm: Communicator,
+    storage: Storage,
+    metadata: Metadata,
+    needed: set[int],
+    directory: Path,
+    node_group: dist.ProcessGroup | None,
+) -> StagedFiles:
+    """Stage the data files this node needs (collective over the load's group; see the module doc)."""
+    node = node_id(node_group)
+
+    def request() -> dict[str, Any]:
+        return {"node": node, "files": sorted(needed)}
+
+    assignments: list[list[int]] = comm.step("staging plan", request, lambda requests: _assign(requests, metadata))
+    staged = StagedFiles(storage=LocalStorage(directory), directory=directory)
+
+    def download() -> None:
+        for file in assignments[comm.rank]:
+            name = metadata.files[file].path
+            final = directory / name
+            if file_is_complete(final, metadata, file):
+                staged.reused.append(name)
+                continue
+            final.parent.mkdir(parents=True, exist_ok=True)
+            temp = final.with_name(f".{final.name}.part-{uuid.uuid4().hex}")
+            try:
+                storage.download(name, temp)
+                size = os.stat(temp).st_size
+            except BaseException:
+                temp.unlink(missing_ok=True)
+                raise
+            if size != metadata.files[file].size:
+                temp.unlink(missing_ok=True)
+                expected = metadata.files[file].size
+                raise StorageError(f"downloading {storage.describe(name)} gave {size} bytes, metadata says {expected}")
+            os.replace(temp, final)
+            staged.downloaded.append(name)
+            staged.bytes_downloaded += metadata.files[file].size
+
+    comm.step("staging", download)
+    return staged
