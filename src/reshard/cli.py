@@ -99,14 +99,45 @@ def _print_inspect(summary: dict[str, Any]) -> None:
     )
 
 
+def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--storage-option KEY=VALUE`` pairs; values are JSON when they parse as JSON, else strings."""
+    options: dict[str, Any] = {}
+    for item in getattr(args, "storage_option", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CheckpointError(f"--storage-option expects KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options or None
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    metadata = read_metadata(args.path)
+    metadata = read_metadata(args.path, storage_options=_storage_options(args))
     summary = inspect_summary(metadata, args.path)
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         _print_inspect(summary)
+    return 0
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from reshard.maintenance import collect_garbage
+
+    removed = collect_garbage(
+        args.path,
+        dry_run=args.dry_run,
+        min_age_s=args.min_age,
+        include_incomplete=args.incomplete,
+        storage_options=_storage_options(args),
+    )
+    verb = "would remove" if args.dry_run else "removed"
+    for name in removed:
+        sys.stdout.write(f"{verb} {name}\n")
+    sys.stdout.write(f"{verb} {len(removed)} unreferenced data files\n")
     return 0
 
 
@@ -124,16 +155,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"reshard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    storage = argparse.ArgumentParser(add_help=False)
+    storage.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an option for the object-store client (repeatable), e.g. endpoint_url=http://127.0.0.1:9000; "
+        "credentials otherwise come from the client's usual environment and configuration files",
+    )
     inspect = sub.add_parser(
         "inspect",
+        parents=[storage],
         help="show the tensors, dtypes, shapes, boxes and bytes of a checkpoint",
         description="Print, per tensor, its dtype, global shape, number of saved boxes, the grid of box offsets "
         "per axis and its bytes; then objects, common values, totals and the saving layout. Reads only "
         "metadata.json.",
     )
-    inspect.add_argument("path", help="checkpoint directory")
+    inspect.add_argument("path", help="checkpoint directory or URL (file://, s3://bucket/prefix, gs://bucket/prefix)")
     inspect.add_argument("--json", action="store_true", help="print the same facts as JSON")
     inspect.set_defaults(func=_cmd_inspect)
+    gc = sub.add_parser(
+        "gc",
+        parents=[storage],
+        help="remove data files that no commit references (failed or interrupted saves)",
+        description="Remove the data files under PATH/data that metadata.json does not reference: leftovers of "
+        "saves that failed, were interrupted, or lost a race. Files younger than --min-age are kept, since a save "
+        "may still be writing them. Loads ignore such files, so this only frees space.",
+    )
+    gc.add_argument("path", help="checkpoint directory or URL")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    gc.add_argument(
+        "--min-age", type=float, default=3600.0, metavar="SECONDS", help="keep files younger than this (default 3600)"
+    )
+    gc.add_argument(
+        "--incomplete",
+        action="store_true",
+        help="also clean a path with data but no metadata.json (an interrupted save): remove all its data",
+    )
+    gc.set_defaults(func=_cmd_gc)
     demo = sub.add_parser("demo", help="train a small GPT on CPU ranks, save, resume on another layout, train on")
     from reshard.demo.run import build_parser as build_demo_parser
 

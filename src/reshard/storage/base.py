@@ -69,6 +69,10 @@ class Storage(ABC):
     def size(self, name: str) -> int: ...
 
     @abstractmethod
+    def modified_time(self, name: str) -> float:
+        """When ``name`` was last written, in seconds since the epoch."""
+
+    @abstractmethod
     def list_files(self, prefix: str = "") -> list[str]:
         """Relative names of all files under ``prefix`` (recursively), sorted."""
 

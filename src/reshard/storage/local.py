@@ -94,6 +94,9 @@ class LocalStorage(Storage):
             raise OSError(errno.ELOOP, "a symbolic link: reshard does not follow links inside a checkpoint", str(path))
         return info.st_size
 
+    def modified_time(self, name: str) -> float:
+        return os.lstat(self.root / name).st_mtime
+
     def list_files(self, prefix: str = "") -> list[str]:
         base = self.root / prefix if prefix else self.root
         if not base.is_dir():

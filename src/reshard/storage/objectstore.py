@@ -247,6 +247,18 @@ class ObjectStorage(Storage):
         path = self._path(name)
         return int(self.call("sizing", name, lambda: self.fs.info(path)["size"]))
 
+    def modified_time(self, name: str) -> float:
+        path = self._path(name)
+        info = self.call("inspecting", name, lambda: self.fs.info(path))
+        stamp = info.get("LastModified") or info.get("mtime") or info.get("updated")
+        if isinstance(stamp, str):
+            import datetime
+
+            return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+        if stamp is None:
+            raise StorageError(f"{self.describe(name)}: the store reports no modification time")
+        return float(stamp.timestamp())
+
     def list_files(self, prefix: str = "") -> list[str]:
         path = self._path(prefix)
         self.fs.invalidate_cache()
