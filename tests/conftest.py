@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
+from tests.objectstores import FaultProxy, GcsServer, S3Server
 from tests.rankpool import RankPool
+
+# gcsfs (2026.10.1 here) picks its GCSFileSystem class when it is *imported*: unless this variable is "false",
+# ``gcsfs.GCSFileSystem`` is the experimental ExtendedGcsFileSystem, which asks Google's Storage Control
+# gRPC API (over TLS, to the endpoint's host) whether each bucket is zonal/HNS before it reads or writes.
+# Against an emulator that lookup fails its TLS handshake and retries for its full 60 s deadline before
+# falling back, so every first access to a bucket stalls a minute. Must be set before anything imports
+# gcsfs; tests/objectstores.py refuses to start the GCS server if gcsfs was imported with it on.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 class PoolRegistry:
@@ -56,3 +67,59 @@ def pool8(pools: PoolRegistry) -> RankPool:
     """Eight ranks in one gloo group, with subgroups ``first1``, ``first2``, ``first4``, ``lower_half``,
     ``upper_half``."""
     return pools.get(8)
+
+
+# --- Object stores: real S3 and GCS protocol servers on 127.0.0.1 (see tests/objectstores.py) -----------
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """moto's S3 server: ``endpoint_url``, ``storage_options`` (for ``s3fs.S3FileSystem(**...)``),
+    ``options(endpoint_url)``, ``new_bucket()``, ``filesystem(endpoint_url, retries=)``, ``boto3_client()``,
+    ``object_path(bucket, key)``, ``proxy(**kw)``."""
+    from tests.objectstores import start_s3_server
+
+    server = start_s3_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[GcsServer]:
+    """fake-gcs-server (in memory, HTTP): ``endpoint_url``, ``storage_options`` (for
+    ``gcsfs.GCSFileSystem(**...)``), ``options(endpoint_url)``, ``new_bucket()``, ``filesystem(endpoint_url)``,
+    ``object_path(bucket, key)``, ``proxy(**kw)``. The binary is stopped at session end."""
+    from tests.objectstores import start_gcs_server
+
+    server = start_gcs_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def object_store(request: pytest.FixtureRequest) -> S3Server | GcsServer:
+    """Each of the two servers in turn (same interface; ``protocol`` is ``"s3"`` or ``"gs"``)."""
+    server: S3Server | GcsServer = request.getfixturevalue(f"{request.param}_server")
+    return server
+
+
+@pytest.fixture
+def fault_proxy() -> Iterator[Callable[..., FaultProxy]]:
+    """A factory: ``fault_proxy(server_or_url, **kw)`` starts a :class:`FaultProxy` in front of a server (S3-style
+    errors for the S3 server) and stops it when the test ends."""
+    started: list[FaultProxy] = []
+
+    def make(upstream: S3Server | GcsServer | str, **kwargs: Any) -> FaultProxy:
+        proxy = FaultProxy(upstream, **kwargs) if isinstance(upstream, str) else upstream.proxy(**kwargs)
+        started.append(proxy.start())
+        return proxy
+
+    try:
+        yield make
+    finally:
+        for proxy in started:
+            proxy.stop()

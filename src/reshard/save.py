@@ -187,9 +187,13 @@ def _save_to(
         replaced_files.update(_read_previous_files(storage) if overwrite else ())
         storage.sync_dir(DATA_DIR)
         # The commit point: before it the old checkpoint (if any) is intact, after it the new one is.
+        document = metadata.to_json_bytes()
         try:
-            storage.commit(METADATA_FILE, metadata.to_json_bytes(), replace=overwrite)
+            storage.commit(METADATA_FILE, document, replace=overwrite)
         except FileExistsError:
+            # A retried create-only put whose first answer was lost finds its own object: that is a success.
+            if _committed_document(storage) == document:
+                return metadata.to_json_dict()
             raise CheckpointExistsError(
                 f"another save committed a checkpoint at {storage.describe()} while this one was writing; "
                 "this save's data was discarded"
@@ -267,6 +271,14 @@ def _prepare_root(storage: Storage, *, overwrite: bool) -> None:
         storage.prepare_root()
     except OSError as exc:
         raise StorageError(f"cannot create checkpoint directory {storage.describe()}: {exc}") from exc
+
+
+def _committed_document(storage: Storage) -> bytes | None:
+    """The bytes of the committed ``metadata.json``, or None when they cannot be read."""
+    try:
+        return storage.read_bytes(METADATA_FILE)
+    except (OSError, CheckpointError):
+        return None
 
 
 def _read_previous_files(storage: Storage) -> set[str]:

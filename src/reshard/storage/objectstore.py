@@ -131,9 +131,11 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 def _make_filesystem(protocol: str, options: dict[str, Any]) -> Any:
-    """An fsspec filesystem with the client's own retries off (reshard retries, with a known bound)."""
+    """An fsspec filesystem with the client's own retries off (reshard retries, with a known bound) and
+    no instance cache (fsspec's global cache would share clients between unrelated checkpoints)."""
     import fsspec
 
+    options = {**options, "skip_instance_cache": True}
     if protocol in ("gs", "gcs"):
         import os
 
@@ -146,16 +148,16 @@ def _make_filesystem(protocol: str, options: dict[str, Any]) -> Any:
             # GCSFileSystem._request retries 6 times with up to 32 s waits; call the undecorated request.
             _request = getattr(gcsfs.GCSFileSystem._request, "__wrapped__", gcsfs.GCSFileSystem._request)
 
-        return _SingleAttemptGCS(skip_instance_cache=True, **options)
+        return _SingleAttemptGCS(**options)
     if protocol in ("s3", "s3a"):
         merged = dict(options)
         config = dict(merged.get("config_kwargs") or {})
         config.setdefault("retries", {"total_max_attempts": 1})
         merged["config_kwargs"] = config
-        fs = fsspec.filesystem("s3", skip_instance_cache=True, **merged)
+        fs = fsspec.filesystem("s3", **merged)
         fs.retries = 1
         return fs
-    return fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+    return fsspec.filesystem(protocol, **options)
 
 
 class ObjectStorage(Storage):
