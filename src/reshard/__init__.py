@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from reshard._version import __version__
+from reshard.async_save import AsyncCheckpointer, SaveHandle, async_save
 from reshard.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -30,6 +31,7 @@ from reshard.sharding import ShardedObject, ShardedTensor
 logging.getLogger("reshard").addHandler(logging.NullHandler())
 
 __all__ = [
+    "AsyncCheckpointer",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
@@ -39,12 +41,14 @@ __all__ = [
     "LoadStats",
     "Metadata",
     "MismatchError",
+    "SaveHandle",
     "ShardedObject",
     "ShardedTensor",
     "ShardingError",
     "StateDictError",
     "StorageError",
     "__version__",
+    "async_save",
     "load",
     "read_metadata",
     "save",

@@ -1,0 +1,194 @@
+"""Asynchronous save: take a consistent snapshot now, write and commit in the background.
+
+Phase one (the caller's thread, blocking): every tensor of the state dict is copied into a host buffer
+that the :class:`AsyncCheckpointer` owns and reuses from one save to the next (memory touched for the first
+time is slow, so steady-state saves copy into memory that is already mapped); CUDA tensors go to pinned
+buffers with asynchronous copies, then one synchronisation. After this the caller may change its tensors.
+Phase two (a background thread): the ordinary :func:`reshard.save` protocol on the snapshot: planning,
+writing, agreement, commit. :meth:`SaveHandle.wait` joins it and raises its error (on every rank, since
+save agrees on failures); :meth:`SaveHandle.done` polls.
+
+Collectives and the training stream: the background thread runs reshard's collectives on the group you
+give. They must not interleave with the training's own collectives on the same group, so pass a group
+that only checkpointing uses, created once at start-up on every rank, e.g.
+``dist.new_group(backend="gloo")`` (gloo also keeps the traffic off the GPUs' NCCL streams). With
+``group=None`` the default group is used, which is only safe when nothing else issues collectives on it
+while a save is in flight.
+
+A crash while the background thread writes leaves the previous checkpoint intact and the new one
+incomplete (no ``metadata.json``), as with a synchronous save. One save is in flight per checkpointer: a
+new save first finalises the previous one.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reshard.metadata import Metadata
+from reshard.save import save
+from reshard.sharding import ShardedObject, ShardedTensor
+from reshard.statedict import map_leaves
+from reshard.storage import CheckpointLocation
+
+__all__ = ["AsyncCheckpointer", "SaveHandle", "async_save"]
+
+
+class SaveHandle:
+    """A save running in the background. Thread-safe to poll; wait from the thread that started it."""
+
+    def __init__(self, snapshot_seconds: float) -> None:
+        self.snapshot_seconds = snapshot_seconds
+        """How long the caller was blocked taking the snapshot."""
+        self.total_seconds: float | None = None
+        """Snapshot plus background save, once done."""
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._metadata: Metadata | None = None
+        self._reported = False
+        self._thread: threading.Thread | None = None
+
+    def done(self) -> bool:
+        """Whether the background save has finished (successfully or not)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Metadata | None:
+        """Wait for the background save; return the committed metadata.
+
+        Raises the background save's error the first time it is called after a failure (later calls
+        return None), and TimeoutError if ``timeout`` seconds pass first.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the background save did not finish within {timeout} s")
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise self._error
+        return self._metadata
+
+
+class AsyncCheckpointer:
+    """Asynchronous saves of one process, with host snapshot buffers reused across saves.
+
+    Args:
+        group: the process group of the saves (see the module doc: best a gloo group used only for
+            checkpointing).
+        timeout: collective timeout of the background saves.
+
+    Every rank of the group creates one and calls :meth:`save` at the same points.
+    """
+
+    def __init__(
+        self, *, group: dist.ProcessGroup | None = None, timeout: datetime.timedelta | float | None = None
+    ) -> None:
+        self.group = group
+        self.timeout = timeout
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._inflight: SaveHandle | None = None
+
+    def _buffer(self, path: str, source: torch.Tensor) -> torch.Tensor:
+        """The reusable host buffer for the leaf at ``path`` (same shape and dtype as ``source``)."""
+        buffer = self._buffers.get(path)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            pin = source.device.type == "cuda" and torch.cuda.is_available()
+            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=pin)
+            self._buffers[path] = buffer
+        return buffer
+
+    def snapshot(self, state_dict: Any) -> Any:
+        """A copy of ``state_dict`` whose tensors live in this checkpointer's host buffers."""
+        cuda_copies = False
+
+        def copy_tensor(path: str, tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal cuda_copies
+            buffer = self._buffer(path, tensor)
+            cuda = tensor.device.type == "cuda"
+            cuda_copies |= cuda
+            with torch.no_grad():
+                buffer.copy_(tensor.detach(), non_blocking=cuda)
+            return buffer
+
+        def leaf(path: str, value: Any) -> Any:
+            if isinstance(value, ShardedTensor):
+                return dataclasses.replace(value, data=copy_tensor(path, value.data))
+            if isinstance(value, torch.Tensor):
+                return copy_tensor(path, value)
+            if isinstance(value, ShardedObject):
+                return dataclasses.replace(value, value=copy.deepcopy(value.value))
+            return value
+
+        snapshot = map_leaves(state_dict, leaf)
+        if cuda_copies:
+            torch.cuda.synchronize()
+        return snapshot
+
+    def save(
+        self,
+        state_dict: Any,
+        path: CheckpointLocation,
+        *,
+        overwrite: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Snapshot ``state_dict`` and save it to ``path`` in the background. Called by every rank of the
+        group. A previous save of this checkpointer is finalised first (its error, if any, is raised
+        here)."""
+        if self._inflight is not None:
+            previous, self._inflight = self._inflight, None
+            previous.wait()
+        started = time.perf_counter()
+        snapshot = self.snapshot(state_dict)
+        handle = SaveHandle(time.perf_counter() - started)
+
+        def run() -> None:
+            try:
+                handle._metadata = save(
+                    snapshot,
+                    path,
+                    group=self.group,
+                    overwrite=overwrite,
+                    timeout=self.timeout,
+                    storage_options=storage_options,
+                )
+            except BaseException as exc:  # delivered by wait()
+                handle._error = exc
+            finally:
+                handle.total_seconds = time.perf_counter() - started
+                handle._done.set()
+
+        thread = threading.Thread(target=run, name="reshard-async-save", daemon=True)
+        handle._thread = thread
+        self._inflight = handle
+        thread.start()
+        return handle
+
+    def wait(self) -> Metadata | None:
+        """Finalise the save in flight, if any."""
+        if self._inflight is None:
+            return None
+        handle, self._inflight = self._inflight, None
+        return handle.wait()
+
+
+def async_save(
+    state_dict: Any,
+    path: CheckpointLocation,
+    *,
+    group: dist.ProcessGroup | None = None,
+    overwrite: bool = False,
+    timeout: datetime.timedelta | float | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> SaveHandle:
+    """A one-off asynchronous save (fresh snapshot buffers); see :class:`AsyncCheckpointer` to reuse
+    buffers and keep one save in flight at a time. Called by every rank of ``group``."""
+    return AsyncCheckpointer(group=group, timeout=timeout).save(
+        state_dict, path, overwrite=overwrite, storage_options=storage_options
+    )
