@@ -229,3 +229,23 @@ def test_dtype_conversion_on_load(tmp_path: Path, saved: torch.dtype, target: to
     assert torch.equal(out["w"], full[:, 2:].to(target))
     with pytest.raises(reshard.MismatchError, match=r"'w'.*saved dtype .*allow_dtype_cast=False"):
         reshard.load({"w": ShardedTensor("w", dest, (6, 4), (0, 2))}, tmp_path, allow_dtype_cast=False)
+
+
+def test_reads_are_planned_in_pieces_of_bounded_size(tmp_path: Path) -> None:
+    """A load's staging memory is bounded by ``read_buffer_bytes``: big overlaps are read in slabs."""
+    from reshard.planning.load_plan import TargetPiece, plan_load
+
+    full = torch.randn(64, 48)
+    reshard.save({"w": ShardedTensor("w", full, (64, 48), (0, 0))}, tmp_path)
+    metadata = reshard.read_metadata(tmp_path)
+    target = TargetPiece(key="w", box=Box((3, 5), (60, 20)))  # a strided sub-box: rows of 20 of 48 columns
+    plan = plan_load(metadata, [target], max_read_bytes=1024)
+    assert len(plan.items) > 1
+    assert all(item.bytes_read <= 1024 for item in plan.items)
+    assert sum(item.bytes_needed for item in plan.items) == 60 * 20 * 4
+    assert plan.bytes_read <= 1.10 * plan.bytes_needed
+    dest = torch.zeros(60, 20, dtype=torch.float64)  # a dtype conversion: nothing lands directly
+    stats = reshard.LoadStats()
+    out = reshard.load({"w": ShardedTensor("w", dest, (64, 48), (3, 5))}, tmp_path, read_buffer_bytes=1024, stats=stats)
+    assert torch.equal(out["w"], full[3:63, 5:25].double())
+    assert stats.read_requests >= len(plan.items)

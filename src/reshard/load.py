@@ -48,6 +48,9 @@ __all__ = ["LoadStats", "load", "read_metadata"]
 
 logger = logging.getLogger("reshard")
 
+DEFAULT_READ_BUFFER_BYTES = 64 * 1024 * 1024
+"""Bytes of staging buffer a rank uses for reads that cannot land directly in their destination."""
+
 
 @dataclass
 class LoadStats:
@@ -126,6 +129,7 @@ def load(
     stats: LoadStats | None = None,
     allow_dtype_cast: bool = True,
     max_read_amplification: float = DEFAULT_MAX_READ_AMPLIFICATION,
+    read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
     storage_options: dict[str, Any] | None = None,
     staging_dir: str | os.PathLike[str] | None = None,
     keep_staged: bool = False,
@@ -151,6 +155,9 @@ def load(
             fp16 -> fp32, ...); when False a dtype difference raises :class:`~reshard.MismatchError`.
         max_read_amplification: bytes read / bytes needed allowed when merging strided runs into larger
             reads (at least 1.0).
+        read_buffer_bytes: the staging memory of this rank's reads that cannot land directly in their
+            destination (strided overlaps, dtype conversions); reads are planned in pieces of at most
+            this size, so a load's extra memory stays bounded by it whatever the tensor sizes.
         storage_options: passed to the object-store client (see :func:`reshard.save`).
         staging_dir: load through node-local staging: the ranks of each node agree on the whole data
             files any of them needs, each file is downloaded once per node into this directory (a temp
@@ -185,6 +192,7 @@ def load(
             stats=stats,
             allow_dtype_cast=allow_dtype_cast,
             max_read_amplification=max_read_amplification,
+            read_buffer_bytes=read_buffer_bytes,
             started=started,
             staging=_StagingOptions(Path(staging_dir), keep_staged, node_group) if staging_dir is not None else None,
         )
@@ -209,6 +217,7 @@ def _load_from(
     stats: LoadStats | None,
     allow_dtype_cast: bool,
     max_read_amplification: float,
+    read_buffer_bytes: int,
     started: float,
     staging: _StagingOptions | None,
 ) -> Any:
@@ -239,7 +248,11 @@ def _load_from(
             for piece in tensor.pieces():
                 pieces.append(piece)
                 targets.append(TargetPiece(key=tensor.key, box=piece.box))
-        plan_holder.append(plan_load(metadata, targets, max_read_amplification=max_read_amplification))
+        plan_holder.append(
+            plan_load(
+                metadata, targets, max_read_amplification=max_read_amplification, max_read_bytes=read_buffer_bytes
+            )
+        )
 
     comm.step("load planning", plan)
     if missing:
@@ -255,7 +268,9 @@ def _load_from(
         for obj in flat.objects:
             needed.update(e.file for e in metadata.objects[obj.key].entries if e.offset == obj.global_offset)
         staged = stage_files(comm, storage, metadata, needed, staging.directory, staging.node_group)
-    executor = _ReadExecutor(staged.storage if staged is not None else storage, metadata)
+    executor = _ReadExecutor(
+        staged.storage if staged is not None else storage, metadata, buffer_bytes=read_buffer_bytes
+    )
     loaded_objects: dict[tuple[str, tuple[int, ...]], object] = {}
 
     def read() -> None:
@@ -358,10 +373,6 @@ def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool, al
     flat.tensors = present
     flat.objects = present_objects
     return missing
-
-
-DEFAULT_READ_BUFFER_BYTES = 64 * 1024 * 1024
-"""Bytes of staging buffer a rank uses for reads that cannot land directly in their destination."""
 
 
 @dataclass

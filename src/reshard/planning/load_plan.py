@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from reshard.boxes import Box, ReadPattern, read_pattern
 from reshard.metadata import Metadata
 
-__all__ = ["DEFAULT_MAX_READ_AMPLIFICATION", "LoadPlan", "ReadItem", "TargetPiece", "plan_load"]
+__all__ = [
+    "DEFAULT_MAX_READ_AMPLIFICATION",
+    "DEFAULT_MAX_READ_BYTES",
+    "LoadPlan",
+    "ReadItem",
+    "TargetPiece",
+    "plan_load",
+]
 
 DEFAULT_MAX_READ_AMPLIFICATION = 1.10
 """Bytes read / bytes needed allowed when merging strided runs into fewer, larger reads."""
@@ -74,39 +81,67 @@ class LoadPlan:
         return sum(i.requests for i in self.items)
 
 
+DEFAULT_MAX_READ_BYTES = 64 * 1024 * 1024
+"""Largest single read item: bigger overlaps are split along their leading axes, which bounds the
+staging memory of a load (and makes reads of object stores concurrent)."""
+
+
+def _split_overlap(saved: Box, overlap: Box, itemsize: int, max_amplification: float, max_bytes: int) -> list[Box]:
+    """Cut ``overlap`` into consecutive slabs along its first axes so that each slab's read is at most
+    ``max_bytes`` (a slab of one element row is never cut further)."""
+    pattern = read_pattern(saved, overlap, max_amplification=max_amplification)
+    if pattern.read_elements * itemsize <= max_bytes:
+        return [overlap]
+    axis = next((a for a, extent in enumerate(overlap.shape) if extent > 1), None)
+    if axis is None:
+        return [overlap]
+    extent = overlap.shape[axis]
+    parts = min(extent, -(-pattern.read_elements * itemsize // max_bytes))
+    step = -(-extent // parts)
+    out = []
+    for start in range(0, extent, step):
+        size = min(step, extent - start)
+        offset = tuple(o + start if a == axis else o for a, o in enumerate(overlap.offset))
+        shape = tuple(size if a == axis else n for a, n in enumerate(overlap.shape))
+        out.extend(_split_overlap(saved, Box(offset, shape), itemsize, max_amplification, max_bytes))
+    return out
+
+
 def plan_load(
     metadata: Metadata,
     targets: list[TargetPiece],
     *,
     max_read_amplification: float = DEFAULT_MAX_READ_AMPLIFICATION,
+    max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
 ) -> LoadPlan:
     """The reads that fill every target piece from the checkpoint.
 
     The caller has checked that every target's key exists with a matching global shape; saved boxes
     tile their tensor (validated when the metadata was parsed), so every target element is covered by
-    exactly one read.
+    exactly one read. No read item is larger than ``max_read_bytes`` unless a single row of its overlap
+    already is.
     """
     items: list[ReadItem] = []
     for target_index, target in enumerate(targets):
         tensor = metadata.tensors[target.key]
         itemsize = tensor.torch_dtype.itemsize
         for saved_index, saved in enumerate(tensor.boxes):
-            overlap = target.box.intersect(saved.box)
-            if overlap is None:
+            whole = target.box.intersect(saved.box)
+            if whole is None:
                 continue
-            pattern = read_pattern(saved.box, overlap, max_amplification=max_read_amplification)
-            items.append(
-                ReadItem(
-                    target=target_index,
-                    key=target.key,
-                    overlap=overlap,
-                    saved_index=saved_index,
-                    saved_box=saved.box,
-                    file=saved.file,
-                    byte_offset=saved.byte_offset,
-                    itemsize=itemsize,
-                    pattern=pattern,
+            for overlap in _split_overlap(saved.box, whole, itemsize, max_read_amplification, max_read_bytes):
+                items.append(
+                    ReadItem(
+                        target=target_index,
+                        key=target.key,
+                        overlap=overlap,
+                        saved_index=saved_index,
+                        saved_box=saved.box,
+                        file=saved.file,
+                        byte_offset=saved.byte_offset,
+                        itemsize=itemsize,
+                        pattern=read_pattern(saved.box, overlap, max_amplification=max_read_amplification),
+                    )
                 )
-            )
     items.sort(key=lambda i: (i.file, i.byte_offset + i.pattern.first * i.itemsize))
     return LoadPlan(items=tuple(items))
