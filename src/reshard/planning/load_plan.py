@@ -8,6 +8,7 @@ bound (see :func:`reshard.boxes.read_pattern`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from reshard.boxes import Box, ReadPattern, read_pattern
@@ -86,7 +87,9 @@ DEFAULT_MAX_READ_BYTES = 64 * 1024 * 1024
 staging memory of a load (and makes reads of object stores concurrent)."""
 
 
-def _split_overlap(saved: Box, overlap: Box, itemsize: int, max_amplification: float, max_bytes: int) -> list[Box]:
+def _split_overlap(
+    saved: Box, overlap: Box, itemsize: int, max_amplification: float, max_bytes: int, chunk_bytes: int = 0
+) -> list[Box]:
     """Cut ``overlap`` into consecutive slabs along its first axes so that each slab's read is at most
     ``max_bytes`` (a slab of one element row is never cut further)."""
     pattern = read_pattern(saved, overlap, max_amplification=max_amplification)
@@ -98,12 +101,20 @@ def _split_overlap(saved: Box, overlap: Box, itemsize: int, max_amplification: f
     extent = overlap.shape[axis]
     parts = min(extent, -(-pattern.read_elements * itemsize // max_bytes))
     step = -(-extent // parts)
+    row_bytes = math.prod(overlap.shape[axis + 1 :]) * itemsize
+    whole_rows = overlap.shape[axis + 1 :] == saved.shape[axis + 1 :] and all(n == 1 for n in overlap.shape[:axis])
+    if chunk_bytes and whole_rows and row_bytes:
+        # Slabs of whole rows are contiguous: make them whole checksum chunks, so that every chunk a
+        # slab covers can be verified.
+        unit = math.lcm(row_bytes, chunk_bytes) // row_bytes
+        if unit * row_bytes <= max_bytes:
+            step = max(unit, (max_bytes // (unit * row_bytes)) * unit)
     out = []
     for start in range(0, extent, step):
         size = min(step, extent - start)
         offset = tuple(o + start if a == axis else o for a, o in enumerate(overlap.offset))
         shape = tuple(size if a == axis else n for a, n in enumerate(overlap.shape))
-        out.extend(_split_overlap(saved, Box(offset, shape), itemsize, max_amplification, max_bytes))
+        out.extend(_split_overlap(saved, Box(offset, shape), itemsize, max_amplification, max_bytes, chunk_bytes))
     return out
 
 
@@ -129,7 +140,9 @@ def plan_load(
             whole = target.box.intersect(saved.box)
             if whole is None:
                 continue
-            for overlap in _split_overlap(saved.box, whole, itemsize, max_read_amplification, max_read_bytes):
+            for overlap in _split_overlap(
+                saved.box, whole, itemsize, max_read_amplification, max_read_bytes, metadata.checksum_chunk_bytes
+            ):
                 items.append(
                     ReadItem(
                         target=target_index,
