@@ -25,7 +25,7 @@ import crc32c
 import torch
 import torch.distributed as dist
 
-from reshard.boxes import Box
+from reshard.boxes import Box, row_major_strides
 from reshard.codec import decode_object_blob
 from reshard.comm import Communicator
 from reshard.dtypes import byte_view, dtype_name
@@ -48,7 +48,7 @@ __all__ = ["LoadStats", "load", "read_metadata"]
 
 logger = logging.getLogger("reshard")
 
-DEFAULT_READ_BUFFER_BYTES = 64 * 1024 * 1024
+DEFAULT_READ_BUFFER_BYTES = 32 * 1024 * 1024
 """Bytes of staging buffer a rank uses for reads that cannot land directly in their destination."""
 
 
@@ -278,9 +278,12 @@ def _load_from(
             for piece in pieces:
                 if piece.padded_view is not None:
                     piece.padded_view.zero_()
-        executor.run(load_plan, [p.view for p in pieces], [p.box for p in pieces])
-        for obj in flat.objects:
-            loaded_objects[(obj.key, obj.global_offset)] = executor.read_object(obj)
+        try:
+            executor.run(load_plan, [p.view for p in pieces], [p.box for p in pieces])
+            for obj in flat.objects:
+                loaded_objects[(obj.key, obj.global_offset)] = executor.read_object(obj)
+        finally:
+            executor.close()
 
     try:
         comm.step("reading data", read)
@@ -484,6 +487,8 @@ class _ReadExecutor:
             if self._direct(item, dest):
                 batch_direct.append((item, dest))
                 continue
+            if self._copy_mapped(item, dest):
+                continue
             need = -(-item.pattern.count * item.pattern.span * item.itemsize // 64) * 64  # keep dtype views aligned
             if batch_staged and staged_bytes + need > self.buffer_bytes:
                 self._flush(batch_direct, batch_staged, staged_bytes)
@@ -493,9 +498,53 @@ class _ReadExecutor:
         if batch_direct or batch_staged:
             self._flush(batch_direct, batch_staged, staged_bytes)
 
+    def _copy_mapped(self, item: ReadItem, dest: torch.Tensor) -> bool:
+        """Copy a strided overlap straight from the mapped file range into its destination, converting
+        the dtype in the same pass: no per-run read calls and no staging buffer. Chunks lying wholly inside
+        one of the overlap's runs are verified, as with read calls. False where the storage cannot map."""
+        saved = self.metadata.tensors[item.key].boxes[item.saved_index]
+        dtype = self.metadata.tensors[item.key].torch_dtype
+        pattern = item.pattern
+        strides = row_major_strides(saved.shape)
+        first = pattern.first * item.itemsize
+        extent = (1 + sum((n - 1) * st for n, st in zip(item.overlap.shape, strides, strict=True))) * item.itemsize
+        mapped = self.storage.map_range(self.metadata.files[saved.file].path, saved.byte_offset + first, extent)
+        if mapped is None:
+            return False
+        try:
+            source = mapped.tensor.view(dtype).as_strided(item.overlap.shape, strides)
+            span_bytes = pattern.span * item.itemsize
+            if span_bytes >= self.metadata.checksum_chunk_bytes:
+                raw = byte_view(mapped.tensor)
+                what = f"tensor {item.key!r} box at {list(saved.offset)}"
+                for run in pattern.starts():
+                    lo = run * item.itemsize - first
+                    self._verify_range(
+                        saved.checksums,
+                        saved.byte_length,
+                        run * item.itemsize,
+                        raw[lo : lo + span_bytes],
+                        saved.file,
+                        saved.byte_offset,
+                        what,
+                    )
+                del raw  # release the buffer export, so that the mapping can be closed now
+            with torch.no_grad():
+                dest.copy_(source)
+            del source
+        finally:
+            mapped.close()
+        return True
+
+    def close(self) -> None:
+        """Release the staging buffer."""
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
     def _flush(self, direct: list[tuple[ReadItem, torch.Tensor]], staged: list[_Pending], staged_bytes: int) -> None:
         if self.buffer.numel() < staged_bytes:
-            self.buffer = torch.empty(staged_bytes, dtype=torch.uint8)
+            # Allocated once at the batch limit (planning keeps every item within it), so that growing
+            # batches do not leave a trail of freed buffers in the heap.
+            self.buffer = torch.empty(max(staged_bytes, self.buffer_bytes), dtype=torch.uint8)
         staging = byte_view(self.buffer[:staged_bytes]) if staged_bytes else memoryview(b"")
         requests: list[ReadRequest] = []
         whats: list[str] = []

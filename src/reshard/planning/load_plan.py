@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from reshard.boxes import Box, ReadPattern, read_pattern
+from reshard.boxes import Box, ReadPattern, read_pattern, row_major_strides
 from reshard.metadata import Metadata
 
 __all__ = [
@@ -93,13 +93,16 @@ def _split_overlap(
     """Cut ``overlap`` into consecutive slabs along its first axes so that each slab's read is at most
     ``max_bytes`` (a slab of one element row is never cut further)."""
     pattern = read_pattern(saved, overlap, max_amplification=max_amplification)
-    if pattern.read_elements * itemsize <= max_bytes:
+    strides = row_major_strides(saved.shape)
+    extent_elements = 1 + sum((n - 1) * st for n, st in zip(overlap.shape, strides, strict=True))
+    # Bounded by both what is read and the range it spans (what a memory-mapped copy touches).
+    if max(pattern.read_elements, extent_elements) * itemsize <= max_bytes:
         return [overlap]
     axis = next((a for a, extent in enumerate(overlap.shape) if extent > 1), None)
     if axis is None:
         return [overlap]
     extent = overlap.shape[axis]
-    parts = min(extent, -(-pattern.read_elements * itemsize // max_bytes))
+    parts = min(extent, -(-max(pattern.read_elements, extent_elements) * itemsize // max_bytes))
     step = -(-extent // parts)
     row_bytes = math.prod(overlap.shape[axis + 1 :]) * itemsize
     whole_rows = overlap.shape[axis + 1 :] == saved.shape[axis + 1 :] and all(n == 1 for n in overlap.shape[:axis])

@@ -17,8 +17,12 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["FileWriter", "ReadRequest", "Storage"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FileWriter", "MappedRange", "ReadRequest", "Storage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +32,16 @@ class ReadRequest:
     name: str
     offset: int
     buffer: memoryview
+
+
+class MappedRange(ABC):
+    """A mapped byte range of a file. ``tensor`` is a uint8 tensor over it; ``close`` unmaps it, after
+    which the tensor (and any view of it) must not be used."""
+
+    tensor: torch.Tensor
+
+    @abstractmethod
+    def close(self) -> None: ...
 
 
 class FileWriter(ABC):
@@ -123,6 +137,12 @@ class Storage(ABC):
                 out.write(buffer)
             out.flush()
             os.fsync(out.fileno())
+
+    def map_range(self, name: str, offset: int, length: int) -> MappedRange | None:
+        """Bytes ``[offset, offset + length)`` of ``name`` mapped into memory (read-only in use), or None
+        where the backend cannot map files (the default). Close it when done: mapped file pages count
+        towards the process's resident memory while mapped."""
+        return None
 
     def sync_dir(self, name: str) -> None:  # noqa: B027 - optional hook with a default
         """Make the files created under directory ``name`` durable (a directory fsync where the backend

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import stat
 import uuid
 from pathlib import Path
 
-from reshard.storage.base import FileWriter, ReadRequest, Storage
+import torch
+
+from reshard.storage.base import FileWriter, MappedRange, ReadRequest, Storage
 
 __all__ = ["LocalStorage"]
 
@@ -63,6 +66,17 @@ def _read_fully(fd: int, offset: int, buffer: memoryview) -> int:
             break
         total += n
     return total
+
+
+class _LocalMapping(MappedRange):
+    def __init__(self, mapping: mmap.mmap, skip: int, length: int) -> None:
+        self.mapping = mapping
+        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)[skip : skip + length]
+
+    def close(self) -> None:
+        del self.tensor
+        with contextlib.suppress(BufferError):  # a view of the tensor is still alive: the GC unmaps it later
+            self.mapping.close()
 
 
 class LocalStorage(Storage):
@@ -120,6 +134,19 @@ class LocalStorage(Storage):
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+    def map_range(self, name: str, offset: int, length: int) -> MappedRange | None:
+        """A private (copy-on-write, never written) mapping of ``length`` bytes at ``offset``, opened
+        without following symbolic links."""
+        if length <= 0:
+            return None
+        fd = os.open(self.root / name, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY
+            mapping = mmap.mmap(fd, length + offset - start, access=mmap.ACCESS_COPY, offset=start)
+        finally:
+            os.close(fd)
+        return _LocalMapping(mapping, offset - start, length)
 
     def prepare_root(self) -> None:
         (self.root / "data").mkdir(parents=True, exist_ok=True)
