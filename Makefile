@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff check src tests examples benchmarks
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -249,3 +249,19 @@ def test_reads_are_planned_in_pieces_of_bounded_size(tmp_path: Path) -> None:
     out = reshard.load({"w": ShardedTensor("w", dest, (64, 48), (3, 5))}, tmp_path, read_buffer_bytes=1024, stats=stats)
     assert torch.equal(out["w"], full[3:63, 5:25].double())
     assert stats.read_requests >= len(plan.items)
+
+
+def test_zero_copy_same_layout_load_equals_the_copying_path(tmp_path: Path) -> None:
+    """A same-layout load reads straight into the destination; a destination that is not contiguous
+    takes the copying path; both give the same bits."""
+    full = torch.randn(32, 16)
+    reshard.save({"w": ShardedTensor("w", full, (32, 16), (0, 0))}, tmp_path)
+    direct = torch.zeros(32, 16)
+    stats = reshard.LoadStats()
+    reshard.load({"w": ShardedTensor("w", direct, (32, 16), (0, 0))}, tmp_path, stats=stats)
+    assert stats.bytes_direct == stats.bytes_needed == 32 * 16 * 4
+    strided = torch.zeros(16, 32).t()  # the same shape, column-major memory
+    stats = reshard.LoadStats()
+    reshard.load({"w": ShardedTensor("w", strided, (32, 16), (0, 0))}, tmp_path, stats=stats)
+    assert stats.bytes_direct == 0
+    assert torch.equal(direct, full) and torch.equal(strided, full)

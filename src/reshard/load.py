@@ -61,6 +61,7 @@ class LoadStats:
         bytes_read: bytes of tensor data actually read (>= needed: strided runs merged into larger reads).
         read_requests: number of read calls issued for tensor data.
         bytes_verified: bytes whose checksum was verified.
+        bytes_direct: bytes read straight into their destination tensor (no intermediate copy).
         files_downloaded, bytes_downloaded: with staging, the whole data files this rank downloaded for its
             node (each file needed by a node is downloaded by exactly one of its ranks).
         files_reused: with staging, complete files found in the staging directory and reused.
@@ -71,6 +72,7 @@ class LoadStats:
     bytes_read: int = 0
     read_requests: int = 0
     bytes_verified: int = 0
+    bytes_direct: int = 0
     files_downloaded: int = 0
     bytes_downloaded: int = 0
     files_reused: int = 0
@@ -307,6 +309,7 @@ def _load_from(
         stats.bytes_read = load_plan.bytes_read
         stats.read_requests = load_plan.requests
         stats.bytes_verified = executor.bytes_verified
+        stats.bytes_direct = executor.bytes_direct
         if staged is not None:
             stats.files_downloaded = len(staged.downloaded)
             stats.bytes_downloaded = staged.bytes_downloaded
@@ -400,6 +403,7 @@ class _ReadExecutor:
         self.buffer_bytes = buffer_bytes
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.bytes_verified = 0
+        self.bytes_direct = 0
         self.checked_files: set[int] = set()
 
     def _check_file(self, file: int) -> None:
@@ -550,6 +554,7 @@ class _ReadExecutor:
         whats: list[str] = []
         checks: list[tuple[ReadItem, int, memoryview]] = []
         for item, dest in direct:
+            self.bytes_direct += item.bytes_needed
             saved = self.metadata.tensors[item.key].boxes[item.saved_index]
             start = item.pattern.first * item.itemsize
             view = byte_view(dest)

@@ -1,0 +1,1316 @@
+#!/usr/bin/env python
+"""Side-by-side checkpoint benchmark: reshard vs torch.distributed.checkpoint vs Megatron-Core vs torch.save,
+next to the machine's own limits, on one generated GPT-like state, in one run.
+
+    python benchmarks/compare.py                      # about 1 GiB, 2 ranks, 5 repetitions
+    python benchmarks/compare.py --size-gib 0.5 --repeat 3 --json results.json
+    python benchmarks/compare.py --dp-replicas        # also: 4 ranks (TP=2 x DP=2), balanced writers
+
+Ranks are spawned processes joined in a gloo group on 127.0.0.1 (CPU only). Every repetition runs every
+system once, in a rotated order (the systems alternate, so a noisy minute hurts all of them alike); the
+figures are medians over the repetitions. See benchmarks/README.md for what each number means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import queue
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+MiB = 1 << 20
+GiB = 1 << 30
+ALL_SYSTEMS = ("limits", "reshard", "dcp", "megatron", "torch")
+LIMIT_CHUNK = 16 * MiB
+
+# --------------------------------------------------------------------------------------------------------------
+# The state: a GPT-like model, described once, generated identically (as a function of the global index) on
+# every rank and every layout, so that every load can be checked element by element.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One global tensor: its key, global shape, dtype and split axis on the saving (TP) layout.
+
+    ``axis`` None: a small tensor that every rank holds whole (layer norms), saved once."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    axis: int | None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.torch_dtype.itemsize
+
+
+def gpt_specs(size_bytes: int, layers: int, unit: int) -> tuple[list[Spec], int]:
+    """Tensors of a GPT with ``layers`` layers whose total is about ``size_bytes``; returns (specs, hidden).
+
+    Vocabulary-parallel embedding [8h, h] (fp32, split on axis 0), and per layer: column-parallel fused QKV
+    [3h, h] and fc1 [4h, h] (axis 0), row-parallel proj [h, h] and fc2 [h, 4h] (axis 1), two layer norms
+    [h] (replicated). Even layers are fp32, odd layers bf16. The hidden size is a multiple of ``unit`` so
+    that every layout of the run splits every axis evenly."""
+    layer_bytes = [12 * (4 if i % 2 == 0 else 2) for i in range(layers)]  # per h^2
+    per_h2 = 32 + sum(layer_bytes)
+    hidden = max(unit, round(math.sqrt(size_bytes / per_h2) / unit) * unit)
+    h = hidden
+    specs = [Spec("embedding.word_embeddings.weight", (8 * h, h), "float32", 0)]
+    for i in range(layers):
+        dtype = "float32" if i % 2 == 0 else "bfloat16"
+        p = f"decoder.layers.{i}"
+        specs += [
+            Spec(f"{p}.input_layernorm.weight", (h,), dtype, None),
+            Spec(f"{p}.self_attention.linear_qkv.weight", (3 * h, h), dtype, 0),
+            Spec(f"{p}.self_attention.linear_proj.weight", (h, h), dtype, 1),
+            Spec(f"{p}.pre_mlp_layernorm.weight", (h,), dtype, None),
+            Spec(f"{p}.mlp.linear_fc1.weight", (4 * h, h), dtype, 0),
+            Spec(f"{p}.mlp.linear_fc2.weight", (h, 4 * h), dtype, 1),
+        ]
+    specs.append(Spec("decoder.final_layernorm.weight", (h,), "float32", None))
+    return specs, hidden
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a rank's pieces sit: TP index ``index`` of ``parts``; ``flip`` swaps the split axis (0 <-> 1) of
+    every split 2-D tensor; ``replica`` is the DP index (0: primary copy)."""
+
+    parts: int
+    index: int
+    flip: bool = False
+    replica: int = 0
+
+    def axis(self, spec: Spec) -> int | None:
+        if spec.axis is None:
+            return None
+        return 1 - spec.axis if self.flip and len(spec.shape) == 2 else spec.axis
+
+    def box(self, spec: Spec) -> tuple[int | None, tuple[int, ...], tuple[int, ...]]:
+        """(split axis or None, global offset, local shape) of this rank's piece of ``spec``."""
+        axis = self.axis(spec)
+        offset = [0] * len(spec.shape)
+        shape = list(spec.shape)
+        if axis is not None:
+            if spec.shape[axis] % self.parts:
+                raise ValueError(f"{spec.key}: axis {axis} of {spec.shape} does not split into {self.parts}")
+            shape[axis] = spec.shape[axis] // self.parts
+            offset[axis] = shape[axis] * self.index
+        return axis, tuple(offset), tuple(shape)
+
+
+def _value_chunks(spec: Spec, offset: tuple[int, ...], shape: tuple[int, ...]):
+    """Yield (row slice, float32 values) covering the box: a hash of the global linear index, exact in fp32."""
+    seed = zlib.crc32(spec.key.encode()) % 4093
+    ncols = spec.shape[-1] if len(spec.shape) == 2 else 1
+    rows = shape[0]
+    width = shape[1] if len(shape) == 2 else 1
+    step = max(1, (1 << 21) // max(1, width))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        if len(shape) == 2:
+            row_idx = torch.arange(offset[0] + r0, offset[0] + r1, dtype=torch.int64).unsqueeze(1) * ncols
+            lin = row_idx + torch.arange(offset[1], offset[1] + width, dtype=torch.int64).unsqueeze(0)
+        else:
+            lin = torch.arange(offset[0] + r0, offset[0] + r1, dtype=torch.int64)
+        values = ((lin * 40503 + seed) % 4093).to(torch.float32).sub_(2046.0).div_(64.0)
+        yield slice(r0, r1), values
+
+
+def fill_values(out: torch.Tensor, spec: Spec, offset: tuple[int, ...]) -> None:
+    for rows, values in _value_chunks(spec, offset, tuple(out.shape)):
+        out[rows].copy_(values)
+
+
+def check_values(data: torch.Tensor, spec: Spec, offset: tuple[int, ...], what: str) -> None:
+    if data.dtype != spec.torch_dtype:
+        raise AssertionError(f"{what}: {spec.key} has dtype {data.dtype}, expected {spec.torch_dtype}")
+    for rows, values in _value_chunks(spec, offset, tuple(data.shape)):
+        if not torch.equal(data[rows], values.to(spec.torch_dtype)):
+            raise AssertionError(f"{what}: {spec.key} rows {rows.start}..{rows.stop} at {offset} differ from the saved")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Per-process measurement: wall time between barriers, peak RSS above the RSS before the phase, bytes read.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _proc_status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rchar() -> int:
+    """Bytes this process received from read()-family calls (files, page cache included; not sockets)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+class PeakRss:
+    """Peak RSS of this process during a phase.
+
+    Linux keeps a high-water mark (VmHWM) that ``echo 5 > /proc/self/clear_refs`` resets to the current RSS,
+    so the peak of each phase is exact. Where that reset is refused, a sampler thread polls the RSS every
+    millisecond instead (it can miss spikes shorter than that)."""
+
+    def __init__(self) -> None:
+        self.method = "VmHWM reset through /proc/self/clear_refs"
+        try:
+            self._reset_hwm()
+        except OSError:
+            self.method = "RSS sampled every 1 ms"
+        self._stop = threading.Event()
+        self._peak = 0
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _reset_hwm() -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def start(self) -> None:
+        if self.method.startswith("VmHWM"):
+            self._reset_hwm()
+            return
+        self._peak = _rss()
+        self._stop.clear()
+
+        def sample() -> None:
+            while not self._stop.wait(0.001):
+                self._peak = max(self._peak, _rss())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> int:
+        if self.method.startswith("VmHWM"):
+            return _proc_status("VmHWM")
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return max(self._peak, _rss())
+
+
+def _malloc_trim() -> None:
+    """Give freed heap memory back to the OS, so that a phase reusing it still shows up as a rise in RSS."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The rank side: one Worker per spawned process, running the operations the coordinator sends.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _megatron_cpu_save_strategy():
+    """Megatron-Core's ``torch_dist`` save strategy with torch's synchronous DCP save.
+
+    Megatron's own ``TorchDistSaveShardedStrategy.save`` goes through its async writer, whose tensor preloading
+    calls ``torch.cuda.synchronize()`` and fails on a CPU-only build. Megatron's CPU test utilities replace it
+    by the same conversion (MCore ShardedTensors -> torch ShardedTensors, main replicas only) followed by
+    ``torch.distributed.checkpoint.save`` with Megatron's save planner; so does this."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+    class CpuTorchDistSaveStrategy(mcore_torch.TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            grouped, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica
+            )
+            planner = mcore_torch.MCoreSavePlanner(
+                dedup_replicated_tensors=not self.keep_only_main_replica,
+                flatten_state_dict=False,
+                flatten_sharded_tensors=False,
+            )
+            dcp.save(
+                mcore_torch.mcore_to_pyt_state_dict(grouped, False),
+                storage_writer=dcp.FileSystemWriter(checkpoint_dir, sync_files=True),
+                planner=planner,
+            )
+
+    return CpuTorchDistSaveStrategy("torch_dist", 1)
+
+
+class Worker:
+    """One rank. ``scenario``: "main" (saving layout TP=world: saves, same-layout and flipped-axis loads,
+    limits, async, torch.save), "world" (loads only, on TP=world of another size), "dp" (TP x DP saves)."""
+
+    def __init__(self, rank: int, world: int, cfg: dict[str, Any]) -> None:
+        self.rank = rank
+        self.world = world
+        self.cfg = cfg
+        self.specs = [Spec(s["key"], tuple(s["shape"]), s["dtype"], s["axis"]) for s in cfg["specs"]]
+        self.root = Path(cfg["dir"])
+        self.scenario = cfg["scenario"]
+        self.systems = set(cfg["systems"])
+        tp, dp = cfg["tp"], cfg["dp"]
+        self.layout = Layout(tp, rank % tp, False, rank // tp)
+        self.peak = PeakRss()
+        self.mesh = None
+        self.dcp_dims = 1
+        if "dcp" in self.systems:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if dp > 1:
+                self.mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+                self.dcp_dims = 2
+            else:
+                self.mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+        self.megatron = None
+        if "megatron" in self.systems:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                from megatron.core import dist_checkpointing
+
+            self.megatron = dist_checkpointing
+            self.megatron_strategy = _megatron_cpu_save_strategy()
+        # The saving state (main, dp) and the load templates (touched now: memory is reused by every load).
+        self.layouts: dict[str, Layout] = {}
+        self.tensors: dict[str, dict[str, torch.Tensor]] = {}
+        if self.scenario in ("main", "dp"):
+            self._add_layout("state", self.layout, fill=True)
+        if self.scenario == "main":
+            self._add_layout("same", self.layout)
+            self._add_layout("axis", Layout(tp, rank % tp, True))
+            self.share = -(-sum(s.nbytes for s in self.specs) // world)
+            self.scratch = torch.zeros(self.share, dtype=torch.uint8)
+            self.scratch.random_(0, 256)
+            self.memcpy_dst = {k: torch.zeros_like(t) for k, t in self.tensors["state"].items()}
+        if self.scenario == "dp":
+            self.share = -(-sum(s.nbytes for s in self.specs) // world)
+            self.scratch = torch.zeros(self.share, dtype=torch.uint8)
+            self.scratch.random_(0, 256)
+        if self.scenario == "world":
+            self._add_layout("world", self.layout)
+        self.full: dict[str, torch.Tensor] | None = None
+        self.ckpt_group = dist.new_group(backend="gloo")
+        self.async_checkpointer = None
+
+    # --- state and templates -----------------------------------------------------------------------------------
+
+    def _add_layout(self, name: str, layout: Layout, *, fill: bool = False) -> None:
+        self.layouts[name] = layout
+        tensors = {}
+        for spec in self.specs:
+            _, offset, shape = layout.box(spec)
+            t = torch.zeros(shape, dtype=spec.torch_dtype)  # touched: zero pages are real pages now
+            if fill:
+                fill_values(t, spec, offset)
+            tensors[spec.key] = t
+        self.tensors[name] = tensors
+
+    def _reshard_dict(self, name: str) -> dict[str, Any]:
+        import reshard
+
+        layout = self.layouts[name]
+        out: dict[str, Any] = {}
+        for spec in self.specs:
+            t = self.tensors[name][spec.key]
+            axis = layout.axis(spec)
+            if axis is None:
+                out[spec.key] = t
+            else:
+                out[spec.key] = reshard.ShardedTensor.from_rank_offsets(
+                    spec.key, t, (axis, layout.index, layout.parts), replica_id=layout.replica
+                )
+        return out
+
+    def _dcp_dict(self, name: str) -> dict[str, Any]:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        layout = self.layouts[name]
+        out: dict[str, Any] = {}
+        for spec in self.specs:
+            t = self.tensors[name][spec.key]
+            axis = layout.axis(spec)
+            tp_placement = Replicate() if axis is None else Shard(axis)
+            placements = [Replicate(), tp_placement] if self.dcp_dims == 2 else [tp_placement]
+            stride = tuple(math.prod(spec.shape[i + 1 :]) for i in range(len(spec.shape)))
+            out[spec.key] = DTensor.from_local(
+                t, self.mesh, placements, run_check=False, shape=torch.Size(spec.shape), stride=stride
+            )
+        return out
+
+    def _megatron_dict(self, name: str) -> dict[str, Any]:
+        from megatron.core.dist_checkpointing import ShardedTensor as McoreShardedTensor
+
+        layout = self.layouts[name]
+        out: dict[str, Any] = {}
+        for spec in self.specs:
+            t = self.tensors[name][spec.key]
+            axis = layout.axis(spec)
+            if axis is None:
+                out[spec.key] = McoreShardedTensor.from_rank_offsets(spec.key, t, replica_id=self.rank)
+            else:
+                out[spec.key] = McoreShardedTensor.from_rank_offsets(
+                    spec.key, t, (axis, layout.index, layout.parts), replica_id=layout.replica
+                )
+        return out
+
+    def _needed(self, name: str) -> int:
+        return sum(t.nbytes for t in self.tensors[name].values())
+
+    def _verify(self, name: str, tensors: dict[str, torch.Tensor], what: str) -> None:
+        layout = self.layouts[name]
+        for spec in self.specs:
+            _, offset, _ = layout.box(spec)
+            check_values(tensors[spec.key], spec, offset, f"{what} (rank {self.rank})")
+
+    def _zero(self, name: str) -> None:
+        for t in self.tensors[name].values():
+            t.zero_()
+
+    # --- measurement -------------------------------------------------------------------------------------------
+
+    def _measure(self, fn, **extra: Any) -> dict[str, Any]:
+        gc.collect()
+        _malloc_trim()
+        dist.barrier()
+        rss_before = _rss()
+        read_before = _rchar()
+        self.peak.start()
+        started = time.perf_counter()
+        returned = fn()
+        finished = time.perf_counter()
+        dist.barrier()
+        ended = time.perf_counter()
+        peak = self.peak.stop()
+        record = {
+            "seconds": ended - started,
+            "rank_seconds": finished - started,
+            "rss_before": rss_before,
+            "peak_rss_extra": max(0, peak - rss_before),
+            "bytes_read": _rchar() - read_before,
+            **extra,
+        }
+        if isinstance(returned, dict):
+            record.update(returned)
+        return record
+
+    def _fresh(self, path: Path, *, mkdir: bool = False) -> None:
+        """Remove ``path`` (on rank 0, untimed) so that every save writes a new checkpoint."""
+        if self.rank == 0:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+            if mkdir:
+                path.mkdir(parents=True)
+        dist.barrier()
+
+    def _path(self, system: str) -> Path:
+        return self.root / ("dp" if self.scenario == "dp" else "ckpt") / system
+
+    # --- operations --------------------------------------------------------------------------------------------
+
+    def op_info(self) -> dict[str, Any]:
+        return {"rss": _rss(), "peak_method": self.peak.method, "threads": torch.get_num_threads()}
+
+    def op_limits(self, write_only: bool = False) -> dict[str, Any]:
+        """Sequential write (+ fsync) of this rank's share, its read from the page cache, and a memcpy of the
+        rank's state into already-touched memory; all ranks at once, as the checkpoints are written."""
+        directory = self.root / ("dp-limits" if self.scenario == "dp" else "limits")
+        path = directory / f"r{self.rank:05d}.bin"
+        if self.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        source = memoryview(self.scratch.numpy())
+
+        def write() -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for start in range(0, len(source), LIMIT_CHUNK):
+                    view = source[start : start + LIMIT_CHUNK]
+                    while view:
+                        view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        out = {"write": self._measure(write, bytes=self.share)}
+        if write_only:
+            return out
+
+        def read() -> None:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                done = 0
+                while done < len(source):
+                    n = os.preadv(fd, [source[done : done + LIMIT_CHUNK]], done)
+                    if n == 0:
+                        raise OSError(f"{path} is short: {done} bytes")
+                    done += n
+            finally:
+                os.close(fd)
+
+        out["read"] = self._measure(read, bytes=self.share)
+        state, dst = self.tensors["state"], self.memcpy_dst
+
+        def memcpy() -> None:
+            with torch.no_grad():
+                for key, t in state.items():
+                    dst[key].copy_(t)
+
+        out["memcpy"] = self._measure(memcpy, bytes=sum(t.nbytes for t in state.values()))
+        return out
+
+    def op_save(self, system: str) -> dict[str, Any]:
+        path = self._path(system)
+        if system == "reshard":
+            import reshard
+
+            sd = self._reshard_dict("state")
+            self._fresh(path)
+            return self._measure(lambda: reshard.save(sd, path, group=None) and None)
+        if system == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            sd = self._dcp_dict("state")
+            self._fresh(path)
+            return self._measure(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, sync_files=True)))
+        if system == "megatron":
+            sd = self._megatron_dict("state")
+            self._fresh(path, mkdir=True)
+            return self._measure(lambda: self.megatron.save(sd, str(path), sharded_strategy=self.megatron_strategy))
+        raise ValueError(system)
+
+    def op_load(self, system: str, name: str, verify: bool) -> dict[str, Any]:
+        path = self._path(system)
+        if verify:
+            self._zero(name)
+        needed = self._needed(name)
+        if system == "reshard":
+            import reshard
+
+            sd = self._reshard_dict(name)
+            stats = reshard.LoadStats()
+            options = {}
+            if self.cfg.get("read_buffer_bytes"):
+                options["read_buffer_bytes"] = self.cfg["read_buffer_bytes"]
+            record = self._measure(lambda: reshard.load(sd, path, stats=stats, **options) and None, bytes_needed=needed)
+            record.update(
+                stats_bytes_needed=stats.bytes_needed,
+                stats_bytes_read=stats.bytes_read,
+                stats_read_requests=stats.read_requests,
+                stats_bytes_verified=stats.bytes_verified,
+            )
+            loaded = self.tensors[name]
+        elif system == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            sd = self._dcp_dict(name)
+            record = self._measure(lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(path)), bytes_needed=needed)
+            loaded = self.tensors[name]
+        elif system == "megatron":
+            sd = self._megatron_dict(name)
+            result: dict[str, Any] = {}
+            record = self._measure(lambda: result.update(self.megatron.load(sd, str(path))), bytes_needed=needed)
+            loaded = {k: result[k] for k in self.tensors[name]}
+            record["in_place"] = all(
+                loaded[k].data_ptr() == t.data_ptr() for k, t in self.tensors[name].items() if t.numel()
+            )
+        else:
+            raise ValueError(system)
+        if verify:
+            self._verify(name, loaded, f"{system} load {name}")
+        return record
+
+    def op_async(self, first: bool) -> dict[str, Any]:
+        import reshard
+
+        if self.async_checkpointer is None:
+            self.async_checkpointer = reshard.AsyncCheckpointer(group=self.ckpt_group)
+        checkpointer = self.async_checkpointer
+        path = self._path("reshard-async")
+        sd = self._reshard_dict("state")
+        self._fresh(path)
+
+        def run() -> dict[str, Any]:
+            started = time.perf_counter()
+            handle = checkpointer.save(sd, path)
+            blocked = time.perf_counter() - started
+            handle.wait()
+            return {"block_seconds": blocked, "snapshot_seconds": handle.snapshot_seconds, "first": first}
+
+        return self._measure(run)
+
+    def op_torch_save(self) -> dict[str, Any]:
+        """torch.save of the gathered (whole) state by rank 0, flushed and fsynced."""
+        path = self._path("torch.pt")
+        if self.rank == 0 and self.full is None:
+            self.full = {}
+            for spec in self.specs:
+                t = torch.empty(spec.shape, dtype=spec.torch_dtype)
+                fill_values(t, spec, (0,) * len(spec.shape))
+                self.full[spec.key] = t
+        self._fresh(path)
+
+        def save() -> None:
+            if self.rank == 0:
+                with open(path, "wb") as f:
+                    torch.save(self.full, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+        return self._measure(save)
+
+    def op_torch_load(self, verify: bool) -> dict[str, Any]:
+        """Every rank torch.loads the whole file and copies its own piece into its (same-layout) targets."""
+        path = self._path("torch.pt")
+        name = "same"
+        if verify:
+            self._zero(name)
+        layout, targets = self.layouts[name], self.tensors[name]
+
+        def load() -> None:
+            full = torch.load(path, weights_only=True)
+            with torch.no_grad():
+                for spec in self.specs:
+                    _, offset, shape = layout.box(spec)
+                    index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+                    targets[spec.key].copy_(full[spec.key][index])
+            del full
+
+        record = self._measure(load, bytes_needed=self._needed(name))
+        if verify:
+            self._verify(name, targets, "torch.load")
+        return record
+
+    def op_accounting(self, name: str) -> dict[str, Any]:
+        """Untimed: reshard's read accounting of one resharded load, per kind of change (saved split axis ->
+        target split axis), each kind loaded on its own."""
+        import reshard
+
+        layout = self.layouts[name]
+        full = self._reshard_dict(name)
+        groups: dict[str, list[str]] = {}
+        for spec in self.specs:
+            target = layout.axis(spec)
+            label = "replicated" if spec.axis is None else f"axis{spec.axis}->axis{target}"
+            groups.setdefault(label, []).append(spec.key)
+        out = {}
+        for label, keys in sorted(groups.items()):
+            stats = reshard.LoadStats()
+            reshard.load({k: full[k] for k in keys}, self._path("reshard"), stats=stats)
+            out[label] = {
+                "bytes_needed": stats.bytes_needed,
+                "bytes_read": stats.bytes_read,
+                "read_requests": stats.read_requests,
+            }
+        return out
+
+
+def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], tasks: Any, results: Any) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(cfg["threads"])
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg["collective_timeout"])
+        )
+        worker = Worker(rank, world, cfg)
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    results.put((rank, "ok", worker.op_info()))
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            op, kwargs = task
+            try:
+                results.put((rank, "ok", getattr(worker, f"op_{op}")(**kwargs)))
+            except BaseException:
+                results.put((rank, "error", traceback.format_exc()))
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The coordinator side.
+# --------------------------------------------------------------------------------------------------------------
+
+
+class BenchmarkError(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Pool:
+    """``world`` spawned ranks in one gloo group, reused for every repetition."""
+
+    def __init__(self, name: str, world: int, cfg: dict[str, Any], timeout: float) -> None:
+        self.name = name
+        self.world = world
+        self.timeout = timeout
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        port = _free_port()
+        self.procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, world, port, cfg, self.tasks[rank], self.results),
+                name=f"{name}-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+        self.info: list[Any] = []
+        self.closed = False
+
+    def wait_ready(self) -> None:
+        """Wait until every rank has joined the group and built its state."""
+        self.info = self._collect("start-up")
+
+    def call(self, op: str, **kwargs: Any) -> list[Any]:
+        for q in self.tasks:
+            q.put((op, kwargs))
+        return self._collect(op)
+
+    def _collect(self, op: str) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        got = 0
+        deadline = time.monotonic() + self.timeout
+        while got < self.world:
+            try:
+                rank, status, value = self.results.get(timeout=2.0)
+            except queue.Empty:
+                dead = [p for p in self.procs if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    why = f"{dead[0].name} exited with {dead[0].exitcode}" if dead else f"no answer in {self.timeout} s"
+                    self.close(force=True)
+                    raise BenchmarkError(f"{self.name}: {op}: {why}") from None
+                continue
+            if status == "error":
+                self.close(force=True)
+                raise BenchmarkError(f"{self.name}: rank {rank} failed in {op}:\n{value}")
+            out[rank] = value
+            got += 1
+        return out
+
+    def close(self, *, force: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=30)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+
+
+# --- statistics and report ------------------------------------------------------------------------------------
+
+
+def _phase_summary(reps: list[list[dict[str, Any]]], nbytes: int) -> dict[str, Any]:
+    walls = [max(r["seconds"] for r in rep) for rep in reps]
+    median = statistics.median(walls)
+    world = len(reps[0])
+    summary: dict[str, Any] = {
+        "seconds_median": median,
+        "seconds_all": walls,
+        "bytes": nbytes,
+        "gb_per_s": nbytes / median / 1e9 if median > 0 else None,
+        "peak_rss_extra_per_rank": [max(rep[r]["peak_rss_extra"] for rep in reps) for r in range(world)],
+        "bytes_read_per_rank": [reps[-1][r]["bytes_read"] for r in range(world)],
+        "ranks": world,
+    }
+    if "bytes_needed" in reps[0][0]:
+        summary["bytes_needed_per_rank"] = [reps[-1][r]["bytes_needed"] for r in range(world)]
+    if "stats_bytes_read" in reps[0][0]:
+        for field in ("stats_bytes_needed", "stats_bytes_read", "stats_read_requests", "stats_bytes_verified"):
+            summary[field.removeprefix("stats_") + "_per_rank_reshard"] = [reps[-1][r][field] for r in range(world)]
+    if "block_seconds" in reps[0][0]:
+        blocks = [max(r["block_seconds"] for r in rep) for rep in reps]
+        summary["block_seconds_median"] = statistics.median(blocks)
+        summary["block_seconds_all"] = blocks
+    if "in_place" in reps[0][0]:
+        summary["in_place"] = all(r["in_place"] for rep in reps for r in rep)
+    return summary
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / MiB:.1f}"
+
+
+def _ratio_rows(phases: dict[str, dict[str, Any]], accounting: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+
+    def seconds(name: str) -> float | None:
+        p = phases.get(name)
+        return p["seconds_median"] if p else None
+
+    def gbps(name: str) -> float | None:
+        p = phases.get(name)
+        return p["gb_per_s"] if p else None
+
+    def add(name: str, num: float | None, den: float | None, op: str, target: float | None, note: str = "") -> None:
+        value = num / den if num is not None and den else None
+        passed = None
+        if value is not None and target is not None:
+            passed = {"<=": value <= target + 1e-9, ">=": value >= target - 1e-9, "<": value < target}[op]
+        rows.append(
+            {
+                "name": name,
+                "value": value,
+                "target": None if target is None else f"{op} {target:g}",
+                "pass": passed,
+                "note": note,
+            }
+        )
+
+    add("save: reshard GB/s / fsync'ed write GB/s", gbps("reshard.save"), gbps("limit.write"), ">=", 0.9)
+    add("save: reshard time / DCP time", seconds("reshard.save"), seconds("dcp.save"), "<=", None)
+    add("save: reshard time / Megatron time", seconds("reshard.save"), seconds("megatron.save"), "<=", None)
+    add("save: reshard time / torch.save time", seconds("reshard.save"), seconds("torch.save"), "<=", None)
+    add("load same: reshard time / DCP time", seconds("reshard.load_same"), seconds("dcp.load_same"), "<=", 0.5)
+    add("load same: reshard GB/s / page-cache read GB/s", gbps("reshard.load_same"), gbps("limit.read"), ">=", 0.5)
+    add(
+        "load same: reshard time / Megatron time",
+        seconds("reshard.load_same"),
+        seconds("megatron.load_same"),
+        "<=",
+        None,
+    )
+    add("load same: reshard time / torch.load time", seconds("reshard.load_same"), seconds("torch.load"), "<=", None)
+    for scenario, label in (("load_axis", "split axis flipped"), ("load_world", "world size changed")):
+        add(
+            f"load {label}: reshard time / DCP time",
+            seconds(f"reshard.{scenario}"),
+            seconds(f"dcp.{scenario}"),
+            "<=",
+            0.5,
+        )
+        add(
+            f"load {label}: reshard time / Megatron time",
+            seconds(f"reshard.{scenario}"),
+            seconds(f"megatron.{scenario}"),
+            "<=",
+            None,
+        )
+        p = phases.get(f"reshard.{scenario}")
+        if p:
+            add(
+                f"load {label}: reshard bytes read / needed (all tensors)",
+                sum(p["bytes_read_per_rank_reshard"]),
+                sum(p["bytes_needed_per_rank_reshard"]),
+                "<=",
+                1.10,
+            )
+        for system in ("dcp", "megatron"):
+            q = phases.get(f"{system}.{scenario}")
+            if q:
+                add(
+                    f"load {label}: {system} bytes read / needed (read syscalls)",
+                    sum(q["bytes_read_per_rank"]),
+                    sum(q["bytes_needed_per_rank"]),
+                    "<=",
+                    None,
+                )
+        for group, stats in sorted(accounting.get(scenario, {}).items()):
+            exact = group in ("axis0->axis0", "replicated")
+            add(
+                f"load {label}: reshard bytes read / needed, {group}",
+                stats["bytes_read"],
+                stats["bytes_needed"],
+                "<=",
+                1.0 if exact else 1.10,
+                "axis-0 change: must be exact" if group == "axis0->axis0" else "",
+            )
+    add(
+        "async: blocking time / memcpy of the state",
+        _get(phases, "reshard.async", "block_seconds_median"),
+        seconds("limit.memcpy"),
+        "<=",
+        1.3,
+    )
+    add(
+        "async: blocking time / synchronous save",
+        _get(phases, "reshard.async", "block_seconds_median"),
+        seconds("reshard.save"),
+        "<=",
+        0.15,
+    )
+    add(
+        "async (first save): blocking time / memcpy",
+        _get(phases, "reshard.async_first", "block_seconds_median"),
+        seconds("limit.memcpy"),
+        "<=",
+        None,
+        "buffers touched for the first time",
+    )
+    add(
+        "async: total time / synchronous save",
+        _get(phases, "reshard.async", "seconds_median"),
+        seconds("reshard.save"),
+        "<=",
+        None,
+    )
+    loads = [k for k in phases if k.startswith("reshard.load")]
+    if loads:
+        worst = max(max(phases[k]["peak_rss_extra_per_rank"]) for k in loads)
+        add("load: reshard extra peak RSS per rank (MiB, worst load)", worst / MiB, 1.0, "<=", 64)
+    add(
+        "DP=2 save: reshard time / DCP time",
+        seconds("dp.reshard.save"),
+        seconds("dp.dcp.save"),
+        "<",
+        1.0,
+        "balanced writers",
+    )
+    add(
+        "DP=2 save: reshard time / Megatron time",
+        seconds("dp.reshard.save"),
+        seconds("dp.megatron.save"),
+        "<",
+        1.0,
+        "balanced writers",
+    )
+    add("DP=2 save: reshard GB/s / fsync'ed write GB/s", gbps("dp.reshard.save"), gbps("dp.limit.write"), ">=", None)
+    return rows
+
+
+def _get(phases: dict[str, Any], name: str, field: str) -> float | None:
+    p = phases.get(name)
+    return p.get(field) if p else None
+
+
+def _print_report(report: dict[str, Any], out) -> None:
+    cfg = report["config"]
+    print(file=out)
+    print(
+        f"state: {report['state']['bytes'] / GiB:.3f} GiB in {report['state']['tensors']} tensors "
+        f"(hidden {report['state']['hidden']}, {cfg['layers']} layers, fp32/bf16); saved on {cfg['ranks']} ranks, "
+        f"resharded load on {cfg['load_world']} ranks; {cfg['repeat']} repetitions, medians; page cache warm",
+        file=out,
+    )
+    header = (
+        f"{'phase':<22}{'median s':>10}{'GB/s':>8}{'blocks s':>10}{'peak RSS +MiB':>15}{'read MiB':>11}"
+        f"{'needed MiB':>12}{'read/need':>11}"
+    )
+    print(header, file=out)
+    print(f"{'':<50}{'(max over ranks, per rank)':>38}", file=out)
+    print("-" * len(header), file=out)
+    for name, p in report["phases"].items():
+        rss = f"{max(p['peak_rss_extra_per_rank']) / MiB:.1f}"
+        read = need = amp = ""
+        if "bytes_needed_per_rank" in p:
+            read = _fmt_bytes(max(p["bytes_read_per_rank"]))
+            need = _fmt_bytes(max(p["bytes_needed_per_rank"]))
+            if sum(p["bytes_needed_per_rank"]):
+                amp = f"{sum(p['bytes_read_per_rank']) / sum(p['bytes_needed_per_rank']):.2f}"
+        gb = f"{p['gb_per_s']:.3f}" if p.get("gb_per_s") else ""
+        block = f"{p['block_seconds_median']:.3f}" if "block_seconds_median" in p else ""
+        print(
+            f"{name:<22}{p['seconds_median']:>10.3f}{gb:>8}{block:>10}{rss:>15}{read:>11}{need:>12}{amp:>11}",
+            file=out,
+        )
+    if report["accounting"]:
+        print(file=out)
+        print("reshard read accounting per kind of change (LoadStats, summed over ranks):", file=out)
+        for scenario, groups in report["accounting"].items():
+            for group, s in sorted(groups.items()):
+                amp = s["bytes_read"] / s["bytes_needed"] if s["bytes_needed"] else 1.0
+                print(
+                    f"  {scenario:<11}{group:<15} needed {_fmt_bytes(s['bytes_needed']):>9} MiB, read "
+                    f"{_fmt_bytes(s['bytes_read']):>9} MiB ({amp:.3f}) in {s['read_requests']} requests",
+                    file=out,
+                )
+    coverage = []
+    for name, p in report["phases"].items():
+        if "bytes_verified_per_rank_reshard" in p and sum(p["bytes_read_per_rank_reshard"]):
+            share = sum(p["bytes_verified_per_rank_reshard"]) / sum(p["bytes_read_per_rank_reshard"])
+            coverage.append(f"{name.removeprefix('reshard.')} {share:.0%}")
+    if coverage:
+        print(f"reshard checksum coverage (bytes verified / bytes read): {', '.join(coverage)}", file=out)
+    print(file=out)
+    print(f"{'ratio':<72}{'value':>9}  {'target':<9} result", file=out)
+    for row in report["ratios"]:
+        if row["value"] is None:
+            continue
+        result = "" if row["pass"] is None else ("PASS" if row["pass"] else "MISS")
+        note = f"  ({row['note']})" if row["note"] else ""
+        print(f"{row['name']:<72}{row['value']:>9.3f}  {row['target'] or '':<9} {result}{note}", file=out)
+    for system, why in report["skipped"].items():
+        print(f"skipped: {system}: {why}", file=out)
+    for line in report["notes"]:
+        print(f"note: {line}", file=out)
+
+
+def _machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+    }
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        info["memory_gib"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(Exception):
+        import reshard
+
+        info["reshard"] = reshard.__version__
+    return info
+
+
+def _megatron_available() -> tuple[bool, str]:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import megatron.core
+            from megatron.core import dist_checkpointing  # noqa: F401
+            from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+        for name in (
+            "TorchDistSaveShardedStrategy",
+            "MCoreSavePlanner",
+            "_replace_state_dict_keys_with_sharded_keys",
+            "mcore_to_pyt_state_dict",
+        ):
+            if not hasattr(mcore_torch, name):
+                return False, f"megatron-core {megatron.core.__version__} lacks {name}"
+        return True, f"megatron-core {megatron.core.__version__}"
+    except Exception as exc:
+        return False, f"megatron-core is not importable ({type(exc).__name__}: {exc})"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--size-gib", type=float, default=1.0, help="total size of the generated state (default 1.0)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks of the saving layout, TP=ranks (default 2)")
+    p.add_argument(
+        "--load-world",
+        type=int,
+        default=None,
+        help="world size of the world-size-change load (default 2 x ranks; 1 also works)",
+    )
+    p.add_argument("--layers", type=int, default=8, help="transformer layers of the generated state (default 8)")
+    p.add_argument("--repeat", type=int, default=5, help="repetitions; medians are quoted (default 5)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where checkpoints go (default: a new temporary directory in the current directory, "
+        "so on the disk of the working tree; removed afterwards)",
+    )
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints directory")
+    p.add_argument("--json", type=Path, default=None, help="write every figure to this JSON file")
+    p.add_argument(
+        "--systems",
+        default=",".join(ALL_SYSTEMS),
+        help=f"comma-separated subset of {','.join(ALL_SYSTEMS)} (default all; megatron is skipped "
+        "when megatron-core is not installed)",
+    )
+    p.add_argument(
+        "--dp-replicas",
+        action="store_true",
+        help="also save on 2 x ranks ranks with DP=2 replicas (TP=ranks), every system, to measure balanced writers",
+    )
+    p.add_argument(
+        "--read-buffer-mib",
+        type=float,
+        default=None,
+        help="reshard.load(read_buffer_bytes=...) in MiB (default: the library's default)",
+    )
+    p.add_argument("--no-verify", action="store_true", help="skip checking the loaded values (first repetition)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cpus // ranks, >= 1)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds any one operation may take (default 1800)")
+    args = p.parse_args(argv)
+    if args.load_world is None:
+        args.load_world = 2 * args.ranks
+    if args.repeat < 1 or args.ranks < 1 or args.load_world < 1:
+        p.error("--repeat, --ranks and --load-world must be at least 1")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(ALL_SYSTEMS))
+    if unknown:
+        p.error(f"unknown systems {unknown}; choose from {','.join(ALL_SYSTEMS)}")
+    args.systems = [s for s in ALL_SYSTEMS if s in systems]
+    return args
+
+
+def _lcm(*values: int) -> int:
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    notes: list[str] = []
+    skipped: dict[str, str] = {}
+    systems = list(args.systems)
+    if "megatron" in systems:
+        ok, why = _megatron_available()
+        if not ok:
+            systems.remove("megatron")
+            skipped["megatron"] = why
+            print(f"megatron: skipped: {why} (install the benchmark extra: pip install -e '.[bench]')", file=sys.stderr)
+        else:
+            notes.append(
+                f"{why}: saved through its torch_dist strategy with torch's synchronous DCP save "
+                "(torch.distributed.checkpoint.save + Megatron's MCoreSavePlanner), as Megatron's CPU test utilities "
+                "do; its default async writer calls torch.cuda.synchronize() and cannot run on CPU"
+            )
+    if "reshard" in systems:
+        import reshard
+
+        if not hasattr(reshard, "AsyncCheckpointer"):
+            skipped["reshard.async"] = "reshard.AsyncCheckpointer is not available in this reshard"
+            print("reshard async save: not available (no reshard.AsyncCheckpointer)", file=sys.stderr)
+    unit = _lcm(64, args.ranks, args.load_world, 2 * args.ranks)
+    specs, hidden = gpt_specs(int(args.size_gib * GiB), args.layers, unit)
+    total = sum(s.nbytes for s in specs)
+    own_dir = args.dir is None
+    root = Path(tempfile.mkdtemp(prefix=".reshard-bench-", dir=os.getcwd())) if own_dir else args.dir
+    root.mkdir(parents=True, exist_ok=True)
+    cpus = os.cpu_count() or 1
+    threads = args.threads or max(1, cpus // args.ranks)
+    base_cfg = {
+        "specs": [asdict(s) for s in specs],
+        "dir": str(root),
+        "threads": threads,
+        "collective_timeout": args.timeout,
+        "read_buffer_bytes": int(args.read_buffer_mib * MiB) if args.read_buffer_mib else None,
+    }
+    verify = not args.no_verify
+    raw: dict[str, list[list[dict[str, Any]]]] = {}
+    phase_bytes: dict[str, int] = {}
+    accounting: dict[str, Any] = {}
+    pools: list[Pool] = []
+
+    def record(name: str, results: list[dict[str, Any]], nbytes: int) -> None:
+        raw.setdefault(name, []).append(results)
+        phase_bytes[name] = nbytes
+        wall = max(r["seconds"] for r in results)
+        extra = f" (blocks {max(r['block_seconds'] for r in results):.3f} s)" if "block_seconds" in results[0] else ""
+        print(f"  {name:<24} {wall:8.3f} s{extra}", file=sys.stderr)
+
+    def needed_total(results: list[dict[str, Any]]) -> int:
+        return sum(r["bytes_needed"] for r in results)
+
+    try:
+        print(f"state: {total / GiB:.3f} GiB, {len(specs)} tensors, hidden {hidden}; dir {root}", file=sys.stderr)
+        main_systems = [s for s in systems if s != "limits"] + (["limits"] if "limits" in systems else [])
+        cfg = {**base_cfg, "scenario": "main", "tp": args.ranks, "dp": 1, "systems": systems}
+        # Every pool starts at once (importing torch and building the state is the slow part of a small run);
+        # nothing is measured before all of them are ready.
+        main = Pool("main", args.ranks, cfg, args.timeout)
+        pools.append(main)
+        world_pool = None
+        world_systems = [s for s in systems if s in ("reshard", "dcp", "megatron")]
+        if world_systems:
+            wcfg = {
+                **base_cfg,
+                "scenario": "world",
+                "tp": args.load_world,
+                "dp": 1,
+                "systems": world_systems,
+                "threads": args.threads or max(1, cpus // args.load_world),
+            }
+            world_pool = Pool("world", args.load_world, wcfg, args.timeout)
+            pools.append(world_pool)
+        dp_pool = None
+        dp_systems = [s for s in systems if s in ("limits", "reshard", "dcp", "megatron")]
+        if args.dp_replicas and dp_systems:
+            dcfg = {
+                **base_cfg,
+                "scenario": "dp",
+                "tp": args.ranks,
+                "dp": 2,
+                "systems": dp_systems,
+                "threads": args.threads or max(1, cpus // (2 * args.ranks)),
+            }
+            dp_pool = Pool("dp", 2 * args.ranks, dcfg, args.timeout)
+            pools.append(dp_pool)
+        for pool in pools:
+            pool.wait_ready()
+        peak_method = main.info[0]["peak_method"]
+        order = [s for s in ALL_SYSTEMS if s in main_systems]
+        for rep in range(args.repeat):
+            rotated = order[rep % len(order) :] + order[: rep % len(order)]
+            check = verify and rep == 0
+            print(f"repetition {rep + 1}/{args.repeat}: {', '.join(rotated)}", file=sys.stderr)
+            for system in rotated:
+                if system == "limits":
+                    lim = main.call("limits")
+                    record("limit.write", [r["write"] for r in lim], total)
+                    record("limit.read", [r["read"] for r in lim], sum(r["read"]["bytes"] for r in lim))
+                    record("limit.memcpy", [r["memcpy"] for r in lim], sum(r["memcpy"]["bytes"] for r in lim))
+                    continue
+                if system == "torch":
+                    record("torch.save", main.call("torch_save"), total)
+                    res = main.call("torch_load", verify=check)
+                    record("torch.load", res, needed_total(res))
+                    continue
+                record(f"{system}.save", main.call("save", system=system), total)
+                res = main.call("load", system=system, name="same", verify=check)
+                record(f"{system}.load_same", res, needed_total(res))
+                res = main.call("load", system=system, name="axis", verify=check)
+                record(f"{system}.load_axis", res, needed_total(res))
+                if world_pool is not None:
+                    res = world_pool.call("load", system=system, name="world", verify=check)
+                    record(f"{system}.load_world", res, needed_total(res))
+                if system == "reshard" and "reshard.async" not in skipped:
+                    if rep == 0:
+                        record("reshard.async_first", main.call("async", first=True), total)
+                    record("reshard.async", main.call("async", first=False), total)
+        if "reshard" in systems:
+            accounting["load_axis"] = _sum_accounting(main.call("accounting", name="axis"))
+            if world_pool is not None:
+                accounting["load_world"] = _sum_accounting(world_pool.call("accounting", name="world"))
+        main.close()
+        if world_pool is not None:
+            world_pool.close()
+        if dp_pool is not None:
+            for rep in range(args.repeat):
+                rotated = dp_systems[rep % len(dp_systems) :] + dp_systems[: rep % len(dp_systems)]
+                print(f"DP=2 repetition {rep + 1}/{args.repeat}: {', '.join(rotated)}", file=sys.stderr)
+                for system in rotated:
+                    if system == "limits":
+                        record("dp.limit.write", [r["write"] for r in dp_pool.call("limits", write_only=True)], total)
+                    else:
+                        record(f"dp.{system}.save", dp_pool.call("save", system=system), total)
+            dp_pool.close()
+        pools.clear()
+    finally:
+        for pool in pools:
+            pool.close(force=True)
+        if own_dir and not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+    phases = {name: _phase_summary(reps, phase_bytes[name]) for name, reps in raw.items()}
+    fsync = {
+        "limits": "the write limit fsyncs its file",
+        "reshard": "reshard fsyncs each data file, the data directory, metadata.json and the checkpoint directory",
+        "dcp": "DCP (FileSystemWriter, sync_files=True, its default) fsyncs each data file and .metadata, not the "
+        "directory",
+        "megatron": "Megatron's data and .metadata go through the same DCP writer (fsynced); its metadata.json and "
+        "common.pt are written without fsync",
+        "torch": "the torch.save reference is flushed and fsynced",
+    }
+    notes.append("fsync: " + "; ".join(fsync[s] for s in systems))
+    if "megatron.load_same" in phases and not phases["megatron.load_same"].get("in_place", True):
+        notes.append("Megatron's load returned new tensors instead of filling the templates in place")
+    notes += [
+        f"peak RSS: {peak_method}, minus the RSS before the phase (targets already allocated and touched; "
+        "free heap memory given back with malloc_trim first)",
+        "bytes read per rank: the process's rchar counter (/proc/self/io: bytes returned by read()-family calls, "
+        "page cache hits included, socket traffic excluded); reshard's own LoadStats are in the accounting table",
+        f"torch threads per rank: {threads}; DCP/Megatron loads use torch's default FileSystemReader",
+    ]
+    report = {
+        "config": {
+            "size_gib": args.size_gib,
+            "ranks": args.ranks,
+            "load_world": args.load_world,
+            "layers": args.layers,
+            "repeat": args.repeat,
+            "systems": systems,
+            "dp_replicas": args.dp_replicas,
+            "dir": str(root),
+            "threads": threads,
+            "read_buffer_mib": args.read_buffer_mib,
+        },
+        "machine": _machine(),
+        "state": {"bytes": total, "tensors": len(specs), "hidden": hidden},
+        "phases": phases,
+        "accounting": accounting,
+        "skipped": skipped,
+        "notes": notes,
+        "seconds_total": time.perf_counter() - t_start,
+    }
+    report["ratios"] = _ratio_rows(phases, accounting)
+    return report
+
+
+def _sum_accounting(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for rank_groups in per_rank:
+        for group, stats in rank_groups.items():
+            acc = out.setdefault(group, {"bytes_needed": 0, "bytes_read": 0, "read_requests": 0})
+            for k in acc:
+                acc[k] += stats[k]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        report = run(args)
+    except BenchmarkError as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    _print_report(report, sys.stdout)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
