@@ -191,7 +191,7 @@ def rank_save_in_halves_to_one_prefix(ctx: RankContext, url: str, options: dict[
     storage = _storage(url, options)
     try:
         reshard.save(state, storage, group=group, timeout=TIMEOUT)
-    except reshard.CheckpointExistsError as exc:
+    except (reshard.CheckpointExistsError, reshard.CheckpointLockedError) as exc:
         return f"refused: {exc}"
     finally:
         storage.close()
@@ -203,10 +203,13 @@ def test_two_concurrent_saves_to_one_prefix_never_mix(pool4: RankPool, object_st
     results = pool4.run_ok(rank_save_in_halves_to_one_prefix, url, object_store.storage_options)
     lower, upper = results[0], results[2]
     assert results[1] == lower and results[3] == upper
-    # Either one committed and the other got a clear error, or the loser noticed at planning time.
+    # One committed; the other got a clear error: the lock was taken, or the checkpoint already existed.
     assert sorted([lower == "saved", upper == "saved"]) == [False, True], results
     loser = lower if lower != "saved" else upper
-    assert "already holds a complete checkpoint" in loser or "another save committed" in loser
+    assert any(
+        reason in loser
+        for reason in ("already holds a complete checkpoint", "another save committed", "being written by another save")
+    ), loser
     out = reshard.load(
         {"a": torch.zeros(6), "b": torch.zeros(5), "writer": ""}, url, storage_options=object_store.storage_options
     )

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import reshard
 from reshard.boxes import Box
+from reshard.locking import release_lock
 from reshard.metadata import METADATA_FILE, Metadata
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION
 from reshard.planning.save_plan import LocalSaveDescription, plan_save
@@ -147,8 +148,8 @@ def simulate_save(state_dicts: list[dict[str, object]], path: Path, chunk_bytes:
     coordinator = states[0]
     coordinator.descriptions = [LocalSaveDescription.from_json(d) for d in docs]
     assignments = plan_save(coordinator.descriptions)
-    _prepare_root(storage, overwrite=False)
     save_id = uuid.uuid4().hex
+    _prepare_root(storage, overwrite=False, save_id=save_id)
     # Every rank writes its assigned boxes; the reports travel as JSON.
     results = [
         json.loads(json.dumps(_write_assigned(storage, state, assignment, save_id, rank, chunk_bytes)))
@@ -157,6 +158,7 @@ def simulate_save(state_dicts: list[dict[str, object]], path: Path, chunk_bytes:
     metadata = _build_metadata(coordinator, results, save_id, len(states), chunk_bytes)
     storage.sync_dir("data")
     storage.commit(METADATA_FILE, metadata.to_json_bytes(), replace=False)
+    release_lock(storage, save_id)
     return metadata
 
 

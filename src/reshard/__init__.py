@@ -14,6 +14,7 @@ from reshard.async_save import AsyncCheckpointer, SaveHandle, async_save
 from reshard.errors import (
     CheckpointError,
     CheckpointExistsError,
+    CheckpointLockedError,
     CheckpointNotFoundError,
     CommunicationError,
     CorruptCheckpointError,
@@ -34,6 +35,7 @@ __all__ = [
     "AsyncCheckpointer",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointLockedError",
     "CheckpointNotFoundError",
     "CommunicationError",
     "CorruptCheckpointError",

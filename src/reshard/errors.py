@@ -14,6 +14,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointLockedError",
     "CheckpointNotFoundError",
     "CommunicationError",
     "CorruptCheckpointError",
@@ -68,6 +69,10 @@ class StateDictError(CheckpointError, TypeError):
     """The state dict holds a value reshard cannot save (an unsupported type, clashing keys)."""
 
 
+class CheckpointLockedError(CheckpointError):
+    """Another writer holds the checkpoint (or manager root): two saves must not interleave."""
+
+
 class StorageError(CheckpointError, OSError):
     """Reading or writing the checkpoint's files failed (permissions, a full disk, an I/O error)."""
 
@@ -89,6 +94,7 @@ ERROR_CLASSES: dict[str, type[CheckpointError]] = {
         StateDictError,
         StorageError,
         CommunicationError,
+        CheckpointLockedError,
     )
 }
 """Error classes by name, to raise on every rank the class that a failing rank raised."""

@@ -37,6 +37,7 @@ from reshard.errors import (
     MismatchError,
     StorageError,
 )
+from reshard.locking import read_lock
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata, SavedObject
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan, ReadItem, TargetPiece, plan_load
 from reshard.sharding import LocalPiece, ShardedObject, ShardedTensor
@@ -103,6 +104,12 @@ def read_metadata_bytes(storage: Storage) -> bytes:
         raise StorageError(f"cannot read {storage.describe(METADATA_FILE)}: {exc}") from exc
     if not storage.root_exists():
         raise CheckpointNotFoundError(f"no checkpoint at {where}: the path does not exist")
+    holder = read_lock(storage)
+    if holder is not None:
+        raise IncompleteCheckpointError(
+            f"{where} has no {METADATA_FILE}: a save is writing it or was interrupted "
+            f"(lock held by {holder.describe()})"
+        )
     if storage.list_files(DATA_DIR):
         raise IncompleteCheckpointError(
             f"{where} holds data files but no {METADATA_FILE}: a save that was interrupted before it committed"

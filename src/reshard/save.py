@@ -32,6 +32,7 @@ from reshard.codec import encode_object_blob, encode_tagged
 from reshard.comm import Communicator
 from reshard.dtypes import byte_view, dtype_name
 from reshard.errors import CheckpointError, CheckpointExistsError, StorageError
+from reshard.locking import acquire_lock, release_lock
 from reshard.metadata import (
     DATA_DIR,
     METADATA_FILE,
@@ -165,11 +166,9 @@ def _save_to(
             raise CheckpointError(f"the ranks passed different checkpoint paths: {by_path}")
         state.descriptions = [LocalSaveDescription.from_json(d["pieces"]) for d in docs]
         assignments = plan_save(state.descriptions)
-        _prepare_root(storage, overwrite=overwrite)
-        return {
-            "save_id": uuid.uuid4().hex,
-            "assignments": [[list(a.tensors), list(a.objects)] for a in assignments],
-        }
+        save_id = uuid.uuid4().hex
+        _prepare_root(storage, overwrite=overwrite, save_id=save_id)
+        return {"save_id": save_id, "assignments": [[list(a.tensors), list(a.objects)] for a in assignments]}
 
     decision = comm.step("save planning", describe, plan)
     save_id: str = decision["save_id"]
@@ -193,11 +192,13 @@ def _save_to(
         except FileExistsError:
             # A retried create-only put whose first answer was lost finds its own object: that is a success.
             if _committed_document(storage) == document:
+                release_lock(storage, save_id)
                 return metadata.to_json_dict()
             raise CheckpointExistsError(
                 f"another save committed a checkpoint at {storage.describe()} while this one was writing; "
                 "this save's data was discarded"
             ) from None
+        release_lock(storage, save_id)
         return metadata.to_json_dict()
 
     try:
@@ -206,6 +207,7 @@ def _save_to(
         # Nothing was committed (the commit is all or nothing): this save's files are garbage.
         if comm.is_coordinator:
             _remove_save_files(storage, save_id)
+            release_lock(storage, save_id)
         raise
     metadata = Metadata.from_json_bytes(_json_bytes(committed))
     if comm.is_coordinator and replaced_files:
@@ -261,16 +263,19 @@ def _describe(flat: FlatStateDict) -> tuple[LocalSaveDescription, list[torch.Ten
     return LocalSaveDescription(tensors=tuple(tensors), objects=tuple(objects)), views
 
 
-def _prepare_root(storage: Storage, *, overwrite: bool) -> None:
-    """On the coordinator, before anyone writes: refuse to clobber a checkpoint; create directories."""
-    if storage.exists(METADATA_FILE) and not overwrite:
-        raise CheckpointExistsError(
-            f"{storage.describe()} already holds a complete checkpoint; pass overwrite=True to replace it"
-        )
+def _prepare_root(storage: Storage, *, overwrite: bool, save_id: str) -> None:
+    """On the coordinator, before anyone writes: create the directories, take the save lock (so that no
+    other save interleaves with this one), refuse to clobber a complete checkpoint."""
     try:
         storage.prepare_root()
     except OSError as exc:
         raise StorageError(f"cannot create checkpoint directory {storage.describe()}: {exc}") from exc
+    acquire_lock(storage, save_id, what="save")
+    if storage.exists(METADATA_FILE) and not overwrite:
+        release_lock(storage, save_id)
+        raise CheckpointExistsError(
+            f"{storage.describe()} already holds a complete checkpoint; pass overwrite=True to replace it"
+        )
 
 
 def _committed_document(storage: Storage) -> bytes | None:
