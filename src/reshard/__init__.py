@@ -25,6 +25,7 @@ from reshard.errors import (
     StorageError,
 )
 from reshard.load import LoadStats, load, read_metadata
+from reshard.manager import CheckpointManager
 from reshard.metadata import Metadata
 from reshard.save import save
 from reshard.sharding import ShardedObject, ShardedTensor
@@ -36,6 +37,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointLockedError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CommunicationError",
     "CorruptCheckpointError",

@@ -1,7 +1,7 @@
 """The ``reshard`` command line: a thin shell over the public functions.
 
 Exit codes: 0 success; 1 the checkpoint is missing, incomplete, corrupt or otherwise refused (the
-message says which); 2 wrong usage.
+message says which), or ``validate`` found problems; 2 wrong usage.
 """
 
 from __future__ import annotations
@@ -141,6 +141,60 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from reshard.maintenance import validate_checkpoint
+
+    problems = validate_checkpoint(args.path, quick=args.quick, storage_options=_storage_options(args))
+    for problem in problems:
+        sys.stdout.write(f"PROBLEM: {problem}\n")
+    kind = "presence and sizes" if args.quick else "presence, sizes and every checksum"
+    if problems:
+        sys.stdout.write(f"{args.path}: {len(problems)} problems ({kind} checked)\n")
+        return 1
+    sys.stdout.write(f"{args.path}: OK ({kind} checked)\n")
+    return 0
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from reshard.manager import CheckpointManager, scan_root
+
+    manager = CheckpointManager(args.root, storage_options=_storage_options(args))
+    try:
+        infos = scan_root(manager.root)
+        latest = manager.latest_pointer()
+    finally:
+        manager.close()
+    if args.json:
+        json.dump(
+            {
+                "root": args.root,
+                "latest": latest,
+                "steps": [
+                    {
+                        "step": i.step,
+                        "name": i.name,
+                        "status": i.status,
+                        "locked": i.locked,
+                        "tensor_bytes": i.tensor_bytes,
+                        "world_size": i.world_size,
+                        "problem": i.problem,
+                    }
+                    for i in infos
+                ],
+            },
+            sys.stdout,
+            indent=2,
+        )
+        sys.stdout.write("\n")
+        return 0
+    sys.stdout.write(f"{args.root}: {len(infos)} step directories, latest -> {latest}\n")
+    for info in infos:
+        flags = (" (latest)" if info.step == latest else "") + (" (locked: being written)" if info.locked else "")
+        size = _human_bytes(info.tensor_bytes) if info.status == "complete" else "-"
+        sys.stdout.write(f"  {info.name}  {info.status:<10}  {size:>10}{flags}\n")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from reshard.demo.run import main as demo_main
 
@@ -174,6 +228,27 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", help="checkpoint directory or URL (file://, s3://bucket/prefix, gs://bucket/prefix)")
     inspect.add_argument("--json", action="store_true", help="print the same facts as JSON")
     inspect.set_defaults(func=_cmd_inspect)
+    validate = sub.add_parser(
+        "validate",
+        parents=[storage],
+        help="check a checkpoint: completeness, file sizes and every checksum",
+        description="Check that PATH is a complete checkpoint (metadata.json present and valid), that every data "
+        "file exists with its recorded size, and (unless --quick) every CRC-32C of every stored box and object. "
+        "Prints each problem; exits 1 if there is any.",
+    )
+    validate.add_argument("path", help="checkpoint directory or URL")
+    validate.add_argument("--quick", action="store_true", help="check presence and sizes only, not checksums")
+    validate.set_defaults(func=_cmd_validate)
+    ls = sub.add_parser(
+        "ls",
+        parents=[storage],
+        help="list the step checkpoints of a CheckpointManager root",
+        description="List the step directories of a manager root with their status (complete, incomplete: an "
+        "interrupted or running save, corrupt), size, and which one latest.json points at.",
+    )
+    ls.add_argument("root", help="manager root directory or URL")
+    ls.add_argument("--json", action="store_true", help="print the listing as JSON")
+    ls.set_defaults(func=_cmd_ls)
     gc = sub.add_parser(
         "gc",
         parents=[storage],

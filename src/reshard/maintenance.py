@@ -12,12 +12,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from reshard.errors import CheckpointNotFoundError, IncompleteCheckpointError
+import crc32c
+
+from reshard.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from reshard.load import read_metadata_bytes
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
-from reshard.storage import CheckpointLocation, storage_for
+from reshard.storage import CheckpointLocation, ReadRequest, Storage, storage_for
 
-__all__ = ["DEFAULT_GC_MIN_AGE_S", "collect_garbage"]
+__all__ = ["DEFAULT_GC_MIN_AGE_S", "collect_garbage", "validate_checkpoint"]
 
 DEFAULT_GC_MIN_AGE_S = 3600.0
 """Files younger than this are never collected: a save may still be writing them."""
@@ -68,3 +70,82 @@ def collect_garbage(
     finally:
         if storage is not path:
             storage.close()
+
+
+def validate_checkpoint(
+    path: CheckpointLocation, *, quick: bool = False, storage_options: dict[str, Any] | None = None
+) -> list[str]:
+    """Every problem of the checkpoint at ``path``, as one line each (empty: the checkpoint is good).
+
+    Checks completeness (``metadata.json`` present and valid), that every data file exists with the size
+    the metadata says, and, unless ``quick``, every checksum of every stored box and object. Not collective.
+    """
+    storage = storage_for(path, storage_options)
+    try:
+        try:
+            metadata = Metadata.from_json_bytes(read_metadata_bytes(storage), where=storage.describe(METADATA_FILE))
+        except CheckpointError as exc:
+            return [str(exc)]
+        problems: list[str] = []
+        good_files = set()
+        for index, entry in enumerate(metadata.files):
+            try:
+                size = storage.size(entry.path)
+            except FileNotFoundError:
+                problems.append(f"data file {storage.describe(entry.path)} is missing")
+                continue
+            except OSError as exc:
+                problems.append(f"data file {storage.describe(entry.path)} cannot be read: {exc}")
+                continue
+            if size != entry.size:
+                problems.append(
+                    f"data file {storage.describe(entry.path)} has {size} bytes, the metadata says {entry.size}"
+                )
+                continue
+            good_files.add(index)
+        if not quick:
+            problems += _check_all_chunks(storage, metadata, good_files)
+        return problems
+    finally:
+        if storage is not path:
+            storage.close()
+
+
+def _check_all_chunks(storage: Storage, metadata: Metadata, files: set[int]) -> list[str]:
+    entries: list[tuple[str, int, int, int, tuple[int, ...]]] = []
+    for key, tensor in metadata.tensors.items():
+        for box in tensor.boxes:
+            entries.append(
+                (f"tensor {key!r} box at {list(box.offset)}", box.file, box.byte_offset, box.byte_length, box.checksums)
+            )
+    for key, obj in metadata.objects.items():
+        for entry in obj.entries:
+            entries.append(
+                (
+                    f"object {key!r} at {list(entry.offset)}",
+                    entry.file,
+                    entry.byte_offset,
+                    entry.byte_length,
+                    entry.checksums,
+                )
+            )
+    chunk = metadata.checksum_chunk_bytes
+    problems = []
+    buffer = bytearray(chunk)
+    for what, file, offset, length, checksums in entries:
+        if file not in files:
+            continue
+        name = metadata.files[file].path
+        for index, expected in enumerate(checksums):
+            size = min(chunk, length - index * chunk)
+            view = memoryview(buffer)[:size]
+            try:
+                (got,) = storage.read_ranges([ReadRequest(name, offset + index * chunk, view)])
+            except OSError as exc:
+                problems.append(f"{what}: reading {storage.describe(name)} failed: {exc}")
+                break
+            if got != size or crc32c.crc32c(view) != expected:
+                start = offset + index * chunk
+                where = storage.describe(name)
+                problems.append(f"{what}: checksum mismatch in data file {where} at bytes [{start}, {start + size})")
+    return problems

@@ -121,6 +121,14 @@ class Storage(ABC):
     def delete(self, name: str) -> None:
         """Remove ``name``; a missing name is not an error."""
 
+    @abstractmethod
+    def child(self, name: str) -> Storage:
+        """The storage rooted at ``name`` inside this one (a checkpoint inside a manager's root)."""
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove everything under ``prefix`` (a directory or object prefix); a missing one is fine."""
+
     def download(self, name: str, local_path: Path) -> None:
         """Copy the whole of ``name`` into the local file ``local_path`` (created or truncated).
 

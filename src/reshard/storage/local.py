@@ -6,6 +6,7 @@ import contextlib
 import errno
 import mmap
 import os
+import shutil
 import stat
 import uuid
 from pathlib import Path
@@ -158,6 +159,7 @@ class LocalStorage(Storage):
 
     def commit(self, name: str, data: bytes, *, replace: bool) -> None:
         target = self.root / name
+        target.parent.mkdir(parents=True, exist_ok=True)
         temp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -178,6 +180,16 @@ class LocalStorage(Storage):
         finally:
             temp.unlink(missing_ok=True)
         _fsync_dir(target.parent)
+
+    def child(self, name: str) -> Storage:
+        return LocalStorage(self.root / name)
+
+    def delete_prefix(self, prefix: str) -> None:
+        target = self.root / prefix
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+        elif target.exists():
+            shutil.rmtree(target)
 
     def delete(self, name: str) -> None:
         (self.root / name).unlink(missing_ok=True)

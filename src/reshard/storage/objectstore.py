@@ -179,8 +179,9 @@ class ObjectStorage(Storage):
         self.root = rest.strip("/")
         self.retry = retry or RetryPolicy()
         self.transfer = transfer or TransferOptions()
+        self.storage_options = dict(storage_options or {})
         try:
-            self.fs = _make_filesystem(protocol, dict(storage_options or {}))
+            self.fs = _make_filesystem(protocol, self.storage_options)
         except ImportError as exc:
             extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}.get(protocol, protocol)
             raise StorageError(f"{url}: install reshard[{extra}] to use {protocol}:// URLs ({exc})") from exc
@@ -300,6 +301,13 @@ class ObjectStorage(Storage):
         path = self._path(name)
         with contextlib.suppress(FileNotFoundError):
             self.call("deleting", name, lambda: self.fs.rm_file(path))
+
+    def child(self, name: str) -> Storage:
+        return ObjectStorage(f"{self.url}/{name}", self.storage_options, retry=self.retry, transfer=self.transfer)
+
+    def delete_prefix(self, prefix: str) -> None:
+        for name in self.list_files(prefix):
+            self.delete(name)
 
     def download(self, name: str, local_path: Path) -> None:
         path = self._path(name)

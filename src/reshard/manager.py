@@ -1,0 +1,261 @@
+"""A root of step checkpoints that never loses the last good state.
+
+Layout of a root (a directory or an object-store prefix)::
+
+    step_000001000/       one checkpoint per step (zero-padded, so names sort by step)
+    step_000002000/
+    latest.json           {"step": 2000, "path": "step_000002000"}: the newest committed step, a hint
+    .lock                 held by the manager that is saving (see reshard.locking)
+
+A checkpoint is *complete* when its ``metadata.json`` exists (it is written last, atomically) and parses;
+anything else under a step directory is an interrupted or running save. ``latest.json`` is updated only
+after a commit (temp + rename locally, one put on object storage), so it never points at an incomplete
+checkpoint; readers do not trust it anyway: :meth:`CheckpointManager.load_latest` lists the complete
+checkpoints and falls back past ones that turn out incomplete or corrupt.
+
+Retention runs after each save, on the coordinator: it deletes complete checkpoints outside the policy
+(``keep_last`` newest, plus every ``keep_every``-th step), never the newest complete one and never one a
+live writer holds, and removes leftovers of interrupted saves older than the newest complete checkpoint.
+A checkpoint is deleted ``metadata.json`` first, so a deletion cut short leaves an incomplete directory,
+never a corrupt-looking one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import re
+import uuid
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from reshard.comm import Communicator
+from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from reshard.load import load, read_metadata_bytes
+from reshard.locking import DEFAULT_STALE_AFTER_S, acquire_lock, read_lock, release_lock
+from reshard.metadata import METADATA_FILE, Metadata
+from reshard.save import save
+from reshard.storage import CheckpointLocation, Storage, storage_for
+
+__all__ = ["LATEST_FILE", "CheckpointManager", "StepInfo", "scan_root"]
+
+logger = logging.getLogger("reshard")
+
+LATEST_FILE = "latest.json"
+_STEP = re.compile(r"^step_(\d{9,})$")
+
+
+def step_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"steps are non-negative, got {step}")
+    return f"step_{step:09d}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepInfo:
+    """One step directory of a root: ``status`` is ``complete``, ``incomplete`` (no metadata.json: an
+    interrupted save, or one running when ``locked``) or ``corrupt`` (metadata.json that does not parse)."""
+
+    step: int
+    name: str
+    status: str
+    locked: bool
+    tensor_bytes: int
+    world_size: int | None
+    problem: str = ""
+
+
+def scan_root(storage: Storage) -> list[StepInfo]:
+    """Every step directory under ``storage``, oldest first, with its status. Not collective."""
+    names = sorted({name.split("/", 1)[0] for name in storage.list_files() if "/" in name})
+    out = []
+    for name in names:
+        match = _STEP.match(name)
+        if match is None:
+            continue
+        child = storage.child(name)
+        try:
+            locked = read_lock(child) is not None
+            try:
+                metadata = Metadata.from_json_bytes(read_metadata_bytes(child), where=child.describe(METADATA_FILE))
+            except (IncompleteCheckpointError, CheckpointNotFoundError):
+                out.append(
+                    StepInfo(
+                        step=int(match.group(1)),
+                        name=name,
+                        status="incomplete",
+                        locked=locked,
+                        tensor_bytes=0,
+                        world_size=None,
+                    )
+                )
+                continue
+            except CorruptCheckpointError as exc:
+                out.append(
+                    StepInfo(
+                        step=int(match.group(1)),
+                        name=name,
+                        status="corrupt",
+                        locked=locked,
+                        tensor_bytes=0,
+                        world_size=None,
+                        problem=str(exc),
+                    )
+                )
+                continue
+            out.append(
+                StepInfo(
+                    step=int(match.group(1)),
+                    name=name,
+                    status="complete",
+                    locked=locked,
+                    tensor_bytes=metadata.total_bytes,
+                    world_size=metadata.world_size,
+                )
+            )
+        finally:
+            child.close()
+    return sorted(out, key=lambda s: s.step)
+
+
+class CheckpointManager:
+    """Step checkpoints under ``root`` (a directory or URL) with a ``latest`` pointer and retention.
+
+    Args:
+        root: where the step checkpoints live.
+        keep_last: keep this many newest complete checkpoints (None: keep all).
+        keep_every: also keep every checkpoint whose step is a multiple of this.
+        group: the ranks that save and load together (collective methods say so).
+        storage_options: for object-store roots.
+        timeout: collective timeout.
+    """
+
+    def __init__(
+        self,
+        root: CheckpointLocation,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        storage_options: dict[str, Any] | None = None,
+        timeout: datetime.timedelta | float | None = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError(f"keep_every must be at least 1, got {keep_every}")
+        self.root = storage_for(root, storage_options)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.group = group
+        self.timeout = timeout
+
+    def close(self) -> None:
+        self.root.close()
+
+    def path_of(self, step: int) -> Storage:
+        """The storage of step ``step``'s checkpoint."""
+        return self.root.child(step_name(step))
+
+    # ---- queries (not collective) ----------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints, oldest first."""
+        return [s.step for s in scan_root(self.root) if s.status == "complete"]
+
+    def latest_pointer(self) -> int | None:
+        """The step ``latest.json`` names (a hint; see :meth:`load_latest`)."""
+        try:
+            return int(json.loads(self.root.read_bytes(LATEST_FILE))["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    # ---- save (collective) -----------------------------------------------------------------------
+
+    def save(self, step: int, state_dict: Any, *, overwrite: bool = False) -> Metadata:
+        """Save ``state_dict`` as step ``step``, then (coordinator) point ``latest`` at it and apply the
+        retention policy. Called by all ranks of the group. Two managers saving to one root at the same
+        time cannot interleave: the second gets CheckpointLockedError."""
+        comm = Communicator(self.group, timeout=self.timeout)
+        token = uuid.uuid4().hex
+
+        def lock() -> None:
+            if comm.is_coordinator:
+                acquire_lock(self.root, token, what="manager")
+
+        comm.step("manager lock", lock)
+        try:
+            metadata = save(state_dict, self.path_of(step), group=self.group, overwrite=overwrite, timeout=self.timeout)
+
+            def publish() -> None:
+                if comm.is_coordinator:
+                    pointer = json.dumps({"step": step, "path": step_name(step)}).encode()
+                    self.root.commit(LATEST_FILE, pointer, replace=True)
+                    self._retain(keep_step=step)
+
+            comm.step("manager retention", publish)
+        finally:
+            if comm.is_coordinator:
+                release_lock(self.root, token)
+        return metadata
+
+    def _retain(self, *, keep_step: int) -> None:
+        """On the coordinator, under the manager lock: delete what the policy no longer keeps."""
+        infos = scan_root(self.root)
+        complete = [s.step for s in infos if s.status == "complete"]
+        if not complete:
+            return
+        newest = max(complete)
+        keep = set(complete) if self.keep_last is None else set(sorted(complete)[-self.keep_last :])
+        if self.keep_every is not None:
+            keep |= {s for s in complete if s % self.keep_every == 0}
+        keep |= {newest, keep_step}
+        for info in infos:
+            live = info.locked and self._lock_is_live(info.name)
+            if info.status == "complete" and info.step not in keep and not live:
+                logger.info("retention: deleting %s", self.root.describe(info.name))
+                self.root.delete(f"{info.name}/{METADATA_FILE}")  # first: a cut-short deletion is incomplete
+                self.root.delete_prefix(info.name)
+            elif info.status != "complete" and info.step < newest and not live:
+                logger.info("retention: removing interrupted save %s", self.root.describe(info.name))
+                self.root.delete_prefix(info.name)
+
+    def _lock_is_live(self, name: str) -> bool:
+        child = self.root.child(name)
+        try:
+            holder = read_lock(child)
+            return holder is not None and not holder.is_stale(DEFAULT_STALE_AFTER_S)
+        finally:
+            child.close()
+
+    # ---- load (collective) -----------------------------------------------------------------------
+
+    def load_latest_with_state(self, state_dict: Any, **load_kwargs: Any) -> tuple[int, Any] | None:
+        """Load the newest complete checkpoint into ``state_dict``; return its step and the loaded state
+        dict (see :func:`reshard.load`), or None when there is none. Checkpoints that turn out incomplete
+        or corrupt are skipped with a warning naming them. Called by all ranks of the group."""
+        comm = Communicator(self.group, timeout=self.timeout)
+
+        def candidates() -> list[int] | None:
+            return sorted(self.steps(), reverse=True) if comm.is_coordinator else None
+
+        listed = comm.step("listing checkpoints", candidates, lambda values: values[0])
+        for step in listed:
+            try:
+                loaded = load(state_dict, self.path_of(step), group=self.group, timeout=self.timeout, **load_kwargs)
+            except (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError) as exc:
+                warnings.warn(
+                    f"reshard: skipping checkpoint {self.root.describe(step_name(step))}: {exc}", stacklevel=2
+                )
+                continue
+            return step, loaded
+        return None
+
+    def load_latest(self, state_dict: Any, **load_kwargs: Any) -> int | None:
+        """Like :meth:`load_latest_with_state` (tensors are filled in place), returning only the step."""
+        found = self.load_latest_with_state(state_dict, **load_kwargs)
+        return None if found is None else found[0]
