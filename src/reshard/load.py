@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import time
 import warnings
@@ -37,6 +38,7 @@ from reshard.errors import (
     MismatchError,
     StorageError,
 )
+from reshard.fingerprint import fingerprint
 from reshard.locking import read_lock
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata, SavedObject
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan, ReadItem, TargetPiece, plan_load
@@ -143,6 +145,7 @@ def load(
     staging_dir: str | os.PathLike[str] | None = None,
     keep_staged: bool = False,
     node_group: dist.ProcessGroup | None = None,
+    verify: bool = False,
 ) -> Any:
     """Load a checkpoint into a template state dict of the current layout. Called by all ranks of ``group``.
 
@@ -175,6 +178,12 @@ def load(
         keep_staged: keep the staged files after the load (they are removed by default).
         node_group: with ``staging_dir``, the process group of the ranks that share this node's staging
             directory; default: the ranks with the same hostname.
+        verify: after reading, recompute every tensor's content fingerprint over the primary boxes of this
+            layout, combine the partial sums across ranks and compare them with the fingerprints the save
+            stored (``save(..., fingerprint=True)``): a wrong copy, a planner bug or corruption a chunk
+            checksum missed raises CorruptCheckpointError naming the tensor, on every rank. Tensors the
+            template does not cover whole, or loads with a dtype conversion, cannot be checked (a warning
+            names them).
 
     Returns:
         A state dict of the template's structure in which each ShardedTensor is replaced by its filled
@@ -202,6 +211,7 @@ def load(
             allow_dtype_cast=allow_dtype_cast,
             max_read_amplification=max_read_amplification,
             read_buffer_bytes=read_buffer_bytes,
+            verify=verify,
             started=started,
             staging=_StagingOptions(Path(staging_dir), keep_staged, node_group) if staging_dir is not None else None,
         )
@@ -227,6 +237,7 @@ def _load_from(
     allow_dtype_cast: bool,
     max_read_amplification: float,
     read_buffer_bytes: int,
+    verify: bool,
     started: float,
     staging: _StagingOptions | None,
 ) -> Any:
@@ -300,6 +311,8 @@ def _load_from(
         # Every rank of every node is done reading (or failed) once the step returns or raises.
         if staged is not None and staging is not None and not staging.keep:
             staged.remove()
+    if verify:
+        _verify_fingerprints(comm, metadata, flat.tensors)
 
     def result_leaf(path: str, leaf: Any) -> Any:
         if isinstance(leaf, ShardedTensor):
@@ -332,6 +345,56 @@ def _load_from(
         time.perf_counter() - started,
     )
     return result
+
+
+def _verify_fingerprints(comm: Communicator, metadata: Metadata, tensors: list[ShardedTensor]) -> None:
+    """The end-to-end check of ``load(verify=True)``: a collective step; see :func:`load`."""
+
+    def partial() -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for tensor in tensors:
+            saved = metadata.tensors[tensor.key]
+            if not tensor.is_main_replica or dtype_name(tensor.data.dtype) != saved.dtype:
+                continue
+            if saved.fingerprint is None:
+                raise CheckpointError(
+                    f"verify=True: the checkpoint holds no fingerprint of {tensor.key!r}; save with fingerprint=True"
+                )
+            entry = out.setdefault(tensor.key, [0, 0])
+            for piece in tensor.pieces():
+                entry[0] = (entry[0] + fingerprint(piece.view, piece.box, saved.global_shape)) & ((1 << 64) - 1)
+                entry[1] += piece.box.volume
+        return out
+
+    def check(parts: list[dict[str, list[int]]]) -> list[str]:
+        sums: dict[str, list[int]] = {}
+        for part in parts:
+            for key, (value, volume) in part.items():
+                total = sums.setdefault(key, [0, 0])
+                total[0] = (total[0] + value) & ((1 << 64) - 1)
+                total[1] += volume
+        wrong = []
+        uncovered = []
+        for key, (value, volume) in sorted(sums.items()):
+            saved = metadata.tensors[key]
+            if volume != math.prod(saved.global_shape):
+                uncovered.append(key)
+            elif value != saved.fingerprint:
+                wrong.append(key)
+        if wrong:
+            raise CorruptCheckpointError(
+                f"verify=True: the loaded content of {', '.join(repr(k) for k in wrong)} differs from what was saved "
+                "(content fingerprint mismatch)"
+            )
+        return uncovered
+
+    uncovered = comm.step("verifying", partial, check)
+    if uncovered:
+        warnings.warn(
+            f"reshard.load(verify=True): not checked, the template's primary boxes do not cover them whole: "
+            f"{', '.join(uncovered[:20])}",
+            stacklevel=4,
+        )
 
 
 def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool, allow_dtype_cast: bool) -> list[str]:

@@ -83,6 +83,8 @@ class TensorMetadata:
     dtype: str
     global_shape: tuple[int, ...]
     boxes: tuple[SavedBox, ...]
+    fingerprint: int | None = None
+    """The layout-independent content fingerprint (see reshard.fingerprint), when the save computed it."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -157,6 +159,7 @@ class Metadata:
                 key: {
                     "dtype": t.dtype,
                     "global_shape": list(t.global_shape),
+                    **({"fingerprint": f"{t.fingerprint:016x}"} if t.fingerprint is not None else {}),
                     "boxes": [
                         {
                             "offset": list(b.offset),
@@ -363,7 +366,16 @@ class _Parser:
 
     def tensor(self, key: str, value: object, files: tuple[DataFile, ...], chunk_bytes: int) -> TensorMetadata:
         path = f"tensors[{key!r}]"
-        doc = self.obj(value, path, {"dtype", "global_shape", "boxes"})
+        keys = {"dtype", "global_shape", "boxes"}
+        doc = self.obj(
+            value, path, keys | {"fingerprint"} if isinstance(value, dict) and "fingerprint" in value else keys
+        )
+        fingerprint = None
+        if "fingerprint" in doc:
+            text = doc["fingerprint"]
+            if not isinstance(text, str) or len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
+                raise self.fail(f"{path}.fingerprint", "expected 16 lowercase hex digits")
+            fingerprint = int(text, 16)
         dtype_name = self.string(doc["dtype"], f"{path}.dtype")
         dtype = DTYPE_BY_NAME.get(dtype_name)
         if dtype is None:
@@ -401,7 +413,9 @@ class _Parser:
                 i, j = problem.indices
                 raise self.fail(path, f"boxes {i} and {j} overlap")
             raise self.fail(path, f"boxes cover {problem.covered} of {problem.total} elements")
-        return TensorMetadata(key=key, dtype=dtype_name, global_shape=global_shape, boxes=tuple(boxes))
+        return TensorMetadata(
+            key=key, dtype=dtype_name, global_shape=global_shape, boxes=tuple(boxes), fingerprint=fingerprint
+        )
 
     def object(self, key: str, value: object, files: tuple[DataFile, ...], chunk_bytes: int) -> ObjectMetadata:
         path = f"objects[{key!r}]"

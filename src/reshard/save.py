@@ -32,6 +32,7 @@ from reshard.codec import encode_object_blob, encode_tagged
 from reshard.comm import Communicator
 from reshard.dtypes import byte_view, dtype_name
 from reshard.errors import CheckpointError, CheckpointExistsError, StorageError
+from reshard.fingerprint import combine, fingerprint
 from reshard.locking import acquire_lock, release_lock
 from reshard.metadata import (
     DATA_DIR,
@@ -90,6 +91,8 @@ class _SaveState:
     views: list[torch.Tensor] = field(default_factory=list)
     """The local data of every described box, in description order."""
     blobs: list[bytes] = field(default_factory=list)
+    description: LocalSaveDescription = field(default_factory=lambda: LocalSaveDescription(tensors=(), objects=()))
+    """This rank's own description."""
     descriptions: list[LocalSaveDescription] = field(default_factory=list)
     """Every rank's description; on the coordinator only."""
 
@@ -100,6 +103,7 @@ def save(
     *,
     group: dist.ProcessGroup | None = None,
     overwrite: bool = False,
+    fingerprint: bool = False,
     storage_options: dict[str, Any] | None = None,
     timeout: datetime.timedelta | float | None = None,
     checksum_chunk_bytes: int = DEFAULT_CHECKSUM_CHUNK_BYTES,
@@ -118,6 +122,9 @@ def save(
             ``metadata.json`` replaces it; its data files are removed after that.
         timeout: how long any collective may wait for the slowest rank (default 10 minutes).
         checksum_chunk_bytes: size of the pieces each stored box is checksummed in.
+        fingerprint: also store, for every tensor, a layout-independent content fingerprint, so that
+            ``load(..., verify=True)`` can check a reshard end to end (costs an extra pass over the data,
+            see docs/reliability.md).
         storage_options: passed to the object-store client (fsspec ``s3``/``gs`` filesystem options such
             as ``endpoint_url``); credentials otherwise come from the client's usual configuration.
 
@@ -135,7 +142,13 @@ def save(
     storage = storage_for(path, storage_options)
     try:
         return _save_to(
-            storage, state_dict, comm, overwrite=overwrite, checksum_chunk_bytes=checksum_chunk_bytes, started=started
+            storage,
+            state_dict,
+            comm,
+            overwrite=overwrite,
+            checksum_chunk_bytes=checksum_chunk_bytes,
+            with_fingerprints=fingerprint,
+            started=started,
         )
     finally:
         if storage is not path:
@@ -149,6 +162,7 @@ def _save_to(
     *,
     overwrite: bool,
     checksum_chunk_bytes: int,
+    with_fingerprints: bool,
     started: float,
 ) -> Metadata:
     """The body of :func:`save` once the storage is open."""
@@ -177,7 +191,7 @@ def _save_to(
     logger.debug("[rank=%d] save %s: writing %d boxes", comm.rank, save_id, len(assignment.tensors))
 
     def write() -> dict[str, Any]:
-        return _write_assigned(storage, state, assignment, save_id, comm.rank, checksum_chunk_bytes)
+        return _write_assigned(storage, state, assignment, save_id, comm.rank, checksum_chunk_bytes, with_fingerprints)
 
     replaced_files: set[str] = set()
 
@@ -235,8 +249,8 @@ def _prepare_rank_state(state: _SaveState, state_dict: Any, *, rank: int, is_coo
     if is_coordinator:
         for item_path, value in state.flat.common.items():
             encode_tagged(value, where=f"common value {item_path!r}")
-    description, state.views = _describe(state.flat)
-    return description
+    state.description, state.views = _describe(state.flat)
+    return state.description
 
 
 def _describe(flat: FlatStateDict) -> tuple[LocalSaveDescription, list[torch.Tensor]]:
@@ -299,7 +313,13 @@ def _data_file_name(save_id: str, rank: int) -> str:
 
 
 def _write_assigned(
-    storage: Storage, state: _SaveState, assignment: WriteAssignment, save_id: str, rank: int, chunk_bytes: int
+    storage: Storage,
+    state: _SaveState,
+    assignment: WriteAssignment,
+    save_id: str,
+    rank: int,
+    chunk_bytes: int,
+    with_fingerprints: bool = False,
 ) -> dict[str, Any]:
     """Write this rank's assigned boxes and objects into its data file; describe where they went."""
     if not assignment.tensors and not assignment.objects:
@@ -314,7 +334,9 @@ def _write_assigned(
     try:
         for index in assignment.tensors:
             offset, length, checksums = _write_checksummed(writer, tensor_bytes(state.views[index]), chunk_bytes)
-            written_tensors.append([index, offset, length, list(checksums)])
+            piece = state.description.tensors[index]
+            print_ = fingerprint(state.views[index], piece.box, piece.global_shape) if with_fingerprints else None
+            written_tensors.append([index, offset, length, list(checksums), print_])
         for index in assignment.objects:
             offset, length, checksums = _write_checksummed(writer, memoryview(state.blobs[index]), chunk_bytes)
             written_objects.append([index, offset, length, list(checksums)])
@@ -336,6 +358,8 @@ def _build_metadata(
     files: list[DataFile] = []
     tensor_info: dict[str, tuple[str, tuple[int, ...]]] = {}
     boxes: dict[str, list[SavedBox]] = {}
+    prints: dict[str, list[int]] = {}
+    fingerprinted = False
     object_shapes: dict[str, tuple[int, ...]] = {}
     entries: dict[str, list[SavedObject]] = {}
     for desc in state.descriptions:
@@ -351,8 +375,11 @@ def _build_metadata(
         file_index = len(files)
         files.append(DataFile(path=report["file"], size=report["size"]))
         desc = state.descriptions[rank]
-        for index, offset, length, checksums in report["tensors"]:
+        for index, offset, length, checksums, print_ in report["tensors"]:
             piece = desc.tensors[index]
+            if print_ is not None:
+                fingerprinted = True
+                prints.setdefault(piece.key, []).append(print_)
             boxes[piece.key].append(
                 SavedBox(
                     offset=piece.box.offset,
@@ -382,7 +409,11 @@ def _build_metadata(
         files=tuple(files),
         tensors={
             key: TensorMetadata(
-                key=key, dtype=dtype, global_shape=shape, boxes=tuple(sorted(boxes[key], key=lambda b: b.offset))
+                key=key,
+                dtype=dtype,
+                global_shape=shape,
+                boxes=tuple(sorted(boxes[key], key=lambda b: b.offset)),
+                fingerprint=combine(prints.get(key, [])) if fingerprinted else None,
             )
             for key, (dtype, shape) in sorted(tensor_info.items())
         },
