@@ -82,3 +82,37 @@ def test_verify_needs_fingerprints_and_skips_what_it_cannot_check(tmp_path: Path
     part = reshard.ShardedTensor("w", torch.zeros(2), (4,), (0,))
     with pytest.warns(UserWarning, match=r"not checked.*w"):
         reshard.load({"w": part}, tmp_path / "printed", verify=True)
+
+
+def _reference(full: torch.Tensor) -> int:
+    """The definition, element by element: sum of w * (2i + 1) + i * G over words, mod 2**64."""
+    golden = 0x9E3779B97F4A7C15
+    words = full.contiguous().reshape(-1).view(torch.uint8)
+    width = min(full.element_size(), 8)
+    total = 0
+    for index in range(words.numel() // width):
+        word = int.from_bytes(bytes(words[index * width : (index + 1) * width].tolist()), "little", signed=True)
+        total += word * (2 * index + 1) + index * golden
+    return total % (1 << 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex128])
+def test_fingerprint_matches_its_definition_and_adds_up_over_any_tiling(dtype: torch.dtype) -> None:
+    from reshard.boxes import Box
+    from reshard.fingerprint import combine, fingerprint
+
+    full = (torch.randn(5, 3, 4) * 50).to(dtype) if dtype != torch.bool else torch.rand(5, 3, 4) > 0.5
+    shape = (5, 3, 4)
+    whole = fingerprint(full, Box((0, 0, 0), shape), shape)
+    assert whole == _reference(full)
+    parts = [
+        fingerprint(full[:2], Box((0, 0, 0), (2, 3, 4)), shape),
+        fingerprint(full[2:, :1], Box((2, 0, 0), (3, 1, 4)), shape),
+        fingerprint(full[2:, 1:, :3], Box((2, 1, 0), (3, 2, 3)), shape),
+        fingerprint(full[2:, 1:, 3:], Box((2, 1, 3), (3, 2, 1)), shape),
+    ]
+    assert combine(parts) == whole
+    swapped = full.clone()
+    swapped[0, 0, 0], swapped[4, 2, 3] = full[4, 2, 3], full[0, 0, 0]
+    if not torch.equal(swapped, full):
+        assert fingerprint(swapped, Box((0, 0, 0), shape), shape) != whole

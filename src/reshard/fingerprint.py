@@ -32,7 +32,12 @@ def combine(values: list[int]) -> int:
 
 
 def fingerprint(view: torch.Tensor, box: Box, global_shape: tuple[int, ...]) -> int:
-    """The partial fingerprint of ``view``, the elements of ``box`` of a global tensor of ``global_shape``."""
+    """The partial fingerprint of ``view``, the elements of ``box`` of a global tensor of ``global_shape``.
+
+    Computed without materialising the word indices: with rows along the last axis, a word's index is
+    ``rowbase + j``, so ``sum(w * (2i + 1) + i * G) = 2 * sum_r(rowbase_r * S_r) + 2 * sum(w_j * j) + sum(w)
+    + G * sum(i)``, where ``S_r`` is the sum of row ``r``'s words: a few passes over the data.
+    """
     if box.volume == 0:
         return 0
     data = view.detach()
@@ -42,31 +47,29 @@ def fingerprint(view: torch.Tensor, box: Box, global_shape: tuple[int, ...]) -> 
     itemsize = data.element_size()
     words = 2 if itemsize == 16 else 1
     word_dtype = _WORD[itemsize]
-    global_strides = row_major_strides(global_shape) if global_shape else ()
-    if not box.shape:  # a 0-d tensor: one element at index 0
-        bits = data.reshape(1).view(torch.uint8).view(word_dtype).to(torch.int64)
-        index = torch.arange(words, dtype=torch.int64)
-        return _mix_sum(index, bits)
-    rows = box.shape[0]
-    per_row = max(1, math.prod(box.shape[1:]))
-    slab = max(1, _SLAB_ELEMENTS // per_row)
+    shape = box.shape or (1,)
+    offset = box.offset or (0,)
+    strides = row_major_strides(global_shape) if global_shape else (1,)
+    columns = shape[-1] * words
+    rows_total = math.prod(shape[:-1])
+    slab = max(1, _SLAB_ELEMENTS // columns)
+    column_index = torch.arange(columns, dtype=torch.int64)
+    flat = data.reshape(rows_total, shape[-1])
+    # Global word index of the first word of every row (a small tensor: one entry per row).
+    row_base = torch.zeros((), dtype=torch.int64)
+    for axis in range(len(shape) - 1):
+        coords = torch.arange(offset[axis], offset[axis] + shape[axis], dtype=torch.int64) * strides[axis]
+        row_base = row_base.unsqueeze(-1) + coords
+    row_base = (row_base.reshape(-1) + offset[-1] * strides[-1]) * words
     total = 0
-    for start in range(0, rows, slab):
-        stop = min(rows, start + slab)
-        part = data[start:stop]
-        index = torch.zeros((), dtype=torch.int64)
-        for axis, (offset, size) in enumerate(zip(box.offset, part.shape, strict=True)):
-            base = offset + (start if axis == 0 else 0)
-            coords = torch.arange(base, base + size, dtype=torch.int64) * global_strides[axis]
-            index = index.unsqueeze(-1) + coords
-        index = index.reshape(-1)
-        bits = part.reshape(-1).contiguous().view(torch.uint8).view(word_dtype).to(torch.int64)
-        if words == 2:
-            index = (index.unsqueeze(-1) * 2 + torch.arange(2, dtype=torch.int64)).reshape(-1)
-        total += _mix_sum(index, bits)
+    for start in range(0, rows_total, slab):
+        stop = min(rows_total, start + slab)
+        bits = flat[start:stop].contiguous().view(torch.uint8).view(word_dtype).to(torch.int64)
+        bits = bits.reshape(stop - start, columns)
+        row_sums = bits.sum(1)
+        base = row_base[start:stop]
+        sum_words = int(row_sums.sum())
+        sum_words_index = int((base * row_sums).sum()) + int((bits * column_index).sum())
+        sum_index = int(base.sum()) * columns + (stop - start) * (columns * (columns - 1) // 2)
+        total += 2 * sum_words_index + sum_words + _GOLDEN * sum_index
     return total & _MASK
-
-
-def _mix_sum(index: torch.Tensor, bits: torch.Tensor) -> int:
-    mixed = bits * (index * 2 + 1) + index * _GOLDEN
-    return int(mixed.sum()) & _MASK
