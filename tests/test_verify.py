@@ -116,3 +116,24 @@ def test_fingerprint_matches_its_definition_and_adds_up_over_any_tiling(dtype: t
     swapped[0, 0, 0], swapped[4, 2, 3] = full[4, 2, 3], full[0, 0, 0]
     if not torch.equal(swapped, full):
         assert fingerprint(swapped, Box((0, 0, 0), shape), shape) != whole
+
+
+def test_contiguous_partial_reads_verify_every_chunk_they_touch(tmp_path: Path) -> None:
+    """An axis-0 slice that starts and ends inside checksum chunks reads exactly what it needs, and then
+    reads the two boundary chunks whole to verify them: damage next to the slice is caught."""
+    full = torch.arange(1000, dtype=torch.float32)
+    reshard.save({"w": full}, tmp_path, checksum_chunk_bytes=256)  # chunks of 64 elements
+    template = {"w": reshard.ShardedTensor("w", torch.zeros(300), (1000,), (100,))}
+    stats = reshard.LoadStats()
+    reshard.load(template, tmp_path, stats=stats)
+    assert stats.bytes_read == stats.bytes_needed == 1200
+    # Bytes [400, 1600): chunks 2-5 are covered, chunks 1 and 6 touched at the ends and read whole.
+    assert stats.bytes_verify_extra == 2 * 256
+    assert stats.bytes_verified == 6 * 256
+    metadata = reshard.read_metadata(tmp_path)
+    data = tmp_path / metadata.files[0].path
+    raw = bytearray(data.read_bytes())
+    raw[metadata.tensors["w"].boxes[0].byte_offset + 70 * 4] ^= 0x01  # element 70: in the chunk of element 100
+    data.write_bytes(bytes(raw))
+    with pytest.raises(reshard.CorruptCheckpointError, match=r"checksum mismatch"):
+        reshard.load({"w": reshard.ShardedTensor("w", torch.zeros(300), (1000,), (100,))}, tmp_path)

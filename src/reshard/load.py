@@ -64,6 +64,8 @@ class LoadStats:
         bytes_read: bytes of tensor data actually read (>= needed: strided runs merged into larger reads).
         read_requests: number of read calls issued for tensor data.
         bytes_verified: bytes whose checksum was verified.
+        bytes_verify_extra: bytes read only to verify the chunks that contiguous reads touch at their ends
+            (not counted in ``bytes_read``).
         bytes_direct: bytes read straight into their destination tensor (no intermediate copy).
         files_downloaded, bytes_downloaded: with staging, the whole data files this rank downloaded for its
             node (each file needed by a node is downloaded by exactly one of its ranks).
@@ -75,6 +77,7 @@ class LoadStats:
     bytes_read: int = 0
     read_requests: int = 0
     bytes_verified: int = 0
+    bytes_verify_extra: int = 0
     bytes_direct: int = 0
     files_downloaded: int = 0
     bytes_downloaded: int = 0
@@ -330,6 +333,7 @@ def _load_from(
         stats.read_requests = load_plan.requests
         stats.bytes_verified = executor.bytes_verified
         stats.bytes_direct = executor.bytes_direct
+        stats.bytes_verify_extra = executor.bytes_verify_extra
         if staged is not None:
             stats.files_downloaded = len(staged.downloaded)
             stats.bytes_downloaded = staged.bytes_downloaded
@@ -473,6 +477,7 @@ class _ReadExecutor:
         self.buffer_bytes = buffer_bytes
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.bytes_verified = 0
+        self.bytes_verify_extra = 0
         self.bytes_direct = 0
         self.checked_files: set[int] = set()
 
@@ -571,6 +576,44 @@ class _ReadExecutor:
             staged_bytes += need
         if batch_direct or batch_staged:
             self._flush(batch_direct, batch_staged, staged_bytes)
+        self._verify_boundary_chunks(plan)
+
+    def _verify_boundary_chunks(self, plan: LoadPlan) -> None:
+        """A contiguous read that starts or ends inside a checksum chunk touches that chunk without
+        covering it: read those chunks whole (at most two per read, counted in ``bytes_verify_extra``) and
+        verify them, so that every chunk a contiguous read touches is checked. Strided reads verify only
+        the chunks their runs cover (checking more would read up to whole saved boxes)."""
+        chunk = self.metadata.checksum_chunk_bytes
+        pending: dict[tuple[str, int], tuple[int, int, int, str, int]] = {}
+        for item in plan.items:
+            if item.pattern.count != 1:
+                continue
+            saved = self.metadata.tensors[item.key].boxes[item.saved_index]
+            start = item.pattern.first * item.itemsize
+            end = start + item.pattern.span * item.itemsize
+            for index in {start // chunk, (end - 1) // chunk}:
+                lo, hi = index * chunk, min(index * chunk + chunk, saved.byte_length)
+                if lo < start or hi > end:  # touched, not covered
+                    pending[(item.key, saved.byte_offset + lo)] = (
+                        saved.file,
+                        saved.byte_offset + lo,
+                        hi - lo,
+                        item.key,
+                        saved.checksums[index],
+                    )
+        if not pending:
+            return
+        entries = sorted(pending.values())
+        buffers = [bytearray(length) for _, _, length, _, _ in entries]
+        requests = [
+            ReadRequest(self.metadata.files[file].path, offset, memoryview(buffer))
+            for (file, offset, _, _, _), buffer in zip(entries, buffers, strict=True)
+        ]
+        whats = [f"tensor {name!r}" for _, _, _, name, _ in entries]
+        self._read(requests, whats)
+        for (file, offset, length, name, expected), buffer in zip(entries, buffers, strict=True):
+            self._check_chunk(expected, memoryview(buffer), file, offset, f"tensor {name!r}")
+            self.bytes_verify_extra += length
 
     def _copy_mapped(self, item: ReadItem, dest: torch.Tensor) -> bool:
         """Copy a strided overlap straight from the mapped file range into its destination, converting
