@@ -115,7 +115,7 @@ def read_metadata_bytes(storage: Storage) -> bytes:
             f"{where} has no {METADATA_FILE}: a save is writing it or was interrupted "
             f"(lock held by {holder.describe()})"
         )
-    if storage.list_files(DATA_DIR):
+    if storage.list_files(DATA_DIR) or storage.exists(DATA_DIR):
         raise IncompleteCheckpointError(
             f"{where} holds data files but no {METADATA_FILE}: a save that was interrupted before it committed"
         )

@@ -71,7 +71,7 @@ class StepInfo:
 
 def scan_root(storage: Storage) -> list[StepInfo]:
     """Every step directory under ``storage``, oldest first, with its status. Not collective."""
-    names = sorted({name.split("/", 1)[0] for name in storage.list_files() if "/" in name})
+    names = storage.list_children()
     out = []
     for name in names:
         match = _STEP.match(name)

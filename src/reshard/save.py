@@ -203,7 +203,11 @@ def _save_to(
         document = metadata.to_json_bytes()
         try:
             storage.commit(METADATA_FILE, document, replace=overwrite)
-        except FileExistsError:
+        except OSError as exc:
+            if not isinstance(exc, FileExistsError):
+                raise StorageError(
+                    f"committing {storage.describe(METADATA_FILE)} failed on the coordinator (rank {comm.rank}): {exc}"
+                ) from exc
             # A retried create-only put whose first answer was lost finds its own object: that is a success.
             if _committed_document(storage) == document:
                 release_lock(storage, save_id)

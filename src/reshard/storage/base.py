@@ -91,6 +91,10 @@ class Storage(ABC):
         """Relative names of all files under ``prefix`` (recursively), sorted."""
 
     @abstractmethod
+    def list_children(self) -> list[str]:
+        """Names of the immediate children of the root (files and directories or prefixes), sorted."""
+
+    @abstractmethod
     def read_bytes(self, name: str) -> bytes:
         """The whole content of a small file."""
 

@@ -118,6 +118,9 @@ class LocalStorage(Storage):
             return []
         return sorted(p.relative_to(self.root).as_posix() for p in base.rglob("*") if p.is_file())
 
+    def list_children(self) -> list[str]:
+        return sorted(os.listdir(self.root)) if self.root.is_dir() else []
+
     def read_bytes(self, name: str) -> bytes:
         return (self.root / name).read_bytes()
 

@@ -269,6 +269,9 @@ class ObjectStorage(Storage):
         start = len(self.root) + 1
         return sorted(p[start:] for p in found if p.startswith(self.root + "/"))
 
+    def list_children(self) -> list[str]:
+        return sorted({name.split("/", 1)[0] for name in self.list_files()})
+
     def read_bytes(self, name: str) -> bytes:
         path = self._path(name)
         return bytes(self.call("reading", name, lambda: self.fs.cat_file(path)))
