@@ -131,7 +131,8 @@ def _check_all_chunks(storage: Storage, metadata: Metadata, files: set[int]) -> 
             )
     chunk = metadata.checksum_chunk_bytes
     problems = []
-    buffer = bytearray(chunk)
+    longest = max((length for _, _, _, length, _ in entries), default=0)
+    buffer = bytearray(min(chunk, longest))
     for what, file, offset, length, checksums in entries:
         if file not in files:
             continue
