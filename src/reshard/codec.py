@@ -59,7 +59,19 @@ def strict_json_loads(raw: bytes) -> Any:
     Raises:
         UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError: invalid input.
     """
-    return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant, object_pairs_hook=_refuse_duplicates)
+    return json.loads(
+        raw.decode("utf-8"),
+        parse_constant=_refuse_constant,
+        parse_float=_finite_float,
+        object_pairs_hook=_refuse_duplicates,
+    )
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:40]} overflows a float")
+    return value
 
 
 def encode_tagged(value: object, tensors: list[torch.Tensor] | None = None, *, where: str = "") -> JSONValue:

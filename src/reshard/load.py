@@ -601,19 +601,29 @@ class _ReadExecutor:
                         item.key,
                         saved.checksums[index],
                     )
-        if not pending:
-            return
-        entries = sorted(pending.values())
-        buffers = [bytearray(length) for _, _, length, _, _ in entries]
-        requests = [
-            ReadRequest(self.metadata.files[file].path, offset, memoryview(buffer))
-            for (file, offset, _, _, _), buffer in zip(entries, buffers, strict=True)
-        ]
-        whats = [f"tensor {name!r}" for _, _, _, name, _ in entries]
-        self._read(requests, whats)
-        for (file, offset, length, name, expected), buffer in zip(entries, buffers, strict=True):
-            self._check_chunk(expected, memoryview(buffer), file, offset, f"tensor {name!r}")
+        for file, offset, length, name, expected in sorted(pending.values()):
+            self._check_chunk_streamed(expected, file, offset, length, f"tensor {name!r}")
             self.bytes_verify_extra += length
+
+    def _check_chunk_streamed(self, expected: int, file: int, offset: int, length: int, what: str) -> None:
+        """Verify one chunk by reading it in pieces of at most the staging buffer (memory stays bounded
+        whatever the chunk size the metadata declares)."""
+        piece = max(1, min(self.buffer_bytes, length))
+        if self.buffer.numel() < piece:
+            self.buffer = torch.empty(max(piece, min(self.buffer_bytes, 1 << 20)), dtype=torch.uint8)
+        view = byte_view(self.buffer)
+        name = self.metadata.files[file].path
+        value = 0
+        for start in range(0, length, piece):
+            part = view[: min(piece, length - start)]
+            self._read([ReadRequest(name, offset + start, part)], [what])
+            value = crc32c.crc32c(part, value)
+        if value != expected:
+            raise CorruptCheckpointError(
+                f"{what}: checksum mismatch in data file {self.storage.describe(name)} at bytes "
+                f"[{offset}, {offset + length})"
+            )
+        self.bytes_verified += length
 
     def _copy_mapped(self, item: ReadItem, dest: torch.Tensor) -> bool:
         """Copy a strided overlap straight from the mapped file range into its destination, converting
@@ -624,28 +634,42 @@ class _ReadExecutor:
         pattern = item.pattern
         strides = row_major_strides(saved.shape)
         first = pattern.first * item.itemsize
+        if (saved.byte_offset + first) % item.itemsize:
+            return False  # a view of the mapping would be misaligned: take the staged path
         extent = (1 + sum((n - 1) * st for n, st in zip(item.overlap.shape, strides, strict=True))) * item.itemsize
-        mapped = self.storage.map_range(self.metadata.files[saved.file].path, saved.byte_offset + first, extent)
+        name = self.metadata.files[saved.file].path
+        try:
+            mapped = self.storage.map_range(name, saved.byte_offset + first, extent)
+        except OSError as exc:
+            raise StorageError(f"cannot map data file {self.storage.describe(name)}: {exc}") from exc
         if mapped is None:
             return False
         try:
             source = mapped.tensor.view(dtype).as_strided(item.overlap.shape, strides)
             span_bytes = pattern.span * item.itemsize
-            if span_bytes >= self.metadata.checksum_chunk_bytes:
-                raw = byte_view(mapped.tensor)
-                what = f"tensor {item.key!r} box at {list(saved.offset)}"
-                for run in pattern.starts():
-                    lo = run * item.itemsize - first
-                    self._verify_range(
-                        saved.checksums,
-                        saved.byte_length,
-                        run * item.itemsize,
-                        raw[lo : lo + span_bytes],
-                        saved.file,
-                        saved.byte_offset,
-                        what,
-                    )
-                del raw  # release the buffer export, so that the mapping can be closed now
+            chunk = self.metadata.checksum_chunk_bytes
+            if span_bytes >= chunk:
+                runs = pattern.starts()
+            else:
+                # Runs shorter than a chunk can only cover the box's short last chunk, and only the last
+                # run can reach it.
+                lead = zip(pattern.lead_shape, pattern.lead_strides, strict=True)
+                last = pattern.first + sum((n - 1) * st for n, st in lead)
+                runs = [last]
+            raw = byte_view(mapped.tensor)
+            what = f"tensor {item.key!r} box at {list(saved.offset)}"
+            for run in runs:
+                lo = run * item.itemsize - first
+                self._verify_range(
+                    saved.checksums,
+                    saved.byte_length,
+                    run * item.itemsize,
+                    raw[lo : lo + span_bytes],
+                    saved.file,
+                    saved.byte_offset,
+                    what,
+                )
+            del raw  # release the buffer export, so that the mapping can be closed now
             with torch.no_grad():
                 dest.copy_(source)
             del source

@@ -131,22 +131,32 @@ def _check_all_chunks(storage: Storage, metadata: Metadata, files: set[int]) -> 
             )
     chunk = metadata.checksum_chunk_bytes
     problems = []
-    longest = max((length for _, _, _, length, _ in entries), default=0)
-    buffer = bytearray(min(chunk, longest))
+    piece = min(chunk, 16 * 1024 * 1024)  # chunks are checked in bounded pieces, whatever their declared size
+    buffer = memoryview(bytearray(piece))
     for what, file, offset, length, checksums in entries:
         if file not in files:
             continue
         name = metadata.files[file].path
         for index, expected in enumerate(checksums):
+            start = offset + index * chunk
             size = min(chunk, length - index * chunk)
-            view = memoryview(buffer)[:size]
-            try:
-                (got,) = storage.read_ranges([ReadRequest(name, offset + index * chunk, view)])
-            except OSError as exc:
-                problems.append(f"{what}: reading {storage.describe(name)} failed: {exc}")
+            value = 0
+            failure = ""
+            for at in range(0, size, piece):
+                view = buffer[: min(piece, size - at)]
+                try:
+                    (got,) = storage.read_ranges([ReadRequest(name, start + at, view)])
+                except OSError as exc:
+                    failure = str(exc)
+                    break
+                if got != len(view):
+                    failure = f"short read at byte {start + at}"
+                    break
+                value = crc32c.crc32c(view, value)
+            if failure:
+                problems.append(f"{what}: reading {storage.describe(name)} failed: {failure}")
                 break
-            if got != size or crc32c.crc32c(view) != expected:
-                start = offset + index * chunk
+            if value != expected:
                 where = storage.describe(name)
                 problems.append(f"{what}: checksum mismatch in data file {where} at bytes [{start}, {start + size})")
     return problems

@@ -218,6 +218,10 @@ def check_relative_path(path: str) -> str | None:
     """
     if not path:
         return "is empty"
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid UTF-8 text"
     if "\x00" in path:
         return "contains NUL"
     if "\\" in path:

@@ -80,6 +80,24 @@ class _LocalMapping(MappedRange):
             self.mapping.close()
 
 
+def _open_regular(root: Path, name: str) -> int:
+    """Open ``root/name`` for reading without following a symbolic link in any component below the
+    root, and only if it is a regular file (a FIFO or device would block or lie)."""
+    parts = name.split("/")
+    for depth in range(1, len(parts)):
+        if os.path.islink(root.joinpath(*parts[:depth])):
+            raise OSError(
+                errno.ELOOP,
+                "a symbolic link: reshard does not follow links inside a checkpoint",
+                str(root.joinpath(*parts[:depth])),
+            )
+    fd = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(root / name))
+    return fd
+
+
 class LocalStorage(Storage):
     """A checkpoint directory.
 
@@ -103,11 +121,11 @@ class LocalStorage(Storage):
         return (self.root / name).exists()
 
     def size(self, name: str) -> int:
-        path = self.root / name
-        info = os.lstat(path)
-        if stat.S_ISLNK(info.st_mode):
-            raise OSError(errno.ELOOP, "a symbolic link: reshard does not follow links inside a checkpoint", str(path))
-        return info.st_size
+        fd = _open_regular(self.root, name)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def modified_time(self, name: str) -> float:
         return os.lstat(self.root / name).st_mtime
@@ -122,7 +140,16 @@ class LocalStorage(Storage):
         return sorted(os.listdir(self.root)) if self.root.is_dir() else []
 
     def read_bytes(self, name: str) -> bytes:
-        return (self.root / name).read_bytes()
+        fd = _open_regular(self.root, name)
+        try:
+            chunks: list[bytes] = []
+            while True:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    return b"".join(chunks)
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
 
     def read_ranges(self, requests: list[ReadRequest]) -> list[int]:
         fds: dict[str, int] = {}
@@ -131,7 +158,7 @@ class LocalStorage(Storage):
             for request in requests:
                 fd = fds.get(request.name)
                 if fd is None:
-                    fd = os.open(self.root / request.name, os.O_RDONLY | os.O_NOFOLLOW)
+                    fd = _open_regular(self.root, request.name)
                     fds[request.name] = fd
                 out.append(_read_fully(fd, request.offset, request.buffer))
             return out
@@ -144,7 +171,7 @@ class LocalStorage(Storage):
         without following symbolic links."""
         if length <= 0:
             return None
-        fd = os.open(self.root / name, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = _open_regular(self.root, name)
         try:
             start = offset - offset % mmap.ALLOCATIONGRANULARITY
             mapping = mmap.mmap(fd, length + offset - start, access=mmap.ACCESS_COPY, offset=start)
