@@ -366,3 +366,21 @@ def test_large_data_objects_are_uploaded_in_parts(object_store: Any, fault_proxy
     assert len(names) == 2 and names[-1] == "metadata.json"  # one data object, no parts left behind
     out = reshard.load({"w": torch.zeros_like(big)}, url, storage_options=object_store.storage_options)
     assert torch.equal(out["w"], big)
+
+
+def test_checkpoint_manager_on_an_object_store(object_store: Any) -> None:
+    """Steps, the latest pointer (one put), retention (prefix deletes) and the root lock on S3 and GCS."""
+    root = f"{object_store.protocol}://{object_store.new_bucket()}/run"
+    manager = reshard.CheckpointManager(root, keep_last=2, storage_options=object_store.storage_options)
+    try:
+        for step in (1, 2, 3):
+            manager.save(step, {"w": torch.full((8,), float(step)), "step": step})
+        assert manager.steps() == [2, 3]
+        assert manager.latest_pointer() == 3
+        template = {"w": torch.zeros(8), "step": -1}
+        found = manager.load_latest_with_state(template)
+        assert found is not None and found[0] == 3 and found[1]["step"] == 3
+        assert torch.equal(template["w"], torch.full((8,), 3.0))
+        assert not manager.root.exists(".lock")
+    finally:
+        manager.close()
