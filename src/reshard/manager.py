@@ -71,55 +71,37 @@ class StepInfo:
 
 def scan_root(storage: Storage) -> list[StepInfo]:
     """Every step directory under ``storage``, oldest first, with its status. Not collective."""
-    names = storage.list_children()
     out = []
-    for name in names:
+    for name in storage.list_children():
         match = _STEP.match(name)
-        if match is None:
-            continue
-        child = storage.child(name)
-        try:
-            locked = read_lock(child) is not None
-            try:
-                metadata = Metadata.from_json_bytes(read_metadata_bytes(child), where=child.describe(METADATA_FILE))
-            except (IncompleteCheckpointError, CheckpointNotFoundError):
-                out.append(
-                    StepInfo(
-                        step=int(match.group(1)),
-                        name=name,
-                        status="incomplete",
-                        locked=locked,
-                        tensor_bytes=0,
-                        world_size=None,
-                    )
-                )
-                continue
-            except CorruptCheckpointError as exc:
-                out.append(
-                    StepInfo(
-                        step=int(match.group(1)),
-                        name=name,
-                        status="corrupt",
-                        locked=locked,
-                        tensor_bytes=0,
-                        world_size=None,
-                        problem=str(exc),
-                    )
-                )
-                continue
-            out.append(
-                StepInfo(
-                    step=int(match.group(1)),
-                    name=name,
-                    status="complete",
-                    locked=locked,
-                    tensor_bytes=metadata.total_bytes,
-                    world_size=metadata.world_size,
-                )
-            )
-        finally:
-            child.close()
+        if match is not None:
+            out.append(_inspect_step(storage, name, int(match.group(1))))
     return sorted(out, key=lambda s: s.step)
+
+
+def _inspect_step(storage: Storage, name: str, step: int) -> StepInfo:
+    child = storage.child(name)
+    try:
+        locked = read_lock(child) is not None
+        status, problem, tensor_bytes, world_size = "complete", "", 0, None
+        try:
+            metadata = Metadata.from_json_bytes(read_metadata_bytes(child), where=child.describe(METADATA_FILE))
+            tensor_bytes, world_size = metadata.total_bytes, metadata.world_size
+        except (IncompleteCheckpointError, CheckpointNotFoundError):
+            status = "incomplete"
+        except CorruptCheckpointError as exc:
+            status, problem = "corrupt", str(exc)
+        return StepInfo(
+            step=step,
+            name=name,
+            status=status,
+            locked=locked,
+            tensor_bytes=tensor_bytes,
+            world_size=world_size,
+            problem=problem,
+        )
+    finally:
+        child.close()
 
 
 class CheckpointManager:
