@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-__all__ = ["DTYPE_BY_NAME", "byte_view", "dtype_from_name", "dtype_name", "itemsize"]
+__all__ = ["DTYPE_BY_NAME", "byte_view", "dtype_name", "itemsize"]
 
 DTYPE_BY_NAME: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -38,11 +38,6 @@ def dtype_name(dtype: torch.dtype) -> str:
         KeyError: reshard cannot store this dtype.
     """
     return _NAME_BY_DTYPE[dtype]
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """The torch dtype of a format name. Raises ``KeyError`` for a name the format does not define."""
-    return DTYPE_BY_NAME[name]
 
 
 def itemsize(dtype: torch.dtype) -> int:

@@ -222,8 +222,3 @@ def _group_rank_lists(config: ParallelConfig) -> dict[str, list[list[int]]]:
         "edp": by(lambda r: (r.pp, r.etp, r.ep)),
         "layout": [list(range(c.world_size))],
     }
-
-
-def all_layout_names() -> list[str]:
-    """The kinds of groups a layout has (for documentation and tests)."""
-    return list(_group_rank_lists(ParallelConfig()).keys())

@@ -89,7 +89,7 @@ staging memory of a load (and makes reads of object stores concurrent)."""
 
 def _split_overlap(
     saved: Box, overlap: Box, itemsize: int, max_amplification: float, max_bytes: int, chunk_bytes: int = 0
-) -> list[Box]:
+) -> list[tuple[Box, ReadPattern]]:
     """Cut ``overlap`` into consecutive slabs along its first axes so that each slab's read is at most
     ``max_bytes`` (a slab of one element row is never cut further)."""
     pattern = read_pattern(saved, overlap, max_amplification=max_amplification)
@@ -97,10 +97,10 @@ def _split_overlap(
     extent_elements = 1 + sum((n - 1) * st for n, st in zip(overlap.shape, strides, strict=True))
     # Bounded by both what is read and the range it spans (what a memory-mapped copy touches).
     if max(pattern.read_elements, extent_elements) * itemsize <= max_bytes:
-        return [overlap]
+        return [(overlap, pattern)]
     axis = next((a for a, extent in enumerate(overlap.shape) if extent > 1), None)
     if axis is None:
-        return [overlap]
+        return [(overlap, pattern)]
     extent = overlap.shape[axis]
     parts = min(extent, -(-max(pattern.read_elements, extent_elements) * itemsize // max_bytes))
     step = -(-extent // parts)
@@ -143,7 +143,7 @@ def plan_load(
             whole = target.box.intersect(saved.box)
             if whole is None:
                 continue
-            for overlap in _split_overlap(
+            for overlap, pattern in _split_overlap(
                 saved.box, whole, itemsize, max_read_amplification, max_read_bytes, metadata.checksum_chunk_bytes
             ):
                 items.append(
@@ -156,7 +156,7 @@ def plan_load(
                         file=saved.file,
                         byte_offset=saved.byte_offset,
                         itemsize=itemsize,
-                        pattern=read_pattern(saved.box, overlap, max_amplification=max_read_amplification),
+                        pattern=pattern,
                     )
                 )
     items.sort(key=lambda i: (i.file, i.byte_offset + i.pattern.first * i.itemsize))
