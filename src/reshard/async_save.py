@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reshard.dtensor import dtensor_to_sharded, is_dtensor
 from reshard.metadata import Metadata
 from reshard.save import save
 from reshard.sharding import ShardedObject, ShardedTensor
@@ -117,6 +118,13 @@ class AsyncCheckpointer:
             return buffer
 
         def leaf(path: str, value: Any) -> Any:
+            if is_dtensor(value):
+                # Snapshot this rank's local tensor. A rank outside the DTensor's mesh holds none of it: the
+                # DTensor stays as it is, and the save skips it.
+                described = dtensor_to_sharded(path, value)
+                if described is None:
+                    return value
+                value = described
             if isinstance(value, ShardedTensor):
                 return dataclasses.replace(value, data=copy_tensor(path, value.data))
             if isinstance(value, torch.Tensor):

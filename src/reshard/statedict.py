@@ -1,9 +1,11 @@
 """Walking nested state dicts: flatten to dotted paths, and rebuild the same structure with new leaves.
 
 Containers are dicts (string or int keys), lists and tuples (named tuples and ``torch.Size`` included).
-Everything else is a leaf: :class:`~reshard.ShardedTensor`, :class:`~reshard.ShardedObject`, a plain
-``torch.Tensor`` (a full tensor, replicated on every rank) or a *common* value (JSON-like scalars, saved
-once by the coordinator). A leaf's path is its container keys joined with dots: ``optimizer.state.0.lr``.
+Everything else is a leaf: :class:`~reshard.ShardedTensor`, :class:`~reshard.ShardedObject`, a
+``torch.distributed.tensor.DTensor`` (described as the ShardedTensor of this rank's local tensor, keyed by
+its path, see :mod:`reshard.dtensor`), a plain ``torch.Tensor`` (a full tensor, replicated on every rank)
+or a *common* value (JSON-like scalars, saved once by the coordinator). A leaf's path is its container
+keys joined with dots: ``optimizer.state.0.lr``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from reshard.dtensor import dtensor_to_sharded, is_dtensor
 from reshard.errors import StateDictError
 from reshard.sharding import ShardedObject, ShardedTensor
 
@@ -87,6 +90,12 @@ def flatten_state_dict(state_dict: object, *, rank: int, dedup: bool = True) -> 
             flat.tensors.append(leaf)
         elif isinstance(leaf, ShardedObject):
             flat.objects.append(leaf)
+        elif is_dtensor(leaf):
+            if not path:
+                raise StateDictError("a DTensor needs a key: put it in a dict")
+            described = dtensor_to_sharded(path, leaf)
+            if described is not None:  # None: this rank is not in the DTensor's mesh and holds none of it
+                flat.tensors.append(described)
         elif isinstance(leaf, torch.Tensor):
             if not path:
                 raise StateDictError("a plain tensor needs a key: put it in a dict")
