@@ -29,6 +29,7 @@ from reshard.manager import CheckpointManager
 from reshard.metadata import Metadata
 from reshard.save import save
 from reshard.sharding import ShardedObject, ShardedTensor
+from reshard.statedict import filter_state_dict
 
 logging.getLogger("reshard").addHandler(logging.NullHandler())
 
@@ -53,6 +54,7 @@ __all__ = [
     "StorageError",
     "__version__",
     "async_save",
+    "filter_state_dict",
     "load",
     "read_metadata",
     "save",

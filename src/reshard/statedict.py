@@ -20,7 +20,7 @@ from reshard.dtensor import dtensor_to_sharded, is_dtensor
 from reshard.errors import StateDictError
 from reshard.sharding import ShardedObject, ShardedTensor
 
-__all__ = ["FlatStateDict", "flatten_state_dict", "map_leaves"]
+__all__ = ["FlatStateDict", "filter_state_dict", "flatten_state_dict", "map_leaves"]
 
 Leaf = Any
 PathKey = str | int
@@ -54,6 +54,36 @@ def _dotted(path: tuple[PathKey, ...]) -> str:
 def map_leaves(state_dict: object, fn: Callable[[str, Leaf], Leaf]) -> object:
     """Return a copy of ``state_dict``'s containers with every leaf replaced by ``fn(path, leaf)``."""
     return _walk(state_dict, (), fn)
+
+
+_DROPPED = object()
+
+
+def filter_state_dict(state_dict: object, keep: Callable[[str, Leaf], bool]) -> Any:
+    """The part of ``state_dict`` whose leaves satisfy ``keep(path, leaf)``, in the same structure.
+
+    Dicts keep only the entries that hold a kept leaf somewhere below; a dict that keeps nothing is
+    left out of its parent (the root stays, possibly empty). Lists and tuples are kept whole or not at
+    all, so that indices keep their meaning. Leaves are not copied.
+
+    Use it to save or load part of a training state, e.g. only the LoRA adapters::
+
+        adapters = reshard.filter_state_dict(sd, lambda path, leaf: ".lora_" in path)
+    """
+
+    def walk(obj: object, path: tuple[PathKey, ...]) -> object:
+        if isinstance(obj, dict):
+            kept = {k: walk(v, (*path, k)) for k, v in obj.items()}
+            kept = {k: v for k, v in kept.items() if v is not _DROPPED}
+            return kept if kept or not path else _DROPPED
+        if isinstance(obj, list | tuple):
+            items = [walk(v, (*path, i)) for i, v in enumerate(obj)]
+            return obj if any(item is not _DROPPED for item in items) else _DROPPED
+        return obj if keep(_dotted(path), obj) else _DROPPED
+
+    if not isinstance(state_dict, dict):
+        raise StateDictError(f"filter_state_dict needs a dict, got {type(state_dict).__name__}")
+    return walk(state_dict, ())
 
 
 @dataclass

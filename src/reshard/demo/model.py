@@ -16,6 +16,14 @@ Tensor layouts (global tensor -> local tensor on TP rank ``r`` of ``tp``):
 - norms and the MoE router: replicated on every TP rank.
 - experts, stacked per layer: ``fc1 [E, ffn_e, h]`` and ``fc2 [E, h, ffn_e]``, experts split by EP,
   the ffn axis split by ETP.
+
+LoRA (:class:`LoraConfig`): a low-rank update ``W + (alpha / r) * B @ A`` on the targeted linears, with
+the base frozen. Adapters are keyed ``<base key without .weight>.lora_A.weight`` / ``.lora_B.weight`` and
+follow the base's parallelism, as in Megatron: for a column-parallel base (QKV, GLU ``fc1``, expert
+``fc1`` under ETP) ``A [r, in]`` is replicated and ``B [out, r]`` is split like the base's output axis
+(same segments); for a row-parallel base (attention ``proj``, ``fc2``, expert ``fc2`` under ETP) ``A
+[r, in]`` is split like the base's input axis and ``B [out, r]`` is replicated. Expert adapters are
+stacked per layer like the experts (``[E, r, in]`` and ``[E, out, r]``), split by EP.
 """
 
 from __future__ import annotations
@@ -35,10 +43,10 @@ from reshard.demo.collectives import (
     reduce_from_group,
     reduce_then_slice_tokens,
 )
-from reshard.demo.parallel import ParallelConfig, ParallelGroups
+from reshard.demo.parallel import Group, ParallelConfig, ParallelGroups
 from reshard.sharding import ShardedTensor
 
-__all__ = ["GPTStage", "ModelConfig", "ParamLayout"]
+__all__ = ["LORA_TARGETS", "GPTStage", "LoraConfig", "ModelConfig", "ParamLayout", "is_adapter_key"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +99,59 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> ModelConfig:
         return cls(**{**doc, "moe_layers": tuple(doc["moe_layers"])})
+
+
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts.fc1", "experts.fc2")
+"""The linears LoRA can adapt: attention QKV and output projection, the dense MLP's fc1 and fc2, and the
+experts' fc1 and fc2."""
+
+_LORA_TARGET_OF_SUFFIX = {
+    "self_attention.qkv.weight": "qkv",
+    "self_attention.proj.weight": "proj",
+    "mlp.fc1.weight": "fc1",
+    "mlp.fc2.weight": "fc2",
+    "mlp.experts.fc1.weight": "experts.fc1",
+    "mlp.experts.fc2.weight": "experts.fc2",
+}
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether ``key`` (a parameter key, or a path or optimizer key that contains one) is a LoRA adapter."""
+    return ".lora_A." in key or ".lora_B." in key or key.endswith((".lora_A", ".lora_B"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoraConfig:
+    """Low-rank adapters on the linears named in ``targets`` (see :data:`LORA_TARGETS`).
+
+    ``init_b="zeros"`` is the usual start (the adapted model equals the base); ``"random"`` gives
+    ``B`` random values too, so that every adapter tensor is distinct from the start (tests).
+    """
+
+    rank: int = 4
+    alpha: float = 8.0
+    targets: tuple[str, ...] = LORA_TARGETS
+    init_b: str = "zeros"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank must be a positive int, got {self.rank!r}")
+        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+        if unknown or not self.targets:
+            raise ValueError(f"LoRA targets must be a non-empty subset of {list(LORA_TARGETS)}, got {unknown}")
+        if self.init_b not in ("zeros", "random"):
+            raise ValueError(f"init_b must be 'zeros' or 'random', got {self.init_b!r}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets), "init_b": self.init_b}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> LoraConfig:
+        return cls(**{**doc, "targets": tuple(doc["targets"])})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,10 +208,12 @@ class ParamLayout:
         return self.logical_shape if self.logical_shape is not None else self.global_shape
 
 
-def init_global(key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def init_global(key: str, shape: tuple[int, ...], seed: int, *, lora_b: str = "zeros") -> torch.Tensor:
     """The initial value of a whole global tensor: the same on every layout."""
     if key.endswith("norm.weight"):
         return torch.ones(shape)
+    if ".lora_B." in key and lora_b == "zeros":
+        return torch.zeros(shape)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
     fan_in = shape[-1]
     return torch.randn(shape, generator=generator) / math.sqrt(fan_in)
@@ -165,16 +228,20 @@ class GPTStage:
     first virtual stage, the final norm and output layer on the last), as local tensors.
 
     Attributes:
-        params: local parameter tensors by global key (leaf tensors that require grad).
+        params: local parameter tensors by global key (the trainable ones require grad).
         layouts: the ParamLayout of every parameter, by the same key.
+        trainable: the keys that train: all of them, or only the adapters with LoRA (the base is frozen).
+        adapters: with LoRA, the adapted base key -> its (lora_A key, lora_B key).
         chunks: for each local virtual-pipeline chunk, its global layer numbers.
     """
 
-    def __init__(self, config: ModelConfig, groups: ParallelGroups) -> None:
+    def __init__(self, config: ModelConfig, groups: ParallelGroups, lora: LoraConfig | None = None) -> None:
         parallel = groups.config
         config.check(parallel)
         self.config = config
         self.groups = groups
+        self.lora = lora
+        self.adapters: dict[str, tuple[str, str]] = {}
         c = groups.coords
         self.num_chunks = parallel.pp * parallel.vpp
         per_chunk = config.num_layers // self.num_chunks
@@ -184,16 +251,22 @@ class GPTStage:
         self.has_output = self.num_chunks - 1 in self.virtual_stages
         self.layouts: dict[str, ParamLayout] = {}
         self._build_layouts()
+        if lora is not None:
+            for key in list(self.layouts):
+                target = next((t for s, t in _LORA_TARGET_OF_SUFFIX.items() if key.endswith("." + s)), None)
+                if target in lora.targets:
+                    self._build_adapter_layouts(key, lora.rank)
+        self.trainable = [k for k in self.layouts if lora is None or is_adapter_key(k)]
         self.params: dict[str, torch.Tensor] = {}
         for key, layout in self.layouts.items():
             local = torch.zeros(layout.local_shape)
-            full = init_global(key, layout.saved_shape, config.seed)
+            full = init_global(key, layout.saved_shape, config.seed, lora_b=lora.init_b if lora else "zeros")
             with torch.no_grad():
                 for piece in layout.sharded(local).pieces():
                     piece.view.copy_(
                         full[tuple(slice(o, o + n) for o, n in zip(piece.box.offset, piece.box.shape, strict=True))]
                     )
-            self.params[key] = local.requires_grad_(True)
+            self.params[key] = local.requires_grad_(key in self.trainable)
 
     # ---- layouts ---------------------------------------------------------------------------------
 
@@ -306,7 +379,90 @@ class GPTStage:
             is_expert=True,
         )
 
+    def _build_adapter_layouts(self, base_key: str, rank: int) -> None:
+        """The LoRA A and B layouts of the linear ``base_key``, derived from the base's layout (see the
+        module docstring): the factor on the split side follows the base's split, the other is replicated
+        over the ranks that split the base (TP for dense linears, ETP for experts)."""
+        base = self.layouts[base_key]
+        stem = base_key.removesuffix(".weight")
+        a_key, b_key = f"{stem}.lora_A.weight", f"{stem}.lora_B.weight"
+        self.adapters[base_key] = (a_key, b_key)
+        c = self.groups.coords
+        if base.is_expert:
+            experts, out, inp = base.global_shape
+            e0, out0, in0 = base.global_offset
+            local_e, local_out, local_in = base.local_shape
+            edp = base.replica_id
+            # ETP splits fc1's output axis (column-parallel) and fc2's input axis (row-parallel).
+            column = base_key.endswith("experts.fc1.weight")
+            etp_rep = (c.etp, *edp)
+            a_rep, b_rep = (etp_rep, edp) if column else (edp, etp_rep)
+            self.layouts[a_key] = ParamLayout(
+                key=a_key,
+                global_shape=(experts, rank, inp),
+                global_offset=(e0, 0, in0),
+                local_shape=(local_e, rank, local_in),
+                replica_id=a_rep,
+                is_expert=True,
+                zero_replica_id=(c.etp,) if column else (0,),
+            )
+            self.layouts[b_key] = ParamLayout(
+                key=b_key,
+                global_shape=(experts, out, rank),
+                global_offset=(e0, out0, 0),
+                local_shape=(local_e, local_out, rank),
+                replica_id=b_rep,
+                is_expert=True,
+                zero_replica_id=(0,) if column else (c.etp,),
+            )
+            return
+        out, inp = base.global_shape
+        local_out, local_in = base.local_shape
+        if base.segments is not None or local_out != out:  # column-parallel: the output axis is split
+            self._dense(a_key, (rank, inp), (rank, inp), (0, 0), tp_replicated=True)
+            self._dense(
+                b_key,
+                (out, rank),
+                (local_out, rank),
+                (base.global_offset[0], 0),
+                segment_axis=base.segment_axis,
+                segments=base.segments,
+            )
+        else:  # row-parallel: the input axis is split
+            self._dense(a_key, (rank, inp), (rank, local_in), (0, base.global_offset[1]))
+            self._dense(b_key, (out, rank), (out, rank), (0, 0), tp_replicated=True)
+
     # ---- forward ---------------------------------------------------------------------------------
+
+    def _column(self, key: str, x: torch.Tensor, group: Group) -> torch.Tensor:
+        """``x`` (the same on every rank of ``group``) through the column-parallel linear ``key``: this
+        rank's output columns, with its adapter's update. ``A``'s gradient is summed over the group
+        (``copy_to_group`` of ``x A^T``), so the replicated ``A`` stays identical on every rank."""
+        out = copy_to_group(x, group) @ self.params[key].t()
+        adapter = self._adapter_tensors(key)
+        if adapter is None:
+            return out
+        a, b = adapter
+        return out + self._lora_scale * (copy_to_group(x @ a.t(), group) @ b.t())
+
+    @property
+    def _lora_scale(self) -> float:
+        return self.lora.scale if self.lora is not None else 0.0
+
+    def _adapter_tensors(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        adapter = self.adapters.get(key)
+        return None if adapter is None else (self.params[adapter[0]], self.params[adapter[1]])
+
+    def _row(self, key: str, x: torch.Tensor, group: Group) -> torch.Tensor:
+        """This rank's slice ``x`` of the input through the row-parallel linear ``key``: the whole output
+        (summed over ``group``), with its adapter's update (``x A^T`` summed over the group, then the
+        replicated ``B``)."""
+        out = reduce_from_group(x @ self.params[key].t(), group)
+        adapter = self._adapter_tensors(key)
+        if adapter is None:
+            return out
+        a, b = adapter
+        return out + self._lora_scale * (reduce_from_group(x @ a.t(), group) @ b.t())
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         weight = self.params["embedding.word_embeddings.weight"]
@@ -331,7 +487,7 @@ class GPTStage:
         batch, seq, _ = x.shape
         per_group = cfg.num_heads // cfg.num_query_groups
         groups_local = cfg.num_query_groups // tp.size
-        qkv = copy_to_group(x, tp) @ self.params[f"{prefix}.self_attention.qkv.weight"].t()
+        qkv = self._column(f"{prefix}.self_attention.qkv.weight", x, tp)
         qkv = qkv.view(batch, seq, groups_local, per_group + 2, cfg.head_dim)
         q = qkv[:, :, :, :per_group].reshape(batch, seq, groups_local * per_group, cfg.head_dim)
         k = qkv[:, :, :, per_group].repeat_interleave(per_group, dim=2)
@@ -340,13 +496,13 @@ class GPTStage:
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
         context = context.transpose(1, 2).reshape(batch, seq, -1)
-        return reduce_from_group(context @ self.params[f"{prefix}.self_attention.proj.weight"].t(), tp)
+        return self._row(f"{prefix}.self_attention.proj.weight", context, tp)
 
     def _mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         tp = self.groups.tp
-        gate_up = copy_to_group(x, tp) @ self.params[f"{prefix}.mlp.fc1.weight"].t()
+        gate_up = self._column(f"{prefix}.mlp.fc1.weight", x, tp)
         gate, up = gate_up.chunk(2, dim=-1)
-        return reduce_from_group((F.silu(gate) * up) @ self.params[f"{prefix}.mlp.fc2.weight"].t(), self.groups.tp)
+        return self._row(f"{prefix}.mlp.fc2.weight", F.silu(gate) * up, tp)
 
     def _moe(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -357,23 +513,39 @@ class GPTStage:
         weights, chosen = probs.topk(cfg.moe_topk, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         # Expert parallelism: every rank of the EP group sees the tokens of all of them.
-        all_tokens = copy_to_group(gather_tokens(tokens, g.ep), g.etp)
+        ep_tokens = gather_tokens(tokens, g.ep)
+        all_tokens = copy_to_group(ep_tokens, g.etp)
         # Each ETP rank multiplies only its slice of the expert output by the routing weight, so the
         # weight's gradient is a sum over the ETP group, like the tokens'.
-        all_weights = copy_to_group(gather_tokens(weights, g.ep), g.etp)
+        ep_weights = gather_tokens(weights, g.ep)
+        all_weights = copy_to_group(ep_weights, g.etp)
         all_chosen = _all_gather_plain(chosen, g)
-        fc1 = self.params[f"{prefix}.mlp.experts.fc1.weight"]
-        fc2 = self.params[f"{prefix}.mlp.experts.fc2.weight"]
+        fc1_key, fc2_key = f"{prefix}.mlp.experts.fc1.weight", f"{prefix}.mlp.experts.fc2.weight"
+        fc1, fc2 = self.params[fc1_key], self.params[fc2_key]
+        fc1_adapter = self._adapter_tensors(fc1_key)
+        fc2_adapter = self._adapter_tensors(fc2_key)
         first_expert = g.coords.ep * fc1.shape[0]
         partial = torch.zeros_like(all_tokens)
+        replicated = torch.zeros_like(all_tokens)  # adapter outputs that are whole on every ETP rank
         for local in range(fc1.shape[0]):
+            # The same rows on every ETP rank (they share tokens, router and experts), so the collectives
+            # below are called by all of them or by none.
             rows, slots = (all_chosen == first_expert + local).nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
-            hidden = F.gelu(all_tokens[rows] @ fc1[local].t())
+            pre = all_tokens[rows] @ fc1[local].t()
+            if fc1_adapter is not None:  # column-parallel over ETP: A replicated, B split like fc1
+                a, b = fc1_adapter
+                pre = pre + self._lora_scale * (copy_to_group(ep_tokens[rows] @ a[local].t(), g.etp) @ b[local].t())
+            hidden = F.gelu(pre)
             out = (hidden @ fc2[local].t()) * all_weights[rows, slots].unsqueeze(-1)
             partial = partial.index_add(0, rows, out)
-        partial = reduce_from_group(partial, g.etp)  # expert tensor parallelism: sum the ffn slices
+            if fc2_adapter is not None:  # row-parallel over ETP: A split like fc2, B replicated
+                a, b = fc2_adapter
+                low_rank = reduce_from_group(hidden @ a[local].t(), g.etp)
+                update = self._lora_scale * (low_rank @ b[local].t()) * ep_weights[rows, slots].unsqueeze(-1)
+                replicated = replicated.index_add(0, rows, update)
+        partial = reduce_from_group(partial, g.etp) + replicated  # expert tensor parallelism: sum the slices
         return reduce_then_slice_tokens(partial, g.ep).reshape(shape)
 
     def output(self, x: torch.Tensor) -> torch.Tensor:

@@ -78,13 +78,14 @@ class Adam:
         self.exp_avg_sq: dict[str, torch.Tensor] = {}
         self.shards: list[_FlatShard] = []
         if zero:
-            dense = sorted(k for k, lay in stage.layouts.items() if not lay.is_expert)
-            experts = sorted(k for k, lay in stage.layouts.items() if lay.is_expert)
+            dense = sorted(k for k in stage.trainable if not stage.layouts[k].is_expert)
+            experts = sorted(k for k in stage.trainable if stage.layouts[k].is_expert)
             for keys, group in ((dense, stage.groups.dp_cp), (experts, stage.groups.edp)):
                 if keys:
                     self.shards.append(self._make_shard(keys, group))
         else:
-            for key, param in stage.params.items():
+            for key in stage.trainable:
+                param = stage.params[key]
                 self.exp_avg[key] = torch.zeros_like(param)
                 self.exp_avg_sq[key] = torch.zeros_like(param)
 
@@ -100,7 +101,8 @@ class Adam:
     def reduce_gradients(self) -> None:
         """Average gradients over the ranks that hold replicas of each parameter (see module doc)."""
         g = self.stage.groups
-        for key, param in self.stage.params.items():
+        for key in self.stage.trainable:
+            param = self.stage.params[key]
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             layout = self.stage.layouts[key]
             group = g.edp if layout.is_expert else g.dp_cp
@@ -125,7 +127,8 @@ class Adam:
         self.step += 1
         params = self.stage.params
         if not self.zero:
-            for key, param in params.items():
+            for key in self.stage.trainable:
+                param = params[key]
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
                 self._adam(param, grad, self.exp_avg[key], self.exp_avg_sq[key], lr)
         for shard in self.shards:
@@ -150,7 +153,7 @@ class Adam:
         out: dict[str, ShardedTensor] = {}
         layouts = self.stage.layouts
         if not self.zero:
-            for key in self.stage.params:
+            for key in self.stage.trainable:
                 for name, states in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
                     out[f"optimizer.{name}.{key}"] = layouts[key].sharded(states[key], key=f"optimizer.{name}.{key}")
             return out

@@ -9,11 +9,17 @@ Resume semantics: parameters, Adam's state, the step, the consumed samples and t
 RNG states are saved per rank, at coordinates (pp, dp, cp, tp); on resume, a rank whose coordinates
 exist in the saved layout gets its saved RNG state back, and a rank that is new (the saved layout had
 fewer ranks along some axis) is seeded with ``seed + 7919 * step + rank`` (deterministic).
+
+LoRA fine-tuning (``Trainer(..., lora=LoraConfig())``) freezes the base and trains the adapters. Its
+checkpoints are adapter-only (:meth:`Trainer.save_adapter`): adapters, their Adam state, RNG and trainer
+state, without the frozen base, each unique box written once. :meth:`Trainer.load_adapter` loads them on
+any layout and fails loudly when they do not fit (see there).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,12 +30,14 @@ import torch.nn.functional as F
 
 import reshard
 from reshard.comm import Communicator
-from reshard.demo.model import GPTStage, ModelConfig
+from reshard.demo.model import GPTStage, LoraConfig, ModelConfig, is_adapter_key
 from reshard.demo.optimizer import Adam, AdamConfig, LRSchedule
 from reshard.demo.parallel import ParallelGroups
 from reshard.sharding import ShardedObject, ShardedTensor
 
 __all__ = ["Trainer", "TrainingConfig", "global_batch"]
+
+logger = logging.getLogger("reshard.demo")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,7 +64,9 @@ def global_batch(step: int, model: ModelConfig, training: TrainingConfig) -> tor
 class Trainer:
     """One rank's training state on one layout. Created by every rank of the layout."""
 
-    def __init__(self, model: ModelConfig, training: TrainingConfig, groups: ParallelGroups) -> None:
+    def __init__(
+        self, model: ModelConfig, training: TrainingConfig, groups: ParallelGroups, lora: LoraConfig | None = None
+    ) -> None:
         parallel = groups.config
         if training.global_batch % (parallel.dp * training.micro_batch):
             raise ValueError(
@@ -66,7 +76,8 @@ class Trainer:
         self.model_config = model
         self.training = training
         self.groups = groups
-        self.stage = GPTStage(model, groups)
+        self.lora = lora
+        self.stage = GPTStage(model, groups, lora)
         self.optimizer = Adam(self.stage, training.adam, zero=parallel.zero)
         self.step = 0
         self.consumed_samples = 0
@@ -181,7 +192,82 @@ class Trainer:
             "model_config": self.model_config.to_dict(),
             "parallel": {**asdict(p)},
             "schedule": asdict(self.training.schedule),
+            "lora": None if self.lora is None else self.lora.to_dict(),
         }
+
+    def adapter_sharded_state_dict(self) -> dict[str, Any]:
+        """The training state without the frozen base weights: the LoRA adapters, their Adam state, the
+        RNG and the trainer state. Replicas of an adapter box (DP, CP, and TP or ETP for the replicated
+        factor) carry non-zero replica ids, so a save writes each unique box once."""
+        if self.lora is None:
+            raise ValueError("this trainer has no LoRA adapters (Trainer(..., lora=LoraConfig()))")
+        adapters: dict[str, Any] = reshard.filter_state_dict(
+            self.sharded_state_dict(), lambda path, leaf: not path.startswith("model.") or is_adapter_key(path)
+        )
+        return adapters
+
+    def save_adapter(self, path: str, *, overwrite: bool = False) -> reshard.Metadata:
+        """Save an adapter-only checkpoint (collective over the layout)."""
+        return reshard.save(
+            self.adapter_sharded_state_dict(), path, group=self.groups.layout.process_group, overwrite=overwrite
+        )
+
+    def load_adapter(self, path: str, *, missing_ok: bool = False, stats: reshard.LoadStats | None = None) -> bool:
+        """Resume LoRA training from an adapter checkpoint saved on any layout (collective over the layout).
+
+        Returns True when it loaded. Nothing here falls back to fresh adapters by itself:
+
+        - no checkpoint at ``path`` raises :class:`~reshard.CheckpointNotFoundError`, unless the caller
+          passes ``missing_ok=True``; then it returns False and the adapters stay as they are;
+        - data without a committed checkpoint raises :class:`~reshard.IncompleteCheckpointError`, even with
+          ``missing_ok`` (an interrupted save is not "no checkpoint");
+        - adapters that do not fit this model (another rank, alpha or set of target modules, another base
+          model) raise :class:`~reshard.MismatchError` listing every difference, including adapters the
+          checkpoint holds that this model would not load.
+        """
+        if self.lora is None:
+            raise ValueError("this trainer has no LoRA adapters (Trainer(..., lora=LoraConfig()))")
+        try:
+            metadata = reshard.read_metadata(path)
+        except reshard.CheckpointNotFoundError:
+            if not missing_ok:
+                raise
+            logger.warning("no adapter checkpoint at %s: keeping the current adapters (missing_ok=True)", path)
+            return False
+        state = self.adapter_sharded_state_dict()
+        self._check_adapters(metadata, state)
+        self.load(path, stats=stats, state=state)
+        return True
+
+    def _check_adapters(self, metadata: reshard.Metadata, state: dict[str, Any]) -> None:
+        """Raise MismatchError on every rank, listing every difference between the checkpoint's adapter
+        tensors (and their optimizer states) and this model's, over the whole layout (with PP, a rank
+        holds only its stages' adapters). Collective over the layout."""
+        assert self.lora is not None
+        lora = self.lora
+        wanted = {st.key: list(st.saved_shape) for st in (*state["model"].values(), *state["optimizer"].values())}
+
+        def compare(per_rank: list[dict[str, list[int]]]) -> None:
+            everywhere = {k: shape for keys in per_rank for k, shape in keys.items()}
+            saved = {k: list(t.global_shape) for k, t in metadata.tensors.items() if is_adapter_key(k)}
+            problems = []
+            saved_lora = metadata.common.get("trainer.lora.rank"), metadata.common.get("trainer.lora.alpha")
+            if saved_lora != (lora.rank, lora.alpha):
+                problems.append(
+                    f"LoRA rank/alpha: checkpoint {saved_lora[0]}/{saved_lora[1]}, model {lora.rank}/{lora.alpha}"
+                )
+            for label, keys in (
+                ("missing from the checkpoint", sorted(everywhere.keys() - saved.keys())),
+                ("only in the checkpoint", sorted(saved.keys() - everywhere.keys())),
+            ):
+                if keys:
+                    problems.append(f"{len(keys)} adapter tensors {label}: {', '.join(keys[:20])}")
+            both = sorted(k for k in everywhere.keys() & saved.keys() if everywhere[k] != saved[k])
+            problems += [f"{k}: checkpoint shape {saved[k]}, model shape {everywhere[k]}" for k in both[:20]]
+            if problems:
+                raise reshard.MismatchError("the adapter checkpoint does not fit this model: " + "; ".join(problems))
+
+        Communicator(self.groups.layout.process_group).step("checking adapters", lambda: wanted, compare)
 
     def save(self, path: str, *, overwrite: bool = False) -> reshard.Metadata:
         """Save the training state (collective over the layout)."""
@@ -189,15 +275,18 @@ class Trainer:
             self.sharded_state_dict(), path, group=self.groups.layout.process_group, overwrite=overwrite
         )
 
-    def load(self, path: str, *, stats: reshard.LoadStats | None = None) -> None:
+    def load(self, path: str, *, stats: reshard.LoadStats | None = None, state: dict[str, Any] | None = None) -> None:
         """Resume from a checkpoint saved on any layout (collective over the layout). See the module
-        docstring for what continues and how RNG states of new ranks are seeded."""
+        docstring for what continues and how RNG states of new ranks are seeded. ``state`` is the part
+        of :meth:`sharded_state_dict` to load (default: all of it)."""
         group = self.groups.layout.process_group
-        saved = reshard.load({"trainer": self.trainer_state()}, path, group=group)["trainer"]
+        template = self.trainer_state()
+        del template["lora"]  # checked below, and absent from checkpoints of trainers without LoRA
+        saved = reshard.load({"trainer": template}, path, group=group)["trainer"]
         saved_parallel = saved["parallel"]
         if ModelConfig.from_dict(saved["model_config"]) != self.model_config:
             raise reshard.MismatchError(f"the checkpoint holds another model: {saved['model_config']}")
-        state = self.sharded_state_dict()
+        state = self.sharded_state_dict() if state is None else state
         c = self.groups.coords
         saved_grid = (saved_parallel["pp"], saved_parallel["dp"], saved_parallel["cp"], saved_parallel["tp"])
         mine = (c.pp, c.dp, c.cp, c.tp)

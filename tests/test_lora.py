@@ -1,0 +1,254 @@
+"""LoRA adapter checkpoints of the demo GPT: every unique adapter box written once, resumed on any layout
+bit-exactly, and loud failures where the seed report's stack silently started from fresh adapters.
+
+The scenarios come from the seed report on adapter checkpoints (``shared/seeds/002_*``): DP/CP replicas
+duplicating shards, ETP slices dropped when shards were named by (TP, PP, EP) alone, an interrupted save
+leaving partial data, and an EP4 checkpoint resumed at EP1 silently training a fresh adapter.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import reshard
+from reshard.demo.model import LoraConfig, ModelConfig, is_adapter_key
+from reshard.demo.parallel import ParallelConfig, ParallelGroups
+from reshard.demo.run import state_digest
+from reshard.demo.training import Trainer, TrainingConfig
+from reshard.metadata import METADATA_FILE
+from tests.rankpool import RankContext, RankPool
+
+RANDOM_B = LoraConfig(init_b="random")
+EXPERT_B = "decoder.layers.1.mlp.experts.fc1.lora_B.weight"
+
+
+def _trainer(layout: str, lora: dict[str, Any] | None) -> Trainer | None:
+    config = ParallelConfig.parse(layout)
+    groups = ParallelGroups.create(config, layout_ranks=list(range(config.world_size)))
+    if groups is None:
+        return None
+    return Trainer(ModelConfig(), TrainingConfig(), groups, LoraConfig.from_dict(lora) if lora else None)
+
+
+def _adapters_of(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in full.items() if is_adapter_key(k)}
+
+
+def rank_lora_losses(ctx: RankContext, layout: str, steps: int) -> dict[str, Any] | None:
+    trainer = _trainer(layout, RANDOM_B.to_dict())
+    if trainer is None:
+        return None
+    before = trainer.full_state()
+    losses = [trainer.train_step() for _ in range(steps)]
+    after = trainer.full_state()
+    base_frozen = all(
+        torch.equal(before[k], after[k]) for k in before if not k.startswith("optimizer.") and not is_adapter_key(k)
+    )
+    adapters_moved = all(not torch.equal(before[k], after[k]) for k in _adapters_of(before))
+    optimizer_keys = sorted(k for k in after if k.startswith("optimizer."))
+    return {
+        "losses": losses,
+        "base_frozen": base_frozen,
+        "adapters_moved": adapters_moved,
+        "optimizer_keys": optimizer_keys,
+    }
+
+
+LORA_LAYOUTS = ["tp=2", "dp=2,ep=2", "tp=2,etp=2", "cp=2,dp=2,ep=2,etp=2", "tp=2,pp=2,dp=2,ep=2,etp=2,zero"]
+
+
+def test_lora_trains_the_same_on_every_layout_with_the_base_frozen(pool8: RankPool) -> None:
+    """The TP/ETP-aware adapters are correct: losses match one rank (up to reassociation), only adapters
+    move, and Adam holds state for the adapters alone."""
+    reference = pool8.run_ok(rank_lora_losses, "tp=1", 3)[0]
+    assert reference["losses"][2] < reference["losses"][0]
+    assert reference["base_frozen"] and reference["adapters_moved"]
+    assert reference["optimizer_keys"] and all(is_adapter_key(k) for k in reference["optimizer_keys"])
+    for layout in LORA_LAYOUTS:
+        result = pool8.run_ok(rank_lora_losses, layout, 3)[0]
+        assert result["losses"] == pytest.approx(reference["losses"], rel=2e-5), layout
+        assert result["base_frozen"] and result["adapters_moved"], layout
+
+
+# ---- the seed's TP1/PP1/EP2/ETP2 scenario ---------------------------------------------------------------
+
+
+def rank_save_seed_values(ctx: RankContext, path: str) -> dict[str, Any] | None:
+    """TP1/PP1/EP2/ETP2 on four ranks (CP2 gives ETP its two token-sharing ranks): each rank's slice of
+    an expert adapter gets the value 10 * ep + etp, as in the seed report (0, 1, 10, 11)."""
+    trainer = _trainer("cp=2,dp=2,ep=2,etp=2", RANDOM_B.to_dict())
+    if trainer is None:
+        return None
+    c = trainer.groups.coords
+    with torch.no_grad():
+        trainer.stage.params[EXPERT_B].fill_(10 * c.ep + c.etp)
+    trainer.save_adapter(path)
+    return {"coords": (c.tp, c.pp, c.ep, c.etp)}
+
+
+def rank_load_expert_adapter(ctx: RankContext, layout: str, path: str) -> dict[str, Any] | None:
+    trainer = _trainer(layout, RANDOM_B.to_dict())
+    if trainer is None:
+        return None
+    assert trainer.load_adapter(path)
+    return {"full": trainer.full_state()[EXPERT_B]}
+
+
+def test_seed_etp_slices_are_all_saved_and_restored(pool8: RankPool, tmp_path: Path) -> None:
+    path = str(tmp_path / "adapter")
+    saved = pool8.run_ok(rank_save_seed_values, path)[:4]
+    assert [s["coords"] for s in saved] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 0, 1, 1)]
+    boxes = reshard.read_metadata(path).tensors[EXPERT_B].boxes
+    assert len(boxes) == 4  # one box per (TP, PP, EP, ETP) coordinate: no slice dropped, none twice
+    cfg = ModelConfig()
+    half_e, half_f = cfg.num_experts // 2, cfg.expert_ffn_hidden // 2
+    for layout in ("tp=1", "dp=4,ep=4", "tp=2,dp=2,ep=2,etp=2"):  # EP1 (the seed's silent fresh start), EP4
+        full = pool8.run_ok(rank_load_expert_adapter, layout, path)[0]["full"]
+        for ep in range(2):
+            for etp in range(2):
+                block = full[ep * half_e : (ep + 1) * half_e, etp * half_f : (etp + 1) * half_f]
+                assert torch.all(block == 10 * ep + etp), (layout, ep, etp)
+
+
+# ---- save at one layout, load at three others ------------------------------------------------------------
+
+
+def rank_train_and_save_adapter(ctx: RankContext, layout: str, steps: int, path: str) -> dict[str, Any] | None:
+    trainer = _trainer(layout, RANDOM_B.to_dict())
+    if trainer is None:
+        return None
+    for _ in range(steps):
+        trainer.train_step()
+    full = trainer.full_state()
+    trainer.save_adapter(path)
+    adapters = {k: v for k, v in full.items() if is_adapter_key(k)}
+    return {"digest": state_digest(adapters), "adapters": adapters, "step": trainer.step}
+
+
+def rank_resume_adapter(ctx: RankContext, layout: str, path: str, steps: int) -> dict[str, Any] | None:
+    trainer = _trainer(layout, {**RANDOM_B.to_dict(), "init_b": "zeros"})  # fresh adapters differ from saved
+    if trainer is None:
+        return None
+    assert trainer.load_adapter(path)
+    full = trainer.full_state()
+    adapters = _adapters_of(full)
+    losses = [trainer.train_step() for _ in range(steps)]
+    return {"digest": state_digest(adapters), "step": trainer.step, "losses": losses}
+
+
+def test_adapter_checkpoint_resumes_bit_exactly_on_other_layouts(pool8: RankPool, tmp_path: Path) -> None:
+    path = str(tmp_path / "adapter")
+    saved = pool8.run_ok(rank_train_and_save_adapter, "tp=2,pp=2,dp=2,ep=2,etp=2,zero", 2, path)[0]
+    adapters: dict[str, torch.Tensor] = saved["adapters"]
+    metadata = reshard.read_metadata(path)
+    # Only adapters and their Adam states were saved, each unique box once: the data bytes are exactly
+    # the bytes of the whole adapter tensors, whatever the DP/CP/TP/ETP replication.
+    assert set(metadata.tensors) == set(adapters)
+    unique_bytes = sum(t.numel() * 4 for t in adapters.values())
+    stored = sum(box.byte_length for t in metadata.tensors.values() for box in t.boxes)
+    assert stored == unique_bytes
+    # On disk: those bytes, the RNG states (one per saving rank) and at most 63 bytes of alignment each.
+    entries = [e for o in metadata.objects.values() for e in o.entries]
+    boxes = [box for t in metadata.tensors.values() for box in t.boxes]
+    assert len(entries) == 8
+    payload = unique_bytes + sum(e.byte_length for e in entries)
+    on_disk = sum(f.stat().st_size for f in (Path(path) / "data").iterdir())
+    assert payload <= on_disk < payload + 64 * (len(boxes) + len(entries))
+    for layout in ("tp=1", "tp=4,dp=2,ep=2", "pp=2,vpp=2,cp=2,etp=2,zero"):
+        resumed = pool8.run_ok(rank_resume_adapter, layout, path, 1)
+        world = ParallelConfig.parse(layout).world_size
+        assert all(r["digest"] == saved["digest"] for r in resumed[:world]), layout
+        assert resumed[0]["step"] == saved["step"] + 1
+
+
+# ---- loud failures ---------------------------------------------------------------------------------------
+
+
+def rank_save_adapter(ctx: RankContext, layout: str, lora: dict[str, Any] | None, path: str) -> bool | None:
+    trainer = _trainer(layout, lora)
+    if trainer is None:
+        return None
+    if lora is None:
+        trainer.save(path)
+    else:
+        trainer.save_adapter(path)
+    return True
+
+
+def rank_try_load_adapter(
+    ctx: RankContext, layout: str, lora: dict[str, Any], path: str, missing_ok: bool
+) -> dict[str, Any] | None:
+    trainer = _trainer(layout, lora)
+    if trainer is None:
+        return None
+    before = state_digest(_adapters_of(trainer.full_state()))
+    try:
+        loaded = trainer.load_adapter(path, missing_ok=missing_ok)
+    except reshard.CheckpointError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    after = state_digest(_adapters_of(trainer.full_state()))
+    return {"loaded": loaded, "unchanged": before == after}
+
+
+def _errors(results: list[Any], world: int) -> set[tuple[str, str]]:
+    return {(r["error"], r["message"]) for r in results[:world]}
+
+
+def test_incompatible_adapters_raise_mismatch_listing_the_differences(pool8: RankPool, tmp_path: Path) -> None:
+    rank8 = tmp_path / "rank8"
+    pool8.run_ok(rank_save_adapter, "dp=2,ep=2", {**RANDOM_B.to_dict(), "rank": 8}, str(rank8))
+    results = pool8.run_ok(rank_try_load_adapter, "tp=2", RANDOM_B.to_dict(), str(rank8), False)
+    [(error, message)] = _errors(results, 2)  # the same error on every rank
+    assert error == "MismatchError"
+    assert "rank/alpha: checkpoint 8/8.0, model 4/8.0" in message
+    assert "decoder.layers.0.self_attention.qkv.lora_A.weight: checkpoint shape [8, 32], model shape [4, 32]" in message
+
+    attention_only = tmp_path / "attention-only"
+    narrow = {**RANDOM_B.to_dict(), "targets": ["qkv", "proj"]}
+    pool8.run_ok(rank_save_adapter, "tp=2", narrow, str(attention_only))
+    [(error, message)] = _errors(
+        pool8.run_ok(rank_try_load_adapter, "tp=1", RANDOM_B.to_dict(), str(attention_only), False), 1
+    )
+    assert error == "MismatchError" and "missing from the checkpoint" in message
+    assert "decoder.layers.0.mlp.fc1.lora_A.weight" in message
+
+    # The reverse: the checkpoint holds adapters this model would drop silently.
+    everything = tmp_path / "everything"
+    pool8.run_ok(rank_save_adapter, "tp=1", RANDOM_B.to_dict(), str(everything))
+    [(error, message)] = _errors(pool8.run_ok(rank_try_load_adapter, "tp=2", narrow, str(everything), False), 2)
+    assert error == "MismatchError" and "only in the checkpoint" in message
+    assert "decoder.layers.1.mlp.experts.fc2.lora_B.weight" in message
+
+    # A full checkpoint of a model without LoRA holds no adapters at all.
+    base = tmp_path / "base"
+    pool8.run_ok(rank_save_adapter, "tp=1", None, str(base))
+    [(error, message)] = _errors(pool8.run_ok(rank_try_load_adapter, "tp=1", RANDOM_B.to_dict(), str(base), True), 1)
+    assert error == "MismatchError" and "missing from the checkpoint" in message
+
+
+def test_interrupted_or_missing_adapter_checkpoints_never_mean_fresh_adapters(pool8: RankPool, tmp_path: Path) -> None:
+    saved = tmp_path / "adapter"
+    pool8.run_ok(rank_save_adapter, "dp=2,ep=2", RANDOM_B.to_dict(), str(saved))
+    # Adapter data without a committed checkpoint: what an interrupted save leaves.
+    interrupted = tmp_path / "interrupted"
+    shutil.copytree(saved, interrupted)
+    (interrupted / METADATA_FILE).unlink()
+    for missing_ok in (False, True):
+        results = pool8.run_ok(rank_try_load_adapter, "dp=4,ep=4", RANDOM_B.to_dict(), str(interrupted), missing_ok)
+        [(error, message)] = _errors(results, 4)
+        assert error == "IncompleteCheckpointError", message
+    # Nothing at the path: an error unless the caller asked for missing_ok, which keeps the adapters as they are.
+    nothing = str(tmp_path / "never-saved")
+    [(error, _)] = _errors(pool8.run_ok(rank_try_load_adapter, "tp=2", RANDOM_B.to_dict(), nothing, False), 2)
+    assert error == "CheckpointNotFoundError"
+    results = pool8.run_ok(rank_try_load_adapter, "tp=2", RANDOM_B.to_dict(), nothing, True)[:2]
+    assert all(r == {"loaded": False, "unchanged": True} for r in results)
+    # The committed one still loads, on a layout of other EP size.
+    zero_b = {**RANDOM_B.to_dict(), "init_b": "zeros"}
+    results = pool8.run_ok(rank_try_load_adapter, "dp=4,ep=4", zero_b, str(saved), False)[:4]
+    assert all(r == {"loaded": True, "unchanged": False} for r in results)
