@@ -30,6 +30,7 @@ from reshard.metadata import Metadata
 from reshard.save import save
 from reshard.sharding import ShardedObject, ShardedTensor
 from reshard.statedict import filter_state_dict
+from reshard.stats import SaveStats
 
 logging.getLogger("reshard").addHandler(logging.NullHandler())
 
@@ -47,6 +48,7 @@ __all__ = [
     "Metadata",
     "MismatchError",
     "SaveHandle",
+    "SaveStats",
     "ShardedObject",
     "ShardedTensor",
     "ShardingError",

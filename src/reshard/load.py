@@ -45,6 +45,7 @@ from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan,
 from reshard.sharding import LocalPiece, ShardedObject, ShardedTensor
 from reshard.staging import StagedFiles, stage_files
 from reshard.statedict import FlatStateDict, flatten_state_dict, map_leaves
+from reshard.stats import EXCHANGE, PhaseClock
 from reshard.storage import CheckpointLocation, ReadRequest, Storage, storage_for
 
 __all__ = ["LoadStats", "load", "read_metadata"]
@@ -70,7 +71,15 @@ class LoadStats:
         files_downloaded, bytes_downloaded: with staging, the whole data files this rank downloaded for its
             node (each file needed by a node is downloaded by exactly one of its ranks).
         files_reused: with staging, complete files found in the staging directory and reused.
-        seconds: wall time of the whole load on this rank.
+        seconds_metadata: reading and validating ``metadata.json`` (on the coordinator) or decoding the
+            broadcast copy (on the others).
+        seconds_plan: flattening the template, checking it against the metadata and planning the reads.
+        seconds_stage: with staging, agreeing on and downloading this node's files (collectives included).
+        seconds_read: reading, verifying and copying this rank's data into place.
+        seconds_verify: with ``verify=True``, the end-to-end fingerprint check (collectives included).
+        seconds_exchange: time in the other collectives beyond this rank's own work (the metadata
+            broadcast, waiting for the slowest rank at the end of each phase).
+        seconds: wall time of the whole load on this rank (at least the sum of the phases).
     """
 
     bytes_needed: int = 0
@@ -82,7 +91,18 @@ class LoadStats:
     files_downloaded: int = 0
     bytes_downloaded: int = 0
     files_reused: int = 0
+    seconds_metadata: float = 0.0
+    seconds_plan: float = 0.0
+    seconds_stage: float = 0.0
+    seconds_read: float = 0.0
+    seconds_verify: float = 0.0
+    seconds_exchange: float = 0.0
     seconds: float = 0.0
+
+    @property
+    def throughput(self) -> float:
+        """bytes_read / seconds, in bytes per second (0.0 for an instant load)."""
+        return self.bytes_read / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def read_amplification(self) -> float:
@@ -245,6 +265,7 @@ def _load_from(
     staging: _StagingOptions | None,
 ) -> Any:
     """The body of :func:`load` once the storage is open."""
+    clock = PhaseClock("load", comm.rank, started)
     metadata_holder: list[tuple[bytes, Metadata]] = []
 
     def read_on_coordinator() -> None:
@@ -253,9 +274,11 @@ def _load_from(
             metadata_holder.append((raw, Metadata.from_json_bytes(raw, where=storage.describe(METADATA_FILE))))
 
     # Only the coordinator touches metadata.json; the others get the bytes it validated.
-    comm.step("reading metadata", read_on_coordinator)
-    raw = comm.broadcast_bytes(metadata_holder[0][0] if comm.is_coordinator else None)
-    metadata = metadata_holder[0][1] if comm.is_coordinator else Metadata.from_json_bytes(raw)
+    with clock.exchange():
+        comm.step("reading metadata", clock.timed("metadata", read_on_coordinator))
+        raw = comm.broadcast_bytes(metadata_holder[0][0] if comm.is_coordinator else None)
+    with clock.phase("metadata"):
+        metadata = metadata_holder[0][1] if comm.is_coordinator else Metadata.from_json_bytes(raw)
 
     flat = FlatStateDict()
     plan_holder: list[LoadPlan] = []
@@ -277,7 +300,8 @@ def _load_from(
             )
         )
 
-    comm.step("load planning", plan)
+    with clock.exchange():
+        comm.step("load planning", clock.timed("plan", plan))
     if missing:
         warnings.warn(
             f"reshard.load(strict=False): {len(missing)} entries are not in the checkpoint and were left as "
@@ -290,7 +314,8 @@ def _load_from(
         needed = {item.file for item in load_plan.items}
         for obj in flat.objects:
             needed.update(e.file for e in metadata.objects[obj.key].entries if e.offset == obj.global_offset)
-        staged = stage_files(comm, storage, metadata, needed, staging.directory, staging.node_group)
+        with clock.phase("stage"):
+            staged = stage_files(comm, storage, metadata, needed, staging.directory, staging.node_group)
     executor = _ReadExecutor(
         staged.storage if staged is not None else storage, metadata, buffer_bytes=read_buffer_bytes
     )
@@ -309,13 +334,15 @@ def _load_from(
             executor.close()
 
     try:
-        comm.step("reading data", read)
+        with clock.exchange():
+            comm.step("reading data", clock.timed("read", read))
     finally:
         # Every rank of every node is done reading (or failed) once the step returns or raises.
         if staged is not None and staging is not None and not staging.keep:
             staged.remove()
     if verify:
-        _verify_fingerprints(comm, metadata, flat.tensors)
+        with clock.phase("verify"):
+            _verify_fingerprints(comm, metadata, flat.tensors)
 
     def result_leaf(path: str, leaf: Any) -> Any:
         if isinstance(leaf, ShardedTensor):
@@ -338,15 +365,24 @@ def _load_from(
             stats.files_downloaded = len(staged.downloaded)
             stats.bytes_downloaded = staged.bytes_downloaded
             stats.files_reused = len(staged.reused)
-        stats.seconds = time.perf_counter() - started
+        stats.seconds_metadata = clock.get("metadata")
+        stats.seconds_plan = clock.get("plan")
+        stats.seconds_stage = clock.get("stage")
+        stats.seconds_read = clock.get("read")
+        stats.seconds_verify = clock.get("verify")
+        stats.seconds_exchange = clock.get(EXCHANGE)
+        stats.seconds = clock.elapsed()
+    seconds = clock.elapsed()
     logger.info(
-        "[rank=%d] loaded %s: %d bytes needed, %d read in %d requests, %.3f s",
+        "[rank=%d] loaded %s in %.3f s (%s): %d bytes needed, %d read in %d requests (%.1f MB/s)",
         comm.rank,
         storage.describe(),
+        seconds,
+        clock.summary(),
         load_plan.bytes_needed,
         load_plan.bytes_read,
         load_plan.requests,
-        time.perf_counter() - started,
+        load_plan.bytes_read / seconds / 1e6 if seconds > 0 else 0.0,
     )
     return result
 

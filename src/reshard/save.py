@@ -47,6 +47,7 @@ from reshard.metadata import (
 from reshard.planning.save_plan import LocalSaveDescription, ObjectPiece, TensorPiece, WriteAssignment, plan_save
 from reshard.sharding import LocalPiece
 from reshard.statedict import FlatStateDict, flatten_state_dict
+from reshard.stats import PhaseClock, SaveStats, fill_save_stats
 from reshard.storage import CheckpointLocation, FileWriter, Storage, storage_for
 
 __all__ = ["DEFAULT_CHECKSUM_CHUNK_BYTES", "save"]
@@ -107,6 +108,7 @@ def save(
     storage_options: dict[str, Any] | None = None,
     timeout: datetime.timedelta | float | None = None,
     checksum_chunk_bytes: int = DEFAULT_CHECKSUM_CHUNK_BYTES,
+    stats: SaveStats | None = None,
 ) -> Metadata:
     """Save a (sharded) state dict as a checkpoint at ``path``. Called by all ranks of ``group``.
 
@@ -127,6 +129,8 @@ def save(
             see docs/reliability.md).
         storage_options: passed to the object-store client (fsspec ``s3``/``gs`` filesystem options such
             as ``endpoint_url``); credentials otherwise come from the client's usual configuration.
+        stats: if given, filled with this rank's bytes written and seconds per phase (see
+            :class:`~reshard.SaveStats`) once the save has committed.
 
     Returns:
         The committed checkpoint's metadata (on every rank).
@@ -149,6 +153,7 @@ def save(
             checksum_chunk_bytes=checksum_chunk_bytes,
             with_fingerprints=fingerprint,
             started=started,
+            stats=stats,
         )
     finally:
         if storage is not path:
@@ -164,8 +169,10 @@ def _save_to(
     checksum_chunk_bytes: int,
     with_fingerprints: bool,
     started: float,
+    stats: SaveStats | None = None,
 ) -> Metadata:
     """The body of :func:`save` once the storage is open."""
+    clock = PhaseClock("save", comm.rank, started)
     location = storage.describe()
     state = _SaveState()
 
@@ -184,7 +191,8 @@ def _save_to(
         _prepare_root(storage, overwrite=overwrite, save_id=save_id)
         return {"save_id": save_id, "assignments": [[list(a.tensors), list(a.objects)] for a in assignments]}
 
-    decision = comm.step("save planning", describe, plan)
+    with clock.exchange():
+        decision = comm.step("save planning", clock.timed("plan", describe), clock.timed("plan", plan))
     save_id: str = decision["save_id"]
     tensors_to_write, objects_to_write = decision["assignments"][comm.rank]
     assignment = WriteAssignment(tensors=tuple(tensors_to_write), objects=tuple(objects_to_write))
@@ -220,23 +228,32 @@ def _save_to(
         return metadata.to_json_dict()
 
     try:
-        committed = comm.step("save", write, commit)
+        with clock.exchange():
+            committed = comm.step("save", clock.timed("write", write), clock.timed("commit", commit))
     except CheckpointError:
         # Nothing was committed (the commit is all or nothing): this save's files are garbage.
         if comm.is_coordinator:
             _remove_save_files(storage, save_id)
             release_lock(storage, save_id)
         raise
-    metadata = Metadata.from_json_bytes(_json_bytes(committed))
-    if comm.is_coordinator and replaced_files:
-        _remove_replaced_files(storage, replaced_files - {f.path for f in metadata.files})
+    with clock.phase("commit"):
+        metadata = Metadata.from_json_bytes(_json_bytes(committed))
+        if comm.is_coordinator and replaced_files:
+            _remove_replaced_files(storage, replaced_files - {f.path for f in metadata.files})
+    stats = stats if stats is not None else SaveStats()
+    written = [state.views[i].nbytes for i in assignment.tensors]
+    fill_save_stats(stats, metadata, clock, _data_file_name(save_id, comm.rank), written)
     logger.info(
-        "[rank=%d] saved %s (%d bytes in %d files) in %.3f s",
+        "[rank=%d] saved %s in %.3f s (%s): this rank wrote %d bytes (%.1f MB/s); the checkpoint holds %d bytes "
+        "in %d files",
         comm.rank,
         storage.describe(),
+        stats.seconds,
+        clock.summary(),
+        stats.bytes_written,
+        stats.throughput / 1e6,
         metadata.total_bytes,
         len(metadata.files),
-        time.perf_counter() - started,
     )
     return metadata
 
