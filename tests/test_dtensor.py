@@ -202,6 +202,7 @@ def rank_load_4(ctx: RankContext, path: str) -> None:
         key: distribute_tensor(torch.zeros_like(global_value(key)), mesh, placements, src_data_rank=None)
         for key, placements in LOAD_LAYOUT_4.items()
     }
+    model["b"] = torch.nn.Parameter(model["b"])  # a module's DTensor parameter, which requires grad
     start, length = A_ROWS_4[ctx.rank]
     model["a"] = ShardedTensor("model.a", torch.zeros(length, 6), (7, 6), (start, 0))
     extra = distribute_tensor(torch.zeros(EXTRA_SHAPE), mesh, [Shard(1)], src_data_rank=None)
@@ -220,6 +221,8 @@ def rank_load_4(ctx: RankContext, path: str) -> None:
         want = distribute_tensor(global_value(key), mesh, placements, src_data_rank=None).to_local()
         assert got.to_local().dtype == want.dtype
         assert torch.equal(got.to_local(), want), key
+    assert isinstance(result["model"]["b"], torch.nn.Parameter)
+    assert result["model"]["b"].requires_grad
 
 
 def rank_load_1(ctx: RankContext, path: str) -> int | None:
