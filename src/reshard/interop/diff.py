@@ -1,0 +1,280 @@
+"""``reshard diff``: compare two checkpoints tensor by tensor, in bounded memory.
+
+Tensors are compared element by element in float64 (complex128 for complex tensors), one slab at a
+time, whatever layouts saved them. Per tensor the report gives the largest absolute difference
+``max |a - b|`` and the largest relative difference ``max |a - b| / |b|`` (B is the reference; an element
+where ``b == 0`` and ``a != 0`` counts as infinitely far). Two NaNs at the same place are equal, a NaN
+facing a number is infinitely far. An element is within tolerance when ``|a - b| <= atol + rtol * |b|``
+(``torch.allclose``'s rule); the defaults, 0 and 0, ask for equal values. Integers above 2**53 lose
+precision in float64, so two such integers that differ in their lowest bits may compare equal.
+
+Keys present on one side only, differing global shapes and (unless ``ignore_dtypes``) differing dtypes
+are differences too. ShardedObject cells are compared by their stored bytes, common values by value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from reshard.codec import encode_tagged
+from reshard.interop.offline import CheckpointReader
+from reshard.interop.progress import Progress, reporting
+from reshard.metadata import TensorMetadata
+from reshard.storage import CheckpointLocation
+
+__all__ = ["DEFAULT_DIFF_SLAB_BYTES", "DiffReport", "EntryDiff", "TensorDiff", "diff_checkpoints"]
+
+DEFAULT_DIFF_SLAB_BYTES = 8 * 1024 * 1024
+"""Bytes of float64 per slab and side; a comparison holds a few such slabs at once."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorDiff:
+    """How tensor ``key`` differs between A and B.
+
+    ``max_abs``, ``max_rel`` and ``mismatched`` (elements outside the tolerance) are None when the values
+    were not compared (the key is on one side only, or the global shapes differ). ``problem`` says what
+    makes this tensor a difference, or is None when it is not one.
+    """
+
+    key: str
+    dtype_a: str | None
+    dtype_b: str | None
+    shape_a: tuple[int, ...] | None
+    shape_b: tuple[int, ...] | None
+    max_abs: float | None = None
+    max_rel: float | None = None
+    mismatched: int | None = None
+    problem: str | None = None
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "dtype_a": self.dtype_a,
+            "dtype_b": self.dtype_b,
+            "shape_a": list(self.shape_a) if self.shape_a is not None else None,
+            "shape_b": list(self.shape_b) if self.shape_b is not None else None,
+            "max_abs": _json_float(self.max_abs),
+            "max_rel": _json_float(self.max_rel),
+            "mismatched": self.mismatched,
+            "ok": self.problem is None,
+            "problem": self.problem,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EntryDiff:
+    """A ShardedObject (``kind`` "object") or common value (``kind`` "common") that differs."""
+
+    kind: str
+    key: str
+    problem: str
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "key": self.key, "problem": self.problem}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiffReport:
+    """The comparison of checkpoints ``a`` and ``b``: every tensor of either, and the differing objects
+    and common values. ``ok`` is True when nothing differs beyond the tolerance."""
+
+    a: str
+    b: str
+    atol: float
+    rtol: float
+    tensors: list[TensorDiff] = field(default_factory=list)
+    entries: list[EntryDiff] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.entries and all(t.problem is None for t in self.tensors)
+
+    @property
+    def problems(self) -> int:
+        """The number of differences."""
+        return len(self.entries) + sum(t.problem is not None for t in self.tensors)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "a": self.a,
+            "b": self.b,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "ok": self.ok,
+            "differences": self.problems,
+            "tensors": [t.to_json_dict() for t in self.tensors],
+            "entries": [e.to_json_dict() for e in self.entries],
+        }
+
+
+def _json_float(value: float | None) -> float | str | None:
+    """JSON has no infinity or NaN: those are written as strings."""
+    if value is None or math.isfinite(value):
+        return value
+    return str(value)
+
+
+class _Accumulator:
+    """Running maxima of one tensor's comparison."""
+
+    def __init__(self, atol: float, rtol: float) -> None:
+        self.atol = atol
+        self.rtol = rtol
+        self.max_abs = 0.0
+        self.max_rel = 0.0
+        self.mismatched = 0
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        distance = (a - b).abs().to(torch.float64)
+        distance = torch.where(same, 0.0, distance)
+        distance = torch.nan_to_num(distance, nan=math.inf, posinf=math.inf)
+        reference = b.abs().to(torch.float64)
+        relative = torch.where(distance == 0, 0.0, distance / reference)
+        relative = torch.nan_to_num(relative, nan=math.inf, posinf=math.inf)
+        if distance.numel():
+            self.max_abs = max(self.max_abs, float(distance.max()))
+            self.max_rel = max(self.max_rel, float(relative.max()))
+        if self.rtol:
+            allowed = self.atol + self.rtol * torch.nan_to_num(reference, nan=0.0)
+            self.mismatched += int((distance > allowed).sum())
+        else:  # not atol + 0 * |b|, which is NaN where b is infinite
+            self.mismatched += int((distance > self.atol).sum())
+
+
+def diff_checkpoints(
+    a: CheckpointLocation,
+    b: CheckpointLocation,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    ignore_dtypes: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+    slab_bytes: int = DEFAULT_DIFF_SLAB_BYTES,
+) -> DiffReport:
+    """Compare checkpoint ``a`` with checkpoint ``b`` (the reference). Not collective.
+
+    Args:
+        a, b: the checkpoints (directories, URLs or Storages).
+        atol, rtol: the tolerance: an element differs when ``|a - b| > atol + rtol * |b|``.
+        ignore_dtypes: compare the values of tensors whose dtypes differ without counting the dtype
+            difference itself (e.g. a bf16 copy against its fp32 source, with a tolerance).
+        storage_options: for object-store URLs (both sides).
+        progress: told the bytes of tensor data read (both sides).
+        slab_bytes: float64 bytes per side compared at once.
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError: a side is not a valid
+            checkpoint, or a checksum fails while reading.
+    """
+    if atol < 0 or rtol < 0:
+        raise ValueError(f"atol and rtol must not be negative, got {atol} and {rtol}")
+    with (
+        CheckpointReader(a, storage_options=storage_options) as left,
+        CheckpointReader(b, storage_options=storage_options) as right,
+    ):
+        report = DiffReport(a=left.describe(), b=right.describe(), atol=atol, rtol=rtol)
+        ta, tb = left.metadata.tensors, right.metadata.tensors
+        comparable = [k for k in sorted(ta.keys() & tb.keys()) if ta[k].global_shape == tb[k].global_shape]
+        total = sum(ta[k].nbytes + tb[k].nbytes for k in comparable)
+        with reporting(progress, total, "diff") as advance:
+            for key in sorted(ta.keys() | tb.keys()):
+                report.tensors.append(_diff_tensor(left, right, key, atol, rtol, ignore_dtypes, slab_bytes, advance))
+        report.entries.extend(_diff_objects(left, right))
+        report.entries.extend(_diff_common(left, right))
+        return report
+
+
+def _diff_tensor(
+    left: CheckpointReader,
+    right: CheckpointReader,
+    key: str,
+    atol: float,
+    rtol: float,
+    ignore_dtypes: bool,
+    slab_bytes: int,
+    advance: Callable[[int], None],
+) -> TensorDiff:
+    sa: TensorMetadata | None = left.metadata.tensors.get(key)
+    sb: TensorMetadata | None = right.metadata.tensors.get(key)
+    if sa is None or sb is None:
+        return TensorDiff(
+            key=key,
+            dtype_a=sa.dtype if sa else None,
+            dtype_b=sb.dtype if sb else None,
+            shape_a=sa.global_shape if sa else None,
+            shape_b=sb.global_shape if sb else None,
+            problem=f"only in {'A' if sa is not None else 'B'}",
+        )
+    base = TensorDiff(key=key, dtype_a=sa.dtype, dtype_b=sb.dtype, shape_a=sa.global_shape, shape_b=sb.global_shape)
+    if sa.global_shape != sb.global_shape:
+        return dataclasses.replace(
+            base, problem=f"global shapes differ: {list(sa.global_shape)} vs {list(sb.global_shape)}"
+        )
+    complex_values = sa.torch_dtype.is_complex or sb.torch_dtype.is_complex
+    work = torch.complex128 if complex_values else torch.float64
+    total = math.prod(sa.global_shape)
+    per = max(1, slab_bytes // work.itemsize)
+    buffer_a = left.slab_buffer(min(per, total) * work.itemsize).view(work)
+    buffer_b = right.slab_buffer(min(per, total) * work.itemsize).view(work)
+    accumulator = _Accumulator(atol, rtol)
+    for start in range(0, total, per):
+        count = min(per, total - start)
+        left.read_flat(key, start, buffer_a[:count])
+        right.read_flat(key, start, buffer_b[:count])
+        accumulator.add(buffer_a[:count], buffer_b[:count])
+        advance(count * (sa.torch_dtype.itemsize + sb.torch_dtype.itemsize))
+    problems = []
+    if sa.dtype != sb.dtype and not ignore_dtypes:
+        problems.append(f"dtypes differ: {sa.dtype} vs {sb.dtype}")
+    if accumulator.mismatched:
+        problems.append(f"{accumulator.mismatched} of {total} elements differ beyond the tolerance")
+    return dataclasses.replace(
+        base,
+        max_abs=accumulator.max_abs,
+        max_rel=accumulator.max_rel,
+        mismatched=accumulator.mismatched,
+        problem="; ".join(problems) or None,
+    )
+
+
+def _diff_objects(left: CheckpointReader, right: CheckpointReader) -> list[EntryDiff]:
+    out = []
+    oa, ob = left.metadata.objects, right.metadata.objects
+    for key in sorted(oa.keys() | ob.keys()):
+        if key not in oa or key not in ob:
+            out.append(EntryDiff(kind="object", key=key, problem=f"only in {'A' if key in oa else 'B'}"))
+            continue
+        if oa[key].global_shape != ob[key].global_shape:
+            grids = f"{list(oa[key].global_shape)} vs {list(ob[key].global_shape)}"
+            out.append(EntryDiff(kind="object", key=key, problem=f"grids differ: {grids}"))
+            continue
+        cells_b = {e.offset: e for e in ob[key].entries}
+        for entry in oa[key].entries:
+            other = cells_b.get(entry.offset)
+            if other is None or left.read_object_blob(key, entry) != right.read_object_blob(key, other):
+                out.append(EntryDiff(kind="object", key=key, problem=f"cell {list(entry.offset)} differs"))
+    return out
+
+
+def _diff_common(left: CheckpointReader, right: CheckpointReader) -> list[EntryDiff]:
+    out = []
+    ca, cb = left.metadata.common, right.metadata.common
+    for path in sorted(ca.keys() | cb.keys()):
+        if path not in ca or path not in cb:
+            out.append(EntryDiff(kind="common", key=path, problem=f"only in {'A' if path in ca else 'B'}"))
+            continue
+        encoded_a = json.dumps(encode_tagged(ca[path], where=path))
+        encoded_b = json.dumps(encode_tagged(cb[path], where=path))
+        if encoded_a != encoded_b:
+            out.append(EntryDiff(kind="common", key=path, problem=f"{encoded_a} vs {encoded_b}"))
+    return out
