@@ -58,14 +58,14 @@ def test_inspect_table_and_json(tmp_path: Path) -> None:
     assert doc["objects"][0]["key"] == "rng"
 
 
-def test_inspect_errors_exit_1_with_one_line(tmp_path: Path) -> None:
+def test_inspect_errors_exit_3_with_one_line(tmp_path: Path) -> None:
     missing = run_cli("inspect", str(tmp_path / "missing"))
-    assert missing.returncode == 1
+    assert missing.returncode == 3
     assert missing.stderr.count("\n") == 1 and "does not exist" in missing.stderr
     _checkpoint(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "metadata.json").unlink()
     incomplete = run_cli("inspect", str(tmp_path / "ckpt"))
-    assert incomplete.returncode == 1 and "interrupted" in incomplete.stderr
+    assert incomplete.returncode == 3 and "interrupted" in incomplete.stderr
 
 
 def test_usage_errors_exit_2_and_help_lists_commands() -> None:

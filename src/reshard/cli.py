@@ -1,7 +1,17 @@
 """The ``reshard`` command line: a thin shell over the public functions.
 
-Exit codes: 0 success; 1 the checkpoint is missing, incomplete, corrupt or otherwise refused (the
-message says which), or ``validate`` found problems; 2 wrong usage.
+Subcommands: ``inspect``, ``validate``, ``ls``, ``diff``, ``convert``, ``export``, ``import-dcp``, ``gc``,
+``demo``; ``reshard COMMAND --help`` describes each (docs/cli.md too). Long operations draw a progress bar
+(bytes and throughput) on stderr when it is a terminal, unless ``--quiet``.
+
+Exit codes:
+
+- 0: success (``diff``: no difference beyond the tolerance; ``validate``: no problem).
+- 1: ``diff`` found differences, or ``validate`` found problems.
+- 2: wrong usage (unknown option, missing argument, unreadable key map, missing ``--trust-pickle``).
+- 3: a checkpoint is missing, incomplete, corrupt, locked or otherwise refused, or storage failed (the
+  one-line message on stderr says which).
+- 130: interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -195,17 +205,356 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+class _UsageError(Exception):
+    """A command-line mistake found after parsing (exit code 2)."""
+
+
+class _TqdmProgress:
+    """A tqdm bar on stderr: bytes with binary unit prefixes, and throughput."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def start(self, total_bytes: int, description: str) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total_bytes, desc=description, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr
+        )
+
+    def advance(self, nbytes: int) -> None:
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+    def finish(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _progress(args: argparse.Namespace) -> _TqdmProgress | None:
+    """A progress bar when stderr is a terminal and ``--quiet`` is off; None otherwise."""
+    if getattr(args, "quiet", False) or not sys.stderr.isatty():
+        return None
+    return _TqdmProgress()
+
+
+def _cast_dtype(args: argparse.Namespace) -> Any:
+    from reshard.interop.offline import CAST_DTYPES
+
+    return CAST_DTYPES[args.dtype] if args.dtype else None
+
+
+def _say(args: argparse.Namespace, line: str) -> None:
+    """A summary line on stdout, unless ``--quiet``."""
+    if not getattr(args, "quiet", False):
+        sys.stdout.write(line + "\n")
+
+
+def _fmt_float(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from reshard.interop.diff import diff_checkpoints
+
+    report = diff_checkpoints(
+        args.a,
+        args.b,
+        atol=args.atol,
+        rtol=args.rtol,
+        ignore_dtypes=args.ignore_dtypes,
+        storage_options=_storage_options(args),
+        progress=_progress(args),
+    )
+    if args.json:
+        json.dump(report.to_json_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    elif not args.quiet:
+        shown = [t for t in report.tensors if args.all or t.problem is not None]
+        rows = [("key", "max abs", "max rel", "result")]
+        rows += [(t.key, _fmt_float(t.max_abs), _fmt_float(t.max_rel), t.problem or "within tolerance") for t in shown]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        if shown:
+            for row in rows:
+                cells = [cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)]
+                sys.stdout.write("  ".join([*cells, row[3]]) + "\n")
+        for entry in report.entries:
+            sys.stdout.write(f"{entry.kind} {entry.key}: {entry.problem}\n")
+        verdict = "no differences beyond the tolerance" if report.ok else f"{report.problems} differences"
+        sys.stdout.write(f"{len(report.tensors)} tensors compared (atol {args.atol}, rtol {args.rtol}): {verdict}\n")
+    return 0 if report.ok else 1
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from reshard.interop.convert import convert_checkpoint
+
+    if (args.dst is None) == (args.to is None):
+        raise _UsageError("give the destination either as DST or as --to URL (exactly one)")
+    dst = args.dst if args.dst is not None else args.to
+    if args.dry_run:
+        metadata = read_metadata(args.src, storage_options=_storage_options(args))
+        cast = _cast_dtype(args)
+        casts = [k for k, t in metadata.tensors.items() if cast is not None and t.torch_dtype.is_floating_point]
+        sys.stdout.write(
+            f"would copy {len(metadata.tensors)} tensors ({_human_bytes(metadata.total_bytes)}), "
+            f"{len(metadata.objects)} objects and {len(metadata.common)} common values to {dst}"
+            + (f", casting {len(casts)} floating-point tensors to {args.dtype}" if cast is not None else "")
+            + "\n"
+        )
+        return 0
+    metadata = convert_checkpoint(
+        args.src,
+        dst,
+        dtype=_cast_dtype(args),
+        overwrite=args.overwrite,
+        storage_options=_storage_options(args),
+        progress=_progress(args),
+    )
+    _say(
+        args,
+        f"wrote {dst}: {len(metadata.tensors)} tensors ({_human_bytes(metadata.total_bytes)}), "
+        f"{len(metadata.objects)} objects, {len(metadata.common)} common values",
+    )
+    return 0
+
+
+def _key_map(args: argparse.Namespace) -> Any:
+    """The export's key map: ``--key-map`` (JSON: key -> name or null) and ``--prefix``, as one function."""
+    mapping: dict[str, str | None] = {}
+    if args.key_map:
+        try:
+            with open(args.key_map, encoding="utf-8") as handle:
+                loaded = json.load(handle)
+        except (OSError, ValueError) as exc:
+            raise _UsageError(f"cannot read the key map {args.key_map}: {exc}") from exc
+        if not isinstance(loaded, dict) or not all(v is None or isinstance(v, str) for v in loaded.values()):
+            raise _UsageError(f"the key map {args.key_map} must be a JSON object of key -> name (or null)")
+        mapping = loaded
+    prefix: str | None = args.prefix
+    if prefix is None:
+        return mapping or None
+
+    def name(key: str) -> str | None:
+        if key in mapping:
+            return mapping[key]
+        return key[len(prefix) :] if key.startswith(prefix) and len(key) > len(prefix) else None
+
+    return name
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from reshard.interop.export import export_safetensors
+
+    result = export_safetensors(
+        args.checkpoint,
+        args.out,
+        key_map=_key_map(args),
+        dtype=_cast_dtype(args),
+        max_shard_bytes=args.max_shard_size,
+        overwrite=args.overwrite,
+        storage_options=_storage_options(args),
+        progress=_progress(args),
+    )
+    _say(
+        args,
+        f"wrote {args.out}: {len(result.weight_map)} tensors ({_human_bytes(result.total_bytes)}) in "
+        f"{len(result.files)} safetensors files and model.safetensors.index.json",
+    )
+    if result.left_out:
+        _say(args, f"left out by the key map: {len(result.left_out)} tensors")
+    if result.not_tensors:
+        _say(args, f"not exported (safetensors holds tensors only): {result.not_tensors} objects and common values")
+    return 0
+
+
+def _cmd_import_dcp(args: argparse.Namespace) -> int:
+    if not args.trust_pickle:
+        raise _UsageError(
+            "--trust-pickle is required: a torch.distributed.checkpoint directory keeps its metadata as a pickle, "
+            "and loading it can execute code from the file; pass it only for a checkpoint you trust"
+        )
+    import warnings
+
+    from reshard.interop.dcp import import_dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="reshard import-dcp")  # reported below instead
+        result = import_dcp(
+            args.src,
+            args.dst,
+            trust_pickle=True,
+            strict=args.strict,
+            overwrite=args.overwrite,
+            storage_options=_storage_options(args),
+            progress=_progress(args),
+        )
+    for path, reason in result.left_out.items():
+        sys.stderr.write(f"reshard import-dcp: left out {path!r}: {reason}\n")
+    metadata = result.metadata
+    _say(
+        args,
+        f"wrote {args.dst}: {len(metadata.tensors)} tensors ({_human_bytes(metadata.total_bytes)}), "
+        f"{len(metadata.common)} common values; {len(result.left_out)} values left out",
+    )
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from reshard.demo.run import main as demo_main
 
     return demo_main(args)
 
 
+EXIT_OK, EXIT_DIFFERENT, EXIT_USAGE, EXIT_CHECKPOINT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_CODES_HELP = """Exit codes:
+  0    success (diff: nothing differs beyond the tolerance; validate: no problem)
+  1    diff found differences, or validate found problems
+  2    wrong usage (bad option, unreadable key map, import-dcp without --trust-pickle)
+  3    a checkpoint is missing, incomplete, corrupt, locked or refused, or storage failed
+  130  interrupted"""
+
+
+def _add_diff_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    diff = sub.add_parser(
+        "diff",
+        parents=parents,
+        help="compare two checkpoints tensor by tensor; exit 1 if they differ beyond a tolerance",
+        description="Compare checkpoint A with checkpoint B (the reference) whatever layouts saved them: per "
+        "tensor the largest absolute difference max|a-b| and relative difference max|a-b|/|b|, computed in "
+        "float64 slab by slab (bounded memory); keys on one side only, differing global shapes and dtypes; "
+        "ShardedObject cells by their bytes and common values by value. An element differs when "
+        "|a-b| > atol + rtol*|b|; two NaNs at the same place are equal. Prints the tensors that differ "
+        "(all with --all) and exits 1 if anything differs.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    diff.add_argument("a", help="checkpoint A (directory or URL)")
+    diff.add_argument("b", help="checkpoint B, the reference (directory or URL)")
+    diff.add_argument("--atol", type=_non_negative_float, default=0.0, help="absolute tolerance (default 0)")
+    diff.add_argument("--rtol", type=_non_negative_float, default=0.0, help="relative tolerance (default 0)")
+    diff.add_argument(
+        "--ignore-dtypes",
+        action="store_true",
+        help="compare tensors whose dtypes differ by value only (a bf16 copy against its fp32 source)",
+    )
+    diff.add_argument("--all", action="store_true", help="list every tensor, not only those that differ")
+    diff.add_argument("--json", action="store_true", help="print the full report as JSON")
+    diff.set_defaults(func=_cmd_diff)
+
+
+def _add_convert_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    convert = sub.add_parser(
+        "convert",
+        parents=parents,
+        help="copy a checkpoint (local <-> s3:// or gs://), optionally casting floating-point tensors",
+        description="Copy checkpoint SRC to DST (or --to URL) in one process, tensor by tensor in bounded "
+        "memory: same keys, global shapes, objects and common values; each tensor stored as one box. Every "
+        "checksum is verified while reading, the copy is committed like a save (metadata.json last) and "
+        "passes `reshard validate`. DST may be SRC itself with --overwrite (an in-place cast: the old "
+        "checkpoint stays loadable until the new one commits). --storage-option applies to both sides.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    convert.add_argument("src", help="the checkpoint to copy (directory or URL)")
+    convert.add_argument("dst", nargs="?", help="where to write the copy (directory or URL)")
+    convert.add_argument("--to", metavar="URL", help="the destination, instead of DST (e.g. s3://bucket/prefix)")
+    convert.add_argument("--overwrite", action="store_true", help="replace a complete checkpoint at the destination")
+    convert.add_argument("--dry-run", action="store_true", help="say what would be copied, write nothing")
+    convert.set_defaults(func=_cmd_convert)
+
+
+def _add_export_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    export = sub.add_parser(
+        "export",
+        parents=parents,
+        help="write a checkpoint's tensors as Hugging Face sharded safetensors",
+        description="Write every tensor of CKPT, whole and unpadded, into OUT as model-0000i-of-0000n.safetensors "
+        "files plus model.safetensors.index.json (written last), streamed slab by slab so memory stays bounded "
+        "whatever the tensor sizes. Names are the checkpoint keys, unless --key-map or --prefix say otherwise. "
+        "ShardedObjects and common values are not exported (safetensors holds tensors only).",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("checkpoint", metavar="CKPT", help="the checkpoint (directory or URL)")
+    export.add_argument("out", metavar="OUT", help="the output directory (or URL); other files in it are kept")
+    export.add_argument("--format", choices=["safetensors"], default="safetensors", help="the output format")
+    export.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default="5GB",
+        metavar="SIZE",
+        help="largest shard, e.g. 2GB, 500MB, 1GiB (KB/MB/GB powers of 1000; default 5GB); a larger tensor "
+        "gets a shard of its own",
+    )
+    export.add_argument(
+        "--key-map",
+        metavar="FILE.json",
+        help="a JSON object mapping checkpoint keys to output names; null leaves a tensor out; keys it does "
+        "not list keep their names (or follow --prefix); a key the checkpoint lacks is an error",
+    )
+    export.add_argument(
+        "--prefix",
+        help="export only the keys that start with PREFIX, with PREFIX removed (e.g. --prefix model.)",
+    )
+    export.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
+    export.set_defaults(func=_cmd_export)
+
+
+def _add_import_dcp_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    imported = sub.add_parser(
+        "import-dcp",
+        parents=parents,
+        help="convert a torch.distributed.checkpoint directory into a reshard checkpoint (needs --trust-pickle)",
+        description="Convert the DCP checkpoint directory SRC into a reshard checkpoint at DST, tensor by "
+        "tensor: each tensor is loaded whole by DCP in this process and streamed out, so memory holds one "
+        "tensor at a time. Non-tensor values are read with torch.load(weights_only=True): plain data becomes "
+        "common values (and tensors inside them tensors) at their dotted paths; anything else is left out "
+        "with a message (an error with --strict). DCP's .metadata is a PICKLE: loading it can execute code "
+        "from the file, so --trust-pickle is required.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    imported.add_argument("src", help="the torch.distributed.checkpoint directory (local)")
+    imported.add_argument("dst", help="where to write the reshard checkpoint (directory or URL)")
+    imported.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="required: DCP's .metadata is a pickle and loading it can execute code from the file; pass this "
+        "only for a checkpoint from a source you trust",
+    )
+    imported.add_argument(
+        "--strict", action="store_true", help="fail on a non-tensor value that cannot be stored (default: leave it out)"
+    )
+    imported.add_argument("--overwrite", action="store_true", help="replace a complete checkpoint at DST")
+    imported.set_defaults(func=_cmd_import_dcp)
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a non-negative number")
+    return value
+
+
+def _size(text: str) -> int:
+    from reshard.interop.export import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="reshard",
         description="Inspect and work with reshard checkpoints (topology-independent PyTorch checkpoints).",
-        epilog="Exit codes: 0 success, 1 checkpoint missing/incomplete/corrupt/refused, 2 wrong usage.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"reshard {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -268,6 +617,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="also clean a path with data but no metadata.json (an interrupted save): remove all its data",
     )
     gc.set_defaults(func=_cmd_gc)
+    quiet = argparse.ArgumentParser(add_help=False)
+    quiet.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress bar and no summary (the bar is drawn only when stderr is a terminal anyway)",
+    )
+    dtype = argparse.ArgumentParser(add_help=False)
+    dtype.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        help="cast floating-point tensors (float8 included) to this dtype; integer, bool and complex tensors "
+        "keep theirs",
+    )
+    _add_diff_parser(sub, [storage, quiet])
+    _add_convert_parser(sub, [storage, quiet, dtype])
+    _add_export_parser(sub, [storage, quiet, dtype])
+    _add_import_dcp_parser(sub, [storage, quiet])
     demo = sub.add_parser("demo", help="train a small GPT on CPU ranks, save, resume on another layout, train on")
     from reshard.demo.run import build_parser as build_demo_parser
 
@@ -281,11 +648,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)
+    except _UsageError as exc:
+        sys.stderr.write(f"reshard {args.command}: error: {exc}\n")
+        return EXIT_USAGE
     except CheckpointError as exc:
         sys.stderr.write(f"reshard {args.command}: {exc}\n")
-        return 1
+        return EXIT_CHECKPOINT
     except BrokenPipeError:  # output piped into a reader that stopped early (| head)
-        return 0
+        return EXIT_OK
+    except KeyboardInterrupt:
+        sys.stderr.write(f"reshard {args.command}: interrupted\n")
+        return EXIT_INTERRUPTED
     return code
 
 
