@@ -8,7 +8,10 @@ leaving partial data, and an EP4 checkpoint resumed at EP1 silently training a f
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +255,80 @@ def test_interrupted_or_missing_adapter_checkpoints_never_mean_fresh_adapters(po
     zero_b = {**RANDOM_B.to_dict(), "init_b": "zeros"}
     results = pool8.run_ok(rank_try_load_adapter, "dp=4,ep=4", zero_b, str(saved), False)[:4]
     assert all(r == {"loaded": True, "unchanged": False} for r in results)
+
+
+# ---- Hugging Face PEFT export ----------------------------------------------------------------------------
+
+
+def test_peft_export_of_a_tp2_adapter_checkpoint_equals_the_gathered_adapter(pool8: RankPool, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    path = tmp_path / "adapter"
+    adapters = pool8.run_ok(rank_train_and_save_adapter, "tp=2,dp=2,ep=2,etp=2", 1, str(path))[0]["adapters"]
+    out = tmp_path / "peft"
+    done = subprocess.run(
+        [sys.executable, "-m", "reshard", "export-peft", str(path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    exported = load_file(str(out / "adapter_model.safetensors"))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    cfg = ModelConfig()
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_query_groups * cfg.head_dim
+    expected: dict[str, torch.Tensor] = {}
+    for layer in range(cfg.num_layers):
+        src, dst = f"decoder.layers.{layer}", f"base_model.model.model.layers.{layer}"
+
+        def fused(module: str, parts: dict[str, tuple[int, int]], src: str = src, dst: str = dst) -> None:
+            a, b = adapters[f"{src}.{module}.lora_A.weight"], adapters[f"{src}.{module}.lora_B.weight"]
+            for name, (start, stop) in parts.items():
+                expected[f"{dst}.{name}.lora_A.weight"] = a
+                expected[f"{dst}.{name}.lora_B.weight"] = b[start:stop]
+
+        fused(
+            "self_attention.qkv",
+            {"self_attn.q_proj": (0, q), "self_attn.k_proj": (q, q + kv), "self_attn.v_proj": (q + kv, q + 2 * kv)},
+        )
+        fused("self_attention.proj", {"self_attn.o_proj": (0, cfg.hidden)})
+        if layer in cfg.moe_layers:
+            for e in range(cfg.num_experts):
+                for module, name in (("fc1", "up_proj"), ("fc2", "down_proj")):
+                    for factor in ("lora_A", "lora_B"):
+                        whole = adapters[f"{src}.mlp.experts.{module}.{factor}.weight"]
+                        expected[f"{dst}.mlp.experts.{e}.{name}.{factor}.weight"] = whole[e]
+        else:
+            fused(
+                "mlp.fc1", {"mlp.gate_proj": (0, cfg.ffn_hidden), "mlp.up_proj": (cfg.ffn_hidden, 2 * cfg.ffn_hidden)}
+            )
+            fused("mlp.fc2", {"mlp.down_proj": (0, cfg.hidden)})
+    assert sorted(exported) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), name
+    # Every PEFT projection's update B_i A_i is the matching row block of the fused update B A.
+    a = adapters["decoder.layers.0.self_attention.qkv.lora_A.weight"]
+    b = adapters["decoder.layers.0.self_attention.qkv.lora_B.weight"]
+    per_projection = [
+        exported[f"base_model.model.model.layers.0.self_attn.{p}_proj.lora_B.weight"]
+        @ exported[f"base_model.model.model.layers.0.self_attn.{p}_proj.lora_A.weight"]
+        for p in "qkv"
+    ]
+    torch.testing.assert_close(torch.cat(per_projection), b @ a)
+
+    # The export never overwrites, and a checkpoint without adapters is refused.
+    def export(ckpt: Path, into: Path) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "reshard", "export-peft", str(ckpt), str(into)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+    again = export(path, out)
+    assert again.returncode == 3 and "already holds a PEFT adapter" in again.stderr
+    base = tmp_path / "base"
+    pool8.run_ok(rank_save_adapter, "tp=1", None, str(base))
+    refused = export(base, tmp_path / "peft-of-base")
+    assert refused.returncode == 3 and "holds no LoRA adapters" in refused.stderr

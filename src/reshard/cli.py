@@ -400,6 +400,14 @@ def _cmd_import_dcp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export_peft(args: argparse.Namespace) -> int:
+    from reshard.demo.peft import export_peft
+
+    exported = export_peft(args.checkpoint, args.out, storage_options=_storage_options(args))
+    print(f"wrote {len(exported)} adapter tensors to {args.out} (adapter_model.safetensors, adapter_config.json)")
+    return EXIT_OK
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from reshard.demo.run import main as demo_main
 
@@ -635,6 +643,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert_parser(sub, [storage, quiet, dtype])
     _add_export_parser(sub, [storage, quiet, dtype])
     _add_import_dcp_parser(sub, [storage, quiet])
+    export_peft = sub.add_parser(
+        "export-peft",
+        parents=[storage],
+        help="write the demo model's LoRA adapters as a Hugging Face PEFT adapter",
+        description="Read the LoRA adapters of a demo-model checkpoint (adapter-only or full, any saving layout) "
+        "whole, and write OUT/adapter_model.safetensors (PEFT key names, fused QKV and GLU linears split per "
+        "projection) and OUT/adapter_config.json. The naming is reshard.demo.peft.demo_peft_tensors; the Python "
+        "API export_peft(..., name_map=) takes another.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export_peft.add_argument("checkpoint", metavar="CKPT", help="the checkpoint (directory or URL)")
+    export_peft.add_argument("out", metavar="OUT", help="the output directory (or URL); must not hold an adapter")
+    export_peft.set_defaults(func=_cmd_export_peft)
     demo = sub.add_parser("demo", help="train a small GPT on CPU ranks, save, resume on another layout, train on")
     from reshard.demo.run import build_parser as build_demo_parser
 

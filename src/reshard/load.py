@@ -13,6 +13,7 @@ Flow (each phase ends in agreement):
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import math
 import os
@@ -20,7 +21,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import crc32c
 import torch
@@ -36,6 +37,7 @@ from reshard.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     MismatchError,
+    StateDictError,
     StorageError,
 )
 from reshard.fingerprint import fingerprint
@@ -47,6 +49,9 @@ from reshard.staging import StagedFiles, stage_files
 from reshard.statedict import FlatStateDict, flatten_state_dict, map_leaves
 from reshard.stats import EXCHANGE, PhaseClock
 from reshard.storage import CheckpointLocation, ReadRequest, Storage, storage_for
+
+if TYPE_CHECKING:
+    from reshard.interop.hf_source import KeyMap
 
 __all__ = ["LoadStats", "load", "read_metadata"]
 
@@ -169,6 +174,7 @@ def load(
     keep_staged: bool = False,
     node_group: dist.ProcessGroup | None = None,
     verify: bool = False,
+    key_map: KeyMap | None = None,
 ) -> Any:
     """Load a checkpoint into a template state dict of the current layout. Called by all ranks of ``group``.
 
@@ -207,6 +213,11 @@ def load(
             checksum missed raises CorruptCheckpointError naming the tensor, on every rank. Tensors the
             template does not cover whole, or loads with a dtype conversion, cannot be checked (a warning
             names them).
+        key_map: for a Hugging Face safetensors source (a directory with ``model.safetensors`` or
+            ``model.safetensors.index.json`` instead of a reshard checkpoint): template key -> source, a
+            tensor name, or :class:`~reshard.interop.hf_source.Concat` / ``Stack`` of several (fused QKV,
+            GLU, stacked experts). Keys it does not name are looked up under their own name. Each rank
+            reads only the bytes of its boxes; safetensors has no checksums, so nothing is verified.
 
     Returns:
         A state dict of the template's structure in which each ShardedTensor is replaced by its filled
@@ -235,6 +246,7 @@ def load(
             max_read_amplification=max_read_amplification,
             read_buffer_bytes=read_buffer_bytes,
             verify=verify,
+            key_map=key_map,
             started=started,
             staging=_StagingOptions(Path(staging_dir), keep_staged, node_group) if staging_dir is not None else None,
         )
@@ -261,24 +273,40 @@ def _load_from(
     max_read_amplification: float,
     read_buffer_bytes: int,
     verify: bool,
+    key_map: KeyMap | None,
     started: float,
     staging: _StagingOptions | None,
 ) -> Any:
     """The body of :func:`load` once the storage is open."""
+    from reshard.interop.hf_source import describe_source, is_safetensors_source, source_metadata
+
     clock = PhaseClock("load", comm.rank, started)
     metadata_holder: list[tuple[bytes, Metadata]] = []
 
-    def read_on_coordinator() -> None:
+    def read_on_coordinator() -> bool:
         if comm.is_coordinator:
+            if not storage.exists(METADATA_FILE) and is_safetensors_source(storage):
+                source = describe_source(storage)
+                metadata_holder.append((json.dumps(source).encode(), source_metadata(source, key_map)))
+                return True
+            if key_map is not None:
+                raise StateDictError("key_map applies to Hugging Face safetensors sources, not to reshard checkpoints")
             raw = read_metadata_bytes(storage)
             metadata_holder.append((raw, Metadata.from_json_bytes(raw, where=storage.describe(METADATA_FILE))))
+        return False
 
-    # Only the coordinator touches metadata.json; the others get the bytes it validated.
+    # Only the coordinator touches metadata.json (or the safetensors headers); the others get the bytes
+    # it validated.
     with clock.exchange():
-        comm.step("reading metadata", clock.timed("metadata", read_on_coordinator))
+        from_safetensors = comm.step("reading metadata", clock.timed("metadata", read_on_coordinator), lambda r: r[0])
         raw = comm.broadcast_bytes(metadata_holder[0][0] if comm.is_coordinator else None)
     with clock.phase("metadata"):
-        metadata = metadata_holder[0][1] if comm.is_coordinator else Metadata.from_json_bytes(raw)
+        if comm.is_coordinator:
+            metadata = metadata_holder[0][1]
+        elif from_safetensors:
+            metadata = source_metadata(json.loads(raw), key_map)
+        else:
+            metadata = Metadata.from_json_bytes(raw)
 
     flat = FlatStateDict()
     plan_holder: list[LoadPlan] = []
@@ -622,9 +650,9 @@ class _ReadExecutor:
         chunk = self.metadata.checksum_chunk_bytes
         pending: dict[tuple[str, int], tuple[int, int, int, str, int]] = {}
         for item in plan.items:
-            if item.pattern.count != 1:
-                continue
             saved = self.metadata.tensors[item.key].boxes[item.saved_index]
+            if item.pattern.count != 1 or not saved.checksums:  # safetensors sources have no checksums
+                continue
             start = item.pattern.first * item.itemsize
             end = start + item.pattern.span * item.itemsize
             for index in {start // chunk, (end - 1) // chunk}:

@@ -1,0 +1,80 @@
+"""Hugging Face naming of the demo GPT: load a Llama/Mixtral-style safetensors checkpoint straight into
+any layout of the demo model, and name the demo model's full tensors the Hugging Face way.
+
+The demo model's modules map to Hugging Face's like this (``L`` a layer, ``e`` an expert)::
+
+    embedding.word_embeddings.weight            model.embed_tokens.weight
+    decoder.layers.L.input_norm.weight          model.layers.L.input_layernorm.weight
+    decoder.layers.L.self_attention.qkv.weight  Concat(q_proj, k_proj, v_proj)   (model.layers.L.self_attn.*)
+    decoder.layers.L.self_attention.proj.weight model.layers.L.self_attn.o_proj.weight
+    decoder.layers.L.pre_mlp_norm.weight        model.layers.L.post_attention_layernorm.weight
+    decoder.layers.L.mlp.fc1.weight             Concat(gate_proj, up_proj)       (model.layers.L.mlp.*)
+    decoder.layers.L.mlp.fc2.weight             model.layers.L.mlp.down_proj.weight
+    decoder.layers.L.mlp.router.weight          model.layers.L.mlp.gate.weight
+    decoder.layers.L.mlp.experts.fc1.weight     Stack(model.layers.L.mlp.experts.e.up_proj.weight, e = 0..E-1)
+    decoder.layers.L.mlp.experts.fc2.weight     Stack(model.layers.L.mlp.experts.e.down_proj.weight, ...)
+    decoder.final_norm.weight                   model.norm.weight
+    output_layer.weight                         lm_head.weight
+
+The fused QKV's global layout is ``[all Q heads; all K heads; all V heads]`` (grouped-query attention
+regrouping happens in each rank's local layout), so it is exactly the concatenation of Hugging Face's
+three projections; the demo model has no rotary embedding, so no head permutation is involved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reshard.demo.model import ModelConfig
+from reshard.interop.hf_source import Concat, Source, Stack
+
+__all__ = ["demo_hf_key_map", "to_hf_tensors"]
+
+
+def demo_hf_key_map(model: ModelConfig) -> dict[str, Source]:
+    """The ``key_map`` for ``reshard.load(template, hf_dir, key_map=...)``: demo-model key -> Hugging Face
+    source (see the module docstring)."""
+    key_map: dict[str, Source] = {
+        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "decoder.final_norm.weight": "model.norm.weight",
+        "output_layer.weight": "lm_head.weight",
+    }
+    for layer in range(model.num_layers):
+        ours, theirs = f"decoder.layers.{layer}", f"model.layers.{layer}"
+        attn, mlp = f"{theirs}.self_attn", f"{theirs}.mlp"
+        key_map[f"{ours}.input_norm.weight"] = f"{theirs}.input_layernorm.weight"
+        key_map[f"{ours}.self_attention.qkv.weight"] = Concat(
+            f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"
+        )
+        key_map[f"{ours}.self_attention.proj.weight"] = f"{attn}.o_proj.weight"
+        key_map[f"{ours}.pre_mlp_norm.weight"] = f"{theirs}.post_attention_layernorm.weight"
+        if layer in model.moe_layers:
+            key_map[f"{ours}.mlp.router.weight"] = f"{mlp}.gate.weight"
+            experts = range(model.num_experts)
+            key_map[f"{ours}.mlp.experts.fc1.weight"] = Stack(*(f"{mlp}.experts.{e}.up_proj.weight" for e in experts))
+            key_map[f"{ours}.mlp.experts.fc2.weight"] = Stack(*(f"{mlp}.experts.{e}.down_proj.weight" for e in experts))
+        else:
+            key_map[f"{ours}.mlp.fc1.weight"] = Concat(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight")
+            key_map[f"{ours}.mlp.fc2.weight"] = f"{mlp}.down_proj.weight"
+    return key_map
+
+
+def to_hf_tensors(full: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """The demo model's full (logical) tensors under Hugging Face names: the inverse of
+    :func:`demo_hf_key_map`, splitting fused and stacked tensors. Keys the map does not name (optimizer
+    states) are left out."""
+    out: dict[str, torch.Tensor] = {}
+    for key, source in demo_hf_key_map(model).items():
+        if key not in full:
+            continue
+        tensor = full[key]
+        if isinstance(source, str):
+            out[source] = tensor.contiguous()
+        elif isinstance(source, Stack):
+            out.update({name: tensor[i].contiguous() for i, name in enumerate(source.sources)})
+        else:
+            q_rows, kv_rows = model.num_heads * model.head_dim, model.num_query_groups * model.head_dim
+            rows = [q_rows, kv_rows, kv_rows] if len(source.sources) == 3 else [model.ffn_hidden] * 2
+            parts = torch.split(tensor, rows, dim=source.axis)
+            out.update({name: part.contiguous() for name, part in zip(source.sources, parts, strict=True)})
+    return out

@@ -1,0 +1,167 @@
+"""Export the demo GPT's LoRA adapters from a reshard checkpoint to Hugging Face PEFT's format.
+
+``reshard export-peft CKPT OUT`` (or :func:`export_peft`) writes ``OUT/adapter_model.safetensors`` and
+``OUT/adapter_config.json``: full adapter tensors (unsharded, unpadded, whatever layout saved them) under
+PEFT's key names, ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``.
+
+The names come from a *name map*, a function ``(key, tensor, model) -> [(name, tensor), ...]``: the
+default, :func:`demo_peft_tensors`, names the demo model's modules like a Hugging Face Llama/Mixtral
+model and splits its fused linears, which PEFT adapts one projection at a time:
+
+====================================================  ================================================
+reshard key (``decoder.layers.L.`` ...)                PEFT module (``base_model.model.model.layers.L.``)
+====================================================  ================================================
+``self_attention.qkv`` (fused ``[Q; K; V]``)           ``self_attn.q_proj``, ``k_proj``, ``v_proj``
+``self_attention.proj``                               ``self_attn.o_proj``
+``mlp.fc1`` (fused GLU ``[gate; up]``)                 ``mlp.gate_proj``, ``mlp.up_proj``
+``mlp.fc2``                                           ``mlp.down_proj``
+``mlp.experts.fc1`` / ``fc2`` (stacked ``[E, ...]``)   ``mlp.experts.E.up_proj`` / ``down_proj``
+====================================================  ================================================
+
+A fused linear ``W = [W_1; W_2; ...]`` with adapter ``B A`` becomes one adapter per part with the same
+``A`` and the matching rows of ``B``: ``W_i + B_i A`` is exactly the fused update, row block by row block.
+Pass another function as ``name_map`` for another model's naming.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import reshard
+from reshard.demo.model import LoraConfig, ModelConfig, is_adapter_key
+from reshard.errors import CheckpointError, MismatchError
+from reshard.interop.safetensors import SafetensorsWriter, TensorSpec
+from reshard.storage import CheckpointLocation, storage_for
+
+__all__ = ["ADAPTER_CONFIG_FILE", "ADAPTER_FILE", "NameMap", "demo_peft_tensors", "export_peft"]
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+
+NameMap = Callable[[str, torch.Tensor, ModelConfig], list[tuple[str, torch.Tensor]]]
+"""(reshard adapter key, its full tensor, the model's sizes) -> PEFT (name, tensor) pairs."""
+
+_KEY = re.compile(
+    r"decoder\.layers\.(\d+)\.(self_attention\.qkv|self_attention\.proj|mlp\.fc1|mlp\.fc2|"
+    r"mlp\.experts\.fc1|mlp\.experts\.fc2)\.(lora_A|lora_B)\.weight"
+)
+
+
+def demo_peft_tensors(key: str, tensor: torch.Tensor, model: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """The default name map (see the module docstring): PEFT names and tensors for one adapter tensor of
+    the demo GPT."""
+    match = _KEY.fullmatch(key)
+    if match is None:
+        raise MismatchError(f"{key!r} is not an adapter key of the demo model")
+    layer, module, factor = match.groups()
+    prefix = f"base_model.model.model.layers.{layer}"
+
+    def named(leaf: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
+        return f"{prefix}.{leaf}.{factor}.weight", value.contiguous()
+
+    def split_b(leaves: list[str], rows: list[int]) -> list[tuple[str, torch.Tensor]]:
+        if factor == "lora_A":  # one shared A for every part of the fused linear
+            return [named(leaf, tensor.clone()) for leaf in leaves]
+        return [named(leaf, part) for leaf, part in zip(leaves, torch.split(tensor, rows, dim=0), strict=True)]
+
+    if module == "self_attention.qkv":
+        q_rows, kv_rows = model.num_heads * model.head_dim, model.num_query_groups * model.head_dim
+        return split_b(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [q_rows, kv_rows, kv_rows])
+    if module == "mlp.fc1":
+        return split_b(["mlp.gate_proj", "mlp.up_proj"], [model.ffn_hidden, model.ffn_hidden])
+    if module in ("mlp.experts.fc1", "mlp.experts.fc2"):
+        leaf = "up_proj" if module.endswith("fc1") else "down_proj"
+        return [named(f"mlp.experts.{e}.{leaf}", tensor[e]) for e in range(tensor.shape[0])]
+    leaf = {"self_attention.proj": "self_attn.o_proj", "mlp.fc2": "mlp.down_proj"}[module]
+    return [named(leaf, tensor)]
+
+
+def _unflatten(common: dict[str, Any], prefix: str) -> Any:
+    """The common values below ``prefix`` (dotted paths) as the nested dicts and lists they were saved
+    from (a dict whose keys are 0..n-1 was a list)."""
+    tree: dict[str, Any] = {}
+    for path, value in common.items():
+        if not path.startswith(prefix + "."):
+            continue
+        *parents, leaf = path[len(prefix) + 1 :].split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+
+    def listify(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        items = {k: listify(v) for k, v in node.items()}
+        if items and sorted(items) == sorted(str(i) for i in range(len(items))):
+            return [items[str(i)] for i in range(len(items))]
+        return items
+
+    return listify(tree)
+
+
+def export_peft(
+    checkpoint: CheckpointLocation,
+    out: CheckpointLocation,
+    *,
+    name_map: NameMap = demo_peft_tensors,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, tuple[int, ...]]:
+    """Write the LoRA adapters of a demo-model checkpoint (adapter-only or full) as a PEFT adapter.
+
+    Runs in one process (no process group): each adapter tensor is read whole, from any saving layout.
+    Returns the exported names and shapes.
+
+    Raises:
+        MismatchError: the checkpoint holds no LoRA adapters (or the name map rejects a key).
+        CheckpointError: ``out`` already holds an adapter (the export never overwrites).
+    """
+    metadata = reshard.read_metadata(checkpoint, storage_options=storage_options)
+    lora_doc = _unflatten(metadata.common, "trainer.lora")
+    keys = sorted(k for k in metadata.tensors if is_adapter_key(k) and not k.startswith("optimizer."))
+    if not keys or not isinstance(lora_doc, dict) or not lora_doc:
+        raise MismatchError(f"the checkpoint at {checkpoint} holds no LoRA adapters of the demo model")
+    lora = LoraConfig.from_dict(lora_doc)
+    model = ModelConfig.from_dict(_unflatten(metadata.common, "trainer.model_config"))
+    template = {k: torch.empty(metadata.tensors[k].global_shape, dtype=metadata.tensors[k].torch_dtype) for k in keys}
+    full = reshard.load(template, checkpoint, storage_options=storage_options)
+    tensors = [pair for key in keys for pair in name_map(key, full[key], model)]
+    modules = sorted({name.split(".")[-3] for name, _ in tensors})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": None,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "target_modules": modules,
+        "modules_to_save": None,
+        "inference_mode": True,
+        "use_rslora": False,
+    }
+    storage = storage_for(out, storage_options)
+    try:
+        if storage.exists(ADAPTER_FILE) or storage.exists(ADAPTER_CONFIG_FILE):
+            raise CheckpointError(f"{storage.describe()} already holds a PEFT adapter; choose an empty directory")
+        specs = [TensorSpec(name=name, dtype=t.dtype, shape=tuple(t.shape)) for name, t in tensors]
+        sink = storage.open_writer(ADAPTER_FILE)
+        writer = SafetensorsWriter(sink, specs, {"format": "pt"})
+        try:
+            for _, tensor in tensors:
+                writer.write(tensor)
+                writer.end_tensor()
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        storage.commit(ADAPTER_CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode(), replace=False)
+    finally:
+        storage.close()
+    return {name: tuple(t.shape) for name, t in tensors}

@@ -1,0 +1,238 @@
+"""Hugging Face safetensors checkpoints as a load source: ``reshard.load(template, hf_dir, key_map=...)``.
+
+A directory with ``model.safetensors``, or with ``model.safetensors.index.json`` and the shards it names,
+is read as if it were a reshard checkpoint in which every source tensor is one whole box: the validated
+safetensors headers give each tensor's dtype, shape and byte range, so each rank reads only the bytes of
+the boxes its template overlaps, from any layout, with the usual planning (strided runs, dtype casts,
+padding). There are no checksums in safetensors, so these reads are not verified.
+
+``key_map`` maps the template's keys to sources; keys it does not name are looked up under their own
+name. A source is
+
+- a tensor name (``"model.norm.weight"``): the target is that tensor;
+- :class:`Concat` ``(name, name, ..., axis=0)``: the target is the named tensors concatenated along
+  ``axis`` (fused QKV ``[Q; K; V]`` with any number of query groups, a GLU's ``[gate; up]``);
+- :class:`Stack` ``(name, name, ...)``: the target is the named tensors stacked on a new axis 0 (per-expert
+  weights into one ``[E, ...]`` tensor).
+
+Each part of a Concat or Stack is one box of the target, so a rank whose shard covers only the K rows
+of a fused QKV reads only from ``k_proj``. Nothing is converted or copied beforehand.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.codec import strict_json_loads
+from reshard.dtypes import dtype_name
+from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, MismatchError, StorageError
+from reshard.interop.safetensors import TensorEntry, read_header
+from reshard.metadata import DataFile, Metadata, SavedBox, TensorMetadata, check_relative_path
+from reshard.storage import Storage
+
+__all__ = [
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "Concat",
+    "KeyMap",
+    "Source",
+    "Stack",
+    "describe_source",
+    "is_safetensors_source",
+    "source_metadata",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_INDEX_BYTES = 64 * 1024 * 1024
+_CHUNK_BYTES = 4 * 1024 * 1024
+"""How read planning splits slabs; safetensors sources have no checksums to align with."""
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Concat:
+    """A target that is several source tensors concatenated along ``axis`` (in order)."""
+
+    sources: tuple[str, ...]
+    axis: int
+
+    def __init__(self, *sources: str, axis: int = 0) -> None:
+        if not sources or not all(isinstance(s, str) for s in sources):
+            raise TypeError("Concat needs one or more source tensor names")
+        object.__setattr__(self, "sources", tuple(sources))
+        object.__setattr__(self, "axis", axis)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Stack:
+    """A target that is several source tensors of one shape stacked on a new axis 0 (in order)."""
+
+    sources: tuple[str, ...]
+
+    def __init__(self, *sources: str) -> None:
+        if not sources or not all(isinstance(s, str) for s in sources):
+            raise TypeError("Stack needs one or more source tensor names")
+        object.__setattr__(self, "sources", tuple(sources))
+
+
+Source = str | Concat | Stack
+KeyMap = Mapping[str, Source]
+
+
+def is_safetensors_source(storage: Storage) -> bool:
+    """Whether ``storage`` holds a Hugging Face safetensors checkpoint (an index or a single file)."""
+    return storage.exists(INDEX_FILE) or storage.exists(SINGLE_FILE)
+
+
+def describe_source(storage: Storage) -> dict[str, Any]:
+    """Read the index (if any) and every shard's header: the JSON-able description that
+    :func:`source_metadata` turns into a Metadata (the coordinator reads it once and sends it to the
+    other ranks). Only small reads: the index and each header.
+
+    Raises:
+        CorruptCheckpointError: an invalid index or header, or an index naming a tensor its shard lacks.
+        CheckpointNotFoundError: neither file is there.
+    """
+    where = storage.describe()
+    if storage.exists(INDEX_FILE):
+        raw = storage.read_bytes(INDEX_FILE)
+        if len(raw) > _MAX_INDEX_BYTES:
+            raise CorruptCheckpointError(f"{storage.describe(INDEX_FILE)} is larger than {_MAX_INDEX_BYTES} bytes")
+        try:
+            index = strict_json_loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
+            raise CorruptCheckpointError(f"{storage.describe(INDEX_FILE)} is not valid JSON: {exc}") from exc
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CorruptCheckpointError(f"{storage.describe(INDEX_FILE)} has no weight_map of names to files")
+        files = sorted(set(weight_map.values()))
+    elif storage.exists(SINGLE_FILE):
+        weight_map, files = None, [SINGLE_FILE]
+    else:
+        raise CheckpointNotFoundError(f"{where} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+    described_files = []
+    tensors: dict[str, list[Any]] = {}
+    for number, name in enumerate(files):
+        problem = check_relative_path(name)
+        if problem is not None:
+            raise CorruptCheckpointError(f"{storage.describe(INDEX_FILE)}: shard name {name!r} {problem}")
+        try:
+            header = read_header(storage, name)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{storage.describe(name)}, named by {INDEX_FILE}, is missing") from None
+        except OSError as exc:
+            raise StorageError(f"cannot read {storage.describe(name)}: {exc}") from exc
+        described_files.append([name, header.file_size])
+        for tensor_name, entry in header.tensors.items():
+            if weight_map is None or weight_map.get(tensor_name) == name:
+                tensors[tensor_name] = [number, entry.dtype, list(entry.shape), entry.start, entry.end]
+    if weight_map is not None:
+        absent = sorted(set(weight_map) - set(tensors))
+        if absent:
+            raise CorruptCheckpointError(
+                f"{storage.describe(INDEX_FILE)} names tensors their shards do not hold: {', '.join(absent[:20])}"
+            )
+    return {"files": described_files, "tensors": tensors}
+
+
+def _entry(name: str, doc: list[Any]) -> tuple[int, TensorEntry]:
+    number, code, shape, start, end = doc
+    return number, TensorEntry(name=name, dtype=code, shape=tuple(shape), start=start, end=end)
+
+
+def source_metadata(description: dict[str, Any], key_map: KeyMap | None) -> Metadata:
+    """A Metadata whose tensors are the keys of ``key_map``, each built from its source (see the module
+    docstring), and every source tensor under its own name (unless the key map names it as a target).
+
+    Raises:
+        MismatchError: a key_map source names a tensor the checkpoint lacks, parts that do not fit together
+            (shapes or dtypes), or a dtype reshard cannot hold.
+    """
+    sources = {name: _entry(name, doc) for name, doc in description["tensors"].items()}
+    key_map = key_map or {}
+    tensors: dict[str, TensorMetadata] = {}
+    problems: list[str] = []
+
+    def part(name: str, key: str) -> tuple[int, TensorEntry] | None:
+        found = sources.get(name)
+        if found is None:
+            problems.append(f"{key!r}: the source has no tensor {name!r}")
+        return found
+
+    for key, spec in key_map.items():
+        if isinstance(spec, str):
+            found = part(spec, key)
+            if found is not None:
+                tensors[key] = _tensor(key, [found], [(0,) * len(found[1].shape)], found[1].shape, problems)
+            continue
+        parts = [p for p in (part(name, key) for name in spec.sources) if p is not None]
+        if len(parts) != len(spec.sources):
+            continue
+        if isinstance(spec, Stack):
+            shape = parts[0][1].shape
+            if any(p.shape != shape for _, p in parts):
+                problems.append(f"{key!r}: Stack of tensors of different shapes {[list(p.shape) for _, p in parts]}")
+                continue
+            offsets = [(i, *(0,) * len(shape)) for i in range(len(parts))]
+            tensors[key] = _tensor(key, parts, offsets, (len(parts), *shape), problems, stacked=True)
+            continue
+        first = parts[0][1].shape
+        axis = spec.axis
+        if not 0 <= axis < len(first) or any(
+            len(p.shape) != len(first) or p.shape[:axis] + p.shape[axis + 1 :] != first[:axis] + first[axis + 1 :]
+            for _, p in parts
+        ):
+            problems.append(f"{key!r}: cannot concatenate shapes {[list(p.shape) for _, p in parts]} on axis {axis}")
+            continue
+        offsets, position = [], 0
+        for _, p in parts:
+            offsets.append(tuple(position if a == axis else 0 for a in range(len(first))))
+            position += p.shape[axis]
+        total = tuple(position if a == axis else n for a, n in enumerate(first))
+        tensors[key] = _tensor(key, parts, offsets, total, problems)
+    for name, found in sources.items():
+        if name not in tensors and name not in key_map:
+            tensors[name] = _tensor(name, [found], [(0,) * len(found[1].shape)], found[1].shape, problems)
+    if problems:
+        raise MismatchError("the safetensors source does not fit the key map: " + "; ".join(problems[:30]))
+    return Metadata(
+        save_id="safetensors",
+        created_by="safetensors",
+        world_size=1,
+        checksum_chunk_bytes=_CHUNK_BYTES,
+        files=tuple(DataFile(path=name, size=size) for name, size in description["files"]),
+        tensors=tensors,
+    )
+
+
+def _tensor(
+    key: str,
+    parts: list[tuple[int, TensorEntry]],
+    offsets: list[tuple[int, ...]],
+    global_shape: tuple[int, ...],
+    problems: list[str],
+    *,
+    stacked: bool = False,
+) -> TensorMetadata:
+    dtypes = {p.dtype for _, p in parts}
+    torch_dtype = parts[0][1].torch_dtype
+    if len(dtypes) > 1:
+        problems.append(f"{key!r}: its parts have different dtypes {sorted(dtypes)}")
+    elif torch_dtype is None:
+        problems.append(f"{key!r}: safetensors dtype {parts[0][1].dtype} has no torch dtype reshard can load")
+    boxes = tuple(
+        SavedBox(
+            offset=offset,
+            shape=(1, *entry.shape) if stacked else entry.shape,
+            file=number,
+            byte_offset=entry.start,
+            byte_length=entry.nbytes,
+            checksums=(),
+        )
+        for (number, entry), offset in zip(parts, offsets, strict=True)
+    )
+    name = dtype_name(torch_dtype) if torch_dtype is not None and len(dtypes) == 1 else "float32"
+    return TensorMetadata(key=key, dtype=name, global_shape=global_shape, boxes=boxes)
