@@ -546,7 +546,7 @@ MUTATIONS: dict[str, tuple[Mutation, str]] = {
     # format and version
     "format_other": (_set("format", "zarr"), "format"),
     "format_missing": (_delete("format"), "format"),
-    "version_2": (_set("version", 2), "version"),
+    "version_3": (_set("version", 3), "version"),
     "version_str": (_set("version", "1"), "version"),
     "version_missing": (_delete("version"), "version"),
     "version_true": (_set("version", True), "version"),
@@ -738,7 +738,7 @@ def test_check_relative_path(path: str, ok: bool) -> None:
     assert (check_relative_path(path) is None) is ok
 
 
-@pytest.mark.parametrize("name", ["path_parent", "path_absolute", "box_outside", "crc_missing", "version_2"])
+@pytest.mark.parametrize("name", ["path_parent", "path_absolute", "box_outside", "crc_missing", "version_3"])
 def test_load_and_read_metadata_refuse_corrupt_metadata(
     saved: Path, valid_doc: dict[str, Any], tmp_path: Path, name: str
 ) -> None:

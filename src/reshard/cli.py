@@ -26,7 +26,7 @@ from reshard._version import __version__
 from reshard.codec import encode_tagged
 from reshard.errors import CheckpointError
 from reshard.load import read_metadata
-from reshard.metadata import FORMAT_NAME, FORMAT_VERSION, Metadata
+from reshard.metadata import FORMAT_NAME, Metadata
 
 __all__ = ["inspect_summary", "main"]
 
@@ -67,7 +67,7 @@ def inspect_summary(metadata: Metadata, path: str) -> dict[str, Any]:
     return {
         "path": path,
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": metadata.format_version,
         "save_id": metadata.save_id,
         "created_by": metadata.created_by,
         "layout": {"world_size": metadata.world_size, "writers": len(metadata.files)},

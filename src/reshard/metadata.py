@@ -6,44 +6,71 @@ range is checked, file names must stay inside the checkpoint, boxes must lie ins
 tile it exactly, and byte ranges must lie inside their files, so that a hostile ``metadata.json`` gets a
 :class:`~reshard.CorruptCheckpointError` before anything is read or allocated. ``docs/format.md``
 describes the same format in prose.
+
+Two versions: version 1 lists every box of every tensor as a JSON object. Version 2 adds a *packed*
+encoding of a tensor's boxes (a grid rule, or packed integers, for the geometry; packed integers for
+files, offsets and checksums; see :mod:`reshard.planning.grid`), which keeps the metadata of a checkpoint
+of ten thousand ranks in tens of megabytes and its decoding in numpy. A writer packs the tensors that have
+many boxes or checksums, and writes version 1 when it packs none, so small checkpoints stay readable by
+readers of version 1. In memory, packed boxes are a :class:`SavedBoxes`: a sequence of :class:`SavedBox`
+backed by columns.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from reshard.boxes import Box
 from reshard.codec import decode_tagged, encode_tagged, strict_json_loads
 from reshard.dtypes import DTYPE_BY_NAME
 from reshard.errors import CorruptCheckpointError
-from reshard.planning.tiling import find_tiling_problem
+from reshard.planning.grid import BoxIndex, expand_grid, grid_rule
+from reshard.planning.tiling import MAX_CORNER_NDIM, find_tiling_problem, untiled_groups
 
 __all__ = [
     "DATA_DIR",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "METADATA_FILE",
+    "PACK_MIN_BOXES",
+    "PACK_MIN_CHECKSUMS",
+    "READABLE_VERSIONS",
+    "BoxColumns",
     "DataFile",
     "Metadata",
     "ObjectMetadata",
     "SavedBox",
+    "SavedBoxes",
     "SavedObject",
     "TensorMetadata",
     "check_relative_path",
 ]
 
 FORMAT_NAME = "reshard"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest format version: what this reshard writes when it packs a tensor (version 1 otherwise)."""
+READABLE_VERSIONS = (1, 2)
+PACK_MIN_BOXES = 32
+"""A writer packs a tensor that has at least this many boxes ..."""
+PACK_MIN_CHECKSUMS = 256
+"""... or at least this many checksums (unless told to pack all or none)."""
 METADATA_FILE = "metadata.json"
 DATA_DIR = "data"
 CHECKSUM_ALGORITHM = "crc32c"
 _MAX_INT = 2**62
 _MAX_NDIM = 64
+
+Int64Array = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,6 +102,162 @@ class SavedBox:
         return Box(self.offset, self.shape)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class BoxColumns:
+    """The stored boxes of one tensor as columns, sorted by offset: row ``i`` describes box ``i``.
+
+    Attributes:
+        offset, shape: ``(n, ndim)`` elements, as in :class:`SavedBox`.
+        file, byte_offset, byte_length: ``(n,)``, as in :class:`SavedBox`.
+        crc_start, crc_count: ``(n,)``: box ``i``'s checksums are ``crc[crc_start[i]:][:crc_count[i]]``.
+        crc: every checksum (CRC-32C), ``uint32``.
+    """
+
+    offset: Int64Array
+    shape: Int64Array
+    file: Int64Array
+    byte_offset: Int64Array
+    byte_length: Int64Array
+    crc_start: Int64Array
+    crc_count: Int64Array
+    crc: npt.NDArray[np.uint32]
+
+    @classmethod
+    def of(cls, boxes: Sequence[SavedBox], ndim: int) -> BoxColumns:
+        """The columns of any sequence of boxes (a :class:`SavedBoxes` already has them)."""
+        if isinstance(boxes, SavedBoxes):
+            return boxes.columns
+        n = len(boxes)
+        counts = np.array([len(b.checksums) for b in boxes], dtype=np.int64)
+        return cls(
+            offset=np.array([b.offset for b in boxes], dtype=np.int64).reshape(n, ndim),
+            shape=np.array([b.shape for b in boxes], dtype=np.int64).reshape(n, ndim),
+            file=np.array([b.file for b in boxes], dtype=np.int64),
+            byte_offset=np.array([b.byte_offset for b in boxes], dtype=np.int64),
+            byte_length=np.array([b.byte_length for b in boxes], dtype=np.int64),
+            crc_start=np.cumsum(counts) - counts,
+            crc_count=counts,
+            crc=np.array([c for b in boxes for c in b.checksums], dtype=np.uint32),
+        )
+
+    def sorted(self) -> BoxColumns:
+        """The same boxes sorted by offset (lexicographically), the order of the Python API."""
+        d = self.offset.shape[1]
+        order = np.lexsort(tuple(self.offset[:, a] for a in range(d - 1, -1, -1))) if d else np.arange(len(self.file))
+        return self.take(order)
+
+    def take(self, order: Int64Array) -> BoxColumns:
+        """Boxes ``order`` (the checksums stay where they are; only the per-box columns move)."""
+        return BoxColumns(
+            offset=self.offset[order],
+            shape=self.shape[order],
+            file=self.file[order],
+            byte_offset=self.byte_offset[order],
+            byte_length=self.byte_length[order],
+            crc_start=self.crc_start[order],
+            crc_count=self.crc_count[order],
+            crc=self.crc,
+        )
+
+    def checksums_in_order(self) -> npt.NDArray[np.uint32]:
+        """Every box's checksums, box after box (the packed ``crc32c`` field)."""
+        total = int(self.crc_count.sum())
+        first = np.repeat(self.crc_start - (np.cumsum(self.crc_count) - self.crc_count), self.crc_count)
+        return self.crc[first + np.arange(total, dtype=np.int64)]
+
+
+class SavedBoxes(Sequence[SavedBox]):
+    """The stored boxes of one tensor held as :class:`BoxColumns`, sorted by offset.
+
+    A read-only sequence of :class:`SavedBox` (a box object is made when asked for), so that a tensor of a
+    hundred thousand boxes costs a few megabytes and no Python object per box. It can also be *lazy*: the
+    columns are then decoded (and validated) from the metadata document on first use, so a rank that only
+    needs some tensors decodes only those. :meth:`lookup` finds the boxes overlapping a region.
+    """
+
+    __slots__ = ("_columns", "_count", "_index", "_load")
+
+    def __init__(
+        self, columns: BoxColumns | None = None, *, count: int = 0, load: Callable[[], BoxColumns] | None = None
+    ) -> None:
+        """Either ``columns`` (sorted by offset), or ``count`` and ``load``, which returns them."""
+        if (columns is None) == (load is None):
+            raise ValueError("SavedBoxes takes either columns or a loader")
+        self._columns = columns
+        self._load = load
+        self._count = len(columns.file) if columns is not None else count
+        self._index: BoxIndex | None = None
+
+    @property
+    def columns(self) -> BoxColumns:
+        if self._columns is None:
+            if self._load is None:  # unreachable: __init__ sets one of the two
+                raise RuntimeError("SavedBoxes has neither columns nor a loader")
+            columns = self._load()
+            if len(columns.file) != self._count:
+                raise CorruptCheckpointError(f"packed boxes: {len(columns.file)} decoded, {self._count} declared")
+            self._columns, self._load = columns, None
+        return self._columns
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> SavedBox: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[SavedBox, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> SavedBox | tuple[SavedBox, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(self._count)))
+        if not -self._count <= index < self._count:
+            raise IndexError(f"box {index} of {self._count}")
+        i = index % self._count
+        c = self.columns
+        start, count = int(c.crc_start[i]), int(c.crc_count[i])
+        return SavedBox(
+            offset=tuple(c.offset[i].tolist()),
+            shape=tuple(c.shape[i].tolist()),
+            file=int(c.file[i]),
+            byte_offset=int(c.byte_offset[i]),
+            byte_length=int(c.byte_length[i]),
+            checksums=tuple(c.crc[start : start + count].tolist()),
+        )
+
+    def __iter__(self) -> Iterator[SavedBox]:
+        for i in range(self._count):
+            yield self[i]
+
+    def box(self, i: int) -> Box:
+        """The region of box ``i`` (without making its :class:`SavedBox`)."""
+        c = self.columns
+        return Box(tuple(c.offset[i].tolist()), tuple(c.shape[i].tolist()))
+
+    def lookup(self) -> BoxIndex:
+        """The lookup structure of these boxes (built on first use)."""
+        if self._index is None:
+            self._index = BoxIndex(self.columns.offset, self.columns.shape)
+        return self._index
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.columns.byte_length.sum())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        if len(other) != self._count:
+            return False
+        return all(a == b for a, b in zip(self, other, strict=True))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"SavedBoxes({self._count} boxes)"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorMetadata:
     """A tensor of the checkpoint: its element type, global shape and stored boxes."""
@@ -82,7 +265,8 @@ class TensorMetadata:
     key: str
     dtype: str
     global_shape: tuple[int, ...]
-    boxes: tuple[SavedBox, ...]
+    boxes: Sequence[SavedBox]
+    """The stored boxes, sorted by offset: a tuple, or a :class:`SavedBoxes` (columns) when packed."""
     fingerprint: int | None = None
     """The layout-independent content fingerprint (see reshard.fingerprint), when the save computed it."""
 
@@ -129,6 +313,8 @@ class Metadata:
         tensors: by key.
         objects: by key.
         common: common (non-sharded) values by dotted state-dict path, decoded.
+        format_version: the version of the document this was read from (:data:`FORMAT_VERSION` for
+            metadata made in memory); not part of the comparison of two Metadata.
     """
 
     save_id: str
@@ -139,41 +325,54 @@ class Metadata:
     tensors: dict[str, TensorMetadata] = field(default_factory=dict)
     objects: dict[str, ObjectMetadata] = field(default_factory=dict)
     common: dict[str, Any] = field(default_factory=dict)
+    format_version: int = field(default=FORMAT_VERSION, compare=False)
 
     @property
     def total_bytes(self) -> int:
         """Bytes of tensor data stored (each box once)."""
-        return sum(b.byte_length for t in self.tensors.values() for b in t.boxes)
+        return sum(
+            t.boxes.total_bytes if isinstance(t.boxes, SavedBoxes) else sum(b.byte_length for b in t.boxes)
+            for t in self.tensors.values()
+        )
 
-    def to_json_dict(self) -> dict[str, Any]:
-        """The wire form of the metadata (plain JSON types)."""
+    def to_json_dict(self, *, packed: bool | None = None) -> dict[str, Any]:
+        """The wire form of the metadata (plain JSON types).
+
+        Args:
+            packed: which tensors get the packed encoding of version 2: None (what reshard writes) those
+                with at least :data:`PACK_MIN_BOXES` boxes or :data:`PACK_MIN_CHECKSUMS` checksums, True
+                all, False none. Tensors with an empty box are never packed. The document is version 2
+                when a tensor is packed, else version 1.
+        """
+        tensors: dict[str, Any] = {}
+        for key, t in self.tensors.items():
+            entry: dict[str, Any] = {"dtype": t.dtype, "global_shape": list(t.global_shape)}
+            if t.fingerprint is not None:
+                entry["fingerprint"] = f"{t.fingerprint:016x}"
+            if _should_pack(t, packed):
+                entry["packed"] = _packed_json(t)
+            else:
+                entry["boxes"] = [
+                    {
+                        "offset": list(b.offset),
+                        "shape": list(b.shape),
+                        "file": b.file,
+                        "byte_offset": b.byte_offset,
+                        "byte_length": b.byte_length,
+                        "crc32c": list(b.checksums),
+                    }
+                    for b in t.boxes
+                ]
+            tensors[key] = entry
         return {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": 2 if any("packed" in t for t in tensors.values()) else 1,
             "save_id": self.save_id,
             "created_by": self.created_by,
             "world_size": self.world_size,
             "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": self.checksum_chunk_bytes},
             "files": [{"path": f.path, "size": f.size} for f in self.files],
-            "tensors": {
-                key: {
-                    "dtype": t.dtype,
-                    "global_shape": list(t.global_shape),
-                    **({"fingerprint": f"{t.fingerprint:016x}"} if t.fingerprint is not None else {}),
-                    "boxes": [
-                        {
-                            "offset": list(b.offset),
-                            "shape": list(b.shape),
-                            "file": b.file,
-                            "byte_offset": b.byte_offset,
-                            "byte_length": b.byte_length,
-                            "crc32c": list(b.checksums),
-                        }
-                        for b in t.boxes
-                    ],
-                }
-                for key, t in self.tensors.items()
-            },
+            "tensors": tensors,
             "objects": {
                 key: {
                     "global_shape": list(o.global_shape),
@@ -193,21 +392,30 @@ class Metadata:
             "common": {path: encode_tagged(value, where=path) for path, value in self.common.items()},
         }
 
-    def to_json_bytes(self) -> bytes:
-        return json.dumps(self.to_json_dict(), separators=(",", ":"), allow_nan=False).encode("utf-8")
+    def to_json_bytes(self, *, packed: bool | None = None) -> bytes:
+        """``metadata.json``: :meth:`to_json_dict` as compact ASCII JSON."""
+        return json.dumps(self.to_json_dict(packed=packed), separators=(",", ":"), allow_nan=False).encode("utf-8")
 
     @classmethod
-    def from_json_bytes(cls, raw: bytes, *, where: str = METADATA_FILE) -> Metadata:
-        """Parse and validate ``metadata.json``.
+    def from_json_bytes(cls, raw: bytes, *, where: str = METADATA_FILE, lazy: bool = False) -> Metadata:
+        """Parse and validate ``metadata.json`` (format version 1 or 2).
+
+        Args:
+            raw: the document.
+            where: names the document in error messages.
+            lazy: decode (and validate) each packed tensor's boxes when they are first used rather than
+                now. For a document another process has just validated: the ranks of a load get the bytes
+                that the coordinator read and validated, and each decodes only the tensors it loads.
 
         Raises:
-            CorruptCheckpointError: anything wrong, with the JSON path of the offending field.
+            CorruptCheckpointError: anything wrong, with the JSON path of the offending field (with
+                ``lazy``, for a packed tensor's boxes, when they are first used).
         """
         try:
             doc = strict_json_loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
             raise CorruptCheckpointError(f"{where}: not valid JSON: {exc}") from exc
-        return _Parser(where).parse(doc)
+        return _Parser(where, lazy=lazy).parse(doc)
 
 
 def check_relative_path(path: str) -> str | None:
@@ -239,8 +447,10 @@ def check_relative_path(path: str) -> str | None:
 class _Parser:
     """Validating decoder of the wire form; every error names the JSON path of the bad field."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, *, lazy: bool = False) -> None:
         self.where = where
+        self.lazy = lazy
+        self.version = 1
 
     def fail(self, path: str, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{self.where}: {path}: {message}")
@@ -275,11 +485,13 @@ class _Parser:
             if doc.get("format") != FORMAT_NAME:
                 found = doc.get("format")
                 raise self.fail("format", f"expected {FORMAT_NAME!r}, got {found!r}: not a reshard checkpoint")
-            if type(doc.get("version")) is not int or doc.get("version") != FORMAT_VERSION:
+            version = doc.get("version")
+            if type(version) is not int or version not in READABLE_VERSIONS:
                 raise self.fail(
                     "version",
-                    f"format version {doc.get('version')!r} is not supported (this reshard reads {FORMAT_VERSION})",
+                    f"format version {version!r} is not supported (this reshard reads versions 1 and 2)",
                 )
+            self.version = version
         top = self.obj(
             doc,
             "$",
@@ -329,6 +541,7 @@ class _Parser:
             tensors=tensors,
             objects=objects,
             common=common,
+            format_version=self.version,
         )
 
     def files(self, value: object) -> tuple[DataFile, ...]:
@@ -370,7 +583,11 @@ class _Parser:
 
     def tensor(self, key: str, value: object, files: tuple[DataFile, ...], chunk_bytes: int) -> TensorMetadata:
         path = f"tensors[{key!r}]"
-        keys = {"dtype", "global_shape", "boxes"}
+        keys = {
+            "dtype",
+            "global_shape",
+            "packed" if self.version >= 2 and isinstance(value, dict) and "packed" in value else "boxes",
+        }
         doc = self.obj(
             value, path, keys | {"fingerprint"} if isinstance(value, dict) and "fingerprint" in value else keys
         )
@@ -385,9 +602,23 @@ class _Parser:
         if dtype is None:
             raise self.fail(f"{path}.dtype", f"unknown dtype {dtype_name!r}")
         global_shape = self.int_list(doc["global_shape"], f"{path}.global_shape", max_len=_MAX_NDIM)
+        if "packed" in doc:
+            if math.prod(global_shape) * dtype.itemsize > _MAX_INT:
+                raise self.fail(
+                    f"{path}.global_shape", f"a packed tensor holds at most 2**62 bytes, not {list(global_shape)}"
+                )
+            packed = _PackedTensor(
+                self, f"{path}.packed", doc["packed"], global_shape, dtype.itemsize, files, chunk_bytes
+            )
+            boxes: Sequence[SavedBox] = (
+                SavedBoxes(count=packed.count, load=packed.decode) if self.lazy else SavedBoxes(packed.decode())
+            )
+            return TensorMetadata(
+                key=key, dtype=dtype_name, global_shape=global_shape, boxes=boxes, fingerprint=fingerprint
+            )
         if not isinstance(doc["boxes"], list):
             raise self.fail(f"{path}.boxes", "expected a list")
-        boxes = []
+        saved = []
         for i, item in enumerate(doc["boxes"]):
             bpath = f"{path}.boxes[{i}]"
             entry = self.obj(item, bpath, {"offset", "shape", "file", "byte_offset", "byte_length", "crc32c"})
@@ -401,7 +632,7 @@ class _Parser:
             file, byte_offset, byte_length, checksums = self.byte_range(entry, bpath, files, chunk_bytes)
             if byte_length != box.volume * dtype.itemsize:
                 raise self.fail(bpath, f"byte_length {byte_length} does not match {box.volume} {dtype_name} elements")
-            boxes.append(
+            saved.append(
                 SavedBox(
                     offset=offset,
                     shape=shape,
@@ -411,14 +642,14 @@ class _Parser:
                     checksums=checksums,
                 )
             )
-        problem = find_tiling_problem(global_shape, [b.box for b in boxes])
+        problem = find_tiling_problem(global_shape, [b.box for b in saved])
         if problem is not None:
             if problem.kind == "overlap":
                 i, j = problem.indices
                 raise self.fail(path, f"boxes {i} and {j} overlap")
             raise self.fail(path, f"boxes cover {problem.covered} of {problem.total} elements")
         return TensorMetadata(
-            key=key, dtype=dtype_name, global_shape=global_shape, boxes=tuple(boxes), fingerprint=fingerprint
+            key=key, dtype=dtype_name, global_shape=global_shape, boxes=tuple(saved), fingerprint=fingerprint
         )
 
     def object(self, key: str, value: object, files: tuple[DataFile, ...], chunk_bytes: int) -> ObjectMetadata:
@@ -447,3 +678,183 @@ class _Parser:
         if len(entries) != math.prod(global_shape):
             raise self.fail(path, f"{len(entries)} entries for a grid of {math.prod(global_shape)} cells")
         return ObjectMetadata(key=key, global_shape=global_shape, entries=tuple(entries))
+
+
+def _b64(values: npt.ArrayLike, dtype: str) -> str:
+    """Little-endian integers ``values`` as packed base64 (the packed fields of format version 2)."""
+    return base64.b64encode(np.ascontiguousarray(values, dtype=dtype).tobytes()).decode("ascii")
+
+
+def _should_pack(tensor: TensorMetadata, packed: bool | None) -> bool:
+    """Whether :meth:`Metadata.to_json_dict` packs ``tensor``'s boxes (see there)."""
+    boxes = tensor.boxes
+    if packed is False or not boxes:
+        return False
+    if isinstance(boxes, SavedBoxes):
+        columns = boxes.columns
+        if not (columns.shape > 0).all():
+            return False
+        checksums = int(columns.crc_count.sum())
+    else:
+        if any(b.box.volume == 0 for b in boxes):
+            return False
+        checksums = sum(len(b.checksums) for b in boxes)
+    return packed is True or len(boxes) >= PACK_MIN_BOXES or checksums >= PACK_MIN_CHECKSUMS
+
+
+def _packed_json(tensor: TensorMetadata) -> dict[str, Any]:
+    """The packed form of a tensor's boxes: the grid rule of their tiling when it has one, else every
+    box's offset and shape; then, in the same order, their files, byte offsets and checksums."""
+    columns = BoxColumns.of(tensor.boxes, len(tensor.global_shape))
+    rule = grid_rule(columns.offset, columns.shape, tensor.global_shape)
+    geometry: dict[str, Any]
+    if rule is not None:
+        columns = columns.take(rule.order)
+        geometry = {
+            "grid": [c.tolist() for c in rule.cuts],
+            "split": _b64(np.stack([rule.split_cells, rule.split_counts], axis=1), "<u8"),
+            "starts": _b64(rule.split_starts, "<u8"),
+        }
+    else:
+        geometry = {"explicit": _b64(np.concatenate([columns.offset, columns.shape], axis=1), "<u8")}
+    return {
+        "boxes": len(columns.file),
+        **geometry,
+        "file": _b64(columns.file, "<u4"),
+        "byte_offset": _b64(columns.byte_offset, "<u8"),
+        "crc32c": _b64(columns.checksums_in_order(), "<u4"),
+    }
+
+
+class _PackedTensor:
+    """One packed tensor entry (format version 2): its fields are checked for shape at once, its boxes
+    decoded and validated by :meth:`decode`, now or, for a lazy parse, when first used."""
+
+    def __init__(
+        self,
+        parser: _Parser,
+        path: str,
+        value: object,
+        global_shape: tuple[int, ...],
+        itemsize: int,
+        files: tuple[DataFile, ...],
+        chunk_bytes: int,
+    ) -> None:
+        self.parser = parser
+        self.path = path
+        self.grid = isinstance(value, dict) and "grid" in value
+        fields = {"boxes", "file", "byte_offset", "crc32c"} | (
+            {"grid", "split", "starts"} if self.grid else {"explicit"}
+        )
+        self.doc = parser.obj(value, path, fields)
+        self.count = parser.integer(self.doc["boxes"], f"{path}.boxes")
+        for name in fields - {"boxes", "grid"}:
+            parser.string(self.doc[name], f"{path}.{name}")
+        self.global_shape = global_shape
+        self.itemsize = itemsize
+        self.files = files
+        self.chunk_bytes = chunk_bytes
+
+    def fail(self, name: str, message: str) -> CorruptCheckpointError:
+        return self.parser.fail(f"{self.path}.{name}", message)
+
+    def integers(self, name: str, dtype: str, count: int | None) -> Int64Array:
+        """Field ``name``: base64 of little-endian ``dtype`` integers (``count`` of them, if given)."""
+        try:
+            raw = base64.b64decode(self.doc[name], validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise self.fail(name, f"not valid base64: {exc}") from None
+        size = np.dtype(dtype).itemsize
+        if len(raw) % size or (count is not None and len(raw) != count * size):
+            expected = f"{count} integers" if count is not None else f"a multiple of {size} bytes"
+            raise self.fail(name, f"holds {len(raw)} bytes, expected {expected} of {size} bytes")
+        values = np.frombuffer(raw, dtype=dtype)
+        if dtype == "<u8" and (values > _MAX_INT).any():
+            raise self.fail(name, "holds an integer above 2**62")
+        return values.astype(np.int64)
+
+    def decode(self) -> BoxColumns:
+        n = self.count
+        d = len(self.global_shape)
+        shape_of = np.asarray(self.global_shape, dtype=np.int64)
+        file = self.integers("file", "<u4", n)
+        byte_offset = self.integers("byte_offset", "<u8", n)
+        crc = self.integers("crc32c", "<u4", None).astype(np.uint32)
+        if self.grid:
+            offset, shape = self.decode_grid(n, d)
+        else:
+            offset, shape = self.decode_explicit(n, d, shape_of)
+        byte_length = (np.prod(shape, axis=1) if d else np.ones(n, dtype=np.int64)) * self.itemsize
+        if (file >= len(self.files)).any():
+            raise self.fail("file", f"a file index is out of range ({len(self.files)} files)")
+        sizes = np.array([f.size for f in self.files], dtype=np.uint64)
+        past = byte_offset.astype(np.uint64) + byte_length.astype(np.uint64) > sizes[file] if n else np.zeros(0, bool)
+        if past.any():
+            i = int(np.argmax(past))
+            raise self.fail(
+                "byte_offset",
+                f"box {i}: bytes [{byte_offset[i]}, {byte_offset[i] + byte_length[i]}) lie past the end of "
+                f"{self.files[int(file[i])].path} ({self.files[int(file[i])].size} bytes)",
+            )
+        counts = -(-byte_length // self.chunk_bytes)
+        if int(counts.sum()) != len(crc):
+            raise self.fail("crc32c", f"holds {len(crc)} checksums, the boxes need {int(counts.sum())}")
+        return BoxColumns(
+            offset=offset,
+            shape=shape,
+            file=file,
+            byte_offset=byte_offset,
+            byte_length=byte_length,
+            crc_start=np.cumsum(counts) - counts,
+            crc_count=counts,
+            crc=crc,
+        ).sorted()
+
+    def decode_grid(self, n: int, d: int) -> tuple[Int64Array, Int64Array]:
+        grid = self.doc["grid"]
+        if not isinstance(grid, list) or len(grid) != d:
+            raise self.fail("grid", f"expected a list of {d} lists of cuts, one per axis")
+        cuts = tuple(
+            np.asarray(self.parser.int_list(c, f"{self.path}.grid[{a}]"), dtype=np.int64) for a, c in enumerate(grid)
+        )
+        if any(len(c) == 0 for c in cuts):
+            raise self.fail("grid", "every axis needs at least the cut 0")
+        cells = math.prod(len(c) - 1 for c in cuts)
+        split = self.integers("split", "<u8", None)
+        if len(split) % 2:
+            raise self.fail("split", "expected (cell, count) pairs")
+        split_cells, split_counts = split[0::2], split[1::2]
+        starts = self.integers("starts", "<u8", None)
+        if cells > n or (split_counts > n).any() or cells + int(split_counts.sum()) != n:
+            raise self.fail(
+                "boxes", f"{n} boxes do not match a grid of {cells} cells split {int(split_counts.sum())} times"
+            )
+        try:
+            return expand_grid(self.global_shape, cuts, split_cells, split_counts, starts)
+        except ValueError as exc:
+            raise self.fail("grid", str(exc)) from None
+
+    def decode_explicit(self, n: int, d: int, global_shape: Int64Array) -> tuple[Int64Array, Int64Array]:
+        rows = self.integers("explicit", "<u8", n * 2 * d).reshape(n, 2 * d)
+        offset, shape = rows[:, :d], rows[:, d:]
+        outside = ~((offset + shape <= global_shape).all(axis=1) & (shape > 0).all(axis=1))
+        if outside.any():
+            i = int(np.argmax(outside))
+            raise self.fail(
+                "explicit",
+                f"box {i} at {offset[i].tolist()} of shape {shape[i].tolist()} is empty or lies outside "
+                f"{global_shape.tolist()}",
+            )
+        if d <= MAX_CORNER_NDIM:
+            bad = untiled_groups(np.zeros(n, dtype=np.int64), offset, offset + shape, global_shape[None, :])[0]
+        else:
+            bad = (
+                find_tiling_problem(
+                    self.global_shape,
+                    [Box(tuple(o), tuple(s)) for o, s in zip(offset.tolist(), shape.tolist(), strict=True)],
+                )
+                is not None
+            )
+        if bad:
+            raise self.fail("explicit", "the boxes overlap or leave a gap: they do not tile the tensor")
+        return offset, shape

@@ -1,7 +1,8 @@
 """Load planning: which saved bytes each target box needs, and how to read them.
 
 Pure: given the checkpoint's metadata and the boxes a rank wants (on its own, possibly different,
-layout), return the reads. Each target box is intersected with the saved boxes of its key; every overlap
+layout), return the reads. Each target box is intersected with the saved boxes of its key that it
+overlaps (found through an index, so the cost does not grow with the number of saved boxes); every overlap
 becomes one :class:`ReadItem`, read with the fewest requests that keep the read amplification within the
 bound (see :func:`reshard.boxes.read_pattern`).
 """
@@ -9,10 +10,15 @@ bound (see :func:`reshard.boxes.read_pattern`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from reshard.boxes import Box, ReadPattern, read_pattern, row_major_strides
-from reshard.metadata import Metadata
+from reshard.metadata import Metadata, SavedBox, SavedBoxes
+from reshard.planning.grid import BoxIndex
 
 __all__ = [
     "DEFAULT_MAX_READ_AMPLIFICATION",
@@ -134,17 +140,27 @@ def plan_load(
     tile their tensor (validated when the metadata was parsed), so every target element is covered by
     exactly one read. No read item is larger than ``max_read_bytes`` unless a single row of its overlap
     already is.
+
+    The saved boxes overlapping a target are found through each tensor's :class:`BoxIndex` (built once
+    per tensor this rank touches), in time that grows with the number of overlaps, not with the number of
+    saved boxes; the reads are the same as comparing each target with every saved box.
     """
     items: list[ReadItem] = []
+    lookups: dict[str, _Saved] = {}
     for target_index, target in enumerate(targets):
         tensor = metadata.tensors[target.key]
+        saved = lookups.get(target.key)
+        if saved is None:
+            saved = lookups[target.key] = _Saved.of(tensor.boxes, len(tensor.global_shape))
         itemsize = tensor.torch_dtype.itemsize
-        for saved_index, saved in enumerate(tensor.boxes):
-            whole = target.box.intersect(saved.box)
-            if whole is None:
+        for saved_index in saved.index.overlapping(target.box):
+            saved_box = Box(tuple(saved.offset[saved_index].tolist()), tuple(saved.shape[saved_index].tolist()))
+            whole = target.box.intersect(saved_box)
+            if whole is None:  # the index returns only overlapping boxes
                 continue
+            file, byte_offset = int(saved.file[saved_index]), int(saved.byte_offset[saved_index])
             for overlap, pattern in _split_overlap(
-                saved.box, whole, itemsize, max_read_amplification, max_read_bytes, metadata.checksum_chunk_bytes
+                saved_box, whole, itemsize, max_read_amplification, max_read_bytes, metadata.checksum_chunk_bytes
             ):
                 items.append(
                     ReadItem(
@@ -152,12 +168,38 @@ def plan_load(
                         key=target.key,
                         overlap=overlap,
                         saved_index=saved_index,
-                        saved_box=saved.box,
-                        file=saved.file,
-                        byte_offset=saved.byte_offset,
+                        saved_box=saved_box,
+                        file=file,
+                        byte_offset=byte_offset,
                         itemsize=itemsize,
                         pattern=pattern,
                     )
                 )
     items.sort(key=lambda i: (i.file, i.byte_offset + i.pattern.first * i.itemsize))
     return LoadPlan(items=tuple(items))
+
+
+@dataclass(frozen=True, slots=True)
+class _Saved:
+    """The saved boxes of one tensor as the planner needs them: columns and their index."""
+
+    offset: npt.NDArray[np.int64]
+    shape: npt.NDArray[np.int64]
+    file: npt.NDArray[np.int64]
+    byte_offset: npt.NDArray[np.int64]
+    index: BoxIndex
+
+    @classmethod
+    def of(cls, boxes: Sequence[SavedBox], ndim: int) -> _Saved:
+        if isinstance(boxes, SavedBoxes):
+            c = boxes.columns
+            return cls(c.offset, c.shape, c.file, c.byte_offset, boxes.lookup())
+        offset = np.array([b.offset for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
+        shape = np.array([b.shape for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
+        return cls(
+            offset,
+            shape,
+            np.array([b.file for b in boxes], dtype=np.int64),
+            np.array([b.byte_offset for b in boxes], dtype=np.int64),
+            BoxIndex(offset, shape),
+        )
