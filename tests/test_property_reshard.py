@@ -250,7 +250,8 @@ def test_simulated_save_matches_reshard_save(tmp_path: Path) -> None:
     """The simulation drives the same internals as reshard.save: on one rank both give the same layout."""
     full = random_global((5, 3), torch.bfloat16, 3)
     state = {"w": reshard.ShardedTensor("w", full.clone(), (5, 3), (0, 0)), "step": 1}
-    real = reshard.save(state, tmp_path / "real", checksum_chunk_bytes=8)
+    real = reshard.save(state, tmp_path / "real", checksum_chunk_bytes=8).metadata
+    assert real is not None  # a single process is the coordinator
     simulated = simulate_save([state], tmp_path / "sim", 8)
 
     def layout(metadata: Metadata) -> dict[str, object]:

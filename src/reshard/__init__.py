@@ -27,7 +27,7 @@ from reshard.errors import (
 from reshard.load import LoadStats, load, read_metadata
 from reshard.manager import CheckpointManager
 from reshard.metadata import Metadata
-from reshard.save import save
+from reshard.save import SaveResult, save
 from reshard.sharding import ShardedObject, ShardedTensor
 from reshard.statedict import filter_state_dict
 from reshard.stats import SaveStats
@@ -48,6 +48,7 @@ __all__ = [
     "Metadata",
     "MismatchError",
     "SaveHandle",
+    "SaveResult",
     "SaveStats",
     "ShardedObject",
     "ShardedTensor",

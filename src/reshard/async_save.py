@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 
 from reshard.dtensor import dtensor_to_sharded, is_dtensor
-from reshard.metadata import Metadata
-from reshard.save import save
+from reshard.save import SaveResult, save
 from reshard.sharding import ShardedObject, ShardedTensor
 from reshard.statedict import map_leaves
 from reshard.storage import CheckpointLocation
@@ -52,7 +51,7 @@ class SaveHandle:
         """Snapshot plus background save, once done."""
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._metadata: Metadata | None = None
+        self._result: SaveResult | None = None
         self._reported = False
         self._thread: threading.Thread | None = None
 
@@ -60,8 +59,9 @@ class SaveHandle:
         """Whether the background save has finished (successfully or not)."""
         return self._done.is_set()
 
-    def wait(self, timeout: float | None = None) -> Metadata | None:
-        """Wait for the background save; return the committed metadata.
+    def wait(self, timeout: float | None = None) -> SaveResult | None:
+        """Wait for the background save; return its :class:`~reshard.save.SaveResult` (the committed
+        metadata is in it on the coordinator).
 
         Raises the background save's error the first time it is called after a failure (later calls
         return None), and TimeoutError if ``timeout`` seconds pass first.
@@ -73,7 +73,7 @@ class SaveHandle:
         if self._error is not None and not self._reported:
             self._reported = True
             raise self._error
-        return self._metadata
+        return self._result
 
 
 class AsyncCheckpointer:
@@ -158,7 +158,7 @@ class AsyncCheckpointer:
 
         def run() -> None:
             try:
-                handle._metadata = save(
+                handle._result = save(
                     snapshot,
                     path,
                     group=self.group,
@@ -178,7 +178,7 @@ class AsyncCheckpointer:
         thread.start()
         return handle
 
-    def wait(self) -> Metadata | None:
+    def wait(self) -> SaveResult | None:
         """Finalise the save in flight, if any."""
         if self._inflight is None:
             return None

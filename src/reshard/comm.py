@@ -8,7 +8,13 @@ issued asynchronously and waited on with a timeout, so a dead or missing peer tu
 
 :meth:`Communicator.step` is the building block of every phase: each rank runs its part, the coordinator
 (rank 0 of the group) gathers the outcomes and combines them, and every rank then either gets the
-combined result or raises the same error, naming the ranks that failed.
+combined result or raises the same error, naming the ranks that failed. :meth:`Communicator.step_scatter`
+is the same with a reply of its own for each rank, so that no rank receives what only another needs
+(save planning: each rank gets its own write assignment, not everyone's).
+
+What a rank sends does not grow with the number of ranks: a gather pads payloads to the longest one and
+finds that length with an all-reduce (not an all-gather of every length), and replies go out by scatter.
+:attr:`Communicator.bytes_sent` and :attr:`Communicator.bytes_received` count the payload bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import struct
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,12 +33,21 @@ import torch.distributed as dist
 
 from reshard.errors import ERROR_CLASSES, CheckpointError, CommunicationError, StorageError
 
-__all__ = ["DEFAULT_TIMEOUT", "Communicator", "StepFailure"]
+__all__ = ["DEFAULT_TIMEOUT", "Communicator", "StepFailure", "padded_size"]
 
 logger = logging.getLogger("reshard")
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 """Default time a rank waits for its peers in one collective."""
+
+_LENGTH = struct.Struct("<Q")
+_OK, _FAILED = b"\x00", b"\x01"
+
+
+def padded_size(lengths: list[int]) -> int:
+    """Bytes each rank sends in a gather (or receives in a scatter) of payloads of these lengths: every
+    payload travels padded to the longest, behind its 8-byte length."""
+    return _LENGTH.size + max(lengths, default=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +126,10 @@ class Communicator:
         else:
             self.rank, self.size, self.global_ranks = 0, 1, [0]
             self.device = torch.device("cpu")
+        self.bytes_sent = 0
+        """Payload bytes this rank has put into collectives (gathers, broadcasts, scatters, reductions)."""
+        self.bytes_received = 0
+        """Payload bytes this rank has got out of collectives."""
 
     @property
     def is_coordinator(self) -> bool:
@@ -125,32 +145,76 @@ class Communicator:
                 f"{self.timeout.total_seconds():.0f} s or a peer failed: {exc}"
             ) from exc
 
-    def _all_gather_lengths(self, length: int) -> list[int]:
-        mine = torch.tensor([length], dtype=torch.int64, device=self.device)
-        out = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)]
-        self._wait(dist.all_gather(out, mine, group=self.group, async_op=True), "all_gather(lengths)")
-        return [int(t.item()) for t in out]
+    def _longest(self, length: int) -> int:
+        """The largest ``length`` of any rank (an all-reduce of one integer)."""
+        value = torch.tensor([length], dtype=torch.int64, device=self.device)
+        self._wait(dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "all_reduce(length)")
+        self.bytes_sent += value.nbytes
+        self.bytes_received += value.nbytes
+        return int(value.item())
+
+    def _framed(self, payload: bytes, size: int) -> torch.Tensor:
+        """``payload`` behind its length, zero-padded to ``size`` bytes, as a tensor on the device."""
+        framed = torch.zeros(size, dtype=torch.uint8)
+        framed[: _LENGTH.size + len(payload)] = torch.frombuffer(
+            bytearray(_LENGTH.pack(len(payload)) + payload), dtype=torch.uint8
+        )
+        return framed.to(self.device)
+
+    @staticmethod
+    def _unframed(framed: torch.Tensor) -> bytes:
+        raw = framed.cpu().numpy().tobytes()
+        (length,) = _LENGTH.unpack_from(raw)
+        return raw[_LENGTH.size : _LENGTH.size + length]
 
     def gather_bytes(self, payload: bytes) -> list[bytes] | None:
-        """Gather one payload per rank onto the coordinator; other ranks get None."""
+        """Gather one payload per rank onto the coordinator; other ranks get None. Collective.
+
+        Each rank sends :func:`padded_size` bytes (its payload padded to the longest), whatever the number
+        of ranks; the coordinator receives that many from each.
+        """
         if self.size == 1:
             return [payload]
-        lengths = self._all_gather_lengths(len(payload))
-        longest = max(lengths)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        if payload:
-            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        mine = mine.to(self.device)
+        size = _LENGTH.size + self._longest(len(payload))
+        mine = self._framed(payload, size)
         gather_list = (
-            [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+            [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
             if self.is_coordinator
             else None
         )
         work = dist.gather(mine, gather_list, dst=self.global_ranks[0], group=self.group, async_op=True)
         self._wait(work, "gather")
         if gather_list is None:
+            self.bytes_sent += size
             return None
-        return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(gather_list, lengths, strict=True)]
+        self.bytes_received += size * (self.size - 1)
+        return [self._unframed(t) for t in gather_list]
+
+    def scatter_bytes(self, payloads: list[bytes] | None) -> bytes:
+        """Send ``payloads[r]`` from the coordinator to rank ``r``; every rank gets its own. Collective: the
+        coordinator passes one payload per rank, the others pass None.
+
+        The longest length is broadcast first, then each rank receives :func:`padded_size` bytes.
+        """
+        if self.size == 1:
+            if payloads is None or len(payloads) != 1:
+                raise CheckpointError("scatter_bytes on the coordinator needs one payload per rank")
+            return payloads[0]
+        if self.is_coordinator and (payloads is None or len(payloads) != self.size):
+            raise CheckpointError(f"scatter_bytes on the coordinator needs {self.size} payloads")
+        longest = torch.tensor([max(map(len, payloads)) if payloads else 0], dtype=torch.int64, device=self.device)
+        work = dist.broadcast(longest, src=self.global_ranks[0], group=self.group, async_op=True)
+        self._wait(work, "broadcast(length)")
+        size = _LENGTH.size + int(longest.item())
+        mine = torch.empty(size, dtype=torch.uint8, device=self.device)
+        scatter_list = [self._framed(p, size) for p in payloads] if self.is_coordinator and payloads else None
+        work = dist.scatter(mine, scatter_list, src=self.global_ranks[0], group=self.group, async_op=True)
+        self._wait(work, "scatter")
+        if self.is_coordinator:
+            self.bytes_sent += longest.nbytes + size * (self.size - 1)
+        else:
+            self.bytes_received += longest.nbytes + size
+        return self._unframed(mine)
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
         """Send the coordinator's ``payload`` to every rank; others pass None."""
@@ -161,6 +225,10 @@ class Communicator:
             dist.broadcast(length, src=self.global_ranks[0], group=self.group, async_op=True), "broadcast(length)"
         )
         n = int(length.item())
+        if self.is_coordinator:
+            self.bytes_sent += length.nbytes + n
+        else:
+            self.bytes_received += length.nbytes + n
         if self.is_coordinator and payload is not None:
             buffer = (
                 torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
@@ -202,7 +270,11 @@ class Communicator:
         decision: bytes | None = None
         if gathered is not None:
             decision = self._decide(phase, [json.loads(g) for g in gathered], combine)
-        result = json.loads(self.broadcast_bytes(decision))
+        return self._agreed(phase, json.loads(self.broadcast_bytes(decision)), own_error)
+
+    @staticmethod
+    def _agreed(phase: str, result: dict[str, Any], own_error: BaseException | None) -> Any:
+        """The combined result a step broadcast, or the error every rank raises."""
         if "failures" in result:
             failures = {int(r): StepFailure(f["class"], f["message"]) for r, f in result["failures"].items()}
             raise _failure_error(phase, failures) from own_error
@@ -210,6 +282,58 @@ class Communicator:
             error = ERROR_CLASSES[result["error"]["class"]](result["error"]["message"])
             raise error from own_error
         return result["result"]
+
+    def step_scatter(
+        self,
+        phase: str,
+        local: Callable[[], bytes],
+        combine: Callable[[list[bytes]], tuple[Any, list[bytes]]],
+    ) -> tuple[Any, bytes]:
+        """:meth:`step` with a reply of its own for each rank. Called by every rank of the group.
+
+        Each rank runs ``local()``, which returns bytes; they are gathered on the coordinator, which calls
+        ``combine(payloads)`` (in rank order) when every rank succeeded. ``combine`` returns a JSON-able
+        value for every rank and a list of one bytes reply per rank. Every rank returns ``(value, its
+        reply)``. So what a rank sends is its own payload and what it receives is the common value and its
+        reply: nothing grows with the number of ranks except on the coordinator.
+
+        Failures are agreed on as in :meth:`step`: if ``local`` raised anywhere, or ``combine`` raised,
+        every rank raises the same error and no reply is sent.
+        """
+        if self.size == 1:
+            alone, alone_replies = self._step_alone(local, combine)
+            return alone, alone_replies[0]
+        own_error: BaseException | None = None
+        try:
+            payload = _OK + local()
+        except Exception as exc:  # collected, then raised on every rank below
+            own_error = exc
+            logger.debug("[rank=%d] %s failed:\n%s", self.rank, phase, "".join(traceback.format_exception(exc)))
+            payload = _FAILED + json.dumps(StepFailure.from_exception(exc).to_json()).encode()
+        gathered = self.gather_bytes(payload)
+        header: bytes | None = None
+        replies: list[bytes] | None = None
+        if gathered is not None:
+            header, replies = self._decide_scatter(phase, gathered, combine)
+        value = self._agreed(phase, json.loads(self.broadcast_bytes(header)), own_error)
+        return value, self.scatter_bytes(replies)
+
+    def _decide_scatter(
+        self, phase: str, gathered: list[bytes], combine: Callable[[list[bytes]], tuple[Any, list[bytes]]]
+    ) -> tuple[bytes, list[bytes] | None]:
+        failures = {r: json.loads(g[1:]) for r, g in enumerate(gathered) if g[:1] != _OK}
+        if failures:
+            return json.dumps({"failures": failures}, allow_nan=False).encode(), None
+        try:
+            value, replies = combine([g[1:] for g in gathered])
+            header = json.dumps({"result": value}, allow_nan=False).encode()
+        except Exception as exc:  # a global check failed: every rank raises it
+            logger.debug("[rank=%d] %s failed:\n%s", self.rank, phase, "".join(traceback.format_exception(exc)))
+            return json.dumps({"error": StepFailure.from_exception(exc).to_json()}, allow_nan=False).encode(), None
+        if len(replies) != self.size:
+            failure = StepFailure(CheckpointError.__name__, f"{phase}: {len(replies)} replies for {self.size} ranks")
+            return json.dumps({"error": failure.to_json()}, allow_nan=False).encode(), None
+        return header, replies
 
     @staticmethod
     def _step_alone(local: Callable[[], Any], combine: Callable[[list[Any]], Any] | None) -> Any:

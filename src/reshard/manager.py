@@ -38,7 +38,7 @@ from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, Inco
 from reshard.load import load, read_metadata_bytes
 from reshard.locking import DEFAULT_STALE_AFTER_S, acquire_lock, read_lock, release_lock
 from reshard.metadata import METADATA_FILE, Metadata
-from reshard.save import save
+from reshard.save import SaveResult, save
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
 __all__ = ["LATEST_FILE", "CheckpointManager", "StepInfo", "scan_root"]
@@ -158,7 +158,7 @@ class CheckpointManager:
 
     # ---- save (collective) -----------------------------------------------------------------------
 
-    def save(self, step: int, state_dict: Any, *, overwrite: bool = False) -> Metadata:
+    def save(self, step: int, state_dict: Any, *, overwrite: bool = False) -> SaveResult:
         """Save ``state_dict`` as step ``step``, then (coordinator) point ``latest`` at it and apply the
         retention policy. Called by all ranks of the group. Two managers saving to one root at the same
         time cannot interleave: the second gets CheckpointLockedError."""
@@ -171,7 +171,7 @@ class CheckpointManager:
 
         comm.step("manager lock", lock)
         try:
-            metadata = save(state_dict, self.path_of(step), group=self.group, overwrite=overwrite, timeout=self.timeout)
+            result = save(state_dict, self.path_of(step), group=self.group, overwrite=overwrite, timeout=self.timeout)
 
             def publish() -> None:
                 if comm.is_coordinator:
@@ -183,7 +183,7 @@ class CheckpointManager:
         finally:
             if comm.is_coordinator:
                 release_lock(self.root, token)
-        return metadata
+        return result
 
     def _retain(self, *, keep_step: int) -> None:
         """On the coordinator, under the manager lock: delete what the policy no longer keeps."""

@@ -4,16 +4,21 @@ Flow (each phase ends in agreement, so a failure on any rank raises on every ran
 committed):
 
 1. *describe*: each rank flattens its state dict into pieces (boxes, no data); the descriptions are
-   gathered on the coordinator, which validates the global tiling, elects one writer per box and
-   prepares the directory.
+   gathered on the coordinator (in a compact form), which validates the global tiling, elects one writer
+   per box and prepares the directory, then sends each rank its own assignment only.
 2. *write*: each elected rank writes its boxes, with CRC-32C checksums, into its own data file, whose
    name is unique to this save, and fsyncs it.
 3. *commit*: the coordinator writes ``metadata.json`` atomically (temporary file, fsync, rename,
-   directory fsync). Until then the directory holds no committed checkpoint from this save.
+   directory fsync). Until then the directory holds no committed checkpoint from this save. The other ranks
+   get a summary (:class:`SaveResult`), never the whole metadata.
+
+So what a rank other than the coordinator sends and receives does not grow with the number of ranks
+(docs/scale.md measures it, with the coordinator's planning time and memory, up to 8192 ranks).
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import logging
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -37,20 +43,29 @@ from reshard.locking import acquire_lock, release_lock
 from reshard.metadata import (
     DATA_DIR,
     METADATA_FILE,
+    BoxColumns,
     DataFile,
     Metadata,
     ObjectMetadata,
-    SavedBox,
+    SavedBoxes,
     SavedObject,
     TensorMetadata,
 )
-from reshard.planning.save_plan import LocalSaveDescription, ObjectPiece, TensorPiece, WriteAssignment, plan_save
+from reshard.planning.save_plan import (
+    DescriptionTable,
+    LocalSaveDescription,
+    ObjectPiece,
+    TensorPiece,
+    WriteAssignment,
+    encode_description,
+    plan_save_table,
+)
 from reshard.sharding import LocalPiece
 from reshard.statedict import FlatStateDict, flatten_state_dict
 from reshard.stats import PhaseClock, SaveStats, fill_save_stats
 from reshard.storage import CheckpointLocation, FileWriter, Storage, storage_for
 
-__all__ = ["DEFAULT_CHECKSUM_CHUNK_BYTES", "save"]
+__all__ = ["DEFAULT_CHECKSUM_CHUNK_BYTES", "SaveResult", "save"]
 
 logger = logging.getLogger("reshard")
 
@@ -92,10 +107,39 @@ class _SaveState:
     views: list[torch.Tensor] = field(default_factory=list)
     """The local data of every described box, in description order."""
     blobs: list[bytes] = field(default_factory=list)
+    file_bytes: int = 0
+    """The size of the data file this rank wrote (0: none)."""
     description: LocalSaveDescription = field(default_factory=lambda: LocalSaveDescription(tensors=(), objects=()))
     """This rank's own description."""
     descriptions: list[LocalSaveDescription] = field(default_factory=list)
-    """Every rank's description; on the coordinator only."""
+    """Every rank's description as objects; used when ``table`` is None (single-process simulations)."""
+    table: DescriptionTable | None = None
+    """Every rank's description in columns; on the coordinator only."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveResult:
+    """What :func:`save` returns on every rank of the group.
+
+    Attributes:
+        path: the checkpoint, as its storage describes it.
+        save_id: the id of this save (data file names contain it).
+        world_size: ranks in the group that saved.
+        num_files: data files in the checkpoint (one per rank that wrote something).
+        file_bytes: bytes of all the data files together.
+        total_bytes: bytes of tensor data in the checkpoint (each box once).
+        metadata: on the coordinator (rank 0 of the group), the committed metadata; None on the other ranks,
+            which never receive the whole checkpoint's metadata (at ten thousand ranks that would be every
+            rank holding everyone's plan): use :func:`reshard.read_metadata` where it is needed.
+    """
+
+    path: str
+    save_id: str
+    world_size: int
+    num_files: int
+    file_bytes: int
+    total_bytes: int
+    metadata: Metadata | None
 
 
 def save(
@@ -109,7 +153,7 @@ def save(
     timeout: datetime.timedelta | float | None = None,
     checksum_chunk_bytes: int = DEFAULT_CHECKSUM_CHUNK_BYTES,
     stats: SaveStats | None = None,
-) -> Metadata:
+) -> SaveResult:
     """Save a (sharded) state dict as a checkpoint at ``path``. Called by all ranks of ``group``.
 
     Args:
@@ -133,7 +177,8 @@ def save(
             :class:`~reshard.SaveStats`) once the save has committed.
 
     Returns:
-        The committed checkpoint's metadata (on every rank).
+        A :class:`SaveResult` on every rank: the checkpoint's id, size and files; on the coordinator also
+        its committed metadata.
 
     Raises:
         ShardingError: the ranks' boxes do not tile their tensors (same on every rank).
@@ -170,41 +215,40 @@ def _save_to(
     with_fingerprints: bool,
     started: float,
     stats: SaveStats | None = None,
-) -> Metadata:
+) -> SaveResult:
     """The body of :func:`save` once the storage is open."""
     clock = PhaseClock("save", comm.rank, started)
     location = storage.describe()
     state = _SaveState()
 
-    def describe() -> dict[str, Any]:
+    def describe() -> bytes:
         description = _prepare_rank_state(state, state_dict, rank=comm.rank, is_coordinator=comm.is_coordinator)
-        return {"path": location, "pieces": description.to_json()}
+        return encode_description(description, location)
 
-    def plan(docs: list[dict[str, Any]]) -> dict[str, Any]:
-        paths = {doc["path"] for doc in docs}
-        if len(paths) > 1:
-            by_path = {p: [r for r, doc in enumerate(docs) if doc["path"] == p] for p in sorted(paths)}
+    def plan(payloads: list[bytes]) -> tuple[str, list[bytes]]:
+        state.table, paths = DescriptionTable.from_wire(payloads)
+        if len(set(paths)) > 1:
+            by_path = {p: [r for r, q in enumerate(paths) if q == p] for p in sorted(set(paths))}
             raise CheckpointError(f"the ranks passed different checkpoint paths: {by_path}")
-        state.descriptions = [LocalSaveDescription.from_json(d["pieces"]) for d in docs]
-        assignments = plan_save(state.descriptions)
+        assignments = plan_save_table(state.table)
         save_id = uuid.uuid4().hex
         _prepare_root(storage, overwrite=overwrite, save_id=save_id)
-        return {"save_id": save_id, "assignments": [[list(a.tensors), list(a.objects)] for a in assignments]}
+        return save_id, [_assignment_bytes(a) for a in assignments]
 
     with clock.exchange():
-        decision = comm.step("save planning", clock.timed("plan", describe), clock.timed("plan", plan))
-    save_id: str = decision["save_id"]
-    tensors_to_write, objects_to_write = decision["assignments"][comm.rank]
-    assignment = WriteAssignment(tensors=tuple(tensors_to_write), objects=tuple(objects_to_write))
+        save_id, mine = comm.step_scatter("save planning", clock.timed("plan", describe), clock.timed("plan", plan))
+    assignment = _assignment_from_bytes(mine)
     logger.debug("[rank=%d] save %s: writing %d boxes", comm.rank, save_id, len(assignment.tensors))
 
     def write() -> dict[str, Any]:
         return _write_assigned(storage, state, assignment, save_id, comm.rank, checksum_chunk_bytes, with_fingerprints)
 
     replaced_files: set[str] = set()
+    committed: list[Metadata] = []
 
     def commit(results: list[dict[str, Any]]) -> dict[str, Any]:
         metadata = _build_metadata(state, results, save_id, comm.size, checksum_chunk_bytes)
+        committed.append(metadata)
         replaced_files.update(_read_previous_files(storage) if overwrite else ())
         storage.sync_dir(DATA_DIR)
         # The commit point: before it the old checkpoint (if any) is intact, after it the new one is.
@@ -219,30 +263,38 @@ def _save_to(
             # A retried create-only put whose first answer was lost finds its own object: that is a success.
             if _committed_document(storage) == document:
                 release_lock(storage, save_id)
-                return metadata.to_json_dict()
+                return _summary(metadata)
             raise CheckpointExistsError(
                 f"another save committed a checkpoint at {storage.describe()} while this one was writing; "
                 "this save's data was discarded"
             ) from None
         release_lock(storage, save_id)
-        return metadata.to_json_dict()
+        return _summary(metadata)
 
     try:
         with clock.exchange():
-            committed = comm.step("save", clock.timed("write", write), clock.timed("commit", commit))
+            summary = comm.step("save", clock.timed("write", write), clock.timed("commit", commit))
     except CheckpointError:
         # Nothing was committed (the commit is all or nothing): this save's files are garbage.
         if comm.is_coordinator:
             _remove_save_files(storage, save_id)
             release_lock(storage, save_id)
         raise
+    result = SaveResult(
+        path=location,
+        save_id=save_id,
+        world_size=comm.size,
+        num_files=summary["files"],
+        file_bytes=summary["file_bytes"],
+        total_bytes=summary["total_bytes"],
+        metadata=committed[0] if committed else None,
+    )
     with clock.phase("commit"):
-        metadata = Metadata.from_json_bytes(_json_bytes(committed))
-        if comm.is_coordinator and replaced_files:
-            _remove_replaced_files(storage, replaced_files - {f.path for f in metadata.files})
+        if result.metadata is not None and replaced_files:
+            _remove_replaced_files(storage, replaced_files - {f.path for f in result.metadata.files})
     stats = stats if stats is not None else SaveStats()
     written = [state.views[i].nbytes for i in assignment.tensors]
-    fill_save_stats(stats, metadata, clock, _data_file_name(save_id, comm.rank), written)
+    fill_save_stats(stats, clock, file_bytes=state.file_bytes, checkpoint_bytes=result.total_bytes, written=written)
     logger.info(
         "[rank=%d] saved %s in %.3f s (%s): this rank wrote %d bytes (%.1f MB/s); the checkpoint holds %d bytes "
         "in %d files",
@@ -252,14 +304,29 @@ def _save_to(
         clock.summary(),
         stats.bytes_written,
         stats.throughput / 1e6,
-        metadata.total_bytes,
-        len(metadata.files),
+        result.total_bytes,
+        result.num_files,
     )
-    return metadata
+    return result
 
 
-def _json_bytes(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+def _summary(metadata: Metadata) -> dict[str, int]:
+    """What every rank learns of the committed checkpoint (the coordinator keeps the metadata itself)."""
+    return {
+        "files": len(metadata.files),
+        "file_bytes": sum(f.size for f in metadata.files),
+        "total_bytes": metadata.total_bytes,
+    }
+
+
+def _assignment_bytes(assignment: WriteAssignment) -> bytes:
+    """One rank's write assignment as the coordinator sends it (only to that rank)."""
+    return json.dumps([list(assignment.tensors), list(assignment.objects)], separators=(",", ":")).encode()
+
+
+def _assignment_from_bytes(raw: bytes) -> WriteAssignment:
+    tensors, objects = json.loads(raw)
+    return WriteAssignment(tensors=tuple(tensors), objects=tuple(objects))
 
 
 def _prepare_rank_state(state: _SaveState, state_dict: Any, *, rank: int, is_coordinator: bool) -> LocalSaveDescription:
@@ -342,25 +409,33 @@ def _write_assigned(
     chunk_bytes: int,
     with_fingerprints: bool = False,
 ) -> dict[str, Any]:
-    """Write this rank's assigned boxes and objects into its data file; describe where they went."""
+    """Write this rank's assigned boxes and objects into its data file; describe where they went (the
+    report :func:`_build_metadata` reads: per box its index in this rank's description, byte offset and
+    length, and all checksums packed)."""
     if not assignment.tensors and not assignment.objects:
-        return {"file": None, "size": 0, "tensors": [], "objects": []}
+        return {"file": None, "size": 0, "tensors": _tensor_report([], [], [], [], None), "objects": []}
     name = _data_file_name(save_id, rank)
     try:
         writer = storage.open_writer(name)
     except OSError as exc:
         raise StorageError(f"cannot create data file {storage.describe(name)}: {exc}") from exc
-    written_tensors = []
+    offsets: list[int] = []
+    lengths: list[int] = []
+    checksums: list[int] = []
+    prints: list[int] = []
     written_objects = []
     try:
         for index in assignment.tensors:
-            offset, length, checksums = _write_checksummed(writer, tensor_bytes(state.views[index]), chunk_bytes)
-            piece = state.description.tensors[index]
-            print_ = fingerprint(state.views[index], piece.box, piece.global_shape) if with_fingerprints else None
-            written_tensors.append([index, offset, length, list(checksums), print_])
+            offset, length, crcs = _write_checksummed(writer, tensor_bytes(state.views[index]), chunk_bytes)
+            offsets.append(offset)
+            lengths.append(length)
+            checksums += crcs
+            if with_fingerprints:
+                piece = state.description.tensors[index]
+                prints.append(fingerprint(state.views[index], piece.box, piece.global_shape))
         for index in assignment.objects:
-            offset, length, checksums = _write_checksummed(writer, memoryview(state.blobs[index]), chunk_bytes)
-            written_objects.append([index, offset, length, list(checksums)])
+            offset, length, crcs = _write_checksummed(writer, memoryview(state.blobs[index]), chunk_bytes)
+            written_objects.append([index, offset, length, list(crcs)])
         size = writer.tell()
         writer.commit()
     except OSError as exc:
@@ -369,25 +444,42 @@ def _write_assigned(
     except BaseException:
         writer.abort()
         raise
-    return {"file": name, "size": size, "tensors": written_tensors, "objects": written_objects}
+    state.file_bytes = size
+    report = _tensor_report(
+        list(assignment.tensors), offsets, lengths, checksums, prints if with_fingerprints else None
+    )
+    return {"file": name, "size": size, "tensors": report, "objects": written_objects}
+
+
+def _tensor_report(
+    indices: list[int], offsets: list[int], lengths: list[int], checksums: list[int], prints: list[int] | None
+) -> dict[str, Any]:
+    return {
+        "index": indices,
+        "byte_offset": offsets,
+        "byte_length": lengths,
+        "crc32c": base64.b64encode(np.asarray(checksums, dtype="<u4").tobytes()).decode("ascii"),
+        "fingerprint": prints,
+    }
 
 
 def _build_metadata(
     state: _SaveState, results: list[dict[str, Any]], save_id: str, world_size: int, chunk_bytes: int
 ) -> Metadata:
-    """On the coordinator: combine every rank's description and write report into the metadata."""
+    """On the coordinator: combine every rank's description and write report into the metadata.
+
+    Tensor boxes are assembled in columns (:class:`~reshard.metadata.SavedBoxes`), never as one object per
+    box: a checkpoint of hundreds of thousands of boxes takes seconds and megabytes here.
+    """
+    table = state.table if state.table is not None else DescriptionTable.from_descriptions(state.descriptions)
     files: list[DataFile] = []
-    tensor_info: dict[str, tuple[str, tuple[int, ...]]] = {}
-    boxes: dict[str, list[SavedBox]] = {}
-    prints: dict[str, list[int]] = {}
+    rows, file_of, offsets, lengths, crcs = [], [], [], [], []
+    prints: list[int] = []
     fingerprinted = False
-    object_shapes: dict[str, tuple[int, ...]] = {}
     entries: dict[str, list[SavedObject]] = {}
-    for desc in state.descriptions:
-        for piece in desc.tensors:
-            tensor_info.setdefault(piece.key, (piece.dtype, piece.global_shape))
-            boxes.setdefault(piece.key, [])
-        for obj in desc.objects:
+    object_shapes: dict[str, tuple[int, ...]] = {}
+    for objects in table.objects:
+        for obj in objects:
             object_shapes.setdefault(obj.key, obj.global_shape)
             entries.setdefault(obj.key, [])
     for rank, report in enumerate(results):
@@ -395,24 +487,18 @@ def _build_metadata(
             continue
         file_index = len(files)
         files.append(DataFile(path=report["file"], size=report["size"]))
-        desc = state.descriptions[rank]
-        for index, offset, length, checksums, print_ in report["tensors"]:
-            piece = desc.tensors[index]
-            if print_ is not None:
-                fingerprinted = True
-                prints.setdefault(piece.key, []).append(print_)
-            boxes[piece.key].append(
-                SavedBox(
-                    offset=piece.box.offset,
-                    shape=piece.box.shape,
-                    file=file_index,
-                    byte_offset=offset,
-                    byte_length=length,
-                    checksums=tuple(checksums),
-                )
-            )
-        for index, offset, length, checksums in report["objects"]:
-            obj = desc.objects[index]
+        written = report["tensors"]
+        index = np.asarray(written["index"], dtype=np.int64)
+        rows.append(table.rank_start[rank] + index)
+        file_of.append(np.full(len(index), file_index, dtype=np.int64))
+        offsets.append(np.asarray(written["byte_offset"], dtype=np.int64))
+        lengths.append(np.asarray(written["byte_length"], dtype=np.int64))
+        crcs.append(np.frombuffer(base64.b64decode(written["crc32c"]), dtype="<u4"))
+        if written["fingerprint"] is not None:
+            fingerprinted = True
+            prints += written["fingerprint"]
+        for obj_index, offset, length, checksums in report["objects"]:
+            obj = table.objects[rank][obj_index]
             entries[obj.key].append(
                 SavedObject(
                     offset=obj.offset,
@@ -422,22 +508,56 @@ def _build_metadata(
                     checksums=tuple(checksums),
                 )
             )
+    empty = np.zeros(0, dtype=np.int64)
+    row = np.concatenate(rows) if rows else empty
+    byte_length = np.concatenate(lengths) if lengths else empty
+    crc_count = -(-byte_length // chunk_bytes)
+    columns = BoxColumns(
+        offset=table.offset[row],
+        shape=table.shape[row],
+        file=np.concatenate(file_of) if file_of else empty,
+        byte_offset=np.concatenate(offsets) if offsets else empty,
+        byte_length=byte_length,
+        crc_start=np.cumsum(crc_count) - crc_count,
+        crc_count=crc_count,
+        crc=np.concatenate(crcs).astype(np.uint32) if crcs else np.zeros(0, dtype=np.uint32),
+    )
+    key_of_row = table.header_key[table.header[row]]
+    by_key = np.argsort(key_of_row, kind="stable")
+    starts = np.searchsorted(key_of_row[by_key], np.arange(len(table.keys) + 1))
+    first_header: dict[int, int] = {}
+    for h, key_id in enumerate(table.header_key.tolist()):
+        first_header.setdefault(key_id, h)
+    tensors = {}
+    for key_id, key in sorted(enumerate(table.keys), key=lambda item: item[1]):
+        header = first_header[key_id]
+        shape = table.header_shape[header]
+        mine = by_key[starts[key_id] : starts[key_id + 1]]
+        part = columns.take(mine)
+        boxes = BoxColumns(
+            offset=part.offset[:, : len(shape)],
+            shape=part.shape[:, : len(shape)],
+            file=part.file,
+            byte_offset=part.byte_offset,
+            byte_length=part.byte_length,
+            crc_start=part.crc_start,
+            crc_count=part.crc_count,
+            crc=part.crc,
+        ).sorted()
+        tensors[key] = TensorMetadata(
+            key=key,
+            dtype=table.header_dtype[header],
+            global_shape=shape,
+            boxes=SavedBoxes(boxes),
+            fingerprint=combine([prints[i] for i in mine.tolist()]) if fingerprinted else None,
+        )
     return Metadata(
         save_id=save_id,
         created_by=f"reshard {__version__}",
         world_size=world_size,
         checksum_chunk_bytes=chunk_bytes,
         files=tuple(files),
-        tensors={
-            key: TensorMetadata(
-                key=key,
-                dtype=dtype,
-                global_shape=shape,
-                boxes=tuple(sorted(boxes[key], key=lambda b: b.offset)),
-                fingerprint=combine(prints.get(key, [])) if fingerprinted else None,
-            )
-            for key, (dtype, shape) in sorted(tensor_info.items())
-        },
+        tensors=tensors,
         objects={
             key: ObjectMetadata(
                 key=key, global_shape=shape, entries=tuple(sorted(entries[key], key=lambda e: e.offset))

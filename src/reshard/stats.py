@@ -18,10 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
-
-if TYPE_CHECKING:
-    from reshard.metadata import Metadata
+from typing import ParamSpec, TypeVar
 
 __all__ = ["PhaseClock", "SaveStats", "fill_save_stats"]
 
@@ -51,7 +48,7 @@ class SaveStats:
             write reports, broadcasting plans and the committed metadata, waiting for the slowest rank.
         seconds_write: writing and checksumming this rank's data file, and syncing it.
         seconds_commit: on the coordinator, building and committing ``metadata.json`` (and removing the
-            files of an overwritten checkpoint); on the others, reading the committed metadata.
+            files of an overwritten checkpoint); on the others, nothing (they get a summary, not the metadata).
         seconds: wall time of the whole save on this rank.
     """
 
@@ -138,18 +135,19 @@ class PhaseClock:
 
 
 def fill_save_stats(
-    stats: SaveStats, metadata: Metadata, clock: PhaseClock, data_file: str, written: Sequence[int]
+    stats: SaveStats, clock: PhaseClock, *, file_bytes: int, checkpoint_bytes: int, written: Sequence[int]
 ) -> None:
-    """Fill ``stats`` once the save has committed ``metadata``.
+    """Fill ``stats`` once the save has committed.
 
     Args:
-        data_file: the name of this rank's data file (which exists only if it wrote something).
+        file_bytes: the size of this rank's data file (0 if it wrote none).
+        checkpoint_bytes: the bytes of tensor data of the whole checkpoint.
         written: the bytes of each tensor box this rank wrote.
     """
     stats.bytes_written = sum(written)
     stats.boxes_written = len(written)
-    stats.file_bytes = next((f.size for f in metadata.files if f.path == data_file), 0)
-    stats.checkpoint_bytes = metadata.total_bytes
+    stats.file_bytes = file_bytes
+    stats.checkpoint_bytes = checkpoint_bytes
     stats.seconds_plan = clock.get("plan")
     stats.seconds_exchange = clock.get(EXCHANGE)
     stats.seconds_write = clock.get("write")

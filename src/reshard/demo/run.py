@@ -102,8 +102,8 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
         out["losses"] = [trainer.train_step() for _ in range(task["steps"])]
         if task.get("save_to"):
             out["digest_saved"] = state_digest(trainer.full_state())
-            metadata, out["seconds_save"] = timed(trainer.save, task["save_to"], overwrite=True)
-            out["checkpoint_bytes"] = sum(f.size for f in metadata.files)
+            result, out["seconds_save"] = timed(trainer.save, task["save_to"], overwrite=True)
+            out["checkpoint_bytes"] = result.file_bytes
         results.put(out)
     except BaseException as exc:
         results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})

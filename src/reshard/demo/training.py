@@ -206,7 +206,7 @@ class Trainer:
         )
         return adapters
 
-    def save_adapter(self, path: str, *, overwrite: bool = False) -> reshard.Metadata:
+    def save_adapter(self, path: str, *, overwrite: bool = False) -> reshard.SaveResult:
         """Save an adapter-only checkpoint (collective over the layout)."""
         return reshard.save(
             self.adapter_sharded_state_dict(), path, group=self.groups.layout.process_group, overwrite=overwrite
@@ -269,7 +269,7 @@ class Trainer:
 
         Communicator(self.groups.layout.process_group).step("checking adapters", lambda: wanted, compare)
 
-    def save(self, path: str, *, overwrite: bool = False) -> reshard.Metadata:
+    def save(self, path: str, *, overwrite: bool = False) -> reshard.SaveResult:
         """Save the training state (collective over the layout)."""
         return reshard.save(
             self.sharded_state_dict(), path, group=self.groups.layout.process_group, overwrite=overwrite
