@@ -1,0 +1,207 @@
+"""The documentation, checked against the code.
+
+- Every Python block of README.md and docs/*.md marked ``<!-- example: run -->`` on the line before its
+  fence runs, in one process, in a fresh directory, and its own asserts hold (``<!-- example: run
+  needs=MODULE -->``: skipped where the optional MODULE is not installed).
+- Every block marked ``<!-- signature: NAME -->`` is the signature of ``NAME`` as the code has it now
+  (``render_signature``); a failure prints the text to paste.
+- Every public name of ``reshard``, ``reshard.storage`` and ``reshard.interop`` is in docs/api.md.
+- Every relative link of those files points at a file of the repository (and at one of its headings).
+- docs/migrating.md's claim about Megatron-Core ``torch_dist`` checkpoints: ``import_dcp`` converts their
+  tensors (4 ranks save with Megatron-Core, one process imports), leaving ``common.pt`` unread.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import reshard
+import reshard.interop
+import reshard.storage
+from tests.rankpool import RankContext, RankPool
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUN_MARK = re.compile(r"<!-- example: run(?: needs=([\w.]+))? -->")
+SIGNATURE_MARK = re.compile(r"<!-- signature: ([\w.]+) -->")
+
+
+def _fenced_after(lines: list[str], index: int, where: str) -> str:
+    """The body of the fenced block that starts on the line after ``index``."""
+    fence = lines[index + 1] if index + 1 < len(lines) else ""
+    if not fence.startswith("```"):
+        raise AssertionError(f"{where}: the marker must be followed by a fenced block")
+    body = []
+    for line in lines[index + 2 :]:
+        if line.startswith("```"):
+            return "\n".join(body) + "\n"
+        body.append(line)
+    raise AssertionError(f"{where}: the fenced block is not closed")
+
+
+def _marked_blocks(pattern: re.Pattern[str]) -> list[Any]:
+    """``(where, the marker's argument, the block)`` of every block marked by ``pattern``."""
+    found = []
+    for path in DOCS:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for index, line in enumerate(lines):
+            where = f"{path.relative_to(ROOT)}:{index + 1}"
+            if (match := pattern.fullmatch(line.strip())) is not None:
+                found.append(pytest.param(where, match.group(1), _fenced_after(lines, index, where), id=where))
+    return found
+
+
+@pytest.mark.parametrize(("where", "needs", "code"), _marked_blocks(RUN_MARK))
+def test_example_runs(
+    where: str, needs: str | None, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if needs is not None:
+        pytest.importorskip(needs)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, where, "exec"), {"__name__": "__doc_example__"})
+
+
+def _resolve(dotted: str) -> Any:
+    """The object ``dotted`` names, as user code reaches it: attributes first (``reshard.save`` is the
+    function, not the module), submodules where there is no such attribute."""
+    parts = dotted.split(".")
+    obj: Any = importlib.import_module(parts[0])
+    for index, name in enumerate(parts[1:], start=1):
+        if not hasattr(obj, name):
+            importlib.import_module(".".join(parts[: index + 1]))
+        obj = getattr(obj, name)
+    return obj
+
+
+def _default(value: object) -> str:
+    if callable(value) and hasattr(value, "__name__") and not isinstance(value, type):
+        return str(value.__name__)
+    return repr(value)
+
+
+def render_signature(dotted: str) -> str:
+    """``dotted(params) -> return`` as docs/api.md shows it: one line when it fits in 100 characters,
+    otherwise one parameter per line. Annotations are the source's own text."""
+    obj = _resolve(dotted)
+    signature = inspect.signature(obj)
+    params = []
+    star_done = False
+    for param in signature.parameters.values():
+        if param.name == "self":
+            continue
+        text = param.name
+        if param.kind is param.VAR_POSITIONAL:
+            text, star_done = "*" + text, True
+        elif param.kind is param.VAR_KEYWORD:
+            text = "**" + text
+        elif param.kind is param.KEYWORD_ONLY and not star_done:
+            params.append("*")
+            star_done = True
+        if param.annotation is not param.empty:
+            text += f": {param.annotation}"
+        if param.default is not param.empty:
+            text += f" = {_default(param.default)}"
+        params.append(text)
+    returns = ""
+    if not inspect.isclass(obj) and signature.return_annotation is not signature.empty:
+        returns = f" -> {signature.return_annotation}"
+    one_line = f"{dotted}({', '.join(params)}){returns}"
+    if len(one_line) <= 100:
+        return one_line
+    return f"{dotted}(\n" + "".join(f"    {p},\n" for p in params) + f"){returns}"
+
+
+@pytest.mark.parametrize(("where", "name", "text"), _marked_blocks(SIGNATURE_MARK))
+def test_signature_matches_code(where: str, name: str, text: str) -> None:
+    expected = render_signature(name)
+    assert text.strip() == expected, f"{where}: the signature of {name} changed; the code has:\n{expected}"
+
+
+@pytest.mark.parametrize("module", [reshard, reshard.storage, reshard.interop], ids=lambda m: m.__name__)
+def test_every_public_name_is_in_the_api_reference(module: Any) -> None:
+    api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    missing = [name for name in module.__all__ if not re.search(rf"\b{re.escape(name)}\b", api)]
+    assert not missing, f"docs/api.md does not mention {module.__name__}: {missing}"
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a markdown file (lower case, punctuation dropped, spaces
+    to dashes, ``-1``, ``-2`` ... for repeats)."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    in_fence = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            in_fence = not in_fence
+        heading = None if in_fence else re.match(r"#{1,6} (.*)", line)
+        if heading is not None:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            count = seen.get(slug, 0)
+            seen[slug] = count + 1
+            anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def test_relative_links_point_at_files_and_headings() -> None:
+    broken = []
+    for path in DOCS:
+        text = path.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            name, _, anchor = target.partition("#")
+            linked = path.parent / name if name else path
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in _anchors(linked)):
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
+MEGATRON_WEIGHT = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
+
+
+def rank_save_megatron_torch_dist(ctx: RankContext, path: str) -> None:
+    """TP=2 x DP=2: a TP-split weight replicated over DP, one object per TP rank, common state."""
+    import warnings
+
+    from benchmarks.compare import _megatron_cpu_save_strategy
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    tp, dp = ctx.rank % 2, ctx.rank // 2
+    state = {
+        "w": ShardedTensor.from_rank_offsets(
+            "decoder.w", MEGATRON_WEIGHT[2 * tp : 2 * tp + 2].clone(), (0, tp, 2), replica_id=dp
+        ),
+        "rng": ShardedObject("rng", {"seed": 10 + tp}, (2,), (tp,), replica_id=dp),
+        "iteration": 1000,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist_checkpointing.save(state, path, sharded_strategy=_megatron_cpu_save_strategy())
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core (the bench extra) is not installed"
+)
+def test_megatron_torch_dist_checkpoint_imports_with_import_dcp(pool4: RankPool, tmp_path: Path) -> None:
+    source = tmp_path / "megatron"
+    source.mkdir()
+    pool4.run_ok(rank_save_megatron_torch_dist, str(source), timeout_s=240)
+    assert (source / "common.pt").is_file() and (source / ".metadata").is_file()
+
+    result = reshard.interop.import_dcp(source, tmp_path / "converted", trust_pickle=True)
+    assert sorted(result.metadata.tensors) == ["decoder.w"] and not result.left_out
+    loaded = reshard.load({"decoder.w": torch.empty(4, 6)}, tmp_path / "converted")
+    assert torch.equal(loaded["decoder.w"], MEGATRON_WEIGHT)
+    common = result.metadata.common
+    # ShardedObject cells arrive as common values under Megatron's unique keys; common.pt is not read.
+    assert sorted(k.split(".")[0] for k in common) == ["rng/shard_0_2", "rng/shard_1_2"]
+    assert sorted(common.values()) == [10, 11] and "iteration" not in common
