@@ -306,7 +306,8 @@ def _load_from(
         elif from_safetensors:
             metadata = source_metadata(json.loads(raw), key_map)
         else:
-            metadata = Metadata.from_json_bytes(raw)
+            # The coordinator validated these bytes: each rank decodes only the packed tensors it loads.
+            metadata = Metadata.from_json_bytes(raw, lazy=True)
 
     flat = FlatStateDict()
     plan_holder: list[LoadPlan] = []

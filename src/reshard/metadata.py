@@ -750,6 +750,9 @@ class _PackedTensor:
         self.count = parser.integer(self.doc["boxes"], f"{path}.boxes")
         for name in fields - {"boxes", "grid"}:
             parser.string(self.doc[name], f"{path}.{name}")
+        # The number of boxes sizes what a lazy parse promises: check it against the text now.
+        if len(self.doc["file"]) != 4 * -(-4 * self.count // 3):
+            raise self.fail("file", f"cannot hold the file indices of {self.count} boxes")
         self.global_shape = global_shape
         self.itemsize = itemsize
         self.files = files
