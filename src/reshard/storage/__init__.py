@@ -7,8 +7,19 @@ from typing import Any
 
 from reshard.storage.base import FileWriter, ReadRequest, Storage
 from reshard.storage.local import LocalStorage
+from reshard.storage.objectstore import ObjectStorage, RetryPolicy, TransferOptions
 
-__all__ = ["CheckpointLocation", "FileWriter", "LocalStorage", "ReadRequest", "Storage", "storage_for"]
+__all__ = [
+    "CheckpointLocation",
+    "FileWriter",
+    "LocalStorage",
+    "ObjectStorage",
+    "ReadRequest",
+    "RetryPolicy",
+    "Storage",
+    "TransferOptions",
+    "storage_for",
+]
 
 CheckpointLocation = str | os.PathLike[str] | Storage
 """Where a checkpoint is: a local path, a ``file://``, ``s3://`` or ``gs://`` URL, or a Storage object."""
@@ -28,7 +39,5 @@ def storage_for(path: CheckpointLocation, storage_options: dict[str, Any] | None
     if text.startswith("file://"):
         return LocalStorage(text[len("file://") :])
     if "://" in text:
-        from reshard.storage.objectstore import ObjectStorage
-
         return ObjectStorage(text, storage_options)
     return LocalStorage(text)
