@@ -1,0 +1,311 @@
+#!/usr/bin/env python
+"""Planning at scale: reshard's real planning code on simulated layouts of 8 to 8192 ranks, in one process.
+
+    python benchmarks/scale.py                                  # 8 ... 8192 ranks, the defaults of docs/scale.md
+    python benchmarks/scale.py --ranks 512 8192 --json scale.json --plot docs/scale.png
+
+Planning is pure, so it can run for thousands of ranks in one process: the descriptions of every rank come
+from ``reshard.testing.layouts`` (a Megatron-style mixture-of-experts GPT of 1.25 trillion parameters, 128
+layers, 256 experts, Adam state sharded with ZeRO-1; no tensor data), and each phase runs the code a real
+save or load runs, on the bytes it would exchange:
+
+- describe (every rank): encode its description for the coordinator (the rank's share of the exchange);
+- plan (coordinator): decode every description, validate the global layout and elect the writers, encode
+  each rank's assignment;
+- commit (coordinator): assemble and encode ``metadata.json`` from every rank's write report (made up: the
+  reports a writer would send, offsets laid out as it would, placeholder checksums);
+- load (every rank of another layout: TP 4 and twice the pipeline stages): decode the metadata (lazily, as
+  the ranks that get it from the coordinator do) and plan the reads, on sample ranks.
+
+For each rank count it reports the time and peak memory (tracemalloc, in a second run) of planning on the
+coordinator, the metadata size, the load planning time per rank, and the bytes that a rank other than the
+coordinator sends and receives in the exchanges of a save (computed from the real payloads with the framing
+of ``reshard.comm``). Then the growth exponent of each figure (slope of a log-log fit from 64 ranks up) and
+the targets of docs/scale.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from reshard.comm import padded_size
+from reshard.metadata import Metadata
+from reshard.planning.load_plan import plan_load
+from reshard.planning.save_plan import DescriptionTable, WriteAssignment, encode_description, plan_save_table
+from reshard.save import _assignment_bytes, _build_metadata, _SaveState
+from reshard.testing import MegatronLayout, MoETransformer, Parallelism
+from reshard.testing.simulate import write_report
+
+MiB = 1 << 20
+CHUNK_BYTES = 4 * MiB
+SAVE_ID = "0" * 32
+DEFAULT_RANKS = (8, 32, 128, 512, 2048, 8192)
+TARGETS = {
+    "plan_s": (30.0, "global validation + election on the coordinator, seconds"),
+    "plan_peak_mib": (4096.0, "peak memory of that, MiB"),
+    "load_plan_s_max": (1.0, "load planning on one rank of another layout, seconds"),
+    "metadata_mib": (64.0, "metadata.json, MiB"),
+    "save_sent_kib": (1024.0, "bytes a rank other than the coordinator sends in a save, KiB"),
+}
+BUCKET_ELEMENTS = 40_000_000
+"""Megatron's gradient bucket size (elements): each rank holds a ZeRO range of every bucket."""
+
+T = TypeVar("T")
+
+
+def layouts(ranks: int) -> tuple[Parallelism, Parallelism]:
+    """The saving layout (TP 8) and the loading layout (TP 4, twice the pipeline stages) of ``ranks``."""
+    if ranks % 8 or ranks & (ranks - 1):
+        raise ValueError(f"--ranks takes powers of two from 8, not {ranks}")
+    n = ranks // 8
+    pp = {1: 1, 2: 1, 4: 2, 8: 2, 16: 4, 32: 4, 64: 4, 128: 8, 256: 8, 512: 8}.get(n, 16)
+    dp = n // pp
+    save = Parallelism(tp=8, pp=pp, dp=dp, ep=min(64, 8 * dp), bucket_elements=BUCKET_ELEMENTS)
+    load_pp = 2 * pp
+    load_dp = ranks // (4 * load_pp)
+    load = Parallelism(tp=4, pp=load_pp, dp=load_dp, ep=min(64, 4 * load_dp), bucket_elements=BUCKET_ELEMENTS)
+    return save, load
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    started = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - started
+
+
+def peak_mib(fn: Callable[[], object]) -> float:
+    """Peak Python heap (tracemalloc) of ``fn``, in MiB, above what was allocated before."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        fn()
+        return (tracemalloc.get_traced_memory()[1] - base) / MiB
+    finally:
+        tracemalloc.stop()
+
+
+def measure(
+    ranks: int, model: MoETransformer, *, memory: bool, load_samples: int, v1_size: bool, log: Callable[[str], None]
+) -> dict[str, Any]:
+    save_par, load_par = layouts(ranks)
+    layout = MegatronLayout(model, save_par)
+    log(f"{ranks} ranks: save {save_par}, load {load_par}")
+    out: dict[str, Any] = {"ranks": ranks, "save_layout": str(save_par), "load_layout": str(load_par)}
+
+    # Every rank describes its pieces; the time of one rank is what counts (they run in parallel).
+    payloads = []
+    encode_seconds = []
+    for rank in range(ranks):
+        description = layout.rank_description(rank)
+        payload, seconds = timed(lambda d=description: encode_description(d, "/checkpoints/step_1000"))
+        payloads.append(payload)
+        encode_seconds.append(seconds)
+    out["describe_ms_max"] = max(encode_seconds) * 1e3
+    out["describe_bytes_max"] = max(map(len, payloads))
+
+    def plan() -> tuple[DescriptionTable, list[WriteAssignment], list[bytes]]:
+        table, _ = DescriptionTable.from_wire(payloads)
+        assignments = plan_save_table(table)
+        return table, assignments, [_assignment_bytes(a) for a in assignments]
+
+    (table, assignments, replies), out["plan_s"] = timed(plan)
+    out["pieces"] = len(table)
+    if memory:
+        out["plan_peak_mib"] = peak_mib(plan)
+    log(f"  plan {out['plan_s']:.2f} s over {len(table)} pieces")
+
+    reports = [write_report(table, r, a, SAVE_ID, CHUNK_BYTES) for r, a in enumerate(assignments)]
+    report_lengths = [len(json.dumps({"ok": r}, allow_nan=False).encode()) for r in reports]
+
+    def commit() -> tuple[Metadata, bytes]:
+        state = _SaveState(table=table)
+        state.flat.common["iteration"] = 1000
+        metadata = _build_metadata(state, reports, SAVE_ID, ranks, CHUNK_BYTES)
+        return metadata, metadata.to_json_bytes()
+
+    (metadata, raw), out["commit_s"] = timed(commit)
+    if memory:
+        out["commit_peak_mib"] = peak_mib(commit)
+    out["boxes"] = sum(len(t.boxes) for t in metadata.tensors.values())
+    out["tensors"] = len(metadata.tensors)
+    out["checkpoint_tib"] = metadata.total_bytes / (1 << 40)
+    out["metadata_mib"] = len(raw) / MiB
+    doc = json.loads(raw)
+    out["metadata_checksum_mib"] = (
+        sum(len(t["packed"]["crc32c"]) for t in doc["tensors"].values() if "packed" in t) / MiB
+    )
+    if v1_size:
+        out["metadata_v1_mib"] = len(metadata.to_json_bytes(packed=False)) / MiB
+    log(f"  commit {out['commit_s']:.2f} s, metadata {out['metadata_mib']:.1f} MiB, {out['boxes']} boxes")
+
+    # The bytes a rank other than the coordinator puts into / gets out of the collectives of a save: the
+    # all-reduce of the longest payload (8 bytes) and its padded description, then its write report; back
+    # come the planning header, its assignment and the commit summary.
+    header = len(json.dumps({"result": SAVE_ID}).encode())
+    summary = len(json.dumps({"result": {"files": 0, "file_bytes": 2**50, "total_bytes": 2**50}}).encode())
+    out["save_sent_kib"] = (8 + padded_size([1 + len(p) for p in payloads]) + 8 + padded_size(report_lengths)) / 1024
+    out["save_received_kib"] = (8 + (8 + header) + 8 + padded_size(list(map(len, replies))) + 8 + (8 + summary)) / 1024
+    out["load_received_mib"] = (8 + len(raw)) / MiB
+
+    # Loading into the other layout: every rank decodes the metadata (lazily) and plans its reads.
+    _, out["parse_eager_s"] = timed(lambda: Metadata.from_json_bytes(raw))
+    target = MegatronLayout(model, load_par)
+    samples = sorted({round(i * (load_par.world - 1) / max(1, load_samples - 1)) for i in range(load_samples)})
+    parse_times, plan_times, reads = [], [], []
+    for rank in samples:
+        targets = target.rank_targets(rank)
+        parsed, seconds = timed(lambda: Metadata.from_json_bytes(raw, lazy=True))
+        parse_times.append(seconds)
+        load_plan, seconds = timed(lambda p=parsed, t=targets: plan_load(p, t))
+        plan_times.append(seconds)
+        reads.append(len(load_plan.items))
+    out["parse_lazy_s_max"] = max(parse_times)
+    out["load_plan_s_median"] = statistics.median(plan_times)
+    out["load_plan_s_max"] = max(plan_times)
+    out["load_reads_median"] = statistics.median(reads)
+    log(f"  load planning {out['load_plan_s_max'] * 1e3:.0f} ms (max of {len(samples)} ranks)")
+    gc.collect()
+    return out
+
+
+def exponents(rows: list[dict[str, Any]], names: list[str], since: int = 64) -> dict[str, float]:
+    """Slope of log(figure) against log(ranks), least squares over the rank counts from ``since``."""
+    out = {}
+    for name in names:
+        points = [(math.log(r["ranks"]), math.log(r[name])) for r in rows if r["ranks"] >= since and r.get(name)]
+        if len(points) < 2:
+            continue
+        mx = sum(x for x, _ in points) / len(points)
+        my = sum(y for _, y in points) / len(points)
+        out[name] = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = [r["ranks"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, label in (
+        ("plan_s", "save planning on the coordinator (s)"),
+        ("commit_s", "metadata assembly on the coordinator (s)"),
+        ("load_plan_s_max", "load planning per rank (s)"),
+        ("parse_lazy_s_max", "metadata decoding per rank (s)"),
+    ):
+        left.plot(ranks, [r[name] for r in rows], marker="o", label=label)
+    left.axhline(TARGETS["plan_s"][0], color="grey", linestyle=":", linewidth=1)
+    left.axhline(TARGETS["load_plan_s_max"][0], color="grey", linestyle=":", linewidth=1)
+    left.set_title("time")
+    for name, label in (
+        ("metadata_mib", "metadata.json (MiB)"),
+        ("plan_peak_mib", "peak memory of save planning (MiB)"),
+        ("save_sent_kib", "sent per non-coordinator rank in a save (KiB)"),
+        ("describe_bytes_max", "largest rank description (bytes / 1024)"),
+    ):
+        if all(name in r for r in rows):
+            scale = 1024 if name == "describe_bytes_max" else 1
+            right.plot(ranks, [r[name] / scale for r in rows], marker="o", label=label)
+    if all("metadata_v1_mib" in r for r in rows):
+        right.plot(
+            ranks,
+            [r["metadata_v1_mib"] for r in rows],
+            marker="x",
+            linestyle="--",
+            label="metadata.json as version 1 (MiB)",
+        )
+    right.set_title("size")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks")
+        ax.grid(True, which="both", linewidth=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("reshard planning at scale (simulated, one process): 1.25T-parameter MoE, TP8 save, TP4 load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    p.add_argument(
+        "--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS), help="rank counts, powers of two from 8"
+    )
+    p.add_argument("--json", type=Path, default=None, help="write every figure to this JSON file")
+    p.add_argument("--plot", type=Path, default=None, help="draw the curves into this PNG (matplotlib)")
+    p.add_argument("--load-samples", type=int, default=8, help="ranks of the load layout that plan (default 8)")
+    p.add_argument("--layers", type=int, default=128, help="transformer layers of the model (default 128)")
+    p.add_argument("--experts", type=int, default=256, help="experts per layer (default 256)")
+    p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc runs (peak memory)")
+    p.add_argument("--no-v1", action="store_true", help="skip encoding the metadata as format version 1 too")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    model = MoETransformer(layers=args.layers, experts=args.experts)
+    log(f"model: {model.parameters / 1e12:.2f} T parameters, {model.layers} layers, {model.experts} experts")
+    rows = [
+        measure(r, model, memory=not args.no_memory, load_samples=args.load_samples, v1_size=not args.no_v1, log=log)
+        for r in sorted(args.ranks)
+    ]
+    names = [
+        "plan_s", "plan_peak_mib", "commit_s", "metadata_mib", "load_plan_s_max", "parse_lazy_s_max",
+        "save_sent_kib", "save_received_kib", "describe_bytes_max", "pieces", "boxes",
+    ]  # fmt: skip
+    slopes = exponents(rows, names)
+    columns = [
+        ("ranks", "ranks", "{:.0f}"), ("pieces", "pieces", "{:.0f}"), ("boxes", "boxes", "{:.0f}"),
+        ("plan_s", "plan s", "{:.2f}"), ("plan_peak_mib", "plan MiB", "{:.0f}"), ("commit_s", "commit s", "{:.2f}"),
+        ("metadata_mib", "meta MiB", "{:.1f}"), ("parse_lazy_s_max", "decode s", "{:.2f}"),
+        ("load_plan_s_max", "load s", "{:.3f}"), ("save_sent_kib", "sent KiB", "{:.1f}"),
+        ("save_received_kib", "recv KiB", "{:.1f}"),
+    ]  # fmt: skip
+    print(" ".join(f"{title:>9}" for _, title, _ in columns))
+    for row in rows:
+        print(" ".join(f"{fmt.format(row[name]) if name in row else '-':>9}" for name, _, fmt in columns))
+    print("growth exponents (log-log slope from 64 ranks): " + ", ".join(f"{k} {v:.2f}" for k, v in slopes.items()))
+    largest = rows[-1]
+    verdicts = {}
+    for name, (limit, what) in TARGETS.items():
+        if name in largest:
+            verdicts[name] = largest[name] <= limit
+            print(f"target at {largest['ranks']} ranks: {what} <= {limit:g}: {largest[name]:.3g} "
+                  f"({'met' if verdicts[name] else 'MISSED'})")  # fmt: skip
+    if args.json is not None:
+        report = {
+            "model": {"parameters": model.parameters, "layers": model.layers, "experts": model.experts},
+            "rows": rows,
+            "exponents": slopes,
+            "targets": {k: v[0] for k, v in TARGETS.items()},
+            "met": verdicts,
+        }
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot is not None:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
