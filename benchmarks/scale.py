@@ -208,9 +208,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ("parse_lazy_s_max", "metadata decoding per rank (s)"),
     ):
         left.plot(ranks, [r[name] for r in rows], marker="o", label=label)
-    left.axhline(TARGETS["plan_s"][0], color="grey", linestyle=":", linewidth=1)
-    left.axhline(TARGETS["load_plan_s_max"][0], color="grey", linestyle=":", linewidth=1)
-    left.set_title("time")
+    for name in ("plan_s", "load_plan_s_max"):
+        left.axhline(TARGETS[name][0], color="grey", linestyle=":", linewidth=1)
+    left.set_title("time (dotted: targets at 8192 ranks, 30 s and 1 s)")
     for name, label in (
         ("metadata_mib", "metadata.json (MiB)"),
         ("plan_peak_mib", "peak memory of save planning (MiB)"),
@@ -228,7 +228,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             linestyle="--",
             label="metadata.json as version 1 (MiB)",
         )
-    right.set_title("size")
+    for name in ("metadata_mib", "plan_peak_mib", "save_sent_kib"):
+        right.axhline(TARGETS[name][0], color="grey", linestyle=":", linewidth=1)
+    right.set_title("size (dotted: targets, 64 MiB, 1 MiB sent, 4 GiB)")
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -255,6 +257,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=256, help="experts per layer (default 256)")
     p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc runs (peak memory)")
     p.add_argument("--no-v1", action="store_true", help="skip encoding the metadata as format version 1 too")
+    p.add_argument(
+        "--from-json", type=Path, default=None, help="measure nothing: report (and plot) the rows of an earlier --json"
+    )
     return p.parse_args(argv)
 
 
@@ -265,11 +270,18 @@ def main(argv: list[str] | None = None) -> int:
         print(text, file=sys.stderr, flush=True)
 
     model = MoETransformer(layers=args.layers, experts=args.experts)
-    log(f"model: {model.parameters / 1e12:.2f} T parameters, {model.layers} layers, {model.experts} experts")
-    rows = [
-        measure(r, model, memory=not args.no_memory, load_samples=args.load_samples, v1_size=not args.no_v1, log=log)
-        for r in sorted(args.ranks)
-    ]
+    if args.from_json is not None:
+        earlier = json.loads(args.from_json.read_text())
+        model = MoETransformer(layers=earlier["model"]["layers"], experts=earlier["model"]["experts"])
+        rows = earlier["rows"]
+    else:
+        log(f"model: {model.parameters / 1e12:.2f} T parameters, {model.layers} layers, {model.experts} experts")
+        rows = [
+            measure(
+                r, model, memory=not args.no_memory, load_samples=args.load_samples, v1_size=not args.no_v1, log=log
+            )
+            for r in sorted(args.ranks)
+        ]
     names = [
         "plan_s", "plan_peak_mib", "commit_s", "metadata_mib", "load_plan_s_max", "parse_lazy_s_max",
         "save_sent_kib", "save_received_kib", "describe_bytes_max", "pieces", "boxes",
