@@ -183,8 +183,8 @@ def rank_save_2x2(ctx: RankContext, path: str) -> list[str]:
     assert described["g"].segment_axis == 0
     assert described["g"].segments is not None
     assert len(described["g"].segments) == 2
-    metadata = reshard.save(state, path, timeout=TIMEOUT)
-    return sorted(metadata.tensors)
+    reshard.save(state, path, timeout=TIMEOUT)
+    return sorted(reshard.read_metadata(path).tensors)
 
 
 def rank_async_save_2x2(ctx: RankContext, path: str) -> None:

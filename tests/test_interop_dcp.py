@@ -64,7 +64,9 @@ def test_import_dcp_converts_tensors_and_plain_values(dcp_checkpoint: Path, tmp_
         result = import_dcp(dcp_checkpoint, tmp_path / "out", trust_pickle=True)
     assert sorted(str(w.message).split(":")[1] for w in caught) == [" 'loader' is left out", " 'odd' is left out"]
     assert set(result.left_out) == {"loader", "odd"}
-    assert "io.BytesIO" in result.left_out["loader"] and "set" in result.left_out["odd"]
+    # torch.load(weights_only=True) refuses a BytesIO, unless an import (Megatron-Core's, in the same test
+    # session) added it to torch's safe globals; then it is refused as not plain data. Left out either way.
+    assert "BytesIO" in result.left_out["loader"] and "set" in result.left_out["odd"]
     assert validate_checkpoint(tmp_path / "out") == []
     metadata = reshard.read_metadata(tmp_path / "out")
     assert set(metadata.tensors) == {*TENSORS, "model.plain", "train.extra.t"}
