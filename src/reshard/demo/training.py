@@ -227,27 +227,31 @@ class Trainer:
         """
         if self.lora is None:
             raise ValueError("this trainer has no LoRA adapters (Trainer(..., lora=LoraConfig()))")
-        try:
-            metadata = reshard.read_metadata(path)
-        except reshard.CheckpointNotFoundError:
-            if not missing_ok:
-                raise
+        state = self.adapter_sharded_state_dict()
+        if not self._check_adapters(path, state, missing_ok=missing_ok):
             logger.warning("no adapter checkpoint at %s: keeping the current adapters (missing_ok=True)", path)
             return False
-        state = self.adapter_sharded_state_dict()
-        self._check_adapters(metadata, state)
         self.load(path, stats=stats, state=state)
         return True
 
-    def _check_adapters(self, metadata: reshard.Metadata, state: dict[str, Any]) -> None:
-        """Raise MismatchError on every rank, listing every difference between the checkpoint's adapter
-        tensors (and their optimizer states) and this model's, over the whole layout (with PP, a rank
-        holds only its stages' adapters). Collective over the layout."""
+    def _check_adapters(self, path: str, state: dict[str, Any], *, missing_ok: bool) -> bool:
+        """Whether the checkpoint at ``path`` exists (False only with ``missing_ok``); raise MismatchError
+        listing every difference between its adapter tensors (and their optimizer states) and this
+        model's, over the whole layout (with PP, a rank holds only its stages' adapters).
+
+        Collective over the layout: the coordinator alone reads the metadata, compares, and every rank
+        gets the same answer or raises the same error."""
         assert self.lora is not None
         lora = self.lora
         wanted = {st.key: list(st.saved_shape) for st in (*state["model"].values(), *state["optimizer"].values())}
 
-        def compare(per_rank: list[dict[str, list[int]]]) -> None:
+        def compare(per_rank: list[dict[str, list[int]]]) -> bool:
+            try:
+                metadata = reshard.read_metadata(path)
+            except reshard.CheckpointNotFoundError:
+                if missing_ok:
+                    return False
+                raise
             everywhere = {k: shape for keys in per_rank for k, shape in keys.items()}
             saved = {k: list(t.global_shape) for k, t in metadata.tensors.items() if is_adapter_key(k)}
             problems = []
@@ -266,8 +270,10 @@ class Trainer:
             problems += [f"{k}: checkpoint shape {saved[k]}, model shape {everywhere[k]}" for k in both[:20]]
             if problems:
                 raise reshard.MismatchError("the adapter checkpoint does not fit this model: " + "; ".join(problems))
+            return True
 
-        Communicator(self.groups.layout.process_group).step("checking adapters", lambda: wanted, compare)
+        found: bool = Communicator(self.groups.layout.process_group).step("checking adapters", lambda: wanted, compare)
+        return found
 
     def save(self, path: str, *, overwrite: bool = False) -> reshard.SaveResult:
         """Save the training state (collective over the layout)."""
