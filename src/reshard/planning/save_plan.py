@@ -586,7 +586,8 @@ def _validate_tensor(
     if not primaries and any(p.box.volume for _, _, p in pieces):
         raise ShardingError(
             f"{key!r}: no rank holds a primary copy (replica_id 0): ranks {sorted({r for r, _, _ in pieces})} "
-            "all hold replicas; a plain tensor must be present on rank 0 of the group"
+            "all hold replicas; the group must include the rank holding replica 0 (rank 0 of the group for a plain "
+            "tensor, coordinate 0 of the replicated mesh dimensions for a DTensor)"
         )
     for rank, index, piece in pieces:
         if is_main_replica(piece.replica_id) or piece.box.volume == 0:
