@@ -67,28 +67,36 @@ def node_id(node_group: dist.ProcessGroup | None) -> str:
     return "host:" + socket.gethostname()
 
 
-def file_is_complete(path: Path, metadata: Metadata, file: int) -> bool:
+StoredRanges = dict[int, list[tuple[int, int, tuple[int, ...]]]]
+"""Data file number -> (byte offset, byte length, chunk checksums) of every box and object stored in it."""
+
+
+def stored_ranges(metadata: Metadata, files: set[int]) -> StoredRanges:
+    """The stored ranges of ``files``, in one pass over the metadata (not one pass per file)."""
+    ranges: StoredRanges = {file: [] for file in files}
+    for t in metadata.tensors.values():
+        for b in t.boxes:
+            if b.file in ranges:
+                ranges[b.file].append((b.byte_offset, b.byte_length, b.checksums))
+    for o in metadata.objects.values():
+        for e in o.entries:
+            if e.file in ranges:
+                ranges[e.file].append((e.byte_offset, e.byte_length, e.checksums))
+    return ranges
+
+
+def file_is_complete(path: Path, metadata: Metadata, file: int, ranges: StoredRanges | None = None) -> bool:
     """Whether the local file at ``path`` is a complete copy of data file ``file``: its size, and the
-    checksum of every chunk of every box and object stored in it."""
+    checksum of every chunk of every box and object stored in it (``ranges``: from :func:`stored_ranges`,
+    computed here when not given)."""
     entry = metadata.files[file]
     try:
         if os.stat(path, follow_symlinks=False).st_size != entry.size:
             return False
-        ranges = [
-            (b.byte_offset, b.byte_length, b.checksums)
-            for t in metadata.tensors.values()
-            for b in t.boxes
-            if b.file == file
-        ]
-        ranges += [
-            (e.byte_offset, e.byte_length, e.checksums)
-            for o in metadata.objects.values()
-            for e in o.entries
-            if e.file == file
-        ]
+        stored = (ranges if ranges is not None and file in ranges else stored_ranges(metadata, {file}))[file]
         chunk = metadata.checksum_chunk_bytes
         with open(path, "rb", buffering=0) as f:
-            for offset, length, checksums in ranges:
+            for offset, length, checksums in stored:
                 for index, expected in enumerate(checksums):
                     f.seek(offset + index * chunk)
                     data = f.read(min(chunk, length - index * chunk))
@@ -134,10 +142,13 @@ def stage_files(
     staged = StagedFiles(storage=LocalStorage(directory), directory=directory)
 
     def download() -> None:
-        for file in assignments[comm.rank]:
+        mine = assignments[comm.rank]
+        present = {file for file in mine if (directory / metadata.files[file].path).exists()}
+        ranges = stored_ranges(metadata, present) if present else {}
+        for file in mine:
             name = metadata.files[file].path
             final = directory / name
-            if file_is_complete(final, metadata, file):
+            if file in present and file_is_complete(final, metadata, file, ranges):
                 staged.reused.append(name)
                 continue
             final.parent.mkdir(parents=True, exist_ok=True)
