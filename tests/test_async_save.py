@@ -60,6 +60,9 @@ def test_one_save_in_flight_the_next_finalises_the_previous(tmp_path: Path) -> N
     assert first.done()  # the second save waited for it
     assert second.wait() is not None
     assert reshard.read_metadata(tmp_path / "a").world_size == 1
+    # Each handle exposes its background save's stats.
+    assert first.stats.bytes_written == 2_000_000 * 4 == first.stats.checkpoint_bytes
+    assert second.stats.bytes_written == 40 and second.stats.seconds_write > 0
 
 
 def test_async_save_one_off_and_errors_are_raised_once(tmp_path: Path) -> None:

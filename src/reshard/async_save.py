@@ -36,6 +36,7 @@ from reshard.dtensor import dtensor_to_sharded, is_dtensor
 from reshard.save import SaveResult, save
 from reshard.sharding import ShardedObject, ShardedTensor
 from reshard.statedict import map_leaves
+from reshard.stats import SaveStats
 from reshard.storage import CheckpointLocation
 
 __all__ = ["AsyncCheckpointer", "SaveHandle", "async_save"]
@@ -49,6 +50,9 @@ class SaveHandle:
         """How long the caller was blocked taking the snapshot."""
         self.total_seconds: float | None = None
         """Snapshot plus background save, once done."""
+        self.stats = SaveStats()
+        """The background save's :class:`~reshard.SaveStats` (bytes, seconds per phase); complete once
+        :meth:`done`."""
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._result: SaveResult | None = None
@@ -165,6 +169,7 @@ class AsyncCheckpointer:
                     overwrite=overwrite,
                     timeout=self.timeout,
                     storage_options=storage_options,
+                    stats=handle.stats,
                 )
             except BaseException as exc:  # delivered by wait()
                 handle._error = exc
