@@ -36,6 +36,8 @@ class DemoOptions:
     layers: int = 4
     plot: str | None = None
     timeout_s: float = 300.0
+    lora_rank: int = 0
+    """With a positive rank: LoRA fine-tuning (frozen base) and adapter-only checkpoints."""
 
 
 @dataclass
@@ -73,7 +75,7 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
     import torch.distributed as dist
 
     import reshard
-    from reshard.demo.model import ModelConfig
+    from reshard.demo.model import LoraConfig, ModelConfig
     from reshard.demo.parallel import ParallelConfig, ParallelGroups
     from reshard.demo.training import Trainer, TrainingConfig, timed
 
@@ -91,18 +93,21 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
         groups = ParallelGroups.create(parallel)
         if groups is None:  # cannot happen: the phase spawned exactly the layout's ranks
             return
-        trainer = Trainer(model, TrainingConfig(), groups)
+        lora = LoraConfig(rank=task["lora_rank"]) if task["lora_rank"] else None
+        trainer = Trainer(model, TrainingConfig(), groups, lora)
         out: dict[str, Any] = {"rank": rank}
         if task.get("resume_from"):
             stats = reshard.LoadStats()
-            _, out["seconds_load"] = timed(trainer.load, task["resume_from"], stats=stats)
+            load = trainer.load_adapter if lora else trainer.load
+            _, out["seconds_load"] = timed(load, task["resume_from"], stats=stats)
             out["bytes_read"], out["bytes_needed"] = stats.bytes_read, stats.bytes_needed
             out["digest_loaded"] = state_digest(trainer.full_state())
         out["first_step"] = trainer.step
         out["losses"] = [trainer.train_step() for _ in range(task["steps"])]
         if task.get("save_to"):
             out["digest_saved"] = state_digest(trainer.full_state())
-            result, out["seconds_save"] = timed(trainer.save, task["save_to"], overwrite=True)
+            save = trainer.save_adapter if lora else trainer.save
+            result, out["seconds_save"] = timed(save, task["save_to"], overwrite=True)
             out["checkpoint_bytes"] = result.file_bytes
         results.put(out)
     except BaseException as exc:
@@ -165,7 +170,12 @@ def run_demo(options: DemoOptions) -> tuple[PhaseResult, PhaseResult]:
     model.check(layout_a)
     model.check(layout_b)
     out = str(Path(options.out).resolve())
-    common = {"hidden": options.hidden, "layers": options.layers, "timeout_s": options.timeout_s}
+    common = {
+        "hidden": options.hidden,
+        "layers": options.layers,
+        "timeout_s": options.timeout_s,
+        "lora_rank": options.lora_rank,
+    }
     phase_a = run_phase(
         {**common, "layout": options.layout_a, "steps": options.steps, "save_to": out},
         layout_a.world_size,
@@ -198,7 +208,7 @@ def _table(options: DemoOptions, a: PhaseResult, b: PhaseResult) -> str:
             f"{a.losses[-1]:.4f}" if a.losses else "-",
             f"{b.losses[0]:.4f}" if b.losses else "-",
         ),
-        ("checkpoint bytes", f"{a.checkpoint_bytes:,}", ""),
+        ("checkpoint bytes" + (" (adapters)" if options.lora_rank else ""), f"{a.checkpoint_bytes:,}", ""),
         ("save / load seconds", f"{a.seconds_save:.3f}", f"{b.seconds_load:.3f}"),
         ("bytes read per rank", "", ", ".join(f"{n:,}" for n in b.bytes_read)),
         ("read / needed", "", f"{sum(b.bytes_read) / max(1, sum(b.bytes_needed)):.3f}"),
@@ -262,6 +272,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--plot", default=None, help="write the loss curve to this PNG (needs matplotlib: pip install 'reshard[demo]')"
     )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="LoRA fine-tuning instead: adapters of this rank on every linear, the base frozen, adapter-only "
+        "checkpoints (reshard export-peft writes them for Hugging Face PEFT)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     return parser
 
@@ -276,6 +294,7 @@ def main(args: argparse.Namespace) -> int:
         hidden=args.hidden,
         layers=args.layers,
         plot=args.plot,
+        lora_rank=args.lora,
     )
     a, b = run_demo(options)
     if args.json:
