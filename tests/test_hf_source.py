@@ -158,3 +158,29 @@ def test_bad_sources_and_key_maps_fail_clearly(tmp_path: Path) -> None:
     reshard.save({"a": torch.zeros(2)}, str(ckpt))
     with pytest.raises(reshard.StateDictError, match="key_map"):
         reshard.load({"a": torch.zeros(2)}, str(ckpt), key_map={"a": "a"})
+
+
+def test_source_on_an_object_store_reads_only_the_ranges_needed(object_store: Any, tmp_path: Path) -> None:
+    """An indexed safetensors set in a bucket: headers and the template's rows come as ranged reads."""
+    from reshard.storage import ObjectStorage
+
+    local = tmp_path / "hf"
+    local.mkdir()
+    save_file({"q": torch.arange(64.0).reshape(16, 4)}, str(local / "model-00001-of-00002.safetensors"))
+    save_file({"k": -torch.arange(32.0).reshape(8, 4)}, str(local / "model-00002-of-00002.safetensors"))
+    weight_map = {"q": "model-00001-of-00002.safetensors", "k": "model-00002-of-00002.safetensors"}
+    (local / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    options = object_store.storage_options
+    url = f"{object_store.protocol}://{object_store.new_bucket()}/llama"
+    storage = ObjectStorage(url, options)
+    try:
+        for file in local.iterdir():
+            storage.put(file.name, file.read_bytes())
+    finally:
+        storage.close()
+    stats = reshard.LoadStats()
+    rows = reshard.ShardedTensor("qk", torch.zeros(4, 4), (24, 4), (14, 0))  # 2 rows of q, 2 of k
+    reshard.load({"qk": rows}, url, key_map={"qk": Concat("q", "k")}, storage_options=options, stats=stats)
+    expected = torch.cat([torch.arange(64.0).reshape(16, 4), -torch.arange(32.0).reshape(8, 4)])[14:18]
+    assert torch.equal(rows.data, expected)
+    assert stats.bytes_read == stats.bytes_needed == 4 * 4 * 4
