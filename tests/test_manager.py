@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import reshard
+from reshard.cli import main as cli_main
 from reshard.locking import LOCK_FILE, LockInfo
 
 
@@ -26,9 +28,11 @@ def _template() -> dict[str, object]:
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "reshard", *args], capture_output=True, text=True, timeout=120, check=False
-    )
+    """``reshard ARGS`` in this process (the entry point itself is run as a program in tests/test_cli.py)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(list(args))
+    return subprocess.CompletedProcess(["reshard", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_retention_latest_and_load(tmp_path: Path) -> None:
