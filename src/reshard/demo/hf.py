@@ -28,7 +28,7 @@ import torch
 from reshard.demo.model import ModelConfig
 from reshard.interop.hf_source import Concat, Source, Stack
 
-__all__ = ["demo_hf_key_map", "to_hf_tensors"]
+__all__ = ["demo_hf_key_map", "split_for_hf", "to_hf_tensors"]
 
 
 def demo_hf_key_map(model: ModelConfig) -> dict[str, Source]:
@@ -59,22 +59,38 @@ def demo_hf_key_map(model: ModelConfig) -> dict[str, Source]:
     return key_map
 
 
+def _fused_rows(key: str, model: ModelConfig) -> list[int]:
+    """Rows of each part of the fused tensor ``key``: ``[Q; K; V]`` or ``[gate; up]``."""
+    if key.endswith("self_attention.qkv.weight"):
+        kv_rows = model.num_query_groups * model.head_dim
+        return [model.num_heads * model.head_dim, kv_rows, kv_rows]
+    return [model.ffn_hidden, model.ffn_hidden]
+
+
+def split_for_hf(key: str, tensor: torch.Tensor, model: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """The full (logical) tensor of demo-model key ``key`` under its Hugging Face name(s): a fused tensor
+    split into its parts by rows, a stacked one into its experts (views, not copies).
+
+    Raises:
+        KeyError: ``key`` is not in :func:`demo_hf_key_map`.
+    """
+    source = demo_hf_key_map(model)[key]
+    if isinstance(source, str):
+        return [(source, tensor)]
+    if isinstance(source, Stack):
+        return list(zip(source.sources, tensor.unbind(0), strict=True))
+    parts = torch.split(tensor, _fused_rows(key, model), dim=source.axis)
+    return list(zip(source.sources, parts, strict=True))
+
+
 def to_hf_tensors(full: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
     """The demo model's full (logical) tensors under Hugging Face names: the inverse of
     :func:`demo_hf_key_map`, splitting fused and stacked tensors. Keys the map does not name (optimizer
     states) are left out."""
-    out: dict[str, torch.Tensor] = {}
-    for key, source in demo_hf_key_map(model).items():
-        if key not in full:
-            continue
-        tensor = full[key]
-        if isinstance(source, str):
-            out[source] = tensor.contiguous()
-        elif isinstance(source, Stack):
-            out.update({name: tensor[i].contiguous() for i, name in enumerate(source.sources)})
-        else:
-            q_rows, kv_rows = model.num_heads * model.head_dim, model.num_query_groups * model.head_dim
-            rows = [q_rows, kv_rows, kv_rows] if len(source.sources) == 3 else [model.ffn_hidden] * 2
-            parts = torch.split(tensor, rows, dim=source.axis)
-            out.update({name: part.contiguous() for name, part in zip(source.sources, parts, strict=True)})
-    return out
+    names = demo_hf_key_map(model)
+    return {
+        name: part.contiguous()
+        for key, tensor in full.items()
+        if key in names
+        for name, part in split_for_hf(key, tensor, model)
+    }

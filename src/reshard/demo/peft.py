@@ -5,8 +5,8 @@
 PEFT's key names, ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``.
 
 The names come from a *name map*, a function ``(key, tensor, model) -> [(name, tensor), ...]``: the
-default, :func:`demo_peft_tensors`, names the demo model's modules like a Hugging Face Llama/Mixtral
-model and splits its fused linears, which PEFT adapts one projection at a time:
+default, :func:`demo_peft_tensors`, names the demo model's modules as :mod:`reshard.demo.hf` does (like a
+Hugging Face Llama/Mixtral model) and splits its fused linears, which PEFT adapts one projection at a time:
 
 ====================================================  ================================================
 reshard key (``decoder.layers.L.`` ...)                PEFT module (``base_model.model.model.layers.L.``)
@@ -26,15 +26,16 @@ Pass another function as ``name_map`` for another model's naming.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import reshard
+from reshard.demo.hf import demo_hf_key_map, split_for_hf
 from reshard.demo.model import LoraConfig, ModelConfig, is_adapter_key
 from reshard.errors import CheckpointError, MismatchError
+from reshard.interop.hf_source import Concat
 from reshard.interop.safetensors import SafetensorsWriter, TensorSpec
 from reshard.storage import CheckpointLocation, storage_for
 
@@ -46,39 +47,20 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 NameMap = Callable[[str, torch.Tensor, ModelConfig], list[tuple[str, torch.Tensor]]]
 """(reshard adapter key, its full tensor, the model's sizes) -> PEFT (name, tensor) pairs."""
 
-_KEY = re.compile(
-    r"decoder\.layers\.(\d+)\.(self_attention\.qkv|self_attention\.proj|mlp\.fc1|mlp\.fc2|"
-    r"mlp\.experts\.fc1|mlp\.experts\.fc2)\.(lora_A|lora_B)\.weight"
-)
-
 
 def demo_peft_tensors(key: str, tensor: torch.Tensor, model: ModelConfig) -> list[tuple[str, torch.Tensor]]:
     """The default name map (see the module docstring): PEFT names and tensors for one adapter tensor of
-    the demo GPT."""
-    match = _KEY.fullmatch(key)
-    if match is None:
+    the demo GPT, from the Hugging Face naming of :mod:`reshard.demo.hf`."""
+    factor = "lora_A" if ".lora_A." in key else "lora_B"
+    base = key.replace(f".{factor}.weight", ".weight")
+    source = demo_hf_key_map(model).get(base)
+    if not is_adapter_key(key) or not key.endswith(f".{factor}.weight") or source is None:
         raise MismatchError(f"{key!r} is not an adapter key of the demo model")
-    layer, module, factor = match.groups()
-    prefix = f"base_model.model.model.layers.{layer}"
-
-    def named(leaf: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
-        return f"{prefix}.{leaf}.{factor}.weight", value.contiguous()
-
-    def split_b(leaves: list[str], rows: list[int]) -> list[tuple[str, torch.Tensor]]:
-        if factor == "lora_A":  # one shared A for every part of the fused linear
-            return [named(leaf, tensor.clone()) for leaf in leaves]
-        return [named(leaf, part) for leaf, part in zip(leaves, torch.split(tensor, rows, dim=0), strict=True)]
-
-    if module == "self_attention.qkv":
-        q_rows, kv_rows = model.num_heads * model.head_dim, model.num_query_groups * model.head_dim
-        return split_b(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [q_rows, kv_rows, kv_rows])
-    if module == "mlp.fc1":
-        return split_b(["mlp.gate_proj", "mlp.up_proj"], [model.ffn_hidden, model.ffn_hidden])
-    if module in ("mlp.experts.fc1", "mlp.experts.fc2"):
-        leaf = "up_proj" if module.endswith("fc1") else "down_proj"
-        return [named(f"mlp.experts.{e}.{leaf}", tensor[e]) for e in range(tensor.shape[0])]
-    leaf = {"self_attention.proj": "self_attn.o_proj", "mlp.fc2": "mlp.down_proj"}[module]
-    return [named(leaf, tensor)]
+    if isinstance(source, Concat) and factor == "lora_A":  # one shared A for every part of a fused linear
+        parts = [(name, tensor) for name in source.sources]
+    else:  # B's rows follow the base's parts; stacked experts split like the base
+        parts = split_for_hf(base, tensor, model)
+    return [(f"base_model.model.{name.removesuffix('.weight')}.{factor}.weight", t.contiguous()) for name, t in parts]
 
 
 def _unflatten(common: dict[str, Any], prefix: str) -> Any:
