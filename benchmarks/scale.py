@@ -127,7 +127,8 @@ def measure(
     log(f"  plan {out['plan_s']:.2f} s over {len(table)} pieces")
 
     reports = [write_report(table, r, a, SAVE_ID, CHUNK_BYTES) for r, a in enumerate(assignments)]
-    report_lengths = [len(json.dumps({"ok": r}, allow_nan=False).encode()) for r in reports]
+    # Each gathered payload travels behind its step's tag: the phase's name (2-byte length) and a status byte.
+    report_lengths = [2 + len("save") + 1 + len(json.dumps(r, allow_nan=False).encode()) for r in reports]
 
     def commit() -> tuple[Metadata, bytes]:
         state = _SaveState(table=table)
@@ -155,7 +156,10 @@ def measure(
     # come the planning header, its assignment and the commit summary.
     header = len(json.dumps({"result": SAVE_ID}).encode())
     summary = len(json.dumps({"result": {"files": 0, "file_bytes": 2**50, "total_bytes": 2**50}}).encode())
-    out["save_sent_kib"] = (8 + padded_size([1 + len(p) for p in payloads]) + 8 + padded_size(report_lengths)) / 1024
+    planning_tag = 2 + len("save planning") + 1
+    out["save_sent_kib"] = (
+        8 + padded_size([planning_tag + len(p) for p in payloads]) + 8 + padded_size(report_lengths)
+    ) / 1024
     out["save_received_kib"] = (8 + (8 + header) + 8 + padded_size(list(map(len, replies))) + 8 + (8 + summary)) / 1024
     out["load_received_mib"] = (8 + len(raw)) / MiB
 

@@ -423,7 +423,9 @@ FAULT_429 = "429"
 FAULT_DROP = "drop"  # read the request, close the connection without an answer; upstream never sees it
 FAULT_DROP_AFTER = "drop_after"  # forward the request (upstream applies it), then close without an answer
 FAULT_TRUNCATE = "truncate"  # forward, send the headers and half the body (full Content-Length), then close
-FAULT_KINDS = (FAULT_503, FAULT_429, FAULT_DROP, FAULT_DROP_AFTER, FAULT_TRUNCATE)
+FAULT_IGNORE_RANGE = "ignore_range"  # forward without the Range header: the whole object comes back, 200
+FAULT_SLOW = "slow"  # forward, then hold the answer back for `slow_s` seconds before relaying it
+FAULT_KINDS = (FAULT_503, FAULT_429, FAULT_DROP, FAULT_DROP_AFTER, FAULT_TRUNCATE, FAULT_IGNORE_RANGE, FAULT_SLOW)
 DEFAULT_FAULT_MIX: Mapping[str, float] = {FAULT_503: 1.0, FAULT_429: 1.0, FAULT_DROP: 1.0}
 
 _HOP_BY_HOP = frozenset(
@@ -454,6 +456,7 @@ class RequestRecord:
     range: str | None  # the Range header, if any
     fault: str | None  # the injected fault, or None if forwarded normally
     status: int | None  # the status the client got; None if the connection was dropped before any answer
+    body_head: bytes = b""  # the first 4 KiB of the request body (a GCS upload names its object there)
 
     @property
     def ranged(self) -> bool:
@@ -471,10 +474,13 @@ class _ScheduledFault:
     remaining: int
     method: str | None
     contains: str | None
+    body_contains: bytes | None = None
 
     def matches(self, record: RequestRecord) -> bool:
-        return (self.method is None or self.method == record.method) and (
-            self.contains is None or self.contains in record.target
+        return (
+            (self.method is None or self.method == record.method)
+            and (self.contains is None or self.contains in record.target)
+            and (self.body_contains is None or self.body_contains in record.body_head)
         )
 
 
@@ -492,7 +498,10 @@ class FaultProxy:
     * ``"drop_after"``: the request is forwarded (so a write takes effect), the answer is thrown away and
       the connection closed (the client cannot know the write happened);
     * ``"truncate"``: forwarded, the headers (with the full ``Content-Length``) and half the body are sent,
-      then the connection is closed.
+      then the connection is closed;
+    * ``"ignore_range"``: forwarded without its ``Range`` header, so a ranged GET gets the whole object with
+      a 200 (what HTTP allows a server or a proxy to do);
+    * ``"slow"``: forwarded, and the answer held back for ``slow_s`` seconds.
 
     Which requests fail: those scheduled with :meth:`fail_next` first, then each request (passing
     ``fault_filter(record)`` if given; ``record.fault`` is still None) with probability ``fault_rate``, the
@@ -514,6 +523,7 @@ class FaultProxy:
         fault_filter: Callable[[RequestRecord], bool] | None = None,
         upstream_timeout: float = 30.0,
         idle_timeout: float = 30.0,
+        slow_s: float = 0.5,
     ) -> None:
         parsed = urllib.parse.urlsplit(upstream_url)
         if parsed.scheme != "http" or parsed.hostname is None or parsed.port is None:
@@ -527,6 +537,7 @@ class FaultProxy:
         self.fault_filter = fault_filter
         self.upstream_timeout = upstream_timeout
         self.idle_timeout = idle_timeout
+        self.slow_s = slow_s
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self._fault_rate = 0.0
@@ -567,14 +578,21 @@ class FaultProxy:
         self.set_faults(rate=rate)
 
     def fail_next(
-        self, count: int = 1, kind: str = FAULT_503, *, method: str | None = None, contains: str | None = None
+        self,
+        count: int = 1,
+        kind: str = FAULT_503,
+        *,
+        method: str | None = None,
+        contains: str | None = None,
+        body_contains: bytes | None = None,
     ) -> None:
         """The next ``count`` requests with this ``method`` whose decoded path-and-query contains ``contains``
-        fail with ``kind``, whatever the fault rate (scheduled faults do not draw from the generator)."""
+        (and whose body's first 4 KiB contain ``body_contains``) fail with ``kind``, whatever the fault rate
+        (scheduled faults do not draw from the generator)."""
         if kind not in FAULT_KINDS:
             raise ValueError(f"kind must be one of {FAULT_KINDS}, got {kind!r}")
         with self._lock:
-            self._scheduled.append(_ScheduledFault(kind, count, method, contains))
+            self._scheduled.append(_ScheduledFault(kind, count, method, contains, body_contains))
 
     # -- life cycle ------------------------------------------------------------------------------
 
@@ -767,7 +785,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         split = urllib.parse.urlsplit(target)
         path = urllib.parse.unquote(split.path)
         method = self.command
-        request = RequestRecord(method, path, split.query, self.headers.get("Range"), None, None)
+        request = RequestRecord(method, path, split.query, self.headers.get("Range"), None, None, (body or b"")[:4096])
         fault = proxy._choose_fault(request)
         self._pending: RequestRecord | None = dataclasses.replace(request, fault=fault)
         if fault in (FAULT_503, FAULT_429):
@@ -845,6 +863,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 lname = name.lower()
                 if lname in _HOP_BY_HOP or lname in connection_tokens or lname == "content-length":
                     continue
+                if lname == "range" and fault == FAULT_IGNORE_RANGE:
+                    continue
                 has_host = has_host or lname == "host"
                 conn.putheader(name, value)
             if not has_host:
@@ -858,6 +878,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 response.read()
                 self._drop()
                 return
+            if fault == FAULT_SLOW:
+                threading.Event().wait(proxy.slow_s)  # the injected latency itself, not a synchronisation
             self._relay(method, response, truncate=fault == FAULT_TRUNCATE)
         except (OSError, http.client.HTTPException) as e:
             if self._pending is None:  # the client has (part of) an answer already: cut it off

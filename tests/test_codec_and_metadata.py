@@ -28,6 +28,7 @@ from reshard import CorruptCheckpointError, ShardedObject, StateDictError
 from reshard.codec import decode_object_blob, decode_tagged, encode_object_blob, encode_tagged
 from reshard.dtypes import DTYPE_BY_NAME
 from reshard.metadata import METADATA_FILE, Metadata, check_relative_path
+from tests.metadata_docs import dumps, read_doc, seal, unseal
 
 PROPERTY = settings(max_examples=150, deadline=None, database=None)
 
@@ -433,7 +434,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def valid_doc(saved: Path) -> dict[str, Any]:
-    return json.loads((saved / METADATA_FILE).read_bytes())
+    return read_doc(saved)
 
 
 def test_valid_metadata_parses(saved: Path, valid_doc: dict[str, Any]) -> None:
@@ -546,7 +547,7 @@ MUTATIONS: dict[str, tuple[Mutation, str]] = {
     # format and version
     "format_other": (_set("format", "zarr"), "format"),
     "format_missing": (_delete("format"), "format"),
-    "version_3": (_set("version", 3), "version"),
+    "version_4": (_set("version", 4), "version"),
     "version_str": (_set("version", "1"), "version"),
     "version_missing": (_delete("version"), "version"),
     "version_true": (_set("version", True), "version"),
@@ -645,7 +646,7 @@ MUTATIONS: dict[str, tuple[Mutation, str]] = {
 def _corrupt(valid_doc: dict[str, Any], mutation: Mutation) -> bytes:
     doc = copy.deepcopy(valid_doc)
     mutation(doc)
-    return json.dumps(doc).encode()
+    return dumps(doc, separators=(", ", ": "))
 
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
@@ -665,7 +666,7 @@ def test_mutations_leave_the_rest_valid(valid_doc: dict[str, Any]) -> None:
     reason they name."""
     doc = copy.deepcopy(valid_doc)
     _split_w_box()(doc)
-    metadata = Metadata.from_json_bytes(json.dumps(doc).encode())
+    metadata = Metadata.from_json_bytes(dumps(doc))
     assert [b.shape for b in metadata.tensors["model.w"].boxes] == [(1, 4), (2, 4)]
 
 
@@ -692,7 +693,7 @@ def test_not_a_metadata_document(raw: bytes) -> None:
 
 @pytest.mark.parametrize("where", ["top", "tensor", "common"])
 def test_duplicate_json_keys_are_corrupt(saved: Path, where: str) -> None:
-    raw = (saved / METADATA_FILE).read_bytes()
+    raw = unseal((saved / METADATA_FILE).read_bytes())
     if where == "top":
         doc = raw.replace(b'"format":"reshard"', b'"format":"reshard","format":"reshard"', 1)
     elif where == "tensor":
@@ -700,8 +701,8 @@ def test_duplicate_json_keys_are_corrupt(saved: Path, where: str) -> None:
     else:
         doc = raw.replace(b'"step":10', b'"step":10,"step":11', 1)
     assert doc != raw
-    with pytest.raises(CorruptCheckpointError):
-        Metadata.from_json_bytes(doc)
+    with pytest.raises(CorruptCheckpointError, match="duplicate key"):
+        Metadata.from_json_bytes(seal(doc))
 
 
 def test_deeply_nested_common_value(valid_doc: dict[str, Any]) -> None:
@@ -711,7 +712,7 @@ def test_deeply_nested_common_value(valid_doc: dict[str, Any]) -> None:
         value = [value]
     doc["common"]["deep"] = value
     with pytest.raises(CorruptCheckpointError, match="nested deeper"):
-        Metadata.from_json_bytes(json.dumps(doc).encode())
+        Metadata.from_json_bytes(dumps(doc))
 
 
 @pytest.mark.parametrize(
@@ -738,7 +739,7 @@ def test_check_relative_path(path: str, ok: bool) -> None:
     assert (check_relative_path(path) is None) is ok
 
 
-@pytest.mark.parametrize("name", ["path_parent", "path_absolute", "box_outside", "crc_missing", "version_3"])
+@pytest.mark.parametrize("name", ["path_parent", "path_absolute", "box_outside", "crc_missing", "version_4"])
 def test_load_and_read_metadata_refuse_corrupt_metadata(
     saved: Path, valid_doc: dict[str, Any], tmp_path: Path, name: str
 ) -> None:
@@ -805,6 +806,6 @@ def test_fuzzed_metadata_never_raises_another_exception(valid_doc: dict[str, Any
                 node[target[-1]] = data.draw(JSON_VALUES)
         except (KeyError, IndexError, TypeError):
             continue  # an earlier change removed or replaced this path
-    raw = json.dumps(doc).encode()
+    raw = dumps(doc)
     with contextlib.suppress(CorruptCheckpointError):
         Metadata.from_json_bytes(raw)

@@ -7,8 +7,9 @@ accidental change of the on-disk format, on the reading or the writing side, fai
 
 - reading: the committed fixture must load to exactly these values and parse to exactly these fields;
 - bytes: the data file must hold exactly these little-endian bytes at exactly these offsets;
-- writing: saving the same state again must produce the same data bytes and the same metadata (apart from
-  the random save id and the library version).
+- writing: saving the same state again must produce the same data bytes and the same metadata members
+  (apart from the random save id and the library version): the document is now written as version 3,
+  which is this one plus its own checksum (``tests/test_format_golden_v3.py``).
 """
 
 from __future__ import annotations
@@ -342,7 +343,7 @@ def test_an_independent_reader_finds_an_element() -> None:
     assert struct.unpack("<3i", body[entry["offset"] : entry["offset"] + entry["length"]]) == tuple(RNG_STATE)
 
 
-def test_saving_the_same_state_writes_the_same_format(tmp_path: Path) -> None:
+def test_saving_the_same_state_writes_the_same_members(tmp_path: Path) -> None:
     md = reshard.save(golden_state(), tmp_path / "ckpt", checksum_chunk_bytes=CHUNK_BYTES).metadata
     assert md is not None  # a single process is the coordinator
     (data_file,) = md.files
@@ -350,6 +351,8 @@ def test_saving_the_same_state_writes_the_same_format(tmp_path: Path) -> None:
     assert (tmp_path / "ckpt" / data_file.path).read_bytes() == data_file_bytes()
     new = json.loads((tmp_path / "ckpt" / "metadata.json").read_bytes())
     old = json.loads((GOLDEN / "metadata.json").read_bytes())
+    assert (new.pop("version"), old.pop("version")) == (3, 1)  # version 3: version 1's members + the checksum
+    assert new.pop("metadata_crc32c")
     assert len(new["save_id"]) == 32
     assert all(c in "0123456789abcdef" for c in new["save_id"])
     for doc in (new, old):

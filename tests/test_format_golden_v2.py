@@ -8,8 +8,8 @@ change of the packed encoding, on the reading or the writing side, fails a test:
 - the wire form: which tensors are packed and how (grid cuts, split cells and starts, or listed boxes), and
   that every packed checksum is the CRC-32C of the bytes the packed offsets point at;
 - reading: the fixture loads to the values it was saved from, on its own layout and on another;
-- writing: saving the same state again gives the same document (but for the save id and the version of the
-  library) and the same data bytes.
+- writing: saving the same state again gives the same document members (but for the save id and the version
+  of the library; it is written as version 3, which adds the document's checksum) and the same data bytes.
 """
 
 from __future__ import annotations
@@ -150,12 +150,14 @@ def test_v2_reads_and_loads_the_saved_values() -> None:
     )
 
 
-def test_saving_the_same_state_writes_the_same_v2_format(tmp_path: Path) -> None:
+def test_saving_the_same_state_writes_the_same_v2_members(tmp_path: Path) -> None:
     result = reshard.save(golden_state_dict(), tmp_path / "ckpt", checksum_chunk_bytes=CHECKSUM_CHUNK_BYTES)
     name = f"data/{result.save_id}-r00000.bin"
     assert (tmp_path / "ckpt" / name).read_bytes() == (GOLDEN / DATA_FILE).read_bytes()
     new = json.loads((tmp_path / "ckpt" / "metadata.json").read_bytes())
     old = _doc()
+    assert (new.pop("version"), old.pop("version")) == (3, 2)  # version 3: version 2's members + the checksum
+    assert new.pop("metadata_crc32c")
     for doc in (new, old):
         doc["files"][0]["path"] = doc["files"][0]["path"].replace(doc.pop("save_id"), "<save_id>")
         assert doc.pop("created_by").startswith("reshard ")

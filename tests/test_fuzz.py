@@ -71,6 +71,7 @@ import reshard
 from reshard.locking import LOCK_FILE
 from reshard.maintenance import validate_checkpoint
 from reshard.metadata import METADATA_FILE
+from tests.metadata_docs import CHECKSUM_MEMBER, dumps, read_doc, seal, unseal, write_doc
 
 # --------------------------------------------------------------------------------------------------
 # Known bugs the fuzzer would tolerate until fixed (none now; the regression tests below pin the fixed ones).
@@ -205,7 +206,7 @@ class Pristine:
 
 def _merge(parts: list[Path], out: Path) -> None:
     """One checkpoint of two data files from two single-process saves (a valid layout per docs/format.md)."""
-    docs = [json.loads((p / METADATA_FILE).read_bytes()) for p in parts]
+    docs = [read_doc(p) for p in parts]
     (out / "data").mkdir(parents=True)
     for part, doc in zip(parts, docs, strict=True):
         for entry in doc["files"]:
@@ -219,7 +220,7 @@ def _merge(parts: list[Path], out: Path) -> None:
     doc["files"] = first["files"] + second["files"]
     doc["tensors"] = dict(sorted({**first["tensors"], **second["tensors"]}.items()))
     doc["common"] = {**first["common"], **second["common"]}
-    (out / METADATA_FILE).write_bytes(json.dumps(doc, separators=(",", ":")).encode())
+    write_doc(out / METADATA_FILE, doc)
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +231,7 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Pristine:
         reshard.save(_state(i), part, checksum_chunk_bytes=CHUNK, fingerprint=True)
     root = base / "pristine"
     _merge(parts, root)
-    doc = json.loads((root / METADATA_FILE).read_bytes())
+    doc = read_doc(root)
     entries = sorted(doc["objects"]["rng"]["entries"], key=lambda e: e["offset"])
     blobs = tuple(_entry_bytes(root, doc, e) for e in entries)
     return Pristine(root=root, doc=doc, blobs=blobs, base=base)
@@ -451,9 +452,13 @@ class Case:
             (target / "x").write_text("{}")
             return None
         if self.duplicate is not None:
-            raw = _dumps_with_duplicate(self.doc, *self.duplicate).encode()
+            body = {k: v for k, v in self.doc.items() if k != CHECKSUM_MEMBER}
+            raw = _dumps_with_duplicate(body, *self.duplicate).encode()
+            version = self.doc.get("version")
+            if isinstance(version, int) and not isinstance(version, bool) and version >= 3:
+                raw = seal(raw)  # a consistent forgery: the validator must catch the duplicate itself
         else:
-            raw = json.dumps(self.doc, **self.style).encode()
+            raw = dumps(self.doc, **self.style)
         for op in self.text_ops:
             raw = op(raw)
         target.write_bytes(raw)
@@ -1610,7 +1615,7 @@ def test_memory_bombs_fail_before_allocating(pristine: Pristine, name: str) -> N
         root = top / "ckpt"
         doc = copy.deepcopy(pristine.doc)
         templates = BOMBS[name](doc, root)
-        (root / METADATA_FILE).write_text(json.dumps(doc))
+        write_doc(root / METADATA_FILE, doc)
         for template in templates:
             with peak_rss_growth() as grown:
                 started = time.monotonic()
@@ -1654,7 +1659,7 @@ def _sparse_checkpoint(root: Path, shape: tuple[int, ...], chunk: int) -> None:
         "objects": {},
         "common": {},
     }
-    (root / METADATA_FILE).write_text(json.dumps(doc))
+    write_doc(root / METADATA_FILE, doc)
 
 
 HUGE_SHAPE = (2**13, 2**14)  # 512 MiB of float32
@@ -1703,7 +1708,7 @@ def test_small_reads_of_a_huge_tensor_stay_small(tmp_path: Path, chunk: int, wha
 
 def _small_checkpoint(path: Path, **save_kwargs: Any) -> dict[str, Any]:
     reshard.save({"w": torch.arange(24.0).reshape(4, 6)}, path, **save_kwargs)
-    return json.loads((path / METADATA_FILE).read_bytes())
+    return read_doc(path)
 
 
 def test_box_at_an_offset_not_a_multiple_of_its_itemsize_loads_resharded(tmp_path: Path) -> None:
@@ -1712,7 +1717,7 @@ def test_box_at_an_offset_not_a_multiple_of_its_itemsize_loads_resharded(tmp_pat
     data.write_bytes(b"\x00\x00" + data.read_bytes())  # every box moves 2 bytes later
     doc["tensors"]["w"]["boxes"][0]["byte_offset"] += 2
     doc["files"][0]["size"] += 2
-    (tmp_path / METADATA_FILE).write_text(json.dumps(doc))
+    write_doc(tmp_path / METADATA_FILE, doc)
     assert torch.equal(reshard.load({"w": torch.zeros(4, 6)}, tmp_path)["w"], torch.arange(24.0).reshape(4, 6))
     template = {"w": reshard.ShardedTensor("w", torch.zeros(4, 3), (4, 6), (0, 3))}
     assert torch.equal(reshard.load(template, tmp_path)["w"], torch.arange(24.0).reshape(4, 6)[:, 3:])
@@ -1729,7 +1734,7 @@ def test_every_chunk_a_mapped_read_covers_is_verified(tmp_path: Path, case: str)
         template: Any = reshard.ShardedTensor("w", torch.zeros(2, 4), (4, 6), (2, 2))
     else:
         reshard.save({"w": torch.arange(24.0).reshape(4, 6)}, tmp_path / "small")  # 96 bytes, one 4 MiB chunk
-        doc = json.loads((tmp_path / "small" / METADATA_FILE).read_bytes())
+        doc = read_doc(tmp_path / "small")
         data = tmp_path / "small" / doc["files"][0]["path"]
         raw = bytearray(data.read_bytes())
         raw[doc["tensors"]["w"]["boxes"][0]["byte_offset"] + 90] ^= 0x40
@@ -1767,7 +1772,7 @@ def _load_in_thread(path: Path, template: dict[str, Any], fifo: Path) -> tuple[b
 @pytest.mark.parametrize("which", ["metadata", "data", "lock"])
 def test_a_fifo_in_the_checkpoint_does_not_hang_a_load(tmp_path: Path, which: str) -> None:
     reshard.save({"w": torch.ones(2), "o": reshard.ShardedObject("o", 1, (1,), (0,))}, tmp_path)
-    doc = json.loads((tmp_path / METADATA_FILE).read_bytes())
+    doc = read_doc(tmp_path)
     template: dict[str, Any] = {"w": torch.zeros(2)}
     if which == "metadata":
         fifo = tmp_path / METADATA_FILE
@@ -1779,7 +1784,7 @@ def test_a_fifo_in_the_checkpoint_does_not_hang_a_load(tmp_path: Path, which: st
         fifo = tmp_path / "data" / "fifo.bin"
         doc["files"].append({"path": "data/fifo.bin", "size": 0})
         doc["objects"]["o"]["entries"][0].update(file=1, byte_offset=0, byte_length=0, crc32c=[])
-        (tmp_path / METADATA_FILE).write_text(json.dumps(doc))
+        write_doc(tmp_path / METADATA_FILE, doc)
         template = {"o": reshard.ShardedObject("o", None, (1,), (0,))}
     os.mkfifo(fifo)
     finished, outcome = _load_in_thread(tmp_path, template, fifo)
@@ -1806,16 +1811,16 @@ def test_a_symlinked_metadata_file_is_not_followed(tmp_path: Path) -> None:
 def test_unencodable_file_name_is_corrupt_metadata(tmp_path: Path) -> None:
     doc = _small_checkpoint(tmp_path)
     doc["files"][0]["path"] = "data/\ud800.bin"
-    (tmp_path / METADATA_FILE).write_text(json.dumps(doc))
+    write_doc(tmp_path / METADATA_FILE, doc)
     with pytest.raises(reshard.CorruptCheckpointError, match=re.escape("files[0].path")):
         reshard.read_metadata(tmp_path)
 
 
 def test_overflowing_float_literal_is_refused(tmp_path: Path) -> None:
     doc = _small_checkpoint(tmp_path)
-    text = json.dumps(doc).replace('"common": {}', '"common": {"lr": 1e400}')
-    assert "1e400" in text
-    (tmp_path / METADATA_FILE).write_text(text)
+    text = unseal(dumps(doc)).replace(b'"common":{}', b'"common":{"lr":1e400}')
+    assert b"1e400" in text
+    (tmp_path / METADATA_FILE).write_bytes(seal(text))
     with pytest.raises(reshard.CorruptCheckpointError):
         reshard.read_metadata(tmp_path)
 
@@ -1827,7 +1832,7 @@ def test_validate_refuses_absurd_sizes_without_allocating(pristine: Pristine, bo
         root = top / "ckpt"
         doc = copy.deepcopy(pristine.doc)
         BOMBS[bomb](doc, root)
-        (root / METADATA_FILE).write_text(json.dumps(doc))
+        write_doc(root / METADATA_FILE, doc)
         with peak_rss_growth() as grown:
             problems = validate_checkpoint(root)
         assert any("the metadata says 4611686018427387904" in p for p in problems), problems

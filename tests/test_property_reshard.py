@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 
 import reshard
 from reshard.boxes import Box
-from reshard.locking import release_lock
-from reshard.metadata import METADATA_FILE, Metadata
+from reshard.io.commit import SaveCommit
+from reshard.metadata import Metadata
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION
 from reshard.planning.save_plan import LocalSaveDescription, plan_save
-from reshard.save import _build_metadata, _prepare_rank_state, _prepare_root, _SaveState, _write_assigned
+from reshard.save import _build_metadata, _prepare_rank_state, _SaveState, _write_assigned
 from reshard.sharding import ReplicaId
 from reshard.storage import LocalStorage
 
@@ -149,16 +149,15 @@ def simulate_save(state_dicts: list[dict[str, object]], path: Path, chunk_bytes:
     coordinator.descriptions = [LocalSaveDescription.from_json(d) for d in docs]
     assignments = plan_save(coordinator.descriptions)
     save_id = uuid.uuid4().hex
-    _prepare_root(storage, overwrite=False, save_id=save_id)
+    commit = SaveCommit(storage, save_id, overwrite=False)
+    commit.begin()
     # Every rank writes its assigned boxes; the reports travel as JSON.
     results = [
         json.loads(json.dumps(_write_assigned(storage, state, assignment, save_id, rank, chunk_bytes)))
         for rank, (state, assignment) in enumerate(zip(states, assignments, strict=True))
     ]
     metadata = _build_metadata(coordinator, results, save_id, len(states), chunk_bytes)
-    storage.sync_dir("data")
-    storage.commit(METADATA_FILE, metadata.to_json_bytes(), replace=False)
-    release_lock(storage, save_id)
+    commit.publish(metadata.to_json_bytes())
     return metadata
 
 

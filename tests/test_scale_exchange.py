@@ -16,6 +16,7 @@ import torch
 import reshard
 from reshard.comm import Communicator, padded_size
 from reshard.errors import ShardingError
+from tests.metadata_docs import read_doc
 from tests.rankpool import RankContext, RankFailure, RankPool
 
 TIMEOUT = 60.0
@@ -53,8 +54,10 @@ def test_step_scatter_replies_and_counts_bytes(pool4: RankPool) -> None:
         assert result["reply"] == f"reply {rank}" * (rank + 1)
         if rank == 0:
             continue
-        # all-reduce of the longest length, then the gather of this rank's padded payload (and its status byte)
-        assert result["sent"] == 8 + padded_size([s + 1 for s in sizes])
+        # all-reduce of the longest length, then the gather of this rank's padded payload behind its tag (the
+        # phase's name with its 2-byte length, and a status byte)
+        tag = 2 + len("testing") + 1
+        assert result["sent"] == 8 + padded_size([s + tag for s in sizes])
         # the all-reduce, the broadcast header (8-byte length and the JSON), the longest reply, this reply
         assert result["received"] == 8 + (8 + header) + 8 + padded_size(replies)
 
@@ -95,7 +98,8 @@ def test_save_returns_a_summary_everywhere_and_metadata_on_the_coordinator(pool4
     assert all(r["loaded"] for r in results)
     assert len({json.dumps(r["result"]) for r in results}) == 1
     metadata = reshard.read_metadata(path)
-    assert metadata.format_version == 2  # 44 boxes of "w": packed
+    assert metadata.format_version == 3
+    assert "packed" in read_doc(path)["tensors"]["w"]  # 44 boxes of "w": packed
     world_size, files, total, file_bytes, save_id = results[0]["result"]
     assert (world_size, files, total, save_id) == (4, len(metadata.files), metadata.total_bytes, metadata.save_id)
     assert total == (64 * 6 + 3) * 4

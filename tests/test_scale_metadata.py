@@ -41,6 +41,7 @@ from reshard.save import _build_metadata, _SaveState
 from reshard.testing import MegatronLayout, Parallelism
 from reshard.testing.simulate import write_report
 from tests import oracle_planning as oracle
+from tests.metadata_docs import dumps
 from tests.test_scale_planning import LAYOUT_512, MODEL_512
 
 CHUNK = 4096
@@ -99,11 +100,11 @@ def _legacy_tensors(report: dict[str, Any], chunk: int) -> list[list[Any]]:
 def test_metadata_matches_the_oracle_on_512_ranks(simulated: tuple[Metadata, Metadata]) -> None:
     mine, theirs = simulated
     assert mine == theirs
-    assert mine.to_json_dict(packed=False) == oracle.metadata_json_v1(theirs)
+    assert {**mine.to_json_dict(packed=False), "version": 1} == oracle.metadata_json_v1(theirs)
     assert sum(len(t.boxes) for t in mine.tensors.values()) > 10_000
     raw = mine.to_json_bytes()
     doc = json.loads(raw)
-    assert doc["version"] == FORMAT_VERSION == 2
+    assert doc["version"] == FORMAT_VERSION == 3
     packed = [k for k, t in doc["tensors"].items() if "packed" in t]
     assert packed and any("grid" in doc["tensors"][k]["packed"] for k in packed)
     assert any(doc["tensors"][k]["packed"]["split"] for k in packed)  # ZeRO ranges: split cells
@@ -112,10 +113,10 @@ def test_metadata_matches_the_oracle_on_512_ranks(simulated: tuple[Metadata, Met
     for lazy in (False, True):
         again = Metadata.from_json_bytes(raw, lazy=lazy)
         assert again == theirs
-        assert again.format_version == 2
+        assert again.format_version == 3
     everything = Metadata.from_json_bytes(mine.to_json_bytes(packed=True))
     assert everything == theirs
-    assert Metadata.from_json_bytes(mine.to_json_bytes(packed=False)).format_version == 1
+    assert Metadata.from_json_bytes(mine.to_json_bytes(packed=False)).format_version == 3
 
 
 def test_load_plans_match_the_oracle_on_512_ranks(simulated: tuple[Metadata, Metadata]) -> None:
@@ -179,7 +180,7 @@ def _small_metadata() -> Metadata:
 @pytest.fixture(scope="module")
 def packed_doc() -> dict[str, Any]:
     doc = _small_metadata().to_json_dict(packed=True)
-    assert doc["version"] == 2
+    assert doc["version"] == 3
     assert set(doc["tensors"]["zero"]["packed"]) == {
         "boxes",
         "grid",
@@ -195,7 +196,7 @@ def packed_doc() -> dict[str, Any]:
 
 def test_packed_metadata_round_trips(packed_doc: dict[str, Any]) -> None:
     metadata = _small_metadata()
-    raw = json.dumps(packed_doc).encode()
+    raw = dumps(packed_doc)
     for lazy in (False, True):
         parsed = Metadata.from_json_bytes(raw, lazy=lazy)
         assert parsed == metadata
@@ -304,7 +305,7 @@ def test_hostile_packed_metadata_is_corrupt(packed_doc: dict[str, Any], name: st
     mutation, fragment = HOSTILE[name]
     doc = copy.deepcopy(packed_doc)
     mutation(doc)
-    raw = json.dumps(doc).encode()
+    raw = dumps(doc)
     with pytest.raises(CorruptCheckpointError) as info:
         Metadata.from_json_bytes(raw)
     assert fragment in str(info.value), str(info.value)
@@ -334,7 +335,7 @@ def test_fuzzed_packed_fields_are_valid_or_corrupt(packed_doc: dict[str, Any], d
             raw += bytes(data.draw(st.binary(max_size=8)))
     packed[name] = base64.b64encode(bytes(raw)).decode()
     try:
-        parsed = Metadata.from_json_bytes(json.dumps(doc).encode())
+        parsed = Metadata.from_json_bytes(dumps(doc))
     except CorruptCheckpointError:
         return
     boxes = parsed.tensors[key].boxes
@@ -360,7 +361,7 @@ def test_a_save_packs_tensors_with_many_boxes_and_loads_them_into_another_layout
     assert result.metadata is not None and result.world_size == 1 and result.num_files == 1
     assert result.total_bytes == (240 + 24) * 4
     doc = json.loads((tmp_path / "ckpt" / "metadata.json").read_bytes())
-    assert doc["version"] == 2
+    assert doc["version"] == 3
     assert "packed" in doc["tensors"]["opt"] and "boxes" in doc["tensors"]["small"]
     assert len(result.metadata.tensors["opt"].boxes) >= PACK_MIN_BOXES
     assert reshard.read_metadata(tmp_path / "ckpt") == result.metadata
@@ -381,5 +382,5 @@ def test_length_prefix_of_a_packed_field_cannot_smuggle_data(packed_doc: dict[st
         doc = copy.deepcopy(packed_doc)
         doc["tensors"]["zero"]["packed"]["file"] = bad
         with pytest.raises(CorruptCheckpointError, match=r"packed\.file"):
-            Metadata.from_json_bytes(json.dumps(doc).encode())
+            Metadata.from_json_bytes(dumps(doc))
     assert struct.calcsize("<Q") == 8

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import crc32c
 import pytest
 import torch
 
 import reshard
-from reshard.storage import LocalStorage
-from reshard.storage.base import MappedRange
 from tests.layouts import cuts, global_tensor
+from tests.metadata_docs import read_doc, write_doc
 from tests.rankpool import RankContext, RankFailure, RankPool
 
 TIMEOUT = 60.0
@@ -30,25 +30,16 @@ def _pieces(rank: int, size: int, axis: int, *, blank: bool) -> dict[str, reshar
     return out
 
 
-class ShiftedMapStorage(LocalStorage):
-    """A test hook: memory-mapped reads start one element late, a wrong copy that chunk checksums do not
-    see (the runs are shorter than a checksum chunk)."""
-
-    def map_range(self, name: str, offset: int, length: int) -> MappedRange | None:
-        return super().map_range(name, offset + 8, length)
-
-
 def rank_save(ctx: RankContext, path: str) -> None:
     reshard.save(_pieces(ctx.rank, 4, 0, blank=False), path, fingerprint=True, timeout=TIMEOUT)
 
 
-def rank_load_verified(ctx: RankContext, path: str, size: int, axis: int, shifted: bool) -> str | None:
+def rank_load_verified(ctx: RankContext, path: str, size: int, axis: int) -> str | None:
     group, member = ctx.group_of_size(size)
     if not member:
         return None
     template = _pieces(ctx.rank, size, axis, blank=True)
-    storage = ShiftedMapStorage(path) if shifted else path
-    reshard.load(template, storage, group=group, timeout=TIMEOUT, verify=True)
+    reshard.load(template, path, group=group, timeout=TIMEOUT, verify=True)
     for key, st in template.items():
         shape, dtype = SHAPES[key]
         full = global_tensor(key, shape, dtype)
@@ -62,13 +53,25 @@ def test_correct_loads_on_four_layouts_pass(pool4: RankPool, tmp_path: Path, siz
     path = str(tmp_path / "ckpt")
     pool4.run_ok(rank_save, path)
     assert all(t.fingerprint is not None for t in reshard.read_metadata(path).tensors.values())
-    assert pool4.run_ok(rank_load_verified, path, size, axis, False)[:size] == ["verified"] * size
+    assert pool4.run_ok(rank_load_verified, path, size, axis)[:size] == ["verified"] * size
 
 
-def test_a_wrong_copy_is_caught_on_every_rank(pool4: RankPool, tmp_path: Path) -> None:
-    path = str(tmp_path / "ckpt")
-    pool4.run_ok(rank_save, path)
-    results = pool4.run(rank_load_verified, path, 4, 1, True)  # saved on axis 0, loaded on axis 1: strided
+def test_damage_with_a_forged_chunk_checksum_is_caught_on_every_rank(pool4: RankPool, tmp_path: Path) -> None:
+    """Chunk checksums cannot see damage whose checksum was rewritten to match (and the document resealed):
+    the content fingerprint can, on every rank of another layout."""
+    path = tmp_path / "ckpt"
+    pool4.run_ok(rank_save, str(path))
+    doc = read_doc(path)
+    box = next(b for b in doc["tensors"]["a"]["boxes"] if b["offset"] == [3, 0])
+    data = path / doc["files"][box["file"]]["path"]
+    raw = bytearray(data.read_bytes())
+    raw[box["byte_offset"] + 4 * 7] ^= 0x10  # element (3, 7) of "a"
+    data.write_bytes(bytes(raw))
+    chunk = doc["checksum"]["chunk_bytes"]
+    stored = raw[box["byte_offset"] : box["byte_offset"] + box["byte_length"]]
+    box["crc32c"] = [crc32c.crc32c(stored[i : i + chunk]) for i in range(0, len(stored), chunk)]
+    write_doc(path, doc)
+    results = pool4.run(rank_load_verified, str(path), 4, 1)  # saved on axis 0, loaded on axis 1
     assert all(isinstance(r, RankFailure) for r in results)
     assert {r.error_class for r in results} == {"CorruptCheckpointError"}
     assert all("content fingerprint mismatch" in r.message and "'a'" in r.message for r in results)
@@ -119,16 +122,18 @@ def test_fingerprint_matches_its_definition_and_adds_up_over_any_tiling(dtype: t
 
 
 def test_contiguous_partial_reads_verify_every_chunk_they_touch(tmp_path: Path) -> None:
-    """An axis-0 slice that starts and ends inside checksum chunks reads exactly what it needs, and then
-    reads the two boundary chunks whole to verify them: damage next to the slice is caught."""
+    """An axis-0 slice that starts and ends inside checksum chunks reads what it needs straight into its
+    destination, and the rest of its two boundary chunks beside it, so that every chunk it touches is
+    verified on the bytes used: damage next to the slice is caught."""
     full = torch.arange(1000, dtype=torch.float32)
     reshard.save({"w": full}, tmp_path, checksum_chunk_bytes=256)  # chunks of 64 elements
     template = {"w": reshard.ShardedTensor("w", torch.zeros(300), (1000,), (100,))}
     stats = reshard.LoadStats()
     reshard.load(template, tmp_path, stats=stats)
     assert stats.bytes_read == stats.bytes_needed == 1200
-    # Bytes [400, 1600): chunks 2-5 are covered, chunks 1 and 6 touched at the ends and read whole.
-    assert stats.bytes_verify_extra == 2 * 256
+    # Bytes [400, 1600): chunks 2-5 are covered, chunks 1 and 6 touched at the ends: their other bytes,
+    # [256, 400) and [1600, 1792), are read too.
+    assert stats.bytes_verify_extra == (400 - 256) + (1792 - 1600)
     assert stats.bytes_verified == 6 * 256
     metadata = reshard.read_metadata(tmp_path)
     data = tmp_path / metadata.files[0].path

@@ -23,6 +23,7 @@ from reshard.errors import (
     ShardingError,
     StateDictError,
     StorageError,
+    UnconfirmedCommitError,
 )
 from reshard.load import LoadStats, load, read_metadata
 from reshard.manager import CheckpointManager
@@ -55,6 +56,7 @@ __all__ = [
     "ShardingError",
     "StateDictError",
     "StorageError",
+    "UnconfirmedCommitError",
     "__version__",
     "async_save",
     "filter_state_dict",

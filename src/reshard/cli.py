@@ -28,7 +28,43 @@ from reshard.errors import CheckpointError
 from reshard.load import read_metadata
 from reshard.metadata import FORMAT_NAME, Metadata
 
-__all__ = ["inspect_summary", "main"]
+__all__ = ["inspect_summary", "main", "printable"]
+
+
+def printable(text: str) -> str:
+    """``text`` safe to show on a terminal: every character that is not printable (control characters such
+    as ESC, format characters such as a right-to-left override, lone surrogates) except the newline is
+    written as an escape (``\\x1b``, ``\\u202e``), so that a key or path read from a checkpoint cannot move
+    the cursor, recolour the terminal or fail to encode."""
+    if all(c.isprintable() or c == "\n" for c in text):
+        return text
+    out = []
+    for c in text:
+        if c.isprintable() or c == "\n":
+            out.append(c)
+        else:
+            code = ord(c)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return "".join(out)
+
+
+class _SafeText:
+    """A text stream that writes :func:`printable` text, and falls back to backslash escapes for what its
+    encoding cannot hold (an ASCII terminal, say)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        safe = printable(text)
+        try:
+            return int(self.stream.write(safe))
+        except UnicodeEncodeError:
+            encoding = getattr(self.stream, "encoding", None) or "ascii"
+            return int(self.stream.write(safe.encode(encoding, "backslashreplace").decode(encoding)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 def _human_bytes(n: int) -> str:
@@ -668,19 +704,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``reshard`` command; returns the exit code."""
     args = build_parser().parse_args(argv)
+    stdout = sys.stdout
+    sys.stdout = _SafeText(stdout)  # keys and paths from checkpoints are untrusted
+    errors = _SafeText(sys.stderr)
     try:
         code: int = args.func(args)
     except _UsageError as exc:
-        sys.stderr.write(f"reshard {args.command}: error: {exc}\n")
+        errors.write(f"reshard {args.command}: error: {exc}\n")
         return EXIT_USAGE
     except CheckpointError as exc:
-        sys.stderr.write(f"reshard {args.command}: {exc}\n")
+        errors.write(f"reshard {args.command}: {exc}\n")
         return EXIT_CHECKPOINT
     except BrokenPipeError:  # output piped into a reader that stopped early (| head)
         return EXIT_OK
     except KeyboardInterrupt:
-        sys.stderr.write(f"reshard {args.command}: interrupted\n")
+        errors.write(f"reshard {args.command}: interrupted\n")
         return EXIT_INTERRUPTED
+    finally:
+        sys.stdout = stdout
     return code
 
 

@@ -41,7 +41,54 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 """Default time a rank waits for its peers in one collective."""
 
 _LENGTH = struct.Struct("<Q")
+_PHASE_LENGTH = struct.Struct("<H")
 _OK, _FAILED = b"\x00", b"\x01"
+
+
+def _tagged(phase: str, status: bytes, body: bytes) -> bytes:
+    """A step's gathered payload: the phase's name (so that the coordinator can tell when the ranks are
+    not in the same step), a status byte, then the body."""
+    name = phase.encode("utf-8")
+    return _PHASE_LENGTH.pack(len(name)) + name + status + body
+
+
+def _untagged(payload: bytes) -> tuple[str, bytes, bytes]:
+    """(phase, status, body) of a :func:`_tagged` payload; ValueError when it is not one."""
+    if len(payload) < _PHASE_LENGTH.size:
+        raise ValueError(f"a payload of {len(payload)} bytes")
+    (length,) = _PHASE_LENGTH.unpack_from(payload)
+    start = _PHASE_LENGTH.size
+    if len(payload) < start + length + 1:
+        raise ValueError(f"a payload of {len(payload)} bytes, shorter than its phase name")
+    phase = payload[start : start + length].decode("utf-8")
+    status = payload[start + length : start + length + 1]
+    if status not in (_OK, _FAILED):
+        raise ValueError(f"status byte {status!r}")
+    return phase, status, payload[start + length + 1 :]
+
+
+def _phase_mismatch(phase: str, gathered: list[bytes]) -> tuple[dict[int, tuple[bytes, bytes]], str | None]:
+    """Split the gathered payloads of ``phase``; the second value is the message of the error every rank
+    raises when some rank is in another step (another reshard call, or another version of reshard)."""
+    parts: dict[int, tuple[bytes, bytes]] = {}
+    elsewhere: dict[int, str] = {}
+    for rank, payload in enumerate(gathered):
+        try:
+            their_phase, status, body = _untagged(payload)
+        except (ValueError, UnicodeDecodeError):
+            elsewhere[rank] = "an unrecognised message (another version of reshard?)"
+            continue
+        if their_phase != phase:
+            elsewhere[rank] = repr(their_phase)
+        parts[rank] = (status, body)
+    if not elsewhere:
+        return parts, None
+    details = ", ".join(f"rank {r} in {what}" for r, what in sorted(elsewhere.items()))
+    return parts, (
+        f"the ranks of the group are not in the same reshard operation: the coordinator (rank 0) is in "
+        f"{phase!r}, {details}. Every rank of the group must call the same reshard function (save, load, "
+        "a manager method) at the same point, with the same group"
+    )
 
 
 def padded_size(lengths: list[int]) -> int:
@@ -261,16 +308,16 @@ class Communicator:
             return self._step_alone(local, combine)
         own_error: BaseException | None = None
         try:
-            outcome: dict[str, Any] = {"ok": local()}
+            payload = _tagged(phase, _OK, json.dumps(local(), allow_nan=False).encode())
         except Exception as exc:  # collected, then raised on every rank below
             own_error = exc
             logger.debug("[rank=%d] %s failed:\n%s", self.rank, phase, "".join(traceback.format_exception(exc)))
-            outcome = {"error": StepFailure.from_exception(exc).to_json()}
-        gathered = self.gather_bytes(json.dumps(outcome, allow_nan=False).encode())
+            payload = _tagged(phase, _FAILED, json.dumps(StepFailure.from_exception(exc).to_json()).encode())
+        gathered = self.gather_bytes(payload)
         decision: bytes | None = None
         if gathered is not None:
-            decision = self._decide(phase, [json.loads(g) for g in gathered], combine)
-        return self._agreed(phase, json.loads(self.broadcast_bytes(decision)), own_error)
+            decision = self._decide(phase, gathered, combine)
+        return self._agreed(phase, _decoded_decision(self.broadcast_bytes(decision)), own_error)
 
     @staticmethod
     def _agreed(phase: str, result: dict[str, Any], own_error: BaseException | None) -> Any:
@@ -305,31 +352,63 @@ class Communicator:
             return alone, alone_replies[0]
         own_error: BaseException | None = None
         try:
-            payload = _OK + local()
+            payload = _tagged(phase, _OK, local())
         except Exception as exc:  # collected, then raised on every rank below
             own_error = exc
             logger.debug("[rank=%d] %s failed:\n%s", self.rank, phase, "".join(traceback.format_exception(exc)))
-            payload = _FAILED + json.dumps(StepFailure.from_exception(exc).to_json()).encode()
+            payload = _tagged(phase, _FAILED, json.dumps(StepFailure.from_exception(exc).to_json()).encode())
         gathered = self.gather_bytes(payload)
         header: bytes | None = None
         replies: list[bytes] | None = None
         if gathered is not None:
             header, replies = self._decide_scatter(phase, gathered, combine)
-        value = self._agreed(phase, json.loads(self.broadcast_bytes(header)), own_error)
+        value = self._agreed(phase, _decoded_decision(self.broadcast_bytes(header)), own_error)
         return value, self.scatter_bytes(replies)
+
+    def _failures_or_mismatch(self, phase: str, gathered: list[bytes]) -> tuple[list[bytes], bytes | None]:
+        """The bodies of every rank's successful part, or the decision that fails the step: a rank in
+        another step, or failures."""
+        parts, mismatch = _phase_mismatch(phase, gathered)
+        if mismatch is not None:
+            failure = StepFailure(CheckpointError.__name__, mismatch)
+            return [], json.dumps({"error": failure.to_json()}, allow_nan=False).encode()
+        failures = {}
+        for rank, (status, body) in parts.items():
+            if status == _OK:
+                continue
+            try:
+                doc = json.loads(body)
+                failures[rank] = {"class": str(doc["class"]), "message": str(doc["message"])}
+            except (ValueError, KeyError, TypeError):
+                failures[rank] = {"class": CheckpointError.__name__, "message": "an unreadable failure report"}
+            if failures[rank]["class"] not in ERROR_CLASSES:
+                failures[rank]["class"] = CheckpointError.__name__
+        if failures:
+            return [], json.dumps({"failures": failures}, allow_nan=False).encode()
+        return [parts[r][1] for r in range(len(gathered))], None
+
+    def _combine_failed(self, phase: str, exc: Exception) -> bytes:
+        """The decision when the coordinator's ``combine`` raised: reshard's errors (a global check such as
+        a layout validation) as they are; anything else names the coordinator."""
+        logger.debug("[rank=%d] %s failed:\n%s", self.rank, phase, "".join(traceback.format_exception(exc)))
+        failure = StepFailure.from_exception(exc)
+        if not isinstance(exc, CheckpointError):
+            failure = StepFailure(
+                failure.error_class, f"{phase} failed on the coordinator (rank {self.rank}): {failure.message}"
+            )
+        return json.dumps({"error": failure.to_json()}, allow_nan=False).encode()
 
     def _decide_scatter(
         self, phase: str, gathered: list[bytes], combine: Callable[[list[bytes]], tuple[Any, list[bytes]]]
     ) -> tuple[bytes, list[bytes] | None]:
-        failures = {r: json.loads(g[1:]) for r, g in enumerate(gathered) if g[:1] != _OK}
-        if failures:
-            return json.dumps({"failures": failures}, allow_nan=False).encode(), None
+        bodies, failed = self._failures_or_mismatch(phase, gathered)
+        if failed is not None:
+            return failed, None
         try:
-            value, replies = combine([g[1:] for g in gathered])
+            value, replies = combine(bodies)
             header = json.dumps({"result": value}, allow_nan=False).encode()
         except Exception as exc:  # a global check failed: every rank raises it
-            logger.debug("[rank=%d] %s failed:\n%s", self.rank, phase, "".join(traceback.format_exception(exc)))
-            return json.dumps({"error": StepFailure.from_exception(exc).to_json()}, allow_nan=False).encode(), None
+            return self._combine_failed(phase, exc), None
         if len(replies) != self.size:
             failure = StepFailure(CheckpointError.__name__, f"{phase}: {len(replies)} replies for {self.size} ranks")
             return json.dumps({"error": failure.to_json()}, allow_nan=False).encode(), None
@@ -347,13 +426,31 @@ class Communicator:
             failure = StepFailure.from_exception(exc)
             raise ERROR_CLASSES[failure.error_class](failure.message) from exc
 
-    def _decide(self, phase: str, outcomes: list[dict[str, Any]], combine: Callable[[list[Any]], Any] | None) -> bytes:
-        failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
-        if failures:
-            return json.dumps({"failures": failures}, allow_nan=False).encode()
+    def _decide(self, phase: str, gathered: list[bytes], combine: Callable[[list[Any]], Any] | None) -> bytes:
+        bodies, failed = self._failures_or_mismatch(phase, gathered)
+        if failed is not None:
+            return failed
         try:
-            combined = combine([o["ok"] for o in outcomes]) if combine is not None else None
+            values = [json.loads(body) for body in bodies]
+        except ValueError as exc:
+            return self._combine_failed(phase, CheckpointError(f"{phase}: a rank sent an unreadable result: {exc}"))
+        try:
+            combined = combine(values) if combine is not None else None
             return json.dumps({"result": combined}, allow_nan=False).encode()
         except Exception as exc:  # a global check failed: every rank raises it
-            logger.debug("[rank=%d] %s failed:\n%s", self.rank, phase, "".join(traceback.format_exception(exc)))
-            return json.dumps({"error": StepFailure.from_exception(exc).to_json()}, allow_nan=False).encode()
+            return self._combine_failed(phase, exc)
+
+
+def _decoded_decision(raw: bytes) -> dict[str, Any]:
+    """The coordinator's broadcast decision; a rank that gets something else (the coordinator runs
+    another operation or another version of reshard) raises a reshard error instead of a parse error."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict) or not ({"result", "failures", "error"} & doc.keys()):
+        raise CheckpointError(
+            "the coordinator (rank 0) answered with something that is not a reshard decision: the ranks of the "
+            "group are not in the same reshard operation (every rank must call the same function at the same point)"
+        )
+    return doc

@@ -23,6 +23,7 @@ __all__ = [
     "ShardingError",
     "StateDictError",
     "StorageError",
+    "UnconfirmedCommitError",
 ]
 
 
@@ -81,6 +82,25 @@ class CommunicationError(CheckpointError):
     """A collective among the ranks failed: it timed out, or a peer process died."""
 
 
+class UnconfirmedCommitError(CheckpointError):
+    """The checkpoint **was committed and is complete**, but the save could not end in agreement: a rank
+    died or lost contact after the commit. Nothing the checkpoint references was deleted; it loads like
+    any other. Raised by the coordinator (which committed), and by a rank that lost contact but found the
+    committed ``metadata.json`` of its own save.
+
+    Attributes:
+        path: the checkpoint.
+        save_id: the save that committed it.
+    """
+
+    def __init__(
+        self, message: str, *, path: str = "", save_id: str = "", failures: dict[int, str] | None = None
+    ) -> None:
+        super().__init__(message, failures=failures)
+        self.path = path
+        self.save_id = save_id
+
+
 ERROR_CLASSES: dict[str, type[CheckpointError]] = {
     cls.__name__: cls
     for cls in (
@@ -95,6 +115,7 @@ ERROR_CLASSES: dict[str, type[CheckpointError]] = {
         StorageError,
         CommunicationError,
         CheckpointLockedError,
+        UnconfirmedCommitError,
     )
 }
 """Error classes by name, to raise on every rank the class that a failing rank raised."""

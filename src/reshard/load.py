@@ -23,14 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import crc32c
 import torch
 import torch.distributed as dist
 
-from reshard.boxes import Box, row_major_strides
 from reshard.codec import decode_object_blob
 from reshard.comm import Communicator
-from reshard.dtypes import byte_view, dtype_name
+from reshard.dtypes import dtype_name
 from reshard.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -41,14 +39,15 @@ from reshard.errors import (
     StorageError,
 )
 from reshard.fingerprint import fingerprint
+from reshard.io.reader import DEFAULT_READ_BUFFER_BYTES, ReadExecutor
 from reshard.locking import read_lock
-from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata, SavedObject
-from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan, ReadItem, TargetPiece, plan_load
+from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata, SavedObject
+from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan, TargetPiece, plan_load
 from reshard.sharding import LocalPiece, ShardedObject, ShardedTensor
 from reshard.staging import StagedFiles, stage_files
 from reshard.statedict import FlatStateDict, flatten_state_dict, map_leaves
 from reshard.stats import EXCHANGE, PhaseClock
-from reshard.storage import CheckpointLocation, ReadRequest, Storage, storage_for
+from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
 
 if TYPE_CHECKING:
     from reshard.interop.hf_source import KeyMap
@@ -56,9 +55,6 @@ if TYPE_CHECKING:
 __all__ = ["LoadStats", "load", "read_metadata"]
 
 logger = logging.getLogger("reshard")
-
-DEFAULT_READ_BUFFER_BYTES = 32 * 1024 * 1024
-"""Bytes of staging buffer a rank uses for reads that cannot land directly in their destination."""
 
 
 @dataclass
@@ -121,26 +117,36 @@ def read_metadata_bytes(storage: Storage) -> bytes:
     Raises:
         CheckpointNotFoundError: the path does not exist, or is not a checkpoint.
         IncompleteCheckpointError: data files but no ``metadata.json`` (a save that never committed).
+        CorruptCheckpointError: ``metadata.json`` is larger than :data:`~reshard.metadata.MAX_METADATA_BYTES`.
         StorageError: the file exists but cannot be read.
     """
     where = storage.describe()
     try:
-        return storage.read_bytes(METADATA_FILE)
+        return storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
     except FileNotFoundError:
         pass
     except NotADirectoryError:
         raise CheckpointNotFoundError(f"{where} is a file, not a checkpoint directory") from None
+    except FileTooLargeError as exc:
+        raise CorruptCheckpointError(
+            f"{storage.describe(METADATA_FILE)} is too large to be metadata ({exc.strerror}); refused unread"
+        ) from exc
     except OSError as exc:
         raise StorageError(f"cannot read {storage.describe(METADATA_FILE)}: {exc}") from exc
-    if not storage.root_exists():
+    try:
+        exists = storage.root_exists()
+        holder = read_lock(storage) if exists else None
+        has_data = exists and (bool(storage.list_files(DATA_DIR)) or storage.exists(DATA_DIR))
+    except OSError as exc:
+        raise StorageError(f"{where} has no {METADATA_FILE}, and looking for its data failed: {exc}") from exc
+    if not exists:
         raise CheckpointNotFoundError(f"no checkpoint at {where}: the path does not exist")
-    holder = read_lock(storage)
     if holder is not None:
         raise IncompleteCheckpointError(
             f"{where} has no {METADATA_FILE}: a save is writing it or was interrupted "
             f"(lock held by {holder.describe()})"
         )
-    if storage.list_files(DATA_DIR) or storage.exists(DATA_DIR):
+    if has_data:
         raise IncompleteCheckpointError(
             f"{where} holds data files but no {METADATA_FILE}: a save that was interrupted before it committed"
         )
@@ -345,9 +351,7 @@ def _load_from(
             needed.update(e.file for e in metadata.objects[obj.key].entries if e.offset == obj.global_offset)
         with clock.phase("stage"):
             staged = stage_files(comm, storage, metadata, needed, staging.directory, staging.node_group)
-    executor = _ReadExecutor(
-        staged.storage if staged is not None else storage, metadata, buffer_bytes=read_buffer_bytes
-    )
+    executor = ReadExecutor(staged.storage if staged is not None else storage, metadata, buffer_bytes=read_buffer_bytes)
     loaded_objects: dict[tuple[str, tuple[int, ...]], object] = {}
 
     def read() -> None:
@@ -358,7 +362,7 @@ def _load_from(
         try:
             executor.run(load_plan, [p.view for p in pieces], [p.box for p in pieces])
             for obj in flat.objects:
-                loaded_objects[(obj.key, obj.global_offset)] = executor.read_object(obj)
+                loaded_objects[(obj.key, obj.global_offset)] = _read_object(executor, metadata, obj)
         finally:
             executor.close()
 
@@ -520,296 +524,14 @@ def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool, al
     return missing
 
 
-@dataclass
-class _Pending:
-    """A read item waiting in the current batch: where its bytes land in the staging buffer."""
-
-    item: ReadItem
-    dest: torch.Tensor
-    staging_offset: int
-
-
-class _ReadExecutor:
-    """Performs one rank's reads in batches through :meth:`Storage.read_ranges` (which object stores
-    serve concurrently): reads that are one contiguous run of the destination's dtype land directly in
-    the destination tensor; the others land in a reused staging buffer of at most ``buffer_bytes`` (a
-    single larger read gets a buffer of its own size) and are copied (and converted) into place once the
-    batch is read. Every checksum chunk a read covers whole is verified before the data is used."""
-
-    def __init__(self, storage: Storage, metadata: Metadata, *, buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES) -> None:
-        self.storage = storage
-        self.metadata = metadata
-        self.buffer_bytes = buffer_bytes
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-        self.bytes_verified = 0
-        self.bytes_verify_extra = 0
-        self.bytes_direct = 0
-        self.checked_files: set[int] = set()
-
-    def _check_file(self, file: int) -> None:
-        """Before the first read of a data file: it exists and has the size the metadata says."""
-        if file in self.checked_files:
-            return
-        entry = self.metadata.files[file]
-        where = self.storage.describe(entry.path)
-        try:
-            size = self.storage.size(entry.path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"data file {where} is missing") from None
-        except OSError as exc:
-            raise StorageError(f"cannot open data file {where}: {exc}") from exc
-        if size != entry.size:
-            raise CorruptCheckpointError(
-                f"data file {where} has {size} bytes, the metadata says {entry.size}: it was truncated or altered"
-            )
-        self.checked_files.add(file)
-
-    def _read(self, requests: list[ReadRequest], whats: list[str]) -> None:
-        try:
-            got = self.storage.read_ranges(requests)
-        except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"{whats[0]}: a data file is missing: {exc}") from exc
-        except CheckpointError:
-            raise
-        except OSError as exc:
-            raise StorageError(f"reading {whats[0]} failed: {exc}") from exc
-        for request, count, what in zip(requests, got, whats, strict=True):
-            if count != len(request.buffer):
-                raise CorruptCheckpointError(
-                    f"{what}: data file {self.storage.describe(request.name)} is truncated: expected "
-                    f"{len(request.buffer)} bytes at offset {request.offset}, got {count}"
-                )
-
-    def _check_chunk(self, expected: int, data: memoryview, file: int, file_offset: int, what: str) -> None:
-        if crc32c.crc32c(data) != expected:
-            path = self.storage.describe(self.metadata.files[file].path)
-            raise CorruptCheckpointError(
-                f"{what}: checksum mismatch in data file {path} at bytes [{file_offset}, {file_offset + len(data)})"
-            )
-        self.bytes_verified += len(data)
-
-    def _verify_range(
-        self,
-        checksums: tuple[int, ...],
-        box_length: int,
-        start: int,
-        data: memoryview,
-        file: int,
-        box_offset: int,
-        what: str,
-    ) -> None:
-        """Verify every checksum chunk lying wholly in ``data``, which holds bytes ``[start, start+len)``
-        of a stored box whose first byte is at ``box_offset`` of ``file``."""
-        chunk = self.metadata.checksum_chunk_bytes
-        end = start + len(data)
-        for index in range(-(-start // chunk), len(checksums)):
-            lo = index * chunk
-            hi = min(lo + chunk, box_length)
-            if hi > end:
-                break
-            self._check_chunk(checksums[index], data[lo - start : hi - start], file, box_offset + lo, what)
-
-    def _direct(self, item: ReadItem, dest: torch.Tensor) -> bool:
-        dtype = self.metadata.tensors[item.key].torch_dtype
-        pattern = item.pattern
-        return (
-            pattern.count == 1
-            and pattern.span == pattern.needed
-            and dest.dtype == dtype
-            and dest.device.type == "cpu"
-            and dest.is_contiguous()
-        )
-
-    def run(self, plan: LoadPlan, views: list[torch.Tensor], boxes: list[Box]) -> None:
-        batch_direct: list[tuple[ReadItem, torch.Tensor]] = []
-        batch_staged: list[_Pending] = []
-        staged_bytes = 0
-        for item in plan.items:
-            self._check_file(item.file)
-            target = views[item.target]
-            dest = target.detach()[item.overlap.relative_to(boxes[item.target])] if target.ndim else target.detach()
-            if self._direct(item, dest):
-                batch_direct.append((item, dest))
-                continue
-            if self._copy_mapped(item, dest):
-                continue
-            need = -(-item.pattern.count * item.pattern.span * item.itemsize // 64) * 64  # keep dtype views aligned
-            if batch_staged and staged_bytes + need > self.buffer_bytes:
-                self._flush(batch_direct, batch_staged, staged_bytes)
-                batch_direct, batch_staged, staged_bytes = [], [], 0
-            batch_staged.append(_Pending(item, dest, staged_bytes))
-            staged_bytes += need
-        if batch_direct or batch_staged:
-            self._flush(batch_direct, batch_staged, staged_bytes)
-        self._verify_boundary_chunks(plan)
-
-    def _verify_boundary_chunks(self, plan: LoadPlan) -> None:
-        """A contiguous read that starts or ends inside a checksum chunk touches that chunk without
-        covering it: read those chunks whole (at most two per read, counted in ``bytes_verify_extra``) and
-        verify them, so that every chunk a contiguous read touches is checked. Strided reads verify only
-        the chunks their runs cover (checking more would read up to whole saved boxes)."""
-        chunk = self.metadata.checksum_chunk_bytes
-        pending: dict[tuple[str, int], tuple[int, int, int, str, int]] = {}
-        for item in plan.items:
-            saved = self.metadata.tensors[item.key].boxes[item.saved_index]
-            if item.pattern.count != 1 or not saved.checksums:  # safetensors sources have no checksums
-                continue
-            start = item.pattern.first * item.itemsize
-            end = start + item.pattern.span * item.itemsize
-            for index in {start // chunk, (end - 1) // chunk}:
-                lo, hi = index * chunk, min(index * chunk + chunk, saved.byte_length)
-                if lo < start or hi > end:  # touched, not covered
-                    pending[(item.key, saved.byte_offset + lo)] = (
-                        saved.file,
-                        saved.byte_offset + lo,
-                        hi - lo,
-                        item.key,
-                        saved.checksums[index],
-                    )
-        for file, offset, length, name, expected in sorted(pending.values()):
-            self._check_chunk_streamed(expected, file, offset, length, f"tensor {name!r}")
-            self.bytes_verify_extra += length
-
-    def _check_chunk_streamed(self, expected: int, file: int, offset: int, length: int, what: str) -> None:
-        """Verify one chunk by reading it in pieces of at most the staging buffer (memory stays bounded
-        whatever the chunk size the metadata declares)."""
-        piece = max(1, min(self.buffer_bytes, length))
-        if self.buffer.numel() < piece:
-            self.buffer = torch.empty(max(piece, min(self.buffer_bytes, 1 << 20)), dtype=torch.uint8)
-        view = byte_view(self.buffer)
-        name = self.metadata.files[file].path
-        value = 0
-        for start in range(0, length, piece):
-            part = view[: min(piece, length - start)]
-            self._read([ReadRequest(name, offset + start, part)], [what])
-            value = crc32c.crc32c(part, value)
-        if value != expected:
-            raise CorruptCheckpointError(
-                f"{what}: checksum mismatch in data file {self.storage.describe(name)} at bytes "
-                f"[{offset}, {offset + length})"
-            )
-        self.bytes_verified += length
-
-    def _copy_mapped(self, item: ReadItem, dest: torch.Tensor) -> bool:
-        """Copy a strided overlap straight from the mapped file range into its destination, converting
-        the dtype in the same pass: no per-run read calls and no staging buffer. Chunks lying wholly inside
-        one of the overlap's runs are verified, as with read calls. False where the storage cannot map."""
-        saved = self.metadata.tensors[item.key].boxes[item.saved_index]
-        dtype = self.metadata.tensors[item.key].torch_dtype
-        pattern = item.pattern
-        strides = row_major_strides(saved.shape)
-        first = pattern.first * item.itemsize
-        if (saved.byte_offset + first) % item.itemsize:
-            return False  # a view of the mapping would be misaligned: take the staged path
-        extent = (1 + sum((n - 1) * st for n, st in zip(item.overlap.shape, strides, strict=True))) * item.itemsize
-        name = self.metadata.files[saved.file].path
-        try:
-            mapped = self.storage.map_range(name, saved.byte_offset + first, extent)
-        except OSError as exc:
-            raise StorageError(f"cannot map data file {self.storage.describe(name)}: {exc}") from exc
-        if mapped is None:
-            return False
-        try:
-            source = mapped.tensor.view(dtype).as_strided(item.overlap.shape, strides)
-            span_bytes = pattern.span * item.itemsize
-            chunk = self.metadata.checksum_chunk_bytes
-            if span_bytes >= chunk:
-                runs = pattern.starts()
-            else:
-                # Runs shorter than a chunk can only cover the box's short last chunk, and only the last
-                # run can reach it.
-                lead = zip(pattern.lead_shape, pattern.lead_strides, strict=True)
-                last = pattern.first + sum((n - 1) * st for n, st in lead)
-                runs = [last]
-            raw = byte_view(mapped.tensor)
-            what = f"tensor {item.key!r} box at {list(saved.offset)}"
-            for run in runs:
-                lo = run * item.itemsize - first
-                self._verify_range(
-                    saved.checksums,
-                    saved.byte_length,
-                    run * item.itemsize,
-                    raw[lo : lo + span_bytes],
-                    saved.file,
-                    saved.byte_offset,
-                    what,
-                )
-            del raw  # release the buffer export, so that the mapping can be closed now
-            with torch.no_grad():
-                dest.copy_(source)
-            del source
-        finally:
-            mapped.close()
-        return True
-
-    def close(self) -> None:
-        """Release the staging buffer."""
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-
-    def _flush(self, direct: list[tuple[ReadItem, torch.Tensor]], staged: list[_Pending], staged_bytes: int) -> None:
-        if self.buffer.numel() < staged_bytes:
-            # Allocated once at the batch limit (planning keeps every item within it), so that growing
-            # batches do not leave a trail of freed buffers in the heap.
-            self.buffer = torch.empty(max(staged_bytes, self.buffer_bytes), dtype=torch.uint8)
-        staging = byte_view(self.buffer[:staged_bytes]) if staged_bytes else memoryview(b"")
-        requests: list[ReadRequest] = []
-        whats: list[str] = []
-        checks: list[tuple[ReadItem, int, memoryview]] = []
-        for item, dest in direct:
-            self.bytes_direct += item.bytes_needed
-            saved = self.metadata.tensors[item.key].boxes[item.saved_index]
-            start = item.pattern.first * item.itemsize
-            view = byte_view(dest)
-            requests.append(ReadRequest(self.metadata.files[saved.file].path, saved.byte_offset + start, view))
-            whats.append(f"tensor {item.key!r} box at {list(saved.offset)}")
-            checks.append((item, start, view))
-        for pending in staged:
-            item = pending.item
-            saved = self.metadata.tensors[item.key].boxes[item.saved_index]
-            span_bytes = item.pattern.span * item.itemsize
-            for i, first in enumerate(item.pattern.starts()):
-                start = first * item.itemsize
-                lo = pending.staging_offset + i * span_bytes
-                view = staging[lo : lo + span_bytes]
-                requests.append(ReadRequest(self.metadata.files[saved.file].path, saved.byte_offset + start, view))
-                whats.append(f"tensor {item.key!r} box at {list(saved.offset)}")
-                checks.append((item, start, view))
-        if requests:
-            self._read(requests, whats)
-        for (item, start, view), what in zip(checks, whats, strict=True):
-            saved = self.metadata.tensors[item.key].boxes[item.saved_index]
-            self._verify_range(saved.checksums, saved.byte_length, start, view, saved.file, saved.byte_offset, what)
-        for pending in staged:
-            self._copy_staged(pending)
-
-    def _copy_staged(self, pending: _Pending) -> None:
-        item = pending.item
-        pattern = item.pattern
-        dtype = self.metadata.tensors[item.key].torch_dtype
-        nbytes = pattern.count * pattern.span * item.itemsize
-        region = self.buffer[pending.staging_offset : pending.staging_offset + nbytes]
-        lead_strides: list[int] = []
-        stride = pattern.span
-        for size in reversed(pattern.lead_shape):
-            lead_strides.insert(0, stride)
-            stride *= size
-        source = region.view(dtype).as_strided(
-            (*pattern.lead_shape, *pattern.inner_shape), (*lead_strides, *pattern.inner_strides)
-        )
-        with torch.no_grad():
-            pending.dest.copy_(source.reshape(pending.dest.shape))
-
-    def read_object(self, obj: ShardedObject) -> object:
-        entry: SavedObject = next(e for e in self.metadata.objects[obj.key].entries if e.offset == obj.global_offset)
-        what = f"object {obj.key!r} at {list(obj.global_offset)}"
-        self._check_file(entry.file)
-        blob = bytearray(entry.byte_length)
-        view = memoryview(blob)
-        self._read([ReadRequest(self.metadata.files[entry.file].path, entry.byte_offset, view)], [what])
-        self._verify_range(entry.checksums, entry.byte_length, 0, view, entry.file, entry.byte_offset, what)
-        try:
-            return decode_object_blob(view, where=what)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CorruptCheckpointError(f"{what}: cannot decode: {exc}") from exc
+def _read_object(executor: ReadExecutor, metadata: Metadata, obj: ShardedObject) -> object:
+    """The value of one ShardedObject cell: its blob read whole, verified and decoded (no pickle)."""
+    entry: SavedObject = next(e for e in metadata.objects[obj.key].entries if e.offset == obj.global_offset)
+    what = f"object {obj.key!r} at {list(obj.global_offset)}"
+    blob = executor.read_object_blob(obj.key, entry)
+    try:
+        return decode_object_blob(memoryview(blob), where=what)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{what}: cannot decode: {exc}") from exc

@@ -1,121 +1,379 @@
-"""Exclusive locks against concurrent writers: a marker object created with a create-only write.
+"""Exclusive locks against concurrent writers: a chain of marker objects, each created create-only.
 
-A save holds ``<checkpoint>/.lock`` from planning until its commit (or failure); a
-:class:`~reshard.CheckpointManager` holds ``<root>/.lock`` around its save and retention. The marker is
-created with the storage's create-only commit (an exclusive hard link locally; ``If-None-Match: *`` on S3,
-``ifGenerationMatch=0`` on GCS, which both refuse a second creator), so of two writers exactly one gets it
-and the other fails with :class:`~reshard.CheckpointLockedError`. The marker names its holder (host, pid,
-a token, the time). A holder that crashed leaves its marker behind; such a lock is *stale* and is broken by
-the next writer when its holder was on the same host and that process no longer exists, or when it is
-older than ``stale_after_s``. Object stores without conditional writes cannot give this guarantee; S3 and
-GCS both have them.
+A save holds the lock of its checkpoint (``<checkpoint>/.lock``) from planning until its commit (or
+failure); a :class:`~reshard.CheckpointManager` holds the lock of its root around its save and retention.
+Two writers on one path must never interleave, and a writer that crashed must not block the path for long.
+
+**The chain.** A lock is a sequence of *markers*: generation 0 is named ``.lock``, generation ``g > 0`` is
+``.lock.<g, 12 digits>``. The lock's state is its highest generation (none: free). Every marker is
+written with the storage's create-only commit (an exclusive hard link locally, ``If-None-Match: *`` on S3,
+``ifGenerationMatch=0`` on GCS), so a transition from generation ``g`` to ``g + 1`` is a compare-and-swap:
+of any number of writers that try it, exactly one succeeds. A marker names its holder (host, pid, a
+token unique to the holder) and when it was written.
+
+- **Acquire**: with no marker, create generation 0; with a stale holder at generation ``g`` (below),
+  create ``g + 1``. Then list the markers again: the writer holds the lock only if its marker is the
+  highest and, when it took over ``g``, marker ``g`` still exists (it was not released in between, which
+  would let a fresh writer start a new chain at generation 0 at the same time). Then it deletes the
+  markers below its own.
+- **Renew**: the holder moves its lock to the next generation every ``renew_s`` seconds (a background
+  thread), which is how other hosts tell a live holder from a dead one. A holder whose renewal fails
+  has lost its lock; a save checks that it still holds it right before its commit.
+- **Release**: the holder deletes its marker if it is still the highest.
+- **Stale holders**: a holder is stale when it ran on this host and its process no longer exists, when
+  its marker was written more than ``stale_after_s`` ago (by this host's clock), or when the lock does not
+  move for ``lease_s`` seconds while a writer waits (measured on the waiter's own clock, so clock skew
+  between hosts does not matter). A writer that finds a lock of another host waits up to ``lease_s`` for
+  it to be released or to prove stale.
+
+Only the holder deletes markers (its predecessors after taking over, its own on release), so the checks
+above are sound on any storage with create-only commits and consistent listings: local and shared POSIX
+filesystems, S3 and GCS.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
-from reshard.errors import CheckpointLockedError
-from reshard.storage import Storage
+from reshard.errors import CheckpointLockedError, StorageError
+from reshard.storage import FileTooLargeError, Storage
 
-__all__ = ["DEFAULT_STALE_AFTER_S", "LOCK_FILE", "LockInfo", "acquire_lock", "read_lock", "release_lock"]
+__all__ = [
+    "DEFAULT_LEASE_S",
+    "DEFAULT_RENEW_S",
+    "DEFAULT_STALE_AFTER_S",
+    "LOCK_FILE",
+    "Lock",
+    "LockInfo",
+    "LockTiming",
+    "acquire_lock",
+    "lock_markers",
+    "read_lock",
+]
 
 logger = logging.getLogger("reshard")
 
 LOCK_FILE = ".lock"
-DEFAULT_STALE_AFTER_S = 24 * 3600.0
-"""A lock older than this is broken even when its holder cannot be checked (another host)."""
+"""The name of a lock's generation-0 marker; later generations append ``.<generation>``."""
+DEFAULT_RENEW_S = 15.0
+"""How often a holder moves its lock to the next generation."""
+DEFAULT_LEASE_S = 60.0
+"""A lock that does not move for this long while a writer watches it is stale."""
+DEFAULT_STALE_AFTER_S = 600.0
+"""A marker written longer ago than this (by the reader's clock) is stale."""
+
+_POLL_S = 0.25
+_MAX_MARKER_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LockTiming:
+    """How a lock tells live holders from dead ones (see the module doc); every value in seconds."""
+
+    renew_s: float = DEFAULT_RENEW_S
+    lease_s: float = DEFAULT_LEASE_S
+    stale_after_s: float = DEFAULT_STALE_AFTER_S
+
+    def __post_init__(self) -> None:
+        if not 0 < self.renew_s < self.lease_s:
+            raise ValueError(f"a lock's renew_s ({self.renew_s}) must be positive and below lease_s ({self.lease_s})")
+        if self.stale_after_s <= 0:
+            raise ValueError(f"a lock's stale_after_s must be positive, got {self.stale_after_s}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LockInfo:
-    """Who holds a lock: host, process id, a token unique to the holder, and when it was taken."""
+    """What a marker says: who holds the lock (host, process id, a token unique to the holder), when the
+    holder first took it (``created``) and when this marker was written (``written``), in seconds since
+    the epoch by the holder's clock; ``generation`` is the marker's place in the chain."""
 
     host: str
     pid: int
     token: str
     created: float
+    written: float = 0.0
+    generation: int = 0
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"host": self.host, "pid": self.pid, "token": self.token, "created": self.created}).encode()
+        return json.dumps(
+            {"host": self.host, "pid": self.pid, "token": self.token, "created": self.created, "written": self.written}
+        ).encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> LockInfo | None:
+    def from_bytes(cls, raw: bytes, generation: int = 0) -> LockInfo | None:
         try:
             doc = json.loads(raw)
+            created = float(doc["created"])
             return cls(
-                host=str(doc["host"]), pid=int(doc["pid"]), token=str(doc["token"]), created=float(doc["created"])
+                host=str(doc["host"]),
+                pid=int(doc["pid"]),
+                token=str(doc["token"]),
+                created=created,
+                written=float(doc.get("written", created)),
+                generation=generation,
             )
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
     def describe(self) -> str:
         age = time.time() - self.created
         return f"process {self.pid} on {self.host}, for {age:.0f} s"
 
-    def is_stale(self, stale_after_s: float) -> bool:
-        if time.time() - self.created > stale_after_s:
+    def holder_is_gone(self) -> bool:
+        """Whether the holder ran on this host and its process no longer exists."""
+        if self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
             return True
-        if self.host == socket.gethostname():
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                return False
+        except PermissionError:
+            return False
         return False
+
+    def is_stale(self, stale_after_s: float) -> bool:
+        """Stale without watching it: a dead local holder, or a marker older than ``stale_after_s``."""
+        return time.time() - max(self.written, self.created) > stale_after_s or self.holder_is_gone()
+
+
+def _marker_name(name: str, generation: int) -> str:
+    return name if generation == 0 else f"{name}.{generation:012d}"
+
+
+def lock_markers(storage: Storage, name: str = LOCK_FILE) -> dict[int, str]:
+    """The markers of lock ``name`` (a name at the storage's root) that exist, by generation."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:\.(\d{{12}}))?$")
+    out = {}
+    for found in storage.list_names(name):
+        match = pattern.match(found)
+        if match is not None:
+            out[int(match.group(1) or 0)] = found
+    return out
+
+
+def _current(storage: Storage, name: str) -> tuple[int | None, LockInfo | None]:
+    """The highest generation of the lock and its holder (None, None: free). A marker that cannot be
+    parsed is a holder of unknown identity (never live)."""
+    for _ in range(5):
+        markers = lock_markers(storage, name)
+        if not markers:
+            return None, None
+        generation = max(markers)
+        try:
+            raw = storage.read_bytes(markers[generation], max_bytes=_MAX_MARKER_BYTES)
+        except FileNotFoundError:
+            continue  # renewed or released between the listing and the read: look again
+        except FileTooLargeError:
+            raw = b""  # not a marker this library wrote: a holder of unknown identity
+        info = LockInfo.from_bytes(raw, generation)
+        if info is None:
+            info = LockInfo(host="?", pid=-1, token="", created=0.0, written=0.0, generation=generation)
+        return generation, info
+    raise CheckpointLockedError(f"{storage.describe()}: the lock keeps changing while it is read")
 
 
 def read_lock(storage: Storage, name: str = LOCK_FILE) -> LockInfo | None:
-    """The lock's holder, or None when there is no lock (or it is unreadable)."""
+    """The lock's holder, or None when the lock is free (or cannot be read). Not collective."""
     try:
-        return LockInfo.from_bytes(storage.read_bytes(name))
-    except OSError:
+        return _current(storage, name)[1]
+    except (OSError, CheckpointLockedError):
         return None
 
 
+class Lock:
+    """A lock this process holds (see :func:`acquire_lock`). ``renew``, ``check`` and ``release`` may be
+    called from any thread; the background renewal of :meth:`start_renewing` stops at ``release``."""
+
+    def __init__(self, storage: Storage, name: str, info: LockInfo, *, what: str, timing: LockTiming) -> None:
+        self.storage = storage
+        self.name = name
+        self.info = info
+        self.what = what
+        self.timing = timing
+        self.lost: str | None = None
+        """Why this process no longer holds the lock (None while it does)."""
+        self._mutex = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def token(self) -> str:
+        return self.info.token
+
+    @property
+    def generation(self) -> int:
+        return self.info.generation
+
+    def renew(self) -> None:
+        """Move the lock to the next generation (proof of life for other hosts).
+
+        Raises:
+            CheckpointLockedError: another writer took the lock over (this one was judged stale).
+        """
+        with self._mutex:
+            if self.lost is not None:
+                raise CheckpointLockedError(self.lost)
+            successor = _take(self.storage, self.name, self.info, basis=self.info.generation, what=self.what)
+            if successor is None:
+                self.lost = (
+                    f"{self.storage.describe()}: this process lost the {self.what} lock (another writer took it over "
+                    "after judging this one stale)"
+                )
+                raise CheckpointLockedError(self.lost)
+            self.info = successor
+
+    def check(self) -> None:
+        """Raise CheckpointLockedError unless this process still holds the lock (call before a commit)."""
+        with self._mutex:
+            if self.lost is not None:
+                raise CheckpointLockedError(self.lost)
+            generation, holder = _current(self.storage, self.name)
+            if generation != self.info.generation or holder is None or holder.token != self.token:
+                self.lost = (
+                    f"{self.storage.describe()}: this process lost the {self.what} lock to "
+                    f"{holder.describe() if holder else 'nobody (it was removed)'}"
+                )
+                raise CheckpointLockedError(self.lost)
+
+    def start_renewing(self) -> None:
+        """Renew in a daemon thread every ``timing.renew_s`` seconds until :meth:`release`."""
+        if self._thread is not None:
+            return
+
+        def run() -> None:
+            while not self._stop.wait(self.timing.renew_s):
+                try:
+                    self.renew()
+                except CheckpointLockedError:
+                    logger.warning("%s", self.lost)
+                    return
+                except Exception as exc:  # a failed renewal is retried at the next interval
+                    logger.warning("renewing the %s lock of %s failed: %s", self.what, self.storage.describe(), exc)
+
+        self._thread = threading.Thread(target=run, name="reshard-lock-renewal", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop renewing and remove this process's marker if it is still the lock's current one; best
+        effort, never raises."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._mutex:
+            try:
+                generation, holder = _current(self.storage, self.name)
+                if generation == self.info.generation and holder is not None and holder.token == self.token:
+                    self.storage.delete(_marker_name(self.name, generation))
+            except (OSError, CheckpointLockedError) as exc:
+                logger.warning("could not release the %s lock of %s: %s", self.what, self.storage.describe(), exc)
+            self.lost = self.lost or "released"
+
+
+def _take(storage: Storage, name: str, holder: LockInfo, *, basis: int | None, what: str) -> LockInfo | None:
+    """Try to move the lock from generation ``basis`` (None: free) to the next one for ``holder``; the new
+    marker on success, None when another writer got there first."""
+    generation = 0 if basis is None else basis + 1
+    mine = LockInfo(
+        host=holder.host,
+        pid=holder.pid,
+        token=holder.token,
+        created=holder.created,
+        written=time.time(),
+        generation=generation,
+    )
+    marker = _marker_name(name, generation)
+    document = mine.to_bytes()
+    try:
+        storage.commit(marker, document, replace=False)
+    except FileExistsError:
+        try:
+            existing = storage.read_bytes(marker, max_bytes=_MAX_MARKER_BYTES)
+        except (FileNotFoundError, FileTooLargeError):
+            existing = b""
+        if existing != document:
+            return None
+        # a retried create-only write whose first answer was lost: the marker is this one
+    except OSError as exc:
+        raise StorageError(f"cannot take the {what} lock: writing {storage.describe(marker)} failed: {exc}") from exc
+    markers = lock_markers(storage, name)
+    if max(markers, default=-1) != generation or (basis is not None and basis not in markers):
+        # A later generation exists, or the marker taken over was released meanwhile (so a fresh chain may
+        # have started beside this one): this marker is void.
+        with contextlib.suppress(OSError):
+            storage.delete(marker)
+        return None
+    for older, older_name in markers.items():
+        if older < generation:
+            with contextlib.suppress(OSError):
+                storage.delete(older_name)
+    return mine
+
+
 def acquire_lock(
-    storage: Storage, token: str, *, name: str = LOCK_FILE, stale_after_s: float = DEFAULT_STALE_AFTER_S, what: str
-) -> None:
-    """Take the lock ``name`` of ``storage`` for ``token``; break a stale one (with a warning).
+    storage: Storage,
+    token: str,
+    *,
+    what: str,
+    name: str = LOCK_FILE,
+    timing: LockTiming | None = None,
+) -> Lock:
+    """Take the lock ``name`` of ``storage`` for ``token``, taking over from a stale holder (with a
+    warning), and waiting up to ``timing.lease_s`` for a holder on another host to release the lock or to
+    prove stale. Not collective: one process (a group's coordinator) calls it.
 
     Raises:
         CheckpointLockedError: another live writer holds it.
+        StorageError: the marker could not be written (a full disk, no permission).
     """
-    info = LockInfo(host=socket.gethostname(), pid=os.getpid(), token=token, created=time.time())
-    for _ in range(2):
-        try:
-            storage.commit(name, info.to_bytes(), replace=False)
-            return
-        except FileExistsError:
-            holder = read_lock(storage, name)
-            if holder is not None and holder.token == token:
-                return  # a retried create-only write that had in fact succeeded
-            if holder is not None and not holder.is_stale(stale_after_s):
+    timing = timing or LockTiming()
+    me = LockInfo(host=socket.gethostname(), pid=os.getpid(), token=token, created=time.time())
+    watched: tuple[int, float] | None = None  # a remote holder's generation, and since when (monotonic)
+    started = time.monotonic()
+    while True:
+        generation, holder = _current(storage, name)
+        if holder is None or generation is None:
+            taken = _take(storage, name, me, basis=None, what=what)
+        elif holder.token == token:
+            return Lock(storage, name, holder, what=what, timing=timing)
+        else:
+            now = time.monotonic()
+            if watched is not None and watched[0] != generation:
                 raise CheckpointLockedError(
                     f"{storage.describe()} is being written by another save ({what} lock held by "
-                    f"{holder.describe()}); two writers must not share a checkpoint path"
-                ) from None
+                    f"{holder.describe()}, renewed while this process waited); two writers must not share a "
+                    "checkpoint path"
+                )
+            if watched is None:
+                watched = (generation, now)
+            unmoved = now - watched[1]
+            if not (holder.is_stale(timing.stale_after_s) or unmoved >= timing.lease_s):
+                if holder.host == socket.gethostname():
+                    raise CheckpointLockedError(
+                        f"{storage.describe()} is being written by another save ({what} lock held by "
+                        f"{holder.describe()}); two writers must not share a checkpoint path"
+                    )
+                time.sleep(_POLL_S)  # a holder on another host: wait for it to renew, release or go stale
+                continue
             logger.warning(
-                "breaking the stale %s lock of %s (held by %s)",
+                "breaking the stale %s lock of %s (held by %s%s)",
                 what,
                 storage.describe(),
-                holder.describe() if holder else "an unreadable marker",
+                holder.describe(),
+                f", unchanged for {unmoved:.0f} s" if unmoved >= timing.lease_s else "",
             )
-            storage.delete(name)
-    raise CheckpointLockedError(f"{storage.describe()}: could not take the {what} lock (another writer broke in)")
-
-
-def release_lock(storage: Storage, token: str, *, name: str = LOCK_FILE) -> None:
-    """Remove the lock if ``token`` still holds it; best effort, never raises."""
-    try:
-        holder = read_lock(storage, name)
-        if holder is not None and holder.token == token:
-            storage.delete(name)
-    except OSError as exc:
-        logger.warning("could not release the lock of %s: %s", storage.describe(), exc)
+            taken = _take(storage, name, me, basis=generation, what=what)
+            watched = None
+        if taken is not None:
+            return Lock(storage, name, taken, what=what, timing=timing)
+        if time.monotonic() - started > 2 * timing.lease_s:
+            raise CheckpointLockedError(
+                f"{storage.describe()}: could not take the {what} lock (other writers keep taking it)"
+            )

@@ -2,9 +2,11 @@
 
 Data files are named per save, so a save that failed or was interrupted, an overwrite interrupted after
 its commit, or a losing racer leaves files that ``metadata.json`` does not list. Loads ignore them;
-:func:`collect_garbage` (``reshard gc PATH``) removes them. Only files under ``data/`` are candidates, and
-only those older than ``min_age_s``, so that the files of a save still writing to the same location are
-left alone.
+:func:`collect_garbage` (``reshard gc PATH``) removes them. Only files under ``data/`` whose names are
+those a save writes (:data:`~reshard.io.datafile.DATA_FILE_PATTERN`) are candidates, and only those older
+than ``min_age_s``, so that the files of a save still writing to the same location, and anything a person
+put there, are left alone. Symbolic links are never followed: a ``data`` directory that is a link is
+refused, so that nothing outside the checkpoint can be deleted.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any
 
 import crc32c
 
-from reshard.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from reshard.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, StorageError
+from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.load import read_metadata_bytes
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
 from reshard.storage import CheckpointLocation, ReadRequest, Storage, storage_for
@@ -58,14 +61,21 @@ def collect_garbage(
         except CheckpointNotFoundError:
             raise
         now = time.time()
-        garbage = [
-            name
-            for name in storage.list_files(DATA_DIR)
-            if name not in referenced and name != METADATA_FILE and now - storage.modified_time(name) >= min_age_s
-        ]
-        if not dry_run:
-            for name in garbage:
-                storage.delete(name)
+        try:
+            garbage = [
+                name
+                for name in storage.list_files(DATA_DIR)
+                if name not in referenced
+                and DATA_FILE_PATTERN.match(name)
+                and now - storage.modified_time(name) >= min_age_s
+            ]
+            if not dry_run:
+                for name in garbage:
+                    storage.delete(name)
+        except OSError as exc:
+            raise StorageError(
+                f"collecting the garbage of {storage.describe()} failed (nothing more deleted): {exc}"
+            ) from exc
         return garbage
     finally:
         if storage is not path:

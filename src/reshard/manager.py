@@ -34,9 +34,15 @@ from typing import Any
 import torch.distributed as dist
 
 from reshard.comm import Communicator
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from reshard.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StorageError,
+    UnconfirmedCommitError,
+)
 from reshard.load import load, read_metadata_bytes
-from reshard.locking import DEFAULT_STALE_AFTER_S, acquire_lock, read_lock, release_lock
+from reshard.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
 from reshard.metadata import METADATA_FILE, Metadata
 from reshard.save import SaveResult, save
 from reshard.storage import CheckpointLocation, Storage, storage_for
@@ -152,7 +158,7 @@ class CheckpointManager:
     def latest_pointer(self) -> int | None:
         """The step ``latest.json`` names (a hint; see :meth:`load_latest`)."""
         try:
-            return int(json.loads(self.root.read_bytes(LATEST_FILE))["step"])
+            return int(json.loads(self.root.read_bytes(LATEST_FILE, max_bytes=64 * 1024))["step"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -161,29 +167,58 @@ class CheckpointManager:
     def save(self, step: int, state_dict: Any, *, overwrite: bool = False) -> SaveResult:
         """Save ``state_dict`` as step ``step``, then (coordinator) point ``latest`` at it and apply the
         retention policy. Called by all ranks of the group. Two managers saving to one root at the same
-        time cannot interleave: the second gets CheckpointLockedError."""
+        time cannot interleave: the second gets CheckpointLockedError.
+
+        Raises:
+            UnconfirmedCommitError: the step was committed and is complete (``latest`` points at it where the
+                coordinator could still say so), but a rank died or lost contact after the commit; retention
+                did not run.
+            CheckpointError: as :func:`reshard.save`; the step is not committed and ``latest`` is unchanged.
+        """
         comm = Communicator(self.group, timeout=self.timeout)
         token = uuid.uuid4().hex
+        held: list[Lock] = []
 
         def lock() -> None:
             if comm.is_coordinator:
-                acquire_lock(self.root, token, what="manager")
+                held.append(acquire_lock(self.root, token, what="manager"))
+                held[0].start_renewing()
 
-        comm.step("manager lock", lock)
         try:
-            result = save(state_dict, self.path_of(step), group=self.group, overwrite=overwrite, timeout=self.timeout)
+            comm.step("manager lock", lock)
+            try:
+                result = save(
+                    state_dict,
+                    self.path_of(step),
+                    group=self.group,
+                    overwrite=overwrite,
+                    timeout=self.timeout,
+                )
+            except UnconfirmedCommitError:
+                if comm.is_coordinator:
+                    self._point_latest_at(step)  # the step is complete; the group is not: no retention
+                raise
 
             def publish() -> None:
                 if comm.is_coordinator:
-                    pointer = json.dumps({"step": step, "path": step_name(step)}).encode()
-                    self.root.commit(LATEST_FILE, pointer, replace=True)
+                    if held:
+                        held[0].check()
+                    self._point_latest_at(step)
                     self._retain(keep_step=step)
 
             comm.step("manager retention", publish)
         finally:
-            if comm.is_coordinator:
-                release_lock(self.root, token)
+            for lock_held in held:
+                lock_held.release()
         return result
+
+    def _point_latest_at(self, step: int) -> None:
+        """On the coordinator, after step ``step`` committed: replace ``latest.json`` (atomically)."""
+        pointer = json.dumps({"step": step, "path": step_name(step)}).encode()
+        try:
+            self.root.commit(LATEST_FILE, pointer, replace=True)
+        except OSError as exc:
+            raise StorageError(f"updating {self.root.describe(LATEST_FILE)} failed: {exc}") from exc
 
     def _retain(self, *, keep_step: int) -> None:
         """On the coordinator, under the manager lock: delete what the policy no longer keeps."""

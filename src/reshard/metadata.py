@@ -7,13 +7,14 @@ tile it exactly, and byte ranges must lie inside their files, so that a hostile 
 :class:`~reshard.CorruptCheckpointError` before anything is read or allocated. ``docs/format.md``
 describes the same format in prose.
 
-Two versions: version 1 lists every box of every tensor as a JSON object. Version 2 adds a *packed*
+Three versions: version 1 lists every box of every tensor as a JSON object. Version 2 adds a *packed*
 encoding of a tensor's boxes (a grid rule, or packed integers, for the geometry; packed integers for
 files, offsets and checksums; see :mod:`reshard.planning.grid`), which keeps the metadata of a checkpoint
-of ten thousand ranks in tens of megabytes and its decoding in numpy. A writer packs the tensors that have
-many boxes or checksums, and writes version 1 when it packs none, so small checkpoints stay readable by
-readers of version 1. In memory, packed boxes are a :class:`SavedBoxes`: a sequence of :class:`SavedBox`
-backed by columns.
+of ten thousand ranks in tens of megabytes and its decoding in numpy. Version 3 is version 2 plus a
+checksum of the document itself (its last member, ``metadata_crc32c``), so that damage which leaves valid
+JSON (a changed offset, shape or size) is detected before anything is read. A writer writes version 3,
+packing the tensors that have many boxes or checksums; readers read all three. In memory, packed boxes
+are a :class:`SavedBoxes`: a sequence of :class:`SavedBox` backed by columns.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
+import crc32c
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -41,10 +43,13 @@ __all__ = [
     "DATA_DIR",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "MAX_METADATA_BYTES",
+    "METADATA_CHECKSUM_MEMBER",
     "METADATA_FILE",
     "PACK_MIN_BOXES",
     "PACK_MIN_CHECKSUMS",
     "READABLE_VERSIONS",
+    "SEALED_VERSION",
     "BoxColumns",
     "DataFile",
     "Metadata",
@@ -54,12 +59,19 @@ __all__ = [
     "SavedObject",
     "TensorMetadata",
     "check_relative_path",
+    "seal_document",
 ]
 
 FORMAT_NAME = "reshard"
-FORMAT_VERSION = 2
-"""The newest format version: what this reshard writes when it packs a tensor (version 1 otherwise)."""
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""The format version this reshard writes."""
+READABLE_VERSIONS = (1, 2, 3)
+SEALED_VERSION = 3
+"""From this version on, a document ends with its own checksum (:func:`seal_document`)."""
+METADATA_CHECKSUM_MEMBER = "metadata_crc32c"
+MAX_METADATA_BYTES = 512 * 1024 * 1024
+"""The largest ``metadata.json`` a reader reads (a checkpoint of 8192 ranks and 1.25 T parameters needs
+36 MiB): a bigger one is refused before it is read, so that a hostile file cannot cost gigabytes."""
 PACK_MIN_BOXES = 32
 """A writer packs a tensor that has at least this many boxes ..."""
 PACK_MIN_CHECKSUMS = 256
@@ -341,8 +353,10 @@ class Metadata:
         Args:
             packed: which tensors get the packed encoding of version 2: None (what reshard writes) those
                 with at least :data:`PACK_MIN_BOXES` boxes or :data:`PACK_MIN_CHECKSUMS` checksums, True
-                all, False none. Tensors with an empty box are never packed. The document is version 2
-                when a tensor is packed, else version 1.
+                all, False none. Tensors with an empty box are never packed.
+
+        Returns every member of the version-3 document except its checksum, which only
+        :meth:`to_json_bytes` can add (it covers the document's bytes).
         """
         tensors: dict[str, Any] = {}
         for key, t in self.tensors.items():
@@ -366,7 +380,7 @@ class Metadata:
             tensors[key] = entry
         return {
             "format": FORMAT_NAME,
-            "version": 2 if any("packed" in t for t in tensors.values()) else 1,
+            "version": FORMAT_VERSION,
             "save_id": self.save_id,
             "created_by": self.created_by,
             "world_size": self.world_size,
@@ -393,8 +407,9 @@ class Metadata:
         }
 
     def to_json_bytes(self, *, packed: bool | None = None) -> bytes:
-        """``metadata.json``: :meth:`to_json_dict` as compact ASCII JSON."""
-        return json.dumps(self.to_json_dict(packed=packed), separators=(",", ":"), allow_nan=False).encode("utf-8")
+        """``metadata.json``: :meth:`to_json_dict` as compact ASCII JSON, sealed with its checksum."""
+        body = json.dumps(self.to_json_dict(packed=packed), separators=(",", ":"), allow_nan=False).encode("utf-8")
+        return seal_document(body)
 
     @classmethod
     def from_json_bytes(cls, raw: bytes, *, where: str = METADATA_FILE, lazy: bool = False) -> Metadata:
@@ -409,13 +424,50 @@ class Metadata:
 
         Raises:
             CorruptCheckpointError: anything wrong, with the JSON path of the offending field (with
-                ``lazy``, for a packed tensor's boxes, when they are first used).
+                ``lazy``, for a packed tensor's boxes, when they are first used); for version 3, a document
+                whose checksum does not match its bytes.
         """
+        sealed = _check_seal(raw, where)
         try:
             doc = strict_json_loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
             raise CorruptCheckpointError(f"{where}: not valid JSON: {exc}") from exc
-        return _Parser(where, lazy=lazy).parse(doc)
+        return _Parser(where, lazy=lazy, sealed=sealed).parse(doc)
+
+
+_SEAL_PREFIX = b',"' + METADATA_CHECKSUM_MEMBER.encode() + b'":"'
+_SEAL_LENGTH = 10
+"""The 8 hexadecimal digits of the checksum and the two bytes ``"}`` that end a sealed document."""
+
+
+def seal_document(body: bytes) -> bytes:
+    """Add the checksum member to a document: ``body`` is a JSON object's text, without the member,
+    ending with ``}``. The result ends with ``,"metadata_crc32c":"<8 lowercase hex digits>"}``, and the
+    checksum is the CRC-32C of every byte before those 8 digits (docs/format.md section 6)."""
+    text = body.rstrip()
+    if not text.endswith(b"}") or text.replace(b" ", b"") == b"{}":
+        raise ValueError("seal_document needs the text of a JSON object with members")
+    head = text[:-1] + _SEAL_PREFIX
+    return head + f"{crc32c.crc32c(head):08x}".encode() + b'"}'
+
+
+def _check_seal(raw: bytes, where: str) -> bool:
+    """Whether ``raw`` ends with a checksum member; a checksum that does not match is corruption."""
+    if len(raw) < len(_SEAL_PREFIX) + _SEAL_LENGTH or not raw.endswith(b'"}'):
+        return False
+    if raw[-_SEAL_LENGTH - len(_SEAL_PREFIX) : -_SEAL_LENGTH] != _SEAL_PREFIX:
+        return False
+    digits = raw[-_SEAL_LENGTH:-2]
+    if not all(c in b"0123456789abcdef" for c in digits):
+        raise CorruptCheckpointError(f"{where}: {METADATA_CHECKSUM_MEMBER}: expected 8 lowercase hexadecimal digits")
+    expected = int(digits, 16)
+    actual = crc32c.crc32c(raw[:-_SEAL_LENGTH])
+    if actual != expected:
+        raise CorruptCheckpointError(
+            f"{where}: the document's checksum does not match its bytes ({METADATA_CHECKSUM_MEMBER} {expected:08x}, "
+            f"computed {actual:08x}): metadata.json is damaged"
+        )
+    return True
 
 
 def check_relative_path(path: str) -> str | None:
@@ -447,9 +499,10 @@ def check_relative_path(path: str) -> str | None:
 class _Parser:
     """Validating decoder of the wire form; every error names the JSON path of the bad field."""
 
-    def __init__(self, where: str, *, lazy: bool = False) -> None:
+    def __init__(self, where: str, *, lazy: bool = False, sealed: bool = False) -> None:
         self.where = where
         self.lazy = lazy
+        self.sealed = sealed
         self.version = 1
 
     def fail(self, path: str, message: str) -> CorruptCheckpointError:
@@ -475,6 +528,15 @@ class _Parser:
             raise self.fail(path, f"has {len(value)} entries, at most {max_len} allowed")
         return tuple(self.integer(v, f"{path}[{i}]") for i, v in enumerate(value))
 
+    def key(self, key: str, section: str) -> str:
+        """A tensor, object or common key: text that UTF-8 can hold (no lone surrogates), as every key a
+        state dict can give is."""
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise self.fail(f"{section}[{key!r}]", "the key is not valid Unicode text (a lone surrogate)") from None
+        return key
+
     def string(self, value: object, path: str) -> str:
         if not isinstance(value, str):
             raise self.fail(path, f"expected a string, got {type(value).__name__}")
@@ -489,25 +551,31 @@ class _Parser:
             if type(version) is not int or version not in READABLE_VERSIONS:
                 raise self.fail(
                     "version",
-                    f"format version {version!r} is not supported (this reshard reads versions 1 and 2)",
+                    f"format version {version!r} is not supported (this reshard reads versions "
+                    f"{', '.join(map(str, READABLE_VERSIONS))})",
                 )
             self.version = version
-        top = self.obj(
-            doc,
-            "$",
-            {
-                "format",
-                "version",
-                "save_id",
-                "created_by",
-                "world_size",
-                "checksum",
-                "files",
-                "tensors",
-                "objects",
-                "common",
-            },
-        )
+            if version >= SEALED_VERSION and not self.sealed:
+                raise self.fail(
+                    METADATA_CHECKSUM_MEMBER,
+                    f"a version-{version} document must end with its checksum member "
+                    f'(,"{METADATA_CHECKSUM_MEMBER}":"<8 hex digits>"}}): metadata.json is damaged or was edited',
+                )
+        members = {
+            "format",
+            "version",
+            "save_id",
+            "created_by",
+            "world_size",
+            "checksum",
+            "files",
+            "tensors",
+            "objects",
+            "common",
+        }
+        if self.version >= SEALED_VERSION:
+            members.add(METADATA_CHECKSUM_MEMBER)
+        top = self.obj(doc, "$", members)
         checksum = self.obj(top["checksum"], "checksum", {"algorithm", "chunk_bytes"})
         if checksum["algorithm"] != CHECKSUM_ALGORITHM:
             raise self.fail("checksum.algorithm", f"unsupported algorithm {checksum['algorithm']!r}")
@@ -521,16 +589,21 @@ class _Parser:
         tensors_doc = top["tensors"]
         if not isinstance(tensors_doc, dict):
             raise self.fail("tensors", "expected an object")
-        tensors = {key: self.tensor(key, value, files, chunk_bytes) for key, value in tensors_doc.items()}
+        tensors = {
+            self.key(key, "tensors"): self.tensor(key, value, files, chunk_bytes) for key, value in tensors_doc.items()
+        }
         objects_doc = top["objects"]
         if not isinstance(objects_doc, dict):
             raise self.fail("objects", "expected an object")
-        objects = {key: self.object(key, value, files, chunk_bytes) for key, value in objects_doc.items()}
+        objects = {
+            self.key(key, "objects"): self.object(key, value, files, chunk_bytes) for key, value in objects_doc.items()
+        }
         common_doc = top["common"]
         if not isinstance(common_doc, dict):
             raise self.fail("common", "expected an object")
         common = {
-            path: decode_tagged(value, where=f"{self.where}: common[{path!r}]") for path, value in common_doc.items()
+            self.key(path, "common"): decode_tagged(value, where=f"{self.where}: common[{path!r}]")
+            for path, value in common_doc.items()
         }
         return Metadata(
             save_id=self.string(top["save_id"], "save_id"),

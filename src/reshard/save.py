@@ -8,9 +8,16 @@ committed):
    per box and prepares the directory, then sends each rank its own assignment only.
 2. *write*: each elected rank writes its boxes, with CRC-32C checksums, into its own data file, whose
    name is unique to this save, and fsyncs it.
-3. *commit*: the coordinator writes ``metadata.json`` atomically (temporary file, fsync, rename,
-   directory fsync). Until then the directory holds no committed checkpoint from this save. The other ranks
-   get a summary (:class:`SaveResult`), never the whole metadata.
+3. *commit*: the coordinator writes ``metadata.json`` atomically (temporary file, fsync, rename or
+   exclusive link, directory fsync; a conditional put on object stores), through
+   :class:`~reshard.io.commit.SaveCommit`. Until then the directory holds no committed checkpoint from
+   this save, and a failure removes this save's files. The commit is a point of no return: after it,
+   nothing this save wrote is deleted whatever fails next; a failure then (a rank that dies before the
+   coordinator's confirmation reaches it) is :class:`~reshard.UnconfirmedCommitError`, and the checkpoint
+   stays. The other ranks get a summary (:class:`SaveResult`), never the whole metadata.
+
+The per-save arguments (path, ``overwrite``, ``fingerprint``, ``checksum_chunk_bytes``) travel with the
+descriptions and must agree across ranks, or nothing is written.
 
 So what a rank other than the coordinator sends and receives does not grow with the number of ranks
 (docs/scale.md measures it, with the coordinator's planning time and memory, up to 8192 ranks).
@@ -27,7 +34,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -36,12 +42,14 @@ from reshard._version import __version__
 from reshard.boxes import Box
 from reshard.codec import encode_object_blob, encode_tagged
 from reshard.comm import Communicator
-from reshard.dtypes import byte_view, dtype_name
-from reshard.errors import CheckpointError, CheckpointExistsError, StorageError
+from reshard.dtypes import dtype_name
+from reshard.errors import CheckpointError, CommunicationError, StateDictError, StorageError, UnconfirmedCommitError
 from reshard.fingerprint import combine, fingerprint
-from reshard.locking import acquire_lock, release_lock
+from reshard.io.commit import CommitOutcome, SaveCommit
+from reshard.io.datafile import DataFileWriter, data_file_name, tensor_bytes
+from reshard.locking import LockTiming
 from reshard.metadata import (
-    DATA_DIR,
+    MAX_METADATA_BYTES,
     METADATA_FILE,
     BoxColumns,
     DataFile,
@@ -63,40 +71,14 @@ from reshard.planning.save_plan import (
 from reshard.sharding import LocalPiece
 from reshard.statedict import FlatStateDict, flatten_state_dict
 from reshard.stats import PhaseClock, SaveStats, fill_save_stats
-from reshard.storage import CheckpointLocation, FileWriter, Storage, storage_for
+from reshard.storage import CheckpointLocation, Storage, storage_for
 
-__all__ = ["DEFAULT_CHECKSUM_CHUNK_BYTES", "SaveResult", "save"]
+__all__ = ["DEFAULT_CHECKSUM_CHUNK_BYTES", "SaveResult", "save", "tensor_bytes"]
 
 logger = logging.getLogger("reshard")
 
 DEFAULT_CHECKSUM_CHUNK_BYTES = 4 * 1024 * 1024
 """Stored bytes are checksummed in pieces of this size, so a partial read can verify what it touches."""
-
-_ALIGNMENT = 64
-"""Every stored box starts at a multiple of this many bytes of its data file."""
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of ``tensor`` in C order, without a copy when it is a contiguous CPU tensor."""
-    data = tensor.detach()
-    if data.device.type != "cpu":
-        data = data.cpu()
-    data = data.resolve_conj().resolve_neg()
-    return byte_view(data.contiguous())
-
-
-def _write_checksummed(writer: FileWriter, data: memoryview, chunk_bytes: int) -> tuple[int, int, tuple[int, ...]]:
-    """Append ``data`` at the next aligned offset; return (byte_offset, byte_length, chunk checksums)."""
-    padding = -writer.tell() % _ALIGNMENT
-    if padding:
-        writer.write(memoryview(bytes(padding)))
-    offset = writer.tell()
-    checksums = []
-    for start in range(0, len(data), chunk_bytes):
-        chunk = data[start : start + chunk_bytes]
-        checksums.append(crc32c.crc32c(chunk))
-        writer.write(chunk)
-    return offset, len(data), tuple(checksums)
 
 
 @dataclass
@@ -115,6 +97,8 @@ class _SaveState:
     """Every rank's description as objects; used when ``table`` is None (single-process simulations)."""
     table: DescriptionTable | None = None
     """Every rank's description in columns; on the coordinator only."""
+    commit: SaveCommit | None = None
+    """The commit protocol; on the coordinator only, from planning on."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,8 +167,11 @@ def save(
     Raises:
         ShardingError: the ranks' boxes do not tile their tensors (same on every rank).
         CheckpointExistsError: ``path`` holds a complete checkpoint and ``overwrite`` is off.
+        CheckpointLockedError: another save holds ``path``.
         StorageError: a file could not be written on some rank.
-        CheckpointError: any failure, on every rank, naming the failing ranks.
+        UnconfirmedCommitError: the checkpoint was committed and is complete, but a failure after the commit
+            (a rank died or lost contact) kept the save from ending in agreement; nothing is deleted.
+        CheckpointError: any failure, on every rank, naming the failing ranks; nothing is committed.
     """
     started = time.perf_counter()
     comm = Communicator(group, timeout=timeout)
@@ -205,6 +192,33 @@ def save(
             storage.close()
 
 
+def _save_options(overwrite: bool, with_fingerprints: bool, checksum_chunk_bytes: int) -> dict[str, Any]:
+    """The per-save parameters every rank must pass alike (agreed in the first collective)."""
+    if isinstance(checksum_chunk_bytes, bool) or not isinstance(checksum_chunk_bytes, int) or checksum_chunk_bytes < 1:
+        raise CheckpointError(f"checksum_chunk_bytes must be a positive integer, got {checksum_chunk_bytes!r}")
+    return {
+        "overwrite": bool(overwrite),
+        "fingerprint": bool(with_fingerprints),
+        "checksum_chunk_bytes": checksum_chunk_bytes,
+    }
+
+
+def _check_agreement(contexts: list[Any]) -> None:
+    """On the coordinator: every rank passed the same path and options (else nothing is written)."""
+    problems = []
+    for what in ("path", "overwrite", "fingerprint", "checksum_chunk_bytes"):
+        by_value: dict[Any, list[int]] = {}
+        for rank, context in enumerate(contexts):
+            value = context[what] if what == "path" else context["options"][what]
+            by_value.setdefault(value, []).append(rank)
+        if len(by_value) > 1:
+            problems.append(f"different {'checkpoint paths' if what == 'path' else what}: {by_value}")
+    if problems:
+        raise CheckpointError(
+            f"the ranks passed {'; '.join(problems)} (every rank of the group must pass the same to save)"
+        )
+
+
 def _save_to(
     storage: Storage,
     state_dict: Any,
@@ -215,6 +229,7 @@ def _save_to(
     with_fingerprints: bool,
     started: float,
     stats: SaveStats | None = None,
+    lock_timing: LockTiming | None = None,
 ) -> SaveResult:
     """The body of :func:`save` once the storage is open."""
     clock = PhaseClock("save", comm.rank, started)
@@ -222,63 +237,72 @@ def _save_to(
     state = _SaveState()
 
     def describe() -> bytes:
+        options = _save_options(overwrite, with_fingerprints, checksum_chunk_bytes)
         description = _prepare_rank_state(state, state_dict, rank=comm.rank, is_coordinator=comm.is_coordinator)
-        return encode_description(description, location)
+        return encode_description(description, {"path": location, "options": options})
 
     def plan(payloads: list[bytes]) -> tuple[str, list[bytes]]:
-        state.table, paths = DescriptionTable.from_wire(payloads)
-        if len(set(paths)) > 1:
-            by_path = {p: [r for r, q in enumerate(paths) if q == p] for p in sorted(set(paths))}
-            raise CheckpointError(f"the ranks passed different checkpoint paths: {by_path}")
+        state.table, contexts = DescriptionTable.from_wire(payloads)
+        _check_agreement(contexts)
         assignments = plan_save_table(state.table)
         save_id = uuid.uuid4().hex
-        _prepare_root(storage, overwrite=overwrite, save_id=save_id)
+        state.commit = SaveCommit(storage, save_id, overwrite=overwrite, lock_timing=lock_timing)
+        try:
+            state.commit.begin()
+        except StorageError as exc:
+            raise StorageError(f"on the coordinator (rank {comm.rank}): {exc}") from exc
         return save_id, [_assignment_bytes(a) for a in assignments]
 
-    with clock.exchange():
-        save_id, mine = comm.step_scatter("save planning", clock.timed("plan", describe), clock.timed("plan", plan))
+    try:
+        with clock.exchange():
+            save_id, mine = comm.step_scatter("save planning", clock.timed("plan", describe), clock.timed("plan", plan))
+    except CheckpointError:
+        # Planning failed after the coordinator took the lock (a peer died before the plan reached it, say):
+        # nothing was written, and the lock must not outlive the save.
+        if state.commit is not None:
+            state.commit.discard()
+        raise
     assignment = _assignment_from_bytes(mine)
     logger.debug("[rank=%d] save %s: writing %d boxes", comm.rank, save_id, len(assignment.tensors))
 
     def write() -> dict[str, Any]:
         return _write_assigned(storage, state, assignment, save_id, comm.rank, checksum_chunk_bytes, with_fingerprints)
 
-    replaced_files: set[str] = set()
     committed: list[Metadata] = []
 
     def commit(results: list[dict[str, Any]]) -> dict[str, Any]:
+        if state.commit is None:
+            raise CheckpointError("the coordinator has no commit protocol (planning did not run here)")
         metadata = _build_metadata(state, results, save_id, comm.size, checksum_chunk_bytes)
-        committed.append(metadata)
-        replaced_files.update(_read_previous_files(storage) if overwrite else ())
-        storage.sync_dir(DATA_DIR)
-        # The commit point: before it the old checkpoint (if any) is intact, after it the new one is.
-        document = metadata.to_json_bytes()
+        # The commit point: before it the old checkpoint (if any) is intact, after it the new one is, and
+        # nothing it references is deleted by this save whatever fails next.
         try:
-            storage.commit(METADATA_FILE, document, replace=overwrite)
-        except OSError as exc:
-            if not isinstance(exc, FileExistsError):
-                raise StorageError(
-                    f"committing {storage.describe(METADATA_FILE)} failed on the coordinator (rank {comm.rank}): {exc}"
-                ) from exc
-            # A retried create-only put whose first answer was lost finds its own object: that is a success.
-            if _committed_document(storage) == document:
-                release_lock(storage, save_id)
-                return _summary(metadata)
-            raise CheckpointExistsError(
-                f"another save committed a checkpoint at {storage.describe()} while this one was writing; "
-                "this save's data was discarded"
-            ) from None
-        release_lock(storage, save_id)
+            state.commit.publish(metadata.to_json_bytes())
+        except StorageError as exc:
+            raise StorageError(f"on the coordinator (rank {comm.rank}): {exc}") from exc
+        committed.append(metadata)
         return _summary(metadata)
 
     try:
         with clock.exchange():
             summary = comm.step("save", clock.timed("write", write), clock.timed("commit", commit))
-    except CheckpointError:
-        # Nothing was committed (the commit is all or nothing): this save's files are garbage.
-        if comm.is_coordinator:
-            _remove_save_files(storage, save_id)
-            release_lock(storage, save_id)
+    except CheckpointError as exc:
+        if comm.is_coordinator and state.commit is not None:
+            if state.commit.outcome is CommitOutcome.COMMITTED:
+                raise UnconfirmedCommitError(
+                    f"{location} was committed (save {save_id}) and is complete, but the end of the save failed "
+                    f"on the coordinator (rank {comm.rank}): {exc}",
+                    path=location,
+                    save_id=save_id,
+                ) from exc
+            state.commit.discard()  # deletes this save's files only when it is known not to have committed
+        elif isinstance(exc, CommunicationError) and _committed_as(storage, save_id):
+            raise UnconfirmedCommitError(
+                f"{location} was committed (save {save_id}) and is complete, but rank {comm.rank} lost contact "
+                f"before the coordinator confirmed it: {exc}",
+                path=location,
+                save_id=save_id,
+            ) from exc
         raise
     result = SaveResult(
         path=location,
@@ -290,8 +314,8 @@ def _save_to(
         metadata=committed[0] if committed else None,
     )
     with clock.phase("commit"):
-        if result.metadata is not None and replaced_files:
-            _remove_replaced_files(storage, replaced_files - {f.path for f in result.metadata.files})
+        if result.metadata is not None and state.commit is not None:
+            state.commit.remove_replaced({f.path for f in result.metadata.files})
     stats = stats if stats is not None else SaveStats()
     written = [state.views[i].nbytes for i in assignment.tensors]
     fill_save_stats(stats, clock, file_bytes=state.file_bytes, checkpoint_bytes=result.total_bytes, written=written)
@@ -308,6 +332,16 @@ def _save_to(
         result.num_files,
     )
     return result
+
+
+def _committed_as(storage: Storage, save_id: str) -> bool:
+    """Whether the checkpoint's ``metadata.json`` is that of save ``save_id`` (a rank that lost contact
+    with the coordinator asks, to tell a committed checkpoint from a failed save)."""
+    try:
+        raw = storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
+        return bool(Metadata.from_json_bytes(raw, lazy=True).save_id == save_id)
+    except (OSError, CheckpointError):
+        return False
 
 
 def _summary(metadata: Metadata) -> dict[str, int]:
@@ -333,6 +367,13 @@ def _prepare_rank_state(state: _SaveState, state_dict: Any, *, rank: int, is_coo
     """Phase one on one rank: flatten the state dict, encode object values (and, on the coordinator,
     check that common values can be encoded), and describe every box. Fills ``state``."""
     state.flat = flatten_state_dict(state_dict, rank=rank)
+    for key in [*(t.key for t in state.flat.tensors), *(o.key for o in state.flat.objects), *state.flat.common]:
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise StateDictError(
+                f"key {key!r} is not valid Unicode text (a lone surrogate): it cannot be saved"
+            ) from None
     state.blobs = [encode_object_blob(o.value, where=f"object {o.key!r}") for o in state.flat.objects]
     if is_coordinator:
         for item_path, value in state.flat.common.items():
@@ -365,41 +406,6 @@ def _describe(flat: FlatStateDict) -> tuple[LocalSaveDescription, list[torch.Ten
     return LocalSaveDescription(tensors=tuple(tensors), objects=tuple(objects)), views
 
 
-def _prepare_root(storage: Storage, *, overwrite: bool, save_id: str) -> None:
-    """On the coordinator, before anyone writes: create the directories, take the save lock (so that no
-    other save interleaves with this one), refuse to clobber a complete checkpoint."""
-    try:
-        storage.prepare_root()
-    except OSError as exc:
-        raise StorageError(f"cannot create checkpoint directory {storage.describe()}: {exc}") from exc
-    acquire_lock(storage, save_id, what="save")
-    if storage.exists(METADATA_FILE) and not overwrite:
-        release_lock(storage, save_id)
-        raise CheckpointExistsError(
-            f"{storage.describe()} already holds a complete checkpoint; pass overwrite=True to replace it"
-        )
-
-
-def _committed_document(storage: Storage) -> bytes | None:
-    """The bytes of the committed ``metadata.json``, or None when they cannot be read."""
-    try:
-        return storage.read_bytes(METADATA_FILE)
-    except (OSError, CheckpointError):
-        return None
-
-
-def _read_previous_files(storage: Storage) -> set[str]:
-    """Data files of the checkpoint being overwritten (empty when there is none or it is unreadable)."""
-    try:
-        return {f.path for f in Metadata.from_json_bytes(storage.read_bytes(METADATA_FILE)).files}
-    except (OSError, CheckpointError):
-        return set()
-
-
-def _data_file_name(save_id: str, rank: int) -> str:
-    return f"{DATA_DIR}/{save_id}-r{rank:05d}.bin"
-
-
 def _write_assigned(
     storage: Storage,
     state: _SaveState,
@@ -414,11 +420,8 @@ def _write_assigned(
     length, and all checksums packed)."""
     if not assignment.tensors and not assignment.objects:
         return {"file": None, "size": 0, "tensors": _tensor_report([], [], [], [], None), "objects": []}
-    name = _data_file_name(save_id, rank)
-    try:
-        writer = storage.open_writer(name)
-    except OSError as exc:
-        raise StorageError(f"cannot create data file {storage.describe(name)}: {exc}") from exc
+    name = data_file_name(save_id, rank)
+    writer = DataFileWriter(storage, name, chunk_bytes)
     offsets: list[int] = []
     lengths: list[int] = []
     checksums: list[int] = []
@@ -426,24 +429,20 @@ def _write_assigned(
     written_objects = []
     try:
         for index in assignment.tensors:
-            offset, length, crcs = _write_checksummed(writer, tensor_bytes(state.views[index]), chunk_bytes)
-            offsets.append(offset)
-            lengths.append(length)
-            checksums += crcs
+            stored = writer.append(tensor_bytes(state.views[index]))
+            offsets.append(stored.byte_offset)
+            lengths.append(stored.byte_length)
+            checksums += stored.checksums
             if with_fingerprints:
                 piece = state.description.tensors[index]
                 prints.append(fingerprint(state.views[index], piece.box, piece.global_shape))
         for index in assignment.objects:
-            offset, length, crcs = _write_checksummed(writer, memoryview(state.blobs[index]), chunk_bytes)
-            written_objects.append([index, offset, length, list(crcs)])
-        size = writer.tell()
-        writer.commit()
-    except OSError as exc:
-        writer.abort()
-        raise StorageError(f"writing {storage.describe(name)} failed: {exc}") from exc
+            stored = writer.append(memoryview(state.blobs[index]))
+            written_objects.append([index, stored.byte_offset, stored.byte_length, list(stored.checksums)])
     except BaseException:
         writer.abort()
         raise
+    size = writer.commit()
     state.file_bytes = size
     report = _tensor_report(
         list(assignment.tensors), offsets, lengths, checksums, prints if with_fingerprints else None
@@ -566,26 +565,3 @@ def _build_metadata(
         },
         common=dict(state.flat.common),
     )
-
-
-def _remove_replaced_files(storage: Storage, names: set[str]) -> None:
-    """Best effort, on the coordinator after an overwrite committed: remove the replaced checkpoint's
-    data files. Only names under ``data/`` are touched; a failure is logged, never raised, because the
-    new checkpoint is already committed and complete."""
-    for name in sorted(names):
-        if not name.startswith(f"{DATA_DIR}/"):
-            continue
-        try:
-            storage.delete(name)
-        except OSError as exc:
-            logger.warning("could not remove %s of the replaced checkpoint: %s", storage.describe(name), exc)
-
-
-def _remove_save_files(storage: Storage, save_id: str) -> None:
-    """Best effort, on the coordinator after a failed save: remove the data files this save wrote."""
-    try:
-        for name in storage.list_files(DATA_DIR):
-            if name.startswith(f"{DATA_DIR}/{save_id}-"):
-                storage.delete(name)
-    except OSError as exc:
-        logger.warning("could not remove the data files of failed save %s: %s", save_id, exc)

@@ -139,7 +139,7 @@ def _clear_previous(storage: Storage, names: list[str], *, overwrite: bool) -> N
     previous: set[str] = set()
     if storage.exists(INDEX_FILE):
         try:
-            weight_map = json.loads(storage.read_bytes(INDEX_FILE)).get("weight_map", {})
+            weight_map = json.loads(storage.read_bytes(INDEX_FILE, max_bytes=64 * 1024 * 1024)).get("weight_map", {})
             previous = {f for f in weight_map.values() if isinstance(f, str) and check_relative_path(f) is None}
         except (OSError, ValueError, AttributeError):
             previous = set()

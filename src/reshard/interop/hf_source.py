@@ -31,7 +31,7 @@ from reshard.dtypes import dtype_name
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, MismatchError, StorageError
 from reshard.interop.safetensors import TensorEntry, read_header
 from reshard.metadata import DataFile, Metadata, SavedBox, TensorMetadata, check_relative_path
-from reshard.storage import Storage
+from reshard.storage import FileTooLargeError, Storage
 
 __all__ = [
     "INDEX_FILE",
@@ -98,9 +98,12 @@ def describe_source(storage: Storage) -> dict[str, Any]:
     """
     where = storage.describe()
     if storage.exists(INDEX_FILE):
-        raw = storage.read_bytes(INDEX_FILE)
-        if len(raw) > _MAX_INDEX_BYTES:
-            raise CorruptCheckpointError(f"{storage.describe(INDEX_FILE)} is larger than {_MAX_INDEX_BYTES} bytes")
+        try:
+            raw = storage.read_bytes(INDEX_FILE, max_bytes=_MAX_INDEX_BYTES)
+        except FileTooLargeError:
+            raise CorruptCheckpointError(
+                f"{storage.describe(INDEX_FILE)} is larger than {_MAX_INDEX_BYTES} bytes; refused unread"
+            ) from None
         try:
             index = strict_json_loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:

@@ -18,20 +18,20 @@ from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
-import crc32c
 import torch
 
 from reshard._version import __version__
 from reshard.boxes import flat_range_boxes
 from reshard.codec import encode_tagged
 from reshard.dtypes import dtype_name
-from reshard.errors import CheckpointError, MismatchError, StateDictError, StorageError
+from reshard.errors import CheckpointError, MismatchError, StateDictError
 from reshard.fingerprint import combine
 from reshard.fingerprint import fingerprint as content_fingerprint
-from reshard.load import _ReadExecutor, read_metadata_bytes
-from reshard.locking import release_lock
+from reshard.io.commit import SaveCommit
+from reshard.io.datafile import DataFileWriter, data_file_name, tensor_bytes
+from reshard.io.reader import ReadExecutor
+from reshard.load import read_metadata_bytes
 from reshard.metadata import (
-    DATA_DIR,
     METADATA_FILE,
     DataFile,
     Metadata,
@@ -41,17 +41,8 @@ from reshard.metadata import (
     TensorMetadata,
 )
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, TargetPiece, plan_load
-from reshard.save import (
-    _ALIGNMENT,
-    DEFAULT_CHECKSUM_CHUNK_BYTES,
-    _data_file_name,
-    _prepare_root,
-    _read_previous_files,
-    _remove_replaced_files,
-    _remove_save_files,
-    tensor_bytes,
-)
-from reshard.storage import CheckpointLocation, ReadRequest, Storage, storage_for
+from reshard.save import DEFAULT_CHECKSUM_CHUNK_BYTES
+from reshard.storage import CheckpointLocation, Storage, storage_for
 
 __all__ = [
     "CAST_DTYPES",
@@ -107,7 +98,7 @@ class CheckpointReader:
             self.close()
             raise
         self.read_buffer_bytes = read_buffer_bytes
-        self._executor = _ReadExecutor(self.storage, self.metadata, buffer_bytes=read_buffer_bytes)
+        self._executor = ReadExecutor(self.storage, self.metadata, buffer_bytes=read_buffer_bytes)
         self._slab = torch.empty(0, dtype=torch.uint8)
 
     def describe(self) -> str:
@@ -178,13 +169,7 @@ class CheckpointReader:
     def read_object_blob(self, key: str, entry: SavedObject) -> bytes:
         """The stored bytes of one ShardedObject cell (the encoded blob, see docs/format.md section 7.2),
         read and checked as :func:`reshard.load` reads it (file size, length, every checksum), not decoded."""
-        what = f"object {key!r} at {list(entry.offset)}"
-        self._executor._check_file(entry.file)
-        blob = bytearray(entry.byte_length)
-        view = memoryview(blob)
-        self._executor._read([ReadRequest(self.metadata.files[entry.file].path, entry.byte_offset, view)], [what])
-        self._executor._verify_range(entry.checksums, entry.byte_length, 0, view, entry.file, entry.byte_offset, what)
-        return bytes(blob)
+        return self._executor.read_object_blob(key, entry)
 
     def close(self) -> None:
         """Release the read buffer and the storage (when this reader opened it)."""
@@ -202,32 +187,6 @@ class CheckpointReader:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-class _ChunkedChecksum:
-    """CRC-32C of consecutive ``chunk_bytes`` pieces of a byte stream fed in pieces of any size."""
-
-    def __init__(self, chunk_bytes: int) -> None:
-        self.chunk_bytes = chunk_bytes
-        self.values: list[int] = []
-        self._value = 0
-        self._filled = 0
-
-    def update(self, data: memoryview) -> None:
-        while data:
-            take = min(self.chunk_bytes - self._filled, len(data))
-            self._value = crc32c.crc32c(data[:take], self._value)
-            self._filled += take
-            data = data[take:]
-            if self._filled == self.chunk_bytes:
-                self.values.append(self._value)
-                self._value, self._filled = 0, 0
-
-    def finish(self) -> tuple[int, ...]:
-        if self._filled:
-            self.values.append(self._value)
-            self._value, self._filled = 0, 0
-        return tuple(self.values)
 
 
 class CheckpointWriter:
@@ -273,34 +232,23 @@ class CheckpointWriter:
         self.objects: dict[str, tuple[tuple[int, ...], list[SavedObject]]] = {}
         self.common: dict[str, object] = {}
         self._done = False
-        self._name = _data_file_name(self.save_id, 0)
+        self._name = data_file_name(self.save_id, 0)
+        self._commit = SaveCommit(self.storage, self.save_id, overwrite=overwrite)
         try:
-            _prepare_root(self.storage, overwrite=overwrite, save_id=self.save_id)
+            self._commit.begin()
         except BaseException:
             self._close_storage()
             raise
         try:
-            self._file = self.storage.open_writer(self._name)
-        except OSError as exc:
-            release_lock(self.storage, self.save_id)
+            self._file = DataFileWriter(self.storage, self._name, checksum_chunk_bytes)
+        except BaseException:
+            self._commit.discard()
             self._close_storage()
-            raise StorageError(f"cannot create data file {self.storage.describe(self._name)}: {exc}") from exc
+            raise
 
     def describe(self) -> str:
         """Where the checkpoint is being written, for messages."""
         return self.storage.describe()
-
-    def _align(self) -> int:
-        padding = -self._file.tell() % _ALIGNMENT
-        if padding:
-            self._file.write(memoryview(bytes(padding)))
-        return self._file.tell()
-
-    def _write(self, data: memoryview) -> None:
-        try:
-            self._file.write(data)
-        except OSError as exc:
-            raise StorageError(f"writing {self.storage.describe(self._name)} failed: {exc}") from exc
 
     def write_tensor(
         self, key: str, dtype: torch.dtype, global_shape: tuple[int, ...], pieces: Iterable[torch.Tensor]
@@ -324,8 +272,7 @@ class CheckpointWriter:
             raise StateDictError(f"tensor {key!r}: reshard cannot store dtype {dtype}") from None
         global_shape = tuple(int(s) for s in global_shape)
         total = math.prod(global_shape)
-        start = self._align()
-        checksum = _ChunkedChecksum(self.chunk_bytes)
+        self._file.begin()
         prints: list[int] = []
         done = 0
         for piece in pieces:
@@ -334,9 +281,7 @@ class CheckpointWriter:
             count = piece.numel()
             if done + count > total:
                 raise StateDictError(f"tensor {key!r}: more than its {total} elements were given")
-            data = tensor_bytes(piece)
-            checksum.update(data)
-            self._write(data)
+            self._file.feed(tensor_bytes(piece))
             if self.fingerprint:
                 flat = piece.detach().reshape(-1)
                 for box, at in flat_range_boxes(global_shape, done, done + count):
@@ -344,6 +289,7 @@ class CheckpointWriter:
             done += count
         if done != total:
             raise StateDictError(f"tensor {key!r}: {done} of its {total} elements were given")
+        stored = self._file.end()
         boxes: tuple[SavedBox, ...] = ()
         if total:
             boxes = (
@@ -351,9 +297,9 @@ class CheckpointWriter:
                     offset=(0,) * len(global_shape),
                     shape=global_shape,
                     file=0,
-                    byte_offset=start,
-                    byte_length=total * dtype.itemsize,
-                    checksums=checksum.finish(),
+                    byte_offset=stored.byte_offset,
+                    byte_length=stored.byte_length,
+                    checksums=stored.checksums,
                 ),
             )
         tensor = TensorMetadata(
@@ -374,14 +320,14 @@ class CheckpointWriter:
         shape, entries = self.objects.setdefault(key, (tuple(global_shape), []))
         if shape != tuple(global_shape):
             raise StateDictError(f"object {key!r}: grid {list(global_shape)} differs from {list(shape)}")
-        checksum = _ChunkedChecksum(self.chunk_bytes)
-        start = self._align()
-        data = memoryview(blob)
-        checksum.update(data)
-        self._write(data)
+        stored = self._file.append(memoryview(blob))
         entries.append(
             SavedObject(
-                offset=tuple(offset), file=0, byte_offset=start, byte_length=len(blob), checksums=checksum.finish()
+                offset=tuple(offset),
+                file=0,
+                byte_offset=stored.byte_offset,
+                byte_length=stored.byte_length,
+                checksums=stored.checksums,
             )
         )
 
@@ -401,24 +347,18 @@ class CheckpointWriter:
 
     def commit(self) -> Metadata:
         """Make the data file durable, then commit ``metadata.json`` (the checkpoint exists from this
-        instant); with ``overwrite``, then remove the replaced checkpoint's data files.
+        instant, through the same commit protocol as :func:`reshard.save`); with ``overwrite``, then remove
+        the replaced checkpoint's data files.
 
         Raises:
             CorruptCheckpointError: what was written does not form a valid checkpoint (an object grid with
                 missing cells, say); nothing is committed.
-            CheckpointExistsError, StorageError: as for :func:`reshard.save`.
+            CheckpointExistsError, StorageError: as for :func:`reshard.save`; nothing this writer wrote is
+                deleted unless it is known not to have committed.
         """
         self._check_open()
         try:
-            size = self._file.tell()
-            self._file.commit()
-        except OSError as exc:
-            self.abort()
-            raise StorageError(f"writing {self.storage.describe(self._name)} failed: {exc}") from exc
-        except BaseException:
-            self.abort()
-            raise
-        try:
+            size = self._file.commit()
             metadata = Metadata(
                 save_id=self.save_id,
                 created_by=f"reshard {__version__}",
@@ -436,18 +376,12 @@ class CheckpointWriter:
             )
             document = metadata.to_json_bytes()
             Metadata.from_json_bytes(document, where=self.storage.describe(METADATA_FILE))  # what a reader checks
-            replaced = _read_previous_files(self.storage) if self.overwrite else set()
-            self.storage.sync_dir(DATA_DIR)
-            try:
-                self.storage.commit(METADATA_FILE, document, replace=self.overwrite)
-            except OSError as exc:
-                raise StorageError(f"committing {self.storage.describe(METADATA_FILE)} failed: {exc}") from exc
+            self._commit.publish(document)
         except BaseException:
             self._discard()
             raise
         self._done = True
-        release_lock(self.storage, self.save_id)
-        _remove_replaced_files(self.storage, replaced - {self._name})
+        self._commit.remove_replaced({self._name})
         self._close_storage()
         return metadata
 
@@ -459,9 +393,9 @@ class CheckpointWriter:
         self._discard()
 
     def _discard(self) -> None:
+        """After a failure: remove this writer's files unless its commit happened (or may have)."""
         self._done = True
-        _remove_save_files(self.storage, self.save_id)
-        release_lock(self.storage, self.save_id)
+        self._commit.discard()
         self._close_storage()
 
     def _close_storage(self) -> None:

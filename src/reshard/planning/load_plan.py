@@ -97,27 +97,37 @@ def _split_overlap(
     saved: Box, overlap: Box, itemsize: int, max_amplification: float, max_bytes: int, chunk_bytes: int = 0
 ) -> list[tuple[Box, ReadPattern]]:
     """Cut ``overlap`` into consecutive slabs along its first axes so that each slab's read is at most
-    ``max_bytes`` (a slab of one element row is never cut further)."""
+    ``max_bytes`` (a slab of one element is never cut further).
+
+    What counts is the most a slab can need in memory: its planned reads, the range of the saved box it
+    spans (what a memory-mapped copy touches) and, with checksum chunks of ``chunk_bytes`` that fit twice
+    in ``max_bytes``, that range widened to whole chunks (a read verifies every chunk it touches, whole).
+    """
     pattern = read_pattern(saved, overlap, max_amplification=max_amplification)
     strides = row_major_strides(saved.shape)
     extent_elements = 1 + sum((n - 1) * st for n, st in zip(overlap.shape, strides, strict=True))
-    # Bounded by both what is read and the range it spans (what a memory-mapped copy touches).
-    if max(pattern.read_elements, extent_elements) * itemsize <= max_bytes:
+    need = max(pattern.read_elements, extent_elements) * itemsize
+    if chunk_bytes and 2 * chunk_bytes <= max_bytes and pattern.needed:
+        first = pattern.first * itemsize
+        last = first + extent_elements * itemsize
+        need = max(need, -(-last // chunk_bytes) * chunk_bytes - first // chunk_bytes * chunk_bytes)
+    if need <= max_bytes:
         return [(overlap, pattern)]
     axis = next((a for a, extent in enumerate(overlap.shape) if extent > 1), None)
     if axis is None:
         return [(overlap, pattern)]
     extent = overlap.shape[axis]
-    parts = min(extent, -(-max(pattern.read_elements, extent_elements) * itemsize // max_bytes))
+    parts = min(extent, max(2, -(-need // max_bytes)))
     step = -(-extent // parts)
     row_bytes = math.prod(overlap.shape[axis + 1 :]) * itemsize
     whole_rows = overlap.shape[axis + 1 :] == saved.shape[axis + 1 :] and all(n == 1 for n in overlap.shape[:axis])
     if chunk_bytes and whole_rows and row_bytes:
-        # Slabs of whole rows are contiguous: make them whole checksum chunks, so that every chunk a
-        # slab covers can be verified.
+        # Slabs of whole rows are contiguous: make them whole checksum chunks, so that no chunk is read
+        # (and verified) by two slabs.
         unit = math.lcm(row_bytes, chunk_bytes) // row_bytes
-        if unit * row_bytes <= max_bytes:
-            step = max(unit, (max_bytes // (unit * row_bytes)) * unit)
+        budget = max_bytes - 2 * chunk_bytes if 2 * chunk_bytes <= max_bytes else max_bytes
+        if unit * row_bytes <= budget:
+            step = (budget // (unit * row_bytes)) * unit
     out = []
     for start in range(0, extent, step):
         size = min(step, extent - start)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from reshard.storage.base import FileWriter, ReadRequest, Storage
+from reshard.storage.base import FileTooLargeError, FileWriter, RangeReadError, ReadRequest, Storage
 from reshard.storage.local import LocalStorage
 from reshard.storage.objectstore import ObjectStorage, RetryPolicy, TransferOptions
 
 __all__ = [
     "CheckpointLocation",
+    "FileTooLargeError",
     "FileWriter",
     "LocalStorage",
     "ObjectStorage",
+    "RangeReadError",
     "ReadRequest",
     "RetryPolicy",
     "Storage",

@@ -22,7 +22,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FileWriter", "MappedRange", "ReadRequest", "Storage"]
+__all__ = ["FileTooLargeError", "FileWriter", "MappedRange", "RangeReadError", "ReadRequest", "Storage"]
+
+
+class FileTooLargeError(OSError):
+    """A small file (metadata, an index, a lock marker) is larger than the limit its reader set, so it is
+    not read whole: a hostile or broken file must not cost gigabytes of memory."""
+
+
+class RangeReadError(OSError):
+    """A ranged read was answered with bytes of another range or length than asked (a server or proxy
+    that ignored the ``Range`` header, say): those bytes are never used."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,15 +105,22 @@ class Storage(ABC):
         """Names of the immediate children of the root (files and directories or prefixes), sorted."""
 
     @abstractmethod
-    def read_bytes(self, name: str) -> bytes:
-        """The whole content of a small file."""
+    def list_names(self, prefix: str) -> list[str]:
+        """Names of the files directly under the root that start with ``prefix``, sorted (lock markers)."""
+
+    @abstractmethod
+    def read_bytes(self, name: str, *, max_bytes: int | None = None) -> bytes:
+        """The whole content of a small file; ``FileTooLargeError`` when it has more than ``max_bytes``
+        bytes (checked before the content is read where the backend can)."""
 
     @abstractmethod
     def read_ranges(self, requests: list[ReadRequest]) -> list[int]:
         """Fill every request's buffer; return the bytes read for each (fewer only at the end of a file).
 
         Backends may serve the requests concurrently and in any order; the caller must not touch the
-        buffers until this returns.
+        buffers until this returns. A backend whose answers can be of another range than asked (HTTP)
+        checks each answer's range and length and raises ``RangeReadError`` rather than fill a buffer with
+        other bytes.
         """
 
     @abstractmethod

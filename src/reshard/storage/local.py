@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from reshard.storage.base import FileWriter, MappedRange, ReadRequest, Storage
+from reshard.storage.base import FileTooLargeError, FileWriter, MappedRange, ReadRequest, Storage
 
 __all__ = ["LocalStorage"]
 
@@ -24,6 +24,12 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _too_large(where: str, size: int, limit: int) -> OSError:
+    return FileTooLargeError(
+        errno.EFBIG, f"{size} bytes or more, above the limit of {limit} bytes for this file", where
+    )
 
 
 class _LocalWriter(FileWriter):
@@ -80,17 +86,24 @@ class _LocalMapping(MappedRange):
             self.mapping.close()
 
 
-def _open_regular(root: Path, name: str) -> int:
-    """Open ``root/name`` for reading without following a symbolic link in any component below the
-    root, and only if it is a regular file (a FIFO or device would block or lie)."""
-    parts = name.split("/")
-    for depth in range(1, len(parts)):
+def _check_no_links(root: Path, name: str, *, leaf: bool = False) -> None:
+    """Raise ``OSError(ELOOP)`` when a directory component of ``name`` below ``root`` (and, with ``leaf``,
+    ``name`` itself) is a symbolic link: reshard never follows links inside a checkpoint, so that nothing
+    it reads, writes or deletes can lie outside it."""
+    parts = [p for p in name.split("/") if p]
+    for depth in range(1, len(parts) + (1 if leaf else 0)):
         if os.path.islink(root.joinpath(*parts[:depth])):
             raise OSError(
                 errno.ELOOP,
                 "a symbolic link: reshard does not follow links inside a checkpoint",
                 str(root.joinpath(*parts[:depth])),
             )
+
+
+def _open_regular(root: Path, name: str) -> int:
+    """Open ``root/name`` for reading without following a symbolic link in any component below the
+    root, and only if it is a regular file (a FIFO or device would block or lie)."""
+    _check_no_links(root, name)
     fd = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -104,8 +117,12 @@ class LocalStorage(Storage):
     Commits write a temporary file in the same directory and fsync it; a replacing commit renames it
     over the target, a create-only commit hard-links it to the target (which fails if the target exists,
     atomically) and removes the temporary name; then the directory is fsynced. A crash leaves the old
-    file or the new one, never a mix, and never a temporary file outside the checkpoint. Data files are
-    opened with ``O_NOFOLLOW``: a symbolic link could point anywhere.
+    file or the new one, never a mix, and never a temporary file outside the checkpoint.
+
+    Symbolic links below the root are never followed, by reads, writes, listings or deletions: a data file
+    is opened with ``O_NOFOLLOW``, and an operation whose path passes through a link (a ``data`` directory
+    that is a link, say) fails with ``OSError(ELOOP)``, so that no operation reaches outside the checkpoint.
+    The root itself may be a link.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -131,22 +148,46 @@ class LocalStorage(Storage):
         return os.lstat(self.root / name).st_mtime
 
     def list_files(self, prefix: str = "") -> list[str]:
+        """Files (and symbolic links, which are not followed) under ``prefix``; ``OSError(ELOOP)`` when
+        ``prefix`` passes through a link."""
+        _check_no_links(self.root, prefix, leaf=True)
         base = self.root / prefix if prefix else self.root
         if not base.is_dir():
             return []
-        return sorted(p.relative_to(self.root).as_posix() for p in base.rglob("*") if p.is_file())
+        found: list[str] = []
+        pending = [base]
+        while pending:
+            folder = pending.pop()
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(Path(entry.path))
+                    elif entry.is_file(follow_symlinks=False) or entry.is_symlink():
+                        found.append(Path(entry.path).relative_to(self.root).as_posix())
+        return sorted(found)
 
     def list_children(self) -> list[str]:
         return sorted(os.listdir(self.root)) if self.root.is_dir() else []
 
-    def read_bytes(self, name: str) -> bytes:
+    def list_names(self, prefix: str) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(n for n in os.listdir(self.root) if n.startswith(prefix) and not (self.root / n).is_dir())
+
+    def read_bytes(self, name: str, *, max_bytes: int | None = None) -> bytes:
         fd = _open_regular(self.root, name)
         try:
+            if max_bytes is not None and os.fstat(fd).st_size > max_bytes:
+                raise _too_large(self.describe(name), os.fstat(fd).st_size, max_bytes)
             chunks: list[bytes] = []
+            total = 0
             while True:
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
                     return b"".join(chunks)
+                total += len(chunk)
+                if max_bytes is not None and total > max_bytes:
+                    raise _too_large(self.describe(name), total, max_bytes)
                 chunks.append(chunk)
         finally:
             os.close(fd)
@@ -180,14 +221,17 @@ class LocalStorage(Storage):
         return _LocalMapping(mapping, offset - start, length)
 
     def prepare_root(self) -> None:
+        _check_no_links(self.root, "data", leaf=True)
         (self.root / "data").mkdir(parents=True, exist_ok=True)
 
     def open_writer(self, name: str) -> FileWriter:
+        _check_no_links(self.root, name, leaf=True)
         path = self.root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         return _LocalWriter(path)
 
     def commit(self, name: str, data: bytes, *, replace: bool) -> None:
+        _check_no_links(self.root, name)
         target = self.root / name
         target.parent.mkdir(parents=True, exist_ok=True)
         temp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
@@ -215,13 +259,15 @@ class LocalStorage(Storage):
         return LocalStorage(self.root / name)
 
     def delete_prefix(self, prefix: str) -> None:
+        _check_no_links(self.root, prefix)
         target = self.root / prefix
         if target.is_symlink() or target.is_file():
             target.unlink()
         elif target.exists():
-            shutil.rmtree(target)
+            shutil.rmtree(target)  # removes links inside as links, never what they point to
 
     def delete(self, name: str) -> None:
+        _check_no_links(self.root, name)
         (self.root / name).unlink(missing_ok=True)
 
     def sync_dir(self, name: str) -> None:

@@ -26,6 +26,7 @@ import contextlib
 import errno
 import logging
 import random
+import re
 import threading
 import time
 import uuid
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from reshard.errors import StorageError
-from reshard.storage.base import FileWriter, ReadRequest, Storage
+from reshard.storage.base import FileTooLargeError, FileWriter, RangeReadError, ReadRequest, Storage
 
 __all__ = ["ObjectStorage", "RetryPolicy", "TransferOptions"]
 
@@ -128,6 +129,38 @@ def is_retryable(exc: BaseException) -> bool:
         if any(word in str(item) for word in _RETRYABLE_WORDS):
             return True
     return False
+
+
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+def _checked_range(where: str, start: int, end: int, data: bytes, content_range: str | None) -> int:
+    """How many bytes of ``data`` are bytes ``[start, end)`` of ``where``: all of them, or fewer only where
+    the object ends. An answer of another range or length raises RangeReadError: HTTP allows a server (or a
+    proxy) to ignore a ``Range`` header and send the whole object, which must never be taken for the range."""
+    asked = end - start
+    if content_range is None:
+        if len(data) != asked:
+            raise RangeReadError(
+                errno.EIO,
+                f"a read of bytes [{start}, {end}) got {len(data)} bytes and no Content-Range: the server or a "
+                "proxy ignored the Range header",
+                where,
+            )
+        return len(data)
+    match = _CONTENT_RANGE.match(content_range.strip())
+    if match is None:
+        raise RangeReadError(errno.EIO, f"a read of bytes [{start}, {end}) got Content-Range {content_range!r}", where)
+    first, last, total = int(match.group(1)), int(match.group(2)), match.group(3)
+    got = last - first + 1
+    at_end = total != "*" and last + 1 == int(total)
+    if first != start or got != len(data) or got > asked or (got < asked and not at_end):
+        raise RangeReadError(
+            errno.EIO,
+            f"a read of bytes [{start}, {end}) was answered with {len(data)} bytes of Content-Range {content_range!r}",
+            where,
+        )
+    return got
 
 
 def _make_filesystem(protocol: str, options: dict[str, Any]) -> Any:
@@ -272,17 +305,67 @@ class ObjectStorage(Storage):
     def list_children(self) -> list[str]:
         return sorted({name.split("/", 1)[0] for name in self.list_files()})
 
-    def read_bytes(self, name: str) -> bytes:
+    def list_names(self, prefix: str) -> list[str]:
+        self.fs.invalidate_cache()
+        try:
+            found = self.call("listing", prefix, lambda: self.fs.find(self.root, prefix=prefix))
+        except FileNotFoundError:
+            return []
+        start = len(self.root) + 1
+        names = (p[start:] for p in found if p.startswith(self.root + "/"))
+        return sorted(n for n in names if n.startswith(prefix) and "/" not in n)
+
+    def read_bytes(self, name: str, *, max_bytes: int | None = None) -> bytes:
         path = self._path(name)
+        if max_bytes is not None:
+            size = self.size(name)
+            if size > max_bytes:
+                raise FileTooLargeError(
+                    errno.EFBIG,
+                    f"{size} bytes, above the limit of {max_bytes} bytes for this file",
+                    self.describe(name),
+                )
+            data = bytes(self.call("reading", name, lambda: self.fs.cat_file(path, start=0, end=max_bytes + 1)))
+            if len(data) > max_bytes:
+                raise FileTooLargeError(
+                    errno.EFBIG, f"more than the limit of {max_bytes} bytes for this file", self.describe(name)
+                )
+            return data
         return bytes(self.call("reading", name, lambda: self.fs.cat_file(path)))
 
     def _read_one(self, request: ReadRequest) -> int:
+        if not request.buffer:
+            return 0
         path = self._path(request.name)
         end = request.offset + len(request.buffer)
-        data = self.call("reading", request.name, lambda: self.fs.cat_file(path, start=request.offset, end=end))
-        count = min(len(data), len(request.buffer))
-        request.buffer[:count] = data[:count]
+        data, content_range = self.call("reading", request.name, lambda: self._ranged_get(path, request.offset, end))
+        count = _checked_range(self.describe(request.name), request.offset, end, data, content_range)
+        request.buffer[:count] = memoryview(data)[:count]
         return count
+
+    def _ranged_get(self, path: str, start: int, end: int) -> tuple[bytes, str | None]:
+        """Bytes ``[start, end)`` of object ``path`` and the ``Content-Range`` the server answered with
+        (None where the client does not expose it): the caller checks that they are the bytes asked for."""
+        from fsspec.asyn import sync
+
+        header = f"bytes={start}-{end - 1}"
+        if self.protocol in ("s3", "s3a"):
+            bucket, key = path.split("/", 1)
+
+            async def get() -> tuple[bytes, str | None]:
+                response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=header)
+                try:
+                    body = await response["Body"].read()
+                finally:
+                    response["Body"].close()
+                return bytes(body), response.get("ContentRange")
+
+            return sync(self.fs.loop, get)  # type: ignore[no-any-return]
+        if self.protocol in ("gs", "gcs"):
+            headers, body = sync(self.fs.loop, self.fs._call, "GET", self.fs.url(path), headers={"Range": header})
+            found = {k.lower(): v for k, v in dict(headers).items()}
+            return bytes(body), found.get("content-range")
+        return bytes(self.fs.cat_file(path, start=start, end=end)), None
 
     def read_ranges(self, requests: list[ReadRequest]) -> list[int]:
         if len(requests) <= 1:

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from reshard.dtypes import DTYPE_BY_NAME
+from reshard.io.datafile import ALIGNMENT, data_file_name
 from reshard.planning.save_plan import DescriptionTable, WriteAssignment
-from reshard.save import _ALIGNMENT, _data_file_name, _tensor_report
+from reshard.save import _tensor_report
 
 __all__ = ["write_report"]
 
@@ -43,19 +44,19 @@ def write_report(
     offsets = []
     position = 0
     for length in lengths:
-        position += -position % _ALIGNMENT
+        position += -position % ALIGNMENT
         offsets.append(position)
         position += length
     objects = []
     for index in assignment.objects:
-        position += -position % _ALIGNMENT
+        position += -position % ALIGNMENT
         objects.append([index, position, object_bytes, [rank] * -(-object_bytes // chunk_bytes)])
         position += object_bytes
     chunks = sum(-(-n // chunk_bytes) for n in lengths)
     checksums = np.random.default_rng(rank).integers(0, 2**32, size=chunks, dtype=np.uint32).tolist()
     prints = [(rank << 32) + i for i in range(len(lengths))] if fingerprints else None
     return {
-        "file": _data_file_name(save_id, rank),
+        "file": data_file_name(save_id, rank),
         "size": position,
         "tensors": _tensor_report(list(assignment.tensors), offsets, lengths, checksums, prints),
         "objects": objects,

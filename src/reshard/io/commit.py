@@ -1,0 +1,217 @@
+"""The commit protocol: the one place that writes ``metadata.json``, and what may be deleted around it.
+
+A checkpoint exists from the instant its ``metadata.json`` is durable; that instant is a point of no
+return. :class:`SaveCommit` runs the protocol of one save (``reshard.save`` on its coordinator, and the
+single-process :class:`~reshard.interop.offline.CheckpointWriter`), in this order:
+
+1. :meth:`SaveCommit.begin`: create the directory, take the save lock (renewed in the background until
+   the end), refuse a complete checkpoint unless overwriting.
+2. the data files are written (by every writer rank) and made durable.
+3. :meth:`SaveCommit.publish`: check that the lock is still held, make ``data/`` durable, then write
+   ``metadata.json`` with the storage's atomic commit (create-only unless overwriting). Its outcome is
+   one of three:
+
+   - *committed*: the commit succeeded, or failed in a way that left our very document in place (a
+     retried create-only put whose first answer was lost finds its own bytes);
+   - *not committed*: nothing of ours was published (another save's document is there, or none);
+   - *unknown*: the commit failed and what is there cannot be read back.
+
+4. :meth:`SaveCommit.discard` after any failure: it deletes this save's data files **only when the
+   outcome is known not to be committed**. After a commit, or when the outcome is unknown, nothing is
+   deleted (an unknown outcome leaves files that ``reshard gc`` removes once it is clear they are not
+   referenced), so that no failure after the point of no return can cost a committed checkpoint.
+5. :meth:`SaveCommit.remove_replaced` after a committed overwrite: the replaced checkpoint's data files
+   (best effort; never raises).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import TYPE_CHECKING
+
+from reshard.errors import CheckpointError, CheckpointExistsError, CheckpointLockedError, StorageError
+from reshard.io.datafile import is_data_file_of
+from reshard.locking import Lock, LockTiming, acquire_lock
+from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
+
+if TYPE_CHECKING:
+    from reshard.storage import Storage
+
+__all__ = ["CommitOutcome", "SaveCommit"]
+
+logger = logging.getLogger("reshard")
+
+
+class CommitOutcome(enum.Enum):
+    """Where a save stands with respect to its commit."""
+
+    OPEN = "open"
+    """Not published yet: a failure discards the save's files."""
+    COMMITTED = "committed"
+    """``metadata.json`` of this save is durable: nothing it references is ever deleted by this save."""
+    NOT_COMMITTED = "not committed"
+    """The publication failed and left nothing of this save: its files are garbage."""
+    UNKNOWN = "unknown"
+    """The publication failed and its effect cannot be read back: the files are kept."""
+
+
+class SaveCommit:
+    """The commit protocol of one save (see the module doc). Used by one process: the coordinator of a
+    save, or a single-process writer. Not thread-safe.
+
+    Args:
+        storage: the checkpoint.
+        save_id: the save's id; its data files are named after it.
+        overwrite: replace a complete checkpoint (the old one stays loadable until the new commit).
+        lock_timing: how the save lock renews and judges stale holders.
+    """
+
+    def __init__(
+        self, storage: Storage, save_id: str, *, overwrite: bool, lock_timing: LockTiming | None = None
+    ) -> None:
+        self.storage = storage
+        self.save_id = save_id
+        self.overwrite = overwrite
+        self.lock_timing = lock_timing
+        self.outcome = CommitOutcome.OPEN
+        self.lock: Lock | None = None
+        self.replaced: set[str] = set()
+        """With ``overwrite``: the data files of the checkpoint this one replaced (read before the commit)."""
+
+    # ---- 1. begin ------------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Before anyone writes: create the directories, take the save lock, refuse to clobber a complete
+        checkpoint.
+
+        Raises:
+            StorageError: the directory or the lock cannot be written.
+            CheckpointLockedError: another live save holds the lock.
+            CheckpointExistsError: a complete checkpoint is there and ``overwrite`` is off.
+        """
+        try:
+            self.storage.prepare_root()
+        except OSError as exc:
+            raise StorageError(f"cannot create checkpoint directory {self.storage.describe()}: {exc}") from exc
+        self.lock = acquire_lock(self.storage, self.save_id, what="save", timing=self.lock_timing)
+        self.lock.start_renewing()
+        try:
+            exists = self.storage.exists(METADATA_FILE)
+        except OSError as exc:
+            self.release_lock()
+            raise StorageError(f"cannot check {self.storage.describe(METADATA_FILE)}: {exc}") from exc
+        if exists and not self.overwrite:
+            self.release_lock()
+            raise CheckpointExistsError(
+                f"{self.storage.describe()} already holds a complete checkpoint; pass overwrite=True to replace it"
+            )
+
+    def release_lock(self) -> None:
+        """Release the save lock (best effort; never raises)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    # ---- 3. publish ----------------------------------------------------------------------------------
+
+    def publish(self, document: bytes) -> None:
+        """Commit ``document`` as ``metadata.json``, after every data file it names is durable. On return
+        the checkpoint is committed (:attr:`outcome` is COMMITTED) and the lock released.
+
+        Raises:
+            CheckpointLockedError: this save lost its lock (another writer judged it stale); not committed.
+            CheckpointExistsError: another save committed here meanwhile; not committed.
+            StorageError: the commit failed (:attr:`outcome` says whether it is known not to have happened).
+        """
+        if self.outcome is not CommitOutcome.OPEN:
+            raise CheckpointError(f"save {self.save_id} was already {self.outcome.value}")
+        where = self.storage.describe(METADATA_FILE)
+        try:
+            if self.lock is not None:
+                self.lock.check()
+            if self.overwrite:
+                self.replaced = self._previous_files()
+            self.storage.sync_dir(DATA_DIR)
+        except CheckpointLockedError:
+            self.outcome = CommitOutcome.NOT_COMMITTED
+            raise
+        except OSError as exc:
+            self.outcome = CommitOutcome.NOT_COMMITTED
+            raise StorageError(f"committing {where} failed: {exc}") from exc
+        try:
+            self.storage.commit(METADATA_FILE, document, replace=self.overwrite)
+        except OSError as exc:
+            self.outcome = self._outcome_after_failure(document)
+            if self.outcome is CommitOutcome.COMMITTED:
+                logger.warning("committing %s reported %s, but the committed document is this save's", where, exc)
+            elif isinstance(exc, FileExistsError):
+                raise CheckpointExistsError(
+                    f"another save committed a checkpoint at {self.storage.describe()} while this one was writing; "
+                    "this save's data was discarded"
+                ) from None
+            elif self.outcome is CommitOutcome.UNKNOWN:
+                raise StorageError(
+                    f"committing {where} failed and its outcome cannot be read back: {exc}. This save's data files "
+                    "are kept; `reshard validate` tells whether the checkpoint committed, `reshard gc` removes them "
+                    "if it did not"
+                ) from exc
+            else:
+                raise StorageError(f"committing {where} failed: {exc}") from exc
+        self.outcome = CommitOutcome.COMMITTED
+        self.release_lock()
+
+    def _outcome_after_failure(self, document: bytes) -> CommitOutcome:
+        """After a failed commit: whether our document is in place, another is (or none), or no one knows."""
+        try:
+            found = self.storage.read_bytes(METADATA_FILE, max_bytes=max(MAX_METADATA_BYTES, len(document)))
+        except FileNotFoundError:
+            return CommitOutcome.NOT_COMMITTED
+        except OSError:
+            return CommitOutcome.UNKNOWN
+        return CommitOutcome.COMMITTED if found == document else CommitOutcome.NOT_COMMITTED
+
+    def _previous_files(self) -> set[str]:
+        """Data files of the checkpoint being overwritten (empty when there is none, or it is unreadable:
+        then its files stay, for ``reshard gc``)."""
+        try:
+            raw = self.storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
+            return {f.path for f in Metadata.from_json_bytes(raw).files}
+        except (OSError, CheckpointError):
+            return set()
+
+    # ---- 4. discard, 5. remove what was replaced ---------------------------------------------------------
+
+    def discard(self) -> None:
+        """After a failure: remove this save's data files if it is known not to have committed, and
+        release the lock. Best effort; never raises."""
+        if self.outcome is CommitOutcome.OPEN:
+            self.outcome = CommitOutcome.NOT_COMMITTED
+        if self.outcome is CommitOutcome.NOT_COMMITTED:
+            try:
+                for name in self.storage.list_files(DATA_DIR):
+                    if is_data_file_of(name, self.save_id):
+                        self.storage.delete(name)
+            except OSError as exc:
+                logger.warning("could not remove the data files of failed save %s: %s", self.save_id, exc)
+        else:
+            logger.warning(
+                "save %s at %s is %s: its data files are kept",
+                self.save_id,
+                self.storage.describe(),
+                self.outcome.value,
+            )
+        self.release_lock()
+
+    def remove_replaced(self, keep: set[str]) -> None:
+        """After a committed overwrite: remove the replaced checkpoint's data files that the new one does
+        not name (``keep``). Only names under ``data/`` are touched; a failure is logged, never raised,
+        because the new checkpoint is already committed and complete."""
+        if self.outcome is not CommitOutcome.COMMITTED:
+            return
+        for name in sorted(self.replaced - keep):
+            if not name.startswith(f"{DATA_DIR}/"):
+                continue
+            try:
+                self.storage.delete(name)
+            except OSError as exc:
+                logger.warning("could not remove %s of the replaced checkpoint: %s", self.storage.describe(name), exc)
