@@ -602,3 +602,45 @@ def test_failures_in_save_planning_are_rank_failures_not_parse_errors(pool4: Ran
     """A RankFailure here would mean a raw exception escaped; every rank gets a CheckpointError."""
     results = pool4.run(rank_save_or_load, str(tmp_path / "nothing"))
     assert not any(isinstance(r, RankFailure) for r in results)
+
+
+# ---- racing writers on one path ----------------------------------------------------------------------------
+
+
+def _race_saves(path: Path, writers: int, *, overwrite: bool) -> dict[int, str]:
+    """``writers`` threads save their own state to ``path`` at once; each one's outcome."""
+    start = threading.Barrier(writers)
+    outcomes: dict[int, str] = {}
+
+    def write(i: int) -> None:
+        start.wait()
+        try:
+            reshard.save({"w": torch.full((64, 16), float(i)), "who": i}, path, overwrite=overwrite)
+            outcomes[i] = "saved"
+        except (reshard.CheckpointLockedError, reshard.CheckpointExistsError) as exc:
+            outcomes[i] = type(exc).__name__
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outcomes
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_racing_writers_leave_exactly_one_whole_checkpoint(tmp_path: Path, overwrite: bool) -> None:
+    for round_ in range(8):
+        path = tmp_path / f"r{round_}"
+        if overwrite:
+            reshard.save({"w": torch.full((64, 16), -1.0), "who": -1}, path)
+        outcomes = _race_saves(path, 4, overwrite=overwrite)
+        winners = [i for i, o in outcomes.items() if o == "saved"]
+        assert len(outcomes) == 4 and winners, outcomes
+        if not overwrite:
+            assert len(winners) == 1, outcomes
+        loaded = reshard.load({"w": torch.zeros(64, 16), "who": 0}, path)
+        assert loaded["who"] in winners and torch.equal(loaded["w"], torch.full((64, 16), float(loaded["who"])))
+        referenced = {f.path for f in reshard.read_metadata(path).files}
+        assert {f"data/{p.name}" for p in (path / "data").iterdir()} == referenced  # no loser's file is left
+        assert lock_markers(LocalStorage(path)) == {}
