@@ -134,3 +134,32 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
         row = ratios[name]
         assert row["value"] is not None and math.isfinite(row["value"]) and row["value"] > 0, name
         assert row["target"] is not None and row["pass"] in (True, False), name
+
+
+@pytest.mark.timeout(240)
+def test_chaos_long_mode_runs_at_a_tiny_size(tmp_path: Path) -> None:
+    """benchmarks/chaos.py (the long chaos mode of docs/reliability.md) on a handful of kill points and
+    corruptions: it runs, reports, and exits 0."""
+    out = tmp_path / "chaos.json"
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.chaos",
+        "--scenarios",
+        "overwrite:2,manager:2",
+        "--limit",
+        "6",
+        "--timed",
+        "1",
+        "--corruptions",
+        "5",
+        "--json",
+        str(out),
+    ]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=220, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    total = report["kills"]["total"]
+    assert total["tried"] == 14 and total["lost"] == total["silent"] == total["violations"] == 0
+    assert report["corruptions"]["corruptions"] == 5 and report["corruptions"]["silent"] == 0
+    assert "total: 14 kill points" in done.stdout

@@ -47,20 +47,18 @@ def _generation(loaded: dict[str, Any], candidates: list[int]) -> int | None:
     return next((g for g in candidates if _same(loaded, g)), None)
 
 
-@pytest.mark.parametrize("seed", [11, 12])
-def test_faulty_http_never_costs_a_checkpoint_or_gives_wrong_bytes(
-    object_store: Any, fault_proxy: Any, tmp_path: Path, seed: int
-) -> None:
-    proxy = fault_proxy(object_store, seed=seed, slow_s=0.02)
-    bucket = object_store.new_bucket()
-    url = f"{object_store.protocol}://{bucket}/ckpt"
-    clean = ObjectStorage(url, object_store.options(), retry=RETRY)
-    faulty = ObjectStorage(url, object_store.options(proxy.url), retry=RETRY)
-    tried = {"saves": 0, "saved": 0, "loads": 0, "loaded": 0}
+def run_rounds(server: Any, proxy: Any, staging: Path, seed: int, rounds: int = ROUNDS) -> dict[str, int]:
+    """The rounds of the module doc against ``server`` through ``proxy``; counts of what happened. Raises
+    AssertionError on the first broken invariant."""
+    bucket = server.new_bucket()
+    url = f"{server.protocol}://{bucket}/ckpt"
+    clean = ObjectStorage(url, server.options(), retry=RETRY)
+    faulty = ObjectStorage(url, server.options(proxy.url), retry=RETRY)
+    tried = {"saves": 0, "saved": 0, "committed_after_an_error": 0, "loads": 0, "loaded": 0, "refused": 0}
     try:
         reshard.save(_state(0), clean)
         committed = [0]
-        for generation in range(1, ROUNDS + 1):
+        for generation in range(1, rounds + 1):
             proxy.set_faults(rate=0.15, mix=FAULTS, seed=seed * 1000 + generation)
             tried["saves"] += 1
             try:
@@ -75,6 +73,7 @@ def test_faulty_http_never_costs_a_checkpoint_or_gives_wrong_bytes(
             assert truth == generation or not saved, f"round {generation}: the save returned, the checkpoint is older"
             if truth == generation:
                 committed.insert(0, generation)
+                tried["committed_after_an_error"] += not saved
             proxy.set_faults(rate=0.15, mix=FAULTS, seed=seed * 1000 + 500 + generation)
             for how in ("whole", "rows", "staged"):
                 tried["loads"] += 1
@@ -86,14 +85,24 @@ def test_faulty_http_never_costs_a_checkpoint_or_gives_wrong_bytes(
                         out = reshard.load({"w": part}, faulty)
                         assert torch.equal(out["w"], _state(truth)["w"][7:16]), how
                     else:
-                        staged = reshard.load(_whole(), faulty, staging_dir=tmp_path / f"stage-{generation}")
+                        staged = reshard.load(_whole(), faulty, staging_dir=staging / f"stage-{generation}")
                         assert _same(staged, truth), how
                     tried["loaded"] += 1
                 except reshard.CheckpointError:
-                    pass
+                    tried["refused"] += 1
             proxy.set_faults(rate=0.0)
-        assert proxy.count(faulted=True) > 20, "the proxy injected few faults"
-        assert tried["saved"] > 0 and tried["loaded"] > 0, tried
     finally:
         clean.close()
         faulty.close()
+    tried["faults"] = proxy.count(faulted=True)
+    return tried
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_faulty_http_never_costs_a_checkpoint_or_gives_wrong_bytes(
+    object_store: Any, fault_proxy: Any, tmp_path: Path, seed: int
+) -> None:
+    proxy = fault_proxy(object_store, seed=seed, slow_s=0.02)
+    tried = run_rounds(object_store, proxy, tmp_path, seed)
+    assert tried["faults"] > 20, f"the proxy injected few faults: {tried}"
+    assert tried["saved"] > 0 and tried["loaded"] > 0, tried

@@ -647,8 +647,9 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[storage],
         help="remove data files that no commit references (failed or interrupted saves)",
         description="Remove the data files under PATH/data that metadata.json does not reference: leftovers of "
-        "saves that failed, were interrupted, or lost a race. Files younger than --min-age are kept, since a save "
-        "may still be writing them. Loads ignore such files, so this only frees space.",
+        "saves that failed, were interrupted, or lost a race. Only names a save writes are candidates; files "
+        "younger than --min-age are kept, since a save may still be writing them; a data directory that is a "
+        "symbolic link is refused. Loads ignore such files, so this only frees space.",
     )
     gc.add_argument("path", help="checkpoint directory or URL")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
@@ -658,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument(
         "--incomplete",
         action="store_true",
-        help="also clean a path with data but no metadata.json (an interrupted save): remove all its data",
+        help="also clean a path with data but no metadata.json (an interrupted save): remove all its data files",
     )
     gc.set_defaults(func=_cmd_gc)
     quiet = argparse.ArgumentParser(add_help=False)

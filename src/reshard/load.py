@@ -5,9 +5,10 @@ Flow (each phase ends in agreement):
 1. the coordinator reads and validates ``metadata.json`` and broadcasts it: no other rank reads it;
 2. each rank matches its template against the metadata and plans its reads: for every target box, the
    overlaps with the saved boxes and the byte runs that hold them;
-3. each rank reads only those bytes, straight into the destination tensor when the overlap is one
-   contiguous run of the same dtype, otherwise through a reused buffer and one strided copy; every
-   checksum chunk that a read covers whole is verified.
+3. each rank reads those bytes (:mod:`reshard.io.reader`), straight into the destination tensor when the
+   overlap is one contiguous run of the same dtype, otherwise through a reused buffer (or a mapping of a
+   local file) and one strided copy; every checksum chunk a read touches is read whole and verified on the
+   bytes used, so no byte a load returns is unverified.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ class LoadStats:
         bytes_read: bytes of tensor data actually read (>= needed: strided runs merged into larger reads).
         read_requests: number of read calls issued for tensor data.
         bytes_verified: bytes whose checksum was verified.
-        bytes_verify_extra: bytes read only to verify the chunks that contiguous reads touch at their ends
-            (not counted in ``bytes_read``).
+        bytes_verify_extra: bytes read (or, for mapped local files, checksummed) beyond the planned reads,
+            to verify the whole chunks that the reads touch (not counted in ``bytes_read``).
         bytes_direct: bytes read straight into their destination tensor (no intermediate copy).
         files_downloaded, bytes_downloaded: with staging, the whole data files this rank downloaded for its
             node (each file needed by a node is downloaded by exactly one of its ranks).
