@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from reshard.boxes import Box, row_major_strides
+from reshard.geometry.boxes import Box, row_major_strides
 
 __all__ = ["combine", "fingerprint"]
 

@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 
 from reshard._version import __version__
-from reshard.boxes import Box
 from reshard.codec import encode_object_blob, encode_tagged
 from reshard.comm import Communicator
 from reshard.dtypes import dtype_name
 from reshard.errors import CheckpointError, CommunicationError, StateDictError, StorageError, UnconfirmedCommitError
 from reshard.fingerprint import combine, fingerprint
+from reshard.geometry.boxes import Box
 from reshard.io.commit import CommitOutcome, SaveCommit
 from reshard.io.datafile import DataFileWriter, data_file_name, tensor_bytes
 from reshard.locking import LockTiming

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from reshard.boxes import Box, flat_range_boxes
 from reshard.dtypes import DTYPE_BY_NAME
 from reshard.errors import ShardingError
+from reshard.geometry.boxes import Box, flat_range_boxes
 
 __all__ = [
     "LocalPiece",

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from reshard._version import __version__
-from reshard.boxes import flat_range_boxes
 from reshard.codec import encode_tagged
 from reshard.dtypes import dtype_name
 from reshard.errors import CheckpointError, MismatchError, StateDictError
 from reshard.fingerprint import combine
 from reshard.fingerprint import fingerprint as content_fingerprint
+from reshard.geometry.boxes import flat_range_boxes
 from reshard.io.commit import SaveCommit
 from reshard.io.datafile import DataFileWriter, data_file_name, tensor_bytes
 from reshard.io.reader import ReadExecutor

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reshard.boxes import Box, row_major_strides
 from reshard.dtypes import byte_view
 from reshard.errors import CheckpointError, CorruptCheckpointError, StorageError
+from reshard.geometry.boxes import Box, row_major_strides
 from reshard.io.checksums import crc32c_of, run_starts, touched_chunks
 from reshard.storage import RangeReadError, ReadRequest, Storage
 

@@ -4,7 +4,7 @@ Pure: given the checkpoint's metadata and the boxes a rank wants (on its own, po
 layout), return the reads. Each target box is intersected with the saved boxes of its key that it
 overlaps (found through an index, so the cost does not grow with the number of saved boxes); every overlap
 becomes one :class:`ReadItem`, read with the fewest requests that keep the read amplification within the
-bound (see :func:`reshard.boxes.read_pattern`).
+bound (see :func:`reshard.geometry.boxes.read_pattern`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from reshard.boxes import Box, ReadPattern, read_pattern, row_major_strides
+from reshard.geometry.boxes import Box, ReadPattern, read_pattern, row_major_strides
+from reshard.geometry.grid import BoxIndex
 from reshard.metadata import Metadata, SavedBox, SavedBoxes
-from reshard.planning.grid import BoxIndex
 
 __all__ = [
     "DEFAULT_MAX_READ_AMPLIFICATION",

@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from reshard.boxes import Box
 from reshard.dtypes import DTYPE_BY_NAME
 from reshard.errors import CheckpointError, ShardingError
-from reshard.planning.tiling import MAX_CORNER_NDIM, find_tiling_problem, untiled_groups
+from reshard.geometry.boxes import Box
+from reshard.geometry.tiling import MAX_CORNER_NDIM, find_tiling_problem, untiled_groups
 from reshard.sharding import ReplicaId, is_main_replica
 
 __all__ = [
@@ -148,8 +148,8 @@ def plan_save_table(table: DescriptionTable) -> list[WriteAssignment]:
 
     The checks are vectorised over all pieces at once (sorting, not pairwise comparison: about
     ``n log n`` for ``n`` pieces, a few seconds for a million), and the tiling of each tensor is checked
-    by corner sums (:func:`~reshard.planning.tiling.untiled_groups`). A tensor that fails a check, or that
-    they cannot take (more than :data:`~reshard.planning.tiling.MAX_CORNER_NDIM` axes, more than 2**62
+    by corner sums (:func:`~reshard.geometry.tiling.untiled_groups`). A tensor that fails a check, or that
+    they cannot take (more than :data:`~reshard.geometry.tiling.MAX_CORNER_NDIM` axes, more than 2**62
     bytes, an unknown dtype), goes through the piece-by-piece validation, which raises the error naming
     ranks and boxes (or, for the tensors the vectorised checks cannot take, accepts it). Tensors are
     reported in key order, so the error raised is the same as a piece-by-piece check of every key.

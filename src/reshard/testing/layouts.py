@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reshard.boxes import Box, flat_range_boxes
 from reshard.dtypes import DTYPE_BY_NAME
+from reshard.geometry.boxes import Box, flat_range_boxes
 from reshard.planning.load_plan import TargetPiece
 from reshard.planning.save_plan import LocalSaveDescription, ObjectPiece, TensorPiece
 from reshard.sharding import ReplicaId, ShardedObject, ShardedTensor

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from reshard.boxes import Box
+from reshard.geometry.boxes import Box
 
 __all__ = ["MAX_CORNER_NDIM", "TilingProblem", "find_tiling_problem", "untiled_groups"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from reshard.boxes import Box
+from reshard.geometry.boxes import Box
 
 __all__ = ["BoxIndex", "GridRule", "expand_grid", "full_cuts", "grid_rule"]
 

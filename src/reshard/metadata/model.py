@@ -1,0 +1,185 @@
+"""The checkpoint's metadata as frozen values: files, tensors and their boxes, objects, common values.
+
+This is the logical model; :mod:`reshard.metadata.wire` writes it as ``metadata.json`` and
+:mod:`reshard.metadata.parse` reads and validates it back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from reshard.dtypes import DTYPE_BY_NAME
+from reshard.metadata.columns import SavedBox, SavedBoxes
+
+__all__ = [
+    "CHECKSUM_ALGORITHM",
+    "DATA_DIR",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MAX_INTEGER",
+    "MAX_METADATA_BYTES",
+    "MAX_NDIM",
+    "METADATA_CHECKSUM_MEMBER",
+    "METADATA_FILE",
+    "PACK_MIN_BOXES",
+    "PACK_MIN_CHECKSUMS",
+    "READABLE_VERSIONS",
+    "SEALED_VERSION",
+    "DataFile",
+    "Metadata",
+    "ObjectMetadata",
+    "SavedObject",
+    "TensorMetadata",
+]
+
+FORMAT_NAME = "reshard"
+FORMAT_VERSION = 3
+"""The format version this reshard writes."""
+READABLE_VERSIONS = (1, 2, 3)
+SEALED_VERSION = 3
+"""From this version on, a document ends with its own checksum (:func:`seal_document`)."""
+METADATA_CHECKSUM_MEMBER = "metadata_crc32c"
+MAX_METADATA_BYTES = 512 * 1024 * 1024
+"""The largest ``metadata.json`` a reader reads (a checkpoint of 8192 ranks and 1.25 T parameters needs
+36 MiB): a bigger one is refused before it is read, so that a hostile file cannot cost gigabytes."""
+PACK_MIN_BOXES = 32
+"""A writer packs a tensor that has at least this many boxes ..."""
+PACK_MIN_CHECKSUMS = 256
+"""... or at least this many checksums (unless told to pack all or none)."""
+METADATA_FILE = "metadata.json"
+DATA_DIR = "data"
+CHECKSUM_ALGORITHM = "crc32c"
+MAX_INTEGER = 2**62
+MAX_NDIM = 64
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataFile:
+    """A data file of the checkpoint: ``path`` relative to the checkpoint root, ``size`` in bytes."""
+
+    path: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorMetadata:
+    """A tensor of the checkpoint: its element type, global shape and stored boxes."""
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    boxes: Sequence[SavedBox]
+    """The stored boxes, sorted by offset: a tuple, or a :class:`SavedBoxes` (columns) when packed."""
+    fingerprint: int | None = None
+    """The layout-independent content fingerprint (see reshard.fingerprint), when the save computed it."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPE_BY_NAME[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole global tensor."""
+        return math.prod(self.global_shape) * self.torch_dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SavedObject:
+    """One stored ShardedObject value: the blob at ``offset`` of the object's grid (see ``codec``)."""
+
+    offset: tuple[int, ...]
+    file: int
+    byte_offset: int
+    byte_length: int
+    checksums: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ObjectMetadata:
+    """A ShardedObject of the checkpoint: its grid shape and one stored value per grid cell."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    entries: tuple[SavedObject, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Metadata:
+    """Everything a reader needs to know about a committed checkpoint.
+
+    Attributes:
+        save_id: a random id unique to the save that wrote the checkpoint; data file names contain it.
+        created_by: the writing library and version, for humans.
+        world_size: number of ranks of the group that saved.
+        checksum_chunk_bytes: each stored box's bytes are checksummed in pieces of this many bytes.
+        files: the data files, indexed by ``SavedBox.file``.
+        tensors: by key.
+        objects: by key.
+        common: common (non-sharded) values by dotted state-dict path, decoded.
+        format_version: the version of the document this was read from (:data:`FORMAT_VERSION` for
+            metadata made in memory); not part of the comparison of two Metadata.
+    """
+
+    save_id: str
+    created_by: str
+    world_size: int
+    checksum_chunk_bytes: int
+    files: tuple[DataFile, ...]
+    tensors: dict[str, TensorMetadata] = field(default_factory=dict)
+    objects: dict[str, ObjectMetadata] = field(default_factory=dict)
+    common: dict[str, Any] = field(default_factory=dict)
+    format_version: int = field(default=FORMAT_VERSION, compare=False)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor data stored (each box once)."""
+        return sum(
+            t.boxes.total_bytes if isinstance(t.boxes, SavedBoxes) else sum(b.byte_length for b in t.boxes)
+            for t in self.tensors.values()
+        )
+
+    def to_json_dict(self, *, packed: bool | None = None) -> dict[str, Any]:
+        """The wire form of the metadata (plain JSON types).
+
+        Args:
+            packed: which tensors get the packed encoding of version 2: None (what reshard writes) those
+                with at least :data:`PACK_MIN_BOXES` boxes or :data:`PACK_MIN_CHECKSUMS` checksums, True
+                all, False none. Tensors with an empty box are never packed.
+
+        Returns every member of the version-3 document except its checksum, which only
+        :meth:`to_json_bytes` can add (it covers the document's bytes).
+        """
+        from reshard.metadata.wire import metadata_to_json
+
+        return metadata_to_json(self, packed=packed)
+
+    def to_json_bytes(self, *, packed: bool | None = None) -> bytes:
+        """``metadata.json``: :meth:`to_json_dict` as compact ASCII JSON, sealed with its checksum."""
+        from reshard.metadata.wire import metadata_to_bytes
+
+        return metadata_to_bytes(self, packed=packed)
+
+    @classmethod
+    def from_json_bytes(cls, raw: bytes, *, where: str = METADATA_FILE, lazy: bool = False) -> Metadata:
+        """Parse and validate ``metadata.json`` (format version 1, 2 or 3).
+
+        Args:
+            raw: the document.
+            where: names the document in error messages.
+            lazy: decode (and validate) each packed tensor's boxes when they are first used rather than
+                now. For a document another process has just validated: the ranks of a load get the bytes
+                that the coordinator read and validated, and each decodes only the tensors it loads.
+
+        Raises:
+            CorruptCheckpointError: anything wrong, with the JSON path of the offending field (with
+                ``lazy``, for a packed tensor's boxes, when they are first used); for version 3, a document
+                whose checksum does not match its bytes.
+        """
+        from reshard.metadata.parse import parse_metadata
+
+        return parse_metadata(raw, where=where, lazy=lazy)

@@ -1,0 +1,148 @@
+"""Writing the metadata model as ``metadata.json``: the JSON members, the packed encoding of version 2,
+and the document's own checksum of version 3 (docs/format.md sections 3, 6.2 and 14)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import TYPE_CHECKING, Any
+
+import crc32c
+import numpy as np
+import numpy.typing as npt
+
+from reshard.codec import encode_tagged
+from reshard.geometry.grid import grid_rule
+from reshard.metadata.columns import BoxColumns, SavedBoxes
+from reshard.metadata.model import (
+    CHECKSUM_ALGORITHM,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    METADATA_CHECKSUM_MEMBER,
+    PACK_MIN_BOXES,
+    PACK_MIN_CHECKSUMS,
+)
+
+if TYPE_CHECKING:
+    from reshard.metadata.model import Metadata, TensorMetadata
+
+__all__ = ["SEAL_LENGTH", "SEAL_PREFIX", "metadata_to_bytes", "metadata_to_json", "seal_document"]
+
+
+def metadata_to_json(metadata: Metadata, *, packed: bool | None = None) -> dict[str, Any]:
+    """See :meth:`Metadata.to_json_dict`."""
+    tensors: dict[str, Any] = {}
+    for key, t in metadata.tensors.items():
+        entry: dict[str, Any] = {"dtype": t.dtype, "global_shape": list(t.global_shape)}
+        if t.fingerprint is not None:
+            entry["fingerprint"] = f"{t.fingerprint:016x}"
+        if _should_pack(t, packed):
+            entry["packed"] = _packed_json(t)
+        else:
+            entry["boxes"] = [
+                {
+                    "offset": list(b.offset),
+                    "shape": list(b.shape),
+                    "file": b.file,
+                    "byte_offset": b.byte_offset,
+                    "byte_length": b.byte_length,
+                    "crc32c": list(b.checksums),
+                }
+                for b in t.boxes
+            ]
+        tensors[key] = entry
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "save_id": metadata.save_id,
+        "created_by": metadata.created_by,
+        "world_size": metadata.world_size,
+        "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": metadata.checksum_chunk_bytes},
+        "files": [{"path": f.path, "size": f.size} for f in metadata.files],
+        "tensors": tensors,
+        "objects": {
+            key: {
+                "global_shape": list(o.global_shape),
+                "entries": [
+                    {
+                        "offset": list(e.offset),
+                        "file": e.file,
+                        "byte_offset": e.byte_offset,
+                        "byte_length": e.byte_length,
+                        "crc32c": list(e.checksums),
+                    }
+                    for e in o.entries
+                ],
+            }
+            for key, o in metadata.objects.items()
+        },
+        "common": {path: encode_tagged(value, where=path) for path, value in metadata.common.items()},
+    }
+
+
+def metadata_to_bytes(metadata: Metadata, *, packed: bool | None = None) -> bytes:
+    """See :meth:`Metadata.to_json_bytes`."""
+    body = json.dumps(metadata_to_json(metadata, packed=packed), separators=(",", ":"), allow_nan=False)
+    return seal_document(body.encode("utf-8"))
+
+
+SEAL_PREFIX = b',"' + METADATA_CHECKSUM_MEMBER.encode() + b'":"'
+SEAL_LENGTH = 10
+"""The 8 hexadecimal digits of the checksum and the two bytes ``"}`` that end a sealed document."""
+
+
+def seal_document(body: bytes) -> bytes:
+    """Add the checksum member to a document: ``body`` is a JSON object's text, without the member,
+    ending with ``}``. The result ends with ``,"metadata_crc32c":"<8 lowercase hex digits>"}``, and the
+    checksum is the CRC-32C of every byte before those 8 digits (docs/format.md section 6)."""
+    text = body.rstrip()
+    if not text.endswith(b"}") or text.replace(b" ", b"") == b"{}":
+        raise ValueError("seal_document needs the text of a JSON object with members")
+    head = text[:-1] + SEAL_PREFIX
+    return head + f"{crc32c.crc32c(head):08x}".encode() + b'"}'
+
+
+def _b64(values: npt.ArrayLike, dtype: str) -> str:
+    """Little-endian integers ``values`` as packed base64 (the packed fields of format version 2)."""
+    return base64.b64encode(np.ascontiguousarray(values, dtype=dtype).tobytes()).decode("ascii")
+
+
+def _should_pack(tensor: TensorMetadata, packed: bool | None) -> bool:
+    """Whether :meth:`Metadata.to_json_dict` packs ``tensor``'s boxes (see there)."""
+    boxes = tensor.boxes
+    if packed is False or not boxes:
+        return False
+    if isinstance(boxes, SavedBoxes):
+        columns = boxes.columns
+        if not (columns.shape > 0).all():
+            return False
+        checksums = int(columns.crc_count.sum())
+    else:
+        if any(b.box.volume == 0 for b in boxes):
+            return False
+        checksums = sum(len(b.checksums) for b in boxes)
+    return packed is True or len(boxes) >= PACK_MIN_BOXES or checksums >= PACK_MIN_CHECKSUMS
+
+
+def _packed_json(tensor: TensorMetadata) -> dict[str, Any]:
+    """The packed form of a tensor's boxes: the grid rule of their tiling when it has one, else every
+    box's offset and shape; then, in the same order, their files, byte offsets and checksums."""
+    columns = BoxColumns.of(tensor.boxes, len(tensor.global_shape))
+    rule = grid_rule(columns.offset, columns.shape, tensor.global_shape)
+    geometry: dict[str, Any]
+    if rule is not None:
+        columns = columns.take(rule.order)
+        geometry = {
+            "grid": [c.tolist() for c in rule.cuts],
+            "split": _b64(np.stack([rule.split_cells, rule.split_counts], axis=1), "<u8"),
+            "starts": _b64(rule.split_starts, "<u8"),
+        }
+    else:
+        geometry = {"explicit": _b64(np.concatenate([columns.offset, columns.shape], axis=1), "<u8")}
+    return {
+        "boxes": len(columns.file),
+        **geometry,
+        "file": _b64(columns.file, "<u4"),
+        "byte_offset": _b64(columns.byte_offset, "<u8"),
+        "crc32c": _b64(columns.checksums_in_order(), "<u4"),
+    }
