@@ -40,8 +40,9 @@ from typing import Any, TypeVar
 
 from reshard.comm import padded_size
 from reshard.metadata import Metadata
+from reshard.planning.descriptions import DescriptionTable, WriteAssignment, encode_description
 from reshard.planning.load_plan import plan_load
-from reshard.planning.save_plan import DescriptionTable, WriteAssignment, encode_description, plan_save_table
+from reshard.planning.save_plan import plan_save_table
 from reshard.save import _assignment_bytes, _build_metadata, _SaveState
 from reshard.testing import MegatronLayout, MoETransformer, Parallelism
 from reshard.testing.simulate import write_report

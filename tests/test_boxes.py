@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.boxes import Box, ReadPattern, read_pattern, row_major_strides
+from reshard.geometry.boxes import Box, ReadPattern, read_pattern, row_major_strides
 
 PROPERTY = settings(max_examples=150, deadline=None, database=None)
 

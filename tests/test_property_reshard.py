@@ -22,11 +22,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard
-from reshard.boxes import Box
+from reshard.geometry.boxes import Box
 from reshard.io.commit import SaveCommit
 from reshard.metadata import Metadata
+from reshard.planning.descriptions import LocalSaveDescription
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION
-from reshard.planning.save_plan import LocalSaveDescription, plan_save
+from reshard.planning.save_plan import plan_save
 from reshard.save import _build_metadata, _prepare_rank_state, _SaveState, _write_assigned
 from reshard.sharding import ReplicaId
 from reshard.storage import LocalStorage

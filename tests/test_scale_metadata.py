@@ -35,8 +35,9 @@ from reshard.metadata import (
     SavedBoxes,
     TensorMetadata,
 )
+from reshard.planning.descriptions import DescriptionTable, encode_description
 from reshard.planning.load_plan import plan_load
-from reshard.planning.save_plan import DescriptionTable, encode_description, plan_save_table
+from reshard.planning.save_plan import plan_save_table
 from reshard.save import _build_metadata, _SaveState
 from reshard.testing import MegatronLayout, Parallelism
 from reshard.testing.simulate import write_report

@@ -18,19 +18,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.boxes import Box, flat_range_boxes
 from reshard.errors import CheckpointError, ShardingError
-from reshard.planning.grid import BoxIndex, expand_grid, grid_rule
+from reshard.geometry.boxes import Box, flat_range_boxes
+from reshard.geometry.grid import BoxIndex, expand_grid, grid_rule
+from reshard.geometry.tiling import find_tiling_problem, untiled_groups
+from reshard.planning.descriptions import DescriptionTable, LocalSaveDescription, TensorPiece, encode_description
 from reshard.planning.load_plan import TargetPiece
-from reshard.planning.save_plan import (
-    DescriptionTable,
-    LocalSaveDescription,
-    TensorPiece,
-    encode_description,
-    plan_save,
-    plan_save_table,
-)
-from reshard.planning.tiling import find_tiling_problem, untiled_groups
+from reshard.planning.save_plan import plan_save, plan_save_table
 from reshard.save import _describe
 from reshard.statedict import flatten_state_dict
 from reshard.testing import MegatronLayout, MoETransformer, Parallelism

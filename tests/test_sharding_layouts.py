@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reshard
-from reshard.boxes import Box, flat_range_boxes
+from reshard.geometry.boxes import Box, flat_range_boxes
 from reshard.sharding import ShardedTensor
 
 SETTINGS = settings(max_examples=150, deadline=None)

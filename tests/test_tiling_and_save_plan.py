@@ -16,16 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.boxes import Box
 from reshard.errors import ShardingError
-from reshard.planning.save_plan import (
-    LocalSaveDescription,
-    ObjectPiece,
-    TensorPiece,
-    WriteAssignment,
-    plan_save,
-)
-from reshard.planning.tiling import TilingProblem, find_tiling_problem
+from reshard.geometry.boxes import Box
+from reshard.geometry.tiling import TilingProblem, find_tiling_problem
+from reshard.planning.descriptions import LocalSaveDescription, ObjectPiece, TensorPiece, WriteAssignment
+from reshard.planning.save_plan import plan_save
 from reshard.sharding import ReplicaId
 
 PROPERTY = settings(max_examples=100, deadline=None, database=None)

@@ -59,15 +59,15 @@ from reshard.metadata import (
     SavedObject,
     TensorMetadata,
 )
-from reshard.planning.save_plan import (
+from reshard.planning.descriptions import (
     DescriptionTable,
     LocalSaveDescription,
     ObjectPiece,
     TensorPiece,
     WriteAssignment,
     encode_description,
-    plan_save_table,
 )
+from reshard.planning.save_plan import plan_save_table
 from reshard.sharding import LocalPiece
 from reshard.statedict import FlatStateDict, flatten_state_dict
 from reshard.stats import PhaseClock, SaveStats, fill_save_stats

@@ -3,7 +3,8 @@
 By concern: :mod:`~reshard.metadata.model` (the frozen values and the format's constants),
 :mod:`~reshard.metadata.columns` (boxes one by one or in columns), :mod:`~reshard.metadata.wire` (writing,
 the packed encoding, the document's checksum) and :mod:`~reshard.metadata.parse` (strict reading);
-:meth:`Metadata.to_json_bytes` and :meth:`Metadata.from_json_bytes` are the entry points. Decoding trusts nothing: every field's type and
+:meth:`Metadata.to_json_bytes` and :meth:`Metadata.from_json_bytes` are the entry points.
+Decoding trusts nothing: every field's type and
 range is checked, file names must stay inside the checkpoint, boxes must lie inside their tensor and
 tile it exactly, and byte ranges must lie inside their files, so that a hostile ``metadata.json`` gets a
 :class:`~reshard.CorruptCheckpointError` before anything is read or allocated. ``docs/format.md``

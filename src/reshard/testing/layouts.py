@@ -45,8 +45,8 @@ import torch
 
 from reshard.dtypes import DTYPE_BY_NAME
 from reshard.geometry.boxes import Box, flat_range_boxes
+from reshard.planning.descriptions import LocalSaveDescription, ObjectPiece, TensorPiece
 from reshard.planning.load_plan import TargetPiece
-from reshard.planning.save_plan import LocalSaveDescription, ObjectPiece, TensorPiece
 from reshard.sharding import ReplicaId, ShardedObject, ShardedTensor
 
 __all__ = ["MegatronLayout", "MoETransformer", "Parallelism", "RankCoords", "ShardSpec"]

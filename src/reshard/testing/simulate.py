@@ -15,7 +15,7 @@ import numpy as np
 
 from reshard.dtypes import DTYPE_BY_NAME
 from reshard.io.datafile import ALIGNMENT, data_file_name
-from reshard.planning.save_plan import DescriptionTable, WriteAssignment
+from reshard.planning.descriptions import DescriptionTable, WriteAssignment
 from reshard.save import _tensor_report
 
 __all__ = ["write_report"]
