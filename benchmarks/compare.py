@@ -525,10 +525,12 @@ class Worker:
 
             sd = self._reshard_dict(name)
             stats = reshard.LoadStats()
-            options = {}
-            if self.cfg.get("read_buffer_bytes"):
-                options["read_buffer_bytes"] = self.cfg["read_buffer_bytes"]
-            record = self._measure(lambda: reshard.load(sd, path, stats=stats, **options) and None, bytes_needed=needed)
+            options = reshard.LoadOptions(
+                read_buffer_bytes=self.cfg.get("read_buffer_bytes") or reshard.LoadOptions().read_buffer_bytes
+            )
+            record = self._measure(
+                lambda: reshard.load(sd, path, stats=stats, options=options) and None, bytes_needed=needed
+            )
             record.update(
                 stats_bytes_needed=stats.bytes_needed,
                 stats_bytes_read=stats.bytes_read,
@@ -1074,7 +1076,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--read-buffer-mib",
         type=float,
         default=None,
-        help="reshard.load(read_buffer_bytes=...) in MiB (default: the library's default)",
+        help="reshard.LoadOptions(read_buffer_bytes=...) in MiB (default: the library's default)",
     )
     p.add_argument("--no-verify", action="store_true", help="skip checking the loaded values (first repetition)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cpus // ranks, >= 1)")

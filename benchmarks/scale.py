@@ -40,10 +40,10 @@ from typing import Any, TypeVar
 
 from reshard.comm import padded_size
 from reshard.metadata import Metadata
+from reshard.planning.assemble import assemble_metadata
 from reshard.planning.descriptions import DescriptionTable, WriteAssignment, encode_description
 from reshard.planning.load_plan import plan_load
 from reshard.planning.save_plan import plan_save_table
-from reshard.save import _assignment_bytes, _build_metadata, _SaveState
 from reshard.testing import MegatronLayout, MoETransformer, Parallelism
 from reshard.testing.simulate import write_report
 
@@ -119,7 +119,7 @@ def measure(
     def plan() -> tuple[DescriptionTable, list[WriteAssignment], list[bytes]]:
         table, _ = DescriptionTable.from_wire(payloads)
         assignments = plan_save_table(table)
-        return table, assignments, [_assignment_bytes(a) for a in assignments]
+        return table, assignments, [a.to_bytes() for a in assignments]
 
     (table, assignments, replies), out["plan_s"] = timed(plan)
     out["pieces"] = len(table)
@@ -129,12 +129,12 @@ def measure(
 
     reports = [write_report(table, r, a, SAVE_ID, CHUNK_BYTES) for r, a in enumerate(assignments)]
     # Each gathered payload travels behind its step's tag: the phase's name (2-byte length) and a status byte.
-    report_lengths = [2 + len("save") + 1 + len(json.dumps(r, allow_nan=False).encode()) for r in reports]
+    report_lengths = [2 + len("save") + 1 + len(json.dumps(r.to_json(), allow_nan=False).encode()) for r in reports]
 
     def commit() -> tuple[Metadata, bytes]:
-        state = _SaveState(table=table)
-        state.flat.common["iteration"] = 1000
-        metadata = _build_metadata(state, reports, SAVE_ID, ranks, CHUNK_BYTES)
+        metadata = assemble_metadata(
+            table, reports, save_id=SAVE_ID, world_size=ranks, chunk_bytes=CHUNK_BYTES, common={"iteration": 1000}
+        )
         return metadata, metadata.to_json_bytes()
 
     (metadata, raw), out["commit_s"] = timed(commit)

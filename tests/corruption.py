@@ -139,7 +139,7 @@ def _save_rank(rank: int, path: str, generation: int, port: int) -> None:
             k: (v.__class__(v.key, v.data + 1, v.global_shape, v.global_offset) if k == "w" else v)
             for k, v in state.items()
         }
-    reshard.save(state, path, checksum_chunk_bytes=CHUNK, timeout=60)
+    reshard.save(state, path, timeout=60, options=reshard.SaveOptions(checksum_chunk_bytes=CHUNK))
     dist.destroy_process_group()
 
 

@@ -40,7 +40,7 @@ def _state(scale: float = 1.0) -> dict[str, Any]:
 def _save(path: Path, **changes: Any) -> None:
     state = _state()
     state.update(changes)
-    reshard.save(state, path, checksum_chunk_bytes=32, fingerprint=True)
+    reshard.save(state, path, options=reshard.SaveOptions(fingerprint=True, checksum_chunk_bytes=32))
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -115,7 +115,7 @@ def test_convert_casts_and_copies_everything(tmp_path: Path, capsys: pytest.Capt
         "step": 0,
         "name": "",
     }
-    loaded = reshard.load(template, tmp_path / "dst", verify=True)
+    loaded = reshard.load(template, tmp_path / "dst", options=reshard.LoadOptions(verify=True))
     expected = torch.arange(48, dtype=torch.float32).reshape(6, 8).bfloat16()
     assert torch.equal(loaded["w"], expected) and torch.equal(loaded["ids"], torch.arange(7, dtype=torch.int32))
     assert loaded["rng"]["seed"] == 5 and torch.equal(loaded["rng"]["state"], torch.arange(3))

@@ -428,7 +428,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "betas": (0.9, 0.95),
         "blob": b"\x00\x01",
     }
-    reshard.save(state, path, checksum_chunk_bytes=CHUNK)
+    reshard.save(state, path, options=reshard.SaveOptions(checksum_chunk_bytes=CHUNK))
     return path
 
 

@@ -205,3 +205,39 @@ def test_megatron_torch_dist_checkpoint_imports_with_import_dcp(pool4: RankPool,
     # ShardedObject cells arrive as common values under Megatron's unique keys; common.pt is not read.
     assert sorted(k.split(".")[0] for k in common) == ["rng/shard_0_2", "rng/shard_1_2"]
     assert sorted(common.values()) == [10, 11] and "iteration" not in common
+
+
+LAYERS = {
+    **dict.fromkeys(["_version", "errors", "dtypes", "geometry"], 1),
+    **dict.fromkeys(["codec", "sharding", "fingerprint", "metadata", "storage", "transports"], 2),
+    **dict.fromkeys(["statedict", "dtensor", "planning", "locking", "comm"], 3),
+    **dict.fromkeys(["io", "sources", "staging"], 4),
+    **dict.fromkeys(["options", "save", "load", "async_save", "manager", "maintenance", "stats"], 5),
+    **dict.fromkeys(["interop", "demo", "cli", "testing", "__init__", "__main__"], 6),
+}
+
+
+def test_layers_import_only_downwards() -> None:
+    """docs/architecture.md: no module of src/reshard imports from a layer above its own, or another
+    module's underscore names."""
+    import ast
+
+    src = ROOT / "src" / "reshard"
+    problems = []
+    for path in sorted(src.rglob("*.py")):
+        top = path.relative_to(src).parts[0].removesuffix(".py")
+        assert top in LAYERS, f"{path}: add its module to docs/architecture.md and to LAYERS"
+        module = ".".join(path.relative_to(src.parent).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom) or not node.module or not node.module.startswith("reshard"):
+                continue
+            target = node.module.split(".")[1] if "." in node.module else "__init__"
+            if LAYERS[target] > LAYERS[top]:
+                problems.append(f"{module} (layer {LAYERS[top]}) imports {node.module} (layer {LAYERS[target]})")
+            if node.module != module:
+                problems += [
+                    f"{module} imports the private {node.module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and alias.name != "__version__"
+                ]
+    assert not problems, "\n".join(problems)

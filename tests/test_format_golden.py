@@ -344,7 +344,9 @@ def test_an_independent_reader_finds_an_element() -> None:
 
 
 def test_saving_the_same_state_writes_the_same_members(tmp_path: Path) -> None:
-    md = reshard.save(golden_state(), tmp_path / "ckpt", checksum_chunk_bytes=CHUNK_BYTES).metadata
+    md = reshard.save(
+        golden_state(), tmp_path / "ckpt", options=reshard.SaveOptions(checksum_chunk_bytes=CHUNK_BYTES)
+    ).metadata
     assert md is not None  # a single process is the coordinator
     (data_file,) = md.files
     assert data_file.path == f"data/{md.save_id}-r00000.bin"

@@ -151,7 +151,9 @@ def test_v2_reads_and_loads_the_saved_values() -> None:
 
 
 def test_saving_the_same_state_writes_the_same_v2_members(tmp_path: Path) -> None:
-    result = reshard.save(golden_state_dict(), tmp_path / "ckpt", checksum_chunk_bytes=CHECKSUM_CHUNK_BYTES)
+    result = reshard.save(
+        golden_state_dict(), tmp_path / "ckpt", options=reshard.SaveOptions(checksum_chunk_bytes=CHECKSUM_CHUNK_BYTES)
+    )
     name = f"data/{result.save_id}-r00000.bin"
     assert (tmp_path / "ckpt" / name).read_bytes() == (GOLDEN / DATA_FILE).read_bytes()
     new = json.loads((tmp_path / "ckpt" / "metadata.json").read_bytes())

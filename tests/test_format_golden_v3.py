@@ -127,7 +127,11 @@ def test_a_version_3_document_without_its_checksum_is_refused(tmp_path: Path) ->
 
 def test_saving_the_same_state_writes_the_same_document(tmp_path: Path) -> None:
     with mock.patch("uuid.uuid4", return_value=uuid.UUID(SAVE_ID)):
-        reshard.save(golden_state_dict(), tmp_path / "ckpt", checksum_chunk_bytes=CHECKSUM_CHUNK_BYTES)
+        reshard.save(
+            golden_state_dict(),
+            tmp_path / "ckpt",
+            options=reshard.SaveOptions(checksum_chunk_bytes=CHECKSUM_CHUNK_BYTES),
+        )
     new, old = (tmp_path / "ckpt" / "metadata.json").read_bytes(), _raw()
     assert f"{crc32c.crc32c(new[:-10]):08x}".encode() == new[-10:-2]
     version = reshard.__version__.encode()

@@ -228,7 +228,7 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Pristine:
     base = tmp_path_factory.mktemp("fuzz")
     parts = [base / "part0", base / "part1"]
     for i, part in enumerate(parts):
-        reshard.save(_state(i), part, checksum_chunk_bytes=CHUNK, fingerprint=True)
+        reshard.save(_state(i), part, options=reshard.SaveOptions(fingerprint=True, checksum_chunk_bytes=CHUNK))
     root = base / "pristine"
     _merge(parts, root)
     doc = read_doc(root)
@@ -261,19 +261,16 @@ class Template:
     strict: bool = True
     amplification: float = 1.10  # max_read_amplification: larger merges more strided runs into one read
     buffer_bytes: int | None = None  # read_buffer_bytes: small values cut reads into slabs and batches
-    staging: bool = False  # load through node-local staging (staging_dir)
+    staging: bool = False  # load through node-local staging (StagingOptions)
 
     def options(self, top: Path) -> dict[str, Any]:
-        options: dict[str, Any] = {
-            "verify": self.verify,
-            "strict": self.strict,
-            "max_read_amplification": self.amplification,
-        }
+        """The keyword arguments of this template's ``reshard.load``."""
+        read: dict[str, Any] = {"verify": self.verify, "max_read_amplification": self.amplification}
         if self.buffer_bytes is not None:
-            options["read_buffer_bytes"] = self.buffer_bytes
+            read["read_buffer_bytes"] = self.buffer_bytes
         if self.staging:
-            options["staging_dir"] = top / "staging"
-        return options
+            read["staging"] = reshard.StagingOptions(directory=top / "staging")
+        return {"strict": self.strict, "options": reshard.LoadOptions(**read)}
 
     def build(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -1503,7 +1500,7 @@ def run_example(pristine: Pristine, seed: int, atime: bool) -> None:
                 assert raw is not None
                 check_success(pristine, root, raw, template, out)
                 check_stats(raw, template, stats)
-                if template.staging:  # the staged copies are removed after a load (keep_staged=False)
+                if template.staging:  # the staged copies are removed after a load (keep=False)
                     left = [p for p in staging.rglob("*") if not p.is_dir()] if staging.exists() else []
                     assert not left, f"staged files left behind: {left}"
             if staging.exists():
@@ -1529,7 +1526,7 @@ def test_reference_reads_the_pristine_checkpoint(pristine: Pristine) -> None:
         assert torch.equal(_bits(ref.tensor_region(key, (0,) * tensor.ndim, tensor.shape)), _bits(tensor)), key
     for verify in (False, True):
         template = whole_template(verify=verify)
-        out = reshard.load(template.build(), pristine.root, verify=verify)
+        out = reshard.load(template.build(), pristine.root, options=reshard.LoadOptions(verify=verify))
         check_success(pristine, pristine.root, raw, template, out)
         for i, want in enumerate(template.wants):
             assert torch.equal(_bits(out["tensors"][f"t{i}"]), _bits(TENSORS[want.key])), want.key
@@ -1706,8 +1703,8 @@ def test_small_reads_of_a_huge_tensor_stay_small(tmp_path: Path, chunk: int, wha
 # Bugs found by the fuzzer, pinned until fixed
 
 
-def _small_checkpoint(path: Path, **save_kwargs: Any) -> dict[str, Any]:
-    reshard.save({"w": torch.arange(24.0).reshape(4, 6)}, path, **save_kwargs)
+def _small_checkpoint(path: Path, **save_options: Any) -> dict[str, Any]:
+    reshard.save({"w": torch.arange(24.0).reshape(4, 6)}, path, options=reshard.SaveOptions(**save_options))
     return read_doc(path)
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face safetensors checkpoints as a load source: ``reshard.load(template, hf_dir, key_map=...)``.
+"""Hugging Face safetensors checkpoints as a load source: ``load(template, HuggingFaceSource(hf_dir, key_map))``.
 
 The files are written by the ``safetensors`` library from a model in memory (the demo GPT's full tensors
 under Llama/Mixtral names), then loaded straight into the demo model at TP=2 x PP=2, each rank reading
@@ -21,6 +21,7 @@ from reshard.demo.hf import demo_hf_key_map, to_hf_tensors
 from reshard.demo.model import ModelConfig
 from reshard.demo.parallel import ParallelConfig, ParallelGroups
 from reshard.demo.training import Trainer, TrainingConfig
+from reshard.interop import HuggingFaceSource
 from reshard.interop.hf_source import Concat, Stack
 from tests.rankpool import RankContext, RankPool
 
@@ -50,8 +51,7 @@ def rank_load_hf(ctx: RankContext, layout: str, hf_dir: str) -> dict[str, Any] |
     template = {"model": trainer.sharded_state_dict()["model"]}
     reshard.load(
         template,
-        hf_dir,
-        key_map=demo_hf_key_map(trainer.model_config),
+        HuggingFaceSource(hf_dir, key_map=demo_hf_key_map(trainer.model_config)),
         group=trainer.groups.layout.process_group,
         stats=stats,
     )
@@ -108,14 +108,13 @@ def test_single_file_source_without_key_map_and_with_casts(tmp_path: Path) -> No
             "fused": torch.zeros(12, 4),
             "stacked": torch.zeros(2, 6, 4),
         },
-        str(hf_dir),
-        key_map={"fused": Concat("c", "a"), "stacked": Stack("a", "c")},
+        HuggingFaceSource(str(hf_dir), key_map={"fused": Concat("c", "a"), "stacked": Stack("a", "c")}),
     )
     assert torch.equal(out["a"], a[3:])
     assert torch.equal(out["b"], b.float())
     assert torch.equal(out["fused"], torch.cat([a + 100, a]))
     with pytest.raises(reshard.MismatchError, match="different dtypes"):
-        reshard.load({"x": torch.zeros(8, 4)}, str(hf_dir), key_map={"x": Concat("a", "b")})
+        reshard.load({"x": torch.zeros(8, 4)}, HuggingFaceSource(str(hf_dir), key_map={"x": Concat("a", "b")}))
     assert torch.equal(out["stacked"], torch.stack([a, a + 100]))
 
 
@@ -124,24 +123,24 @@ def test_bad_sources_and_key_maps_fail_clearly(tmp_path: Path) -> None:
     hf_dir.mkdir()
     save_file({"a": torch.zeros(2, 3), "b": torch.zeros(2, 4)}, str(hf_dir / "model.safetensors"))
     with pytest.raises(reshard.MismatchError, match="no tensor 'nope'"):
-        reshard.load({"x": torch.zeros(2, 3)}, str(hf_dir), key_map={"x": "nope"})
+        reshard.load({"x": torch.zeros(2, 3)}, HuggingFaceSource(str(hf_dir), key_map={"x": "nope"}))
     with pytest.raises(reshard.MismatchError, match="cannot concatenate"):
-        reshard.load({"x": torch.zeros(4, 3)}, str(hf_dir), key_map={"x": Concat("a", "b")})
+        reshard.load({"x": torch.zeros(4, 3)}, HuggingFaceSource(str(hf_dir), key_map={"x": Concat("a", "b")}))
     with pytest.raises(reshard.MismatchError, match="missing from the checkpoint"):
-        reshard.load({"x": torch.zeros(2, 3)}, str(hf_dir))
+        reshard.load({"x": torch.zeros(2, 3)}, HuggingFaceSource(hf_dir))
     with pytest.raises(reshard.MismatchError, match="global shape"):
-        reshard.load({"a": torch.zeros(3, 3)}, str(hf_dir))
+        reshard.load({"a": torch.zeros(3, 3)}, HuggingFaceSource(hf_dir))
     # An index naming a shard that is not there, or a tensor its shard lacks.
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
     with pytest.raises(reshard.CorruptCheckpointError, match="is missing"):
-        reshard.load({"a": torch.zeros(2, 3)}, str(hf_dir))
+        reshard.load({"a": torch.zeros(2, 3)}, HuggingFaceSource(hf_dir))
     index = {"weight_map": {"a": "model.safetensors", "z": "model.safetensors"}}
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(reshard.CorruptCheckpointError, match="do not hold: z"):
-        reshard.load({"a": torch.zeros(2, 3)}, str(hf_dir))
+        reshard.load({"a": torch.zeros(2, 3)}, HuggingFaceSource(hf_dir))
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "../escape.safetensors"}}))
     with pytest.raises(reshard.CorruptCheckpointError, match="shard name"):
-        reshard.load({"a": torch.zeros(2, 3)}, str(hf_dir))
+        reshard.load({"a": torch.zeros(2, 3)}, HuggingFaceSource(hf_dir))
     # A header whose offsets run past the file.
     (hf_dir / "model.safetensors.index.json").unlink()
     raw = bytearray((hf_dir / "model.safetensors").read_bytes())
@@ -152,12 +151,14 @@ def test_bad_sources_and_key_maps_fail_clearly(tmp_path: Path) -> None:
     encoded += b" " * (length - len(encoded))
     (hf_dir / "model.safetensors").write_bytes(raw[:8] + encoded[:length] + raw[8 + length :])
     with pytest.raises(reshard.CorruptCheckpointError):
-        reshard.load({"a": torch.zeros(2, 3)}, str(hf_dir))
-    # key_map is for safetensors sources only.
+        reshard.load({"a": torch.zeros(2, 3)}, HuggingFaceSource(hf_dir))
+    # A reshard checkpoint is not a safetensors source, and a safetensors directory is not a checkpoint.
     ckpt = tmp_path / "ckpt"
     reshard.save({"a": torch.zeros(2)}, str(ckpt))
-    with pytest.raises(reshard.StateDictError, match="key_map"):
-        reshard.load({"a": torch.zeros(2)}, str(ckpt), key_map={"a": "a"})
+    with pytest.raises(reshard.CheckpointNotFoundError, match="not a Hugging Face safetensors checkpoint"):
+        reshard.load({"a": torch.zeros(2)}, HuggingFaceSource(str(ckpt), key_map={"a": "a"}))
+    with pytest.raises(reshard.CheckpointNotFoundError, match="HuggingFaceSource"):
+        reshard.load({"a": torch.zeros(2, 3)}, hf_dir)
 
 
 def test_source_on_an_object_store_reads_only_the_ranges_needed(object_store: Any, tmp_path: Path) -> None:
@@ -180,7 +181,9 @@ def test_source_on_an_object_store_reads_only_the_ranges_needed(object_store: An
         storage.close()
     stats = reshard.LoadStats()
     rows = reshard.ShardedTensor("qk", torch.zeros(4, 4), (24, 4), (14, 0))  # 2 rows of q, 2 of k
-    reshard.load({"qk": rows}, url, key_map={"qk": Concat("q", "k")}, storage_options=options, stats=stats)
+    reshard.load(
+        {"qk": rows}, HuggingFaceSource(url, key_map={"qk": Concat("q", "k")}, storage_options=options), stats=stats
+    )
     expected = torch.cat([torch.arange(64.0).reshape(16, 4), -torch.arange(32.0).reshape(8, 4)])[14:18]
     assert torch.equal(rows.data, expected)
     assert stats.bytes_read == stats.bytes_needed == 4 * 4 * 4

@@ -36,7 +36,7 @@ def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
         "rng": reshard.ShardedObject("rng", {"seed": 3}, (1,), (0,)),
         "step": 9,
     }
-    reshard.save(state, path, checksum_chunk_bytes=16)
+    reshard.save(state, path, options=reshard.SaveOptions(checksum_chunk_bytes=16))
     return {
         "layer.weight": FULL,
         "layer.bias": state["layer"]["bias"],

@@ -58,7 +58,7 @@ def rank_load(
     kwargs: dict[str, Any] = {}
     if staging is not None:
         node = ctx.rank // 2 if node_group else 0
-        kwargs = {"staging_dir": f"{staging}/node{node}"}
+        kwargs = {"options": reshard.LoadOptions(staging=reshard.StagingOptions(directory=f"{staging}/node{node}"))}
         if node_group:
             kwargs["node_group"] = ctx.groups[node_group if ctx.rank < 2 else "upper_half"]
     try:
@@ -126,9 +126,9 @@ def rank_load_seed_layout(
             storage,
             timeout=TIMEOUT,
             stats=stats,
-            staging_dir=f"{staging_root}/node{node}",
-            node_group=node_group,
-            keep_staged=keep,
+            options=reshard.LoadOptions(
+                staging=reshard.StagingOptions(directory=f"{staging_root}/node{node}", keep=keep, node_group=node_group)
+            ),
         )
     finally:
         storage.close()
@@ -165,7 +165,7 @@ def test_seed_scenario_two_nodes_stage_what_any_rank_needs(
         assert proxy.count("GET", path, ranged=True) == 0  # every read was local
     assert not any(p.is_file() for p in (tmp_path / "staging").rglob("*"))
 
-    # Staging again with keep_staged: complete files are then reused, and a damaged one is not trusted.
+    # Staging again with keep=True: complete files are then reused, and a damaged one is not trusted.
     pool4.run_ok(rank_load_seed_layout, url, options, str(tmp_path / "kept"), True)
     staged = sorted(p for p in (tmp_path / "kept" / "node1").rglob("*.bin"))
     assert len(staged) == len(files)

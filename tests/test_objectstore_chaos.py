@@ -85,7 +85,13 @@ def run_rounds(server: Any, proxy: Any, staging: Path, seed: int, rounds: int = 
                         out = reshard.load({"w": part}, faulty)
                         assert torch.equal(out["w"], _state(truth)["w"][7:16]), how
                     else:
-                        staged = reshard.load(_whole(), faulty, staging_dir=staging / f"stage-{generation}")
+                        staged = reshard.load(
+                            _whole(),
+                            faulty,
+                            options=reshard.LoadOptions(
+                                staging=reshard.StagingOptions(directory=staging / f"stage-{generation}")
+                            ),
+                        )
                         assert _same(staged, truth), how
                     tried["loaded"] += 1
                 except reshard.CheckpointError:

@@ -1,20 +1,21 @@
 """Property test: save under one random layout, load under another, get the same bytes.
 
-The N saving ranks are simulated in one process by driving the real save internals in the order that
-``reshard.save`` chains them (describe -> plan -> write -> build metadata -> commit ``metadata.json``),
-with one ``_SaveState`` per simulated rank. Each simulated loading rank then calls ``reshard.load`` (no
-``torch.distributed``: a lone process) with a template of its own box and must get exactly the bytes of
-that box of the global tensor, reading no more than the amplification bound allows.
+The N saving ranks are threads of this process (a :class:`~reshard.transports.ThreadGroup`), each calling
+the real ``reshard.save`` with its own state dict: planning, writer election, writing, agreement and the
+commit run exactly as on N processes. The M loading ranks are another thread group calling the real
+``reshard.load``, each with a template of its own box, and must get exactly the bytes of that box of the
+global tensor, reading no more than the amplification bound allows.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import uuid
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -23,15 +24,12 @@ from hypothesis import strategies as st
 
 import reshard
 from reshard.geometry.boxes import Box
-from reshard.io.commit import SaveCommit
 from reshard.metadata import Metadata
-from reshard.planning.descriptions import LocalSaveDescription
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION
-from reshard.planning.save_plan import plan_save
-from reshard.save import _build_metadata, _prepare_rank_state, _SaveState, _write_assigned
 from reshard.sharding import ReplicaId
-from reshard.storage import LocalStorage
+from reshard.transports import ThreadGroup, Transport
 
+T = TypeVar("T")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 MAX_SAVE_BOXES = 8
 MAX_LOAD_BOXES = 8
@@ -135,30 +133,39 @@ def blank_target(box: Box, dtype: torch.dtype, *, as_view: bool) -> torch.Tensor
     return padded[tuple(slice(1, 1 + s) for s in box.shape)]
 
 
-def simulate_save(state_dicts: list[dict[str, object]], path: Path, chunk_bytes: int) -> Metadata:
-    """What ``reshard.save`` does on N ranks, run for all of them in this process."""
-    storage = LocalStorage(path)
-    states = []
-    docs = []
-    for rank, state_dict in enumerate(state_dicts):
-        state = _SaveState()
-        description = _prepare_rank_state(state, state_dict, rank=rank, is_coordinator=rank == 0)
-        docs.append(json.loads(json.dumps(description.to_json())))
-        states.append(state)
-    # The coordinator: gathered descriptions (as JSON), the plan, the directory.
-    coordinator = states[0]
-    coordinator.descriptions = [LocalSaveDescription.from_json(d) for d in docs]
-    assignments = plan_save(coordinator.descriptions)
-    save_id = uuid.uuid4().hex
-    commit = SaveCommit(storage, save_id, overwrite=False)
-    commit.begin()
-    # Every rank writes its assigned boxes; the reports travel as JSON.
-    results = [
-        json.loads(json.dumps(_write_assigned(storage, state, assignment, save_id, rank, chunk_bytes)))
-        for rank, (state, assignment) in enumerate(zip(states, assignments, strict=True))
-    ]
-    metadata = _build_metadata(coordinator, results, save_id, len(states), chunk_bytes)
-    commit.publish(metadata.to_json_bytes())
+def on_threads(count: int, work: Callable[[int, Transport], T]) -> list[T]:
+    """``work(rank, group member)`` on ``count`` threads of one ThreadGroup; the results in rank order (the
+    first exception of any rank is raised)."""
+    group = ThreadGroup(count, timeout=30.0)
+    results: list[Any] = [None] * count
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = work(rank, group.member(rank))
+        except BaseException as exc:  # re-raised below, in the test's thread
+            errors.append(exc)
+            group.barrier.abort()  # the other ranks fail at once instead of waiting out the timeout
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def save_on_threads(state_dicts: list[dict[str, object]], path: Path, chunk_bytes: int) -> Metadata:
+    """The real ``reshard.save`` on one thread per state dict; the committed metadata."""
+    options = reshard.SaveOptions(checksum_chunk_bytes=chunk_bytes)
+    results = on_threads(
+        len(state_dicts), lambda rank, group: reshard.save(state_dicts[rank], path, group=group, options=options)
+    )
+    assert all(r.metadata is None for r in results[1:])  # only the coordinator holds the metadata
+    metadata = results[0].metadata
+    assert metadata is not None
     return metadata
 
 
@@ -202,7 +209,7 @@ def test_save_under_one_layout_load_under_another(case: Case, tmp_path_factory: 
                 "step": 17,
             }
         )
-    metadata = simulate_save(state_dicts, path, case.checksum_chunk_bytes)
+    metadata = save_on_threads(state_dicts, path, case.checksum_chunk_bytes)
 
     # Each unique non-empty box is written once; nothing else is stored.
     itemsize = case.dtype.itemsize
@@ -211,13 +218,19 @@ def test_save_under_one_layout_load_under_another(case: Case, tmp_path_factory: 
     assert metadata.total_bytes == full.numel() * itemsize + extra.numel() * 4
     assert reshard.read_metadata(path).to_json_dict() == metadata.to_json_dict()
 
-    # Load: one call per simulated loading rank, each with its own box.
-    for box in case.load_boxes:
-        target = blank_target(box, case.dtype, as_view=case.views_on_load)
-        template = {"model": {"w": reshard.ShardedTensor("model.w", target, case.global_shape, box.offset)}}
+    # Load: one loading rank (thread) per box, together.
+    targets = [blank_target(box, case.dtype, as_view=case.views_on_load) for box in case.load_boxes]
+
+    def load_box(rank: int, group: Transport) -> tuple[torch.Tensor, reshard.LoadStats]:
+        box = case.load_boxes[rank]
+        template = {"model": {"w": reshard.ShardedTensor("model.w", targets[rank], case.global_shape, box.offset)}}
         stats = reshard.LoadStats()
-        out = reshard.load(template, path, stats=stats)
-        loaded = out["model"]["w"]
+        out = reshard.load(template, path, group=group, stats=stats)
+        return out["model"]["w"], stats
+
+    for box, target, (loaded, stats) in zip(
+        case.load_boxes, targets, on_threads(len(case.load_boxes), load_box), strict=True
+    ):
         assert loaded is target  # filled in place
         assert loaded.shape == box.shape
         assert torch.equal(raw_bytes(loaded), raw_bytes(full[slices(box)])), f"box {box} differs"
@@ -246,13 +259,13 @@ def test_save_under_one_layout_load_under_another(case: Case, tmp_path_factory: 
     assert out["step"] == 17
 
 
-def test_simulated_save_matches_reshard_save(tmp_path: Path) -> None:
-    """The simulation drives the same internals as reshard.save: on one rank both give the same layout."""
+def test_a_thread_group_of_one_saves_as_a_lone_process(tmp_path: Path) -> None:
+    """A ThreadGroup of one rank and a lone process write the same layout."""
     full = random_global((5, 3), torch.bfloat16, 3)
     state = {"w": reshard.ShardedTensor("w", full.clone(), (5, 3), (0, 0)), "step": 1}
-    real = reshard.save(state, tmp_path / "real", checksum_chunk_bytes=8).metadata
+    real = reshard.save(state, tmp_path / "real", options=reshard.SaveOptions(checksum_chunk_bytes=8)).metadata
     assert real is not None  # a single process is the coordinator
-    simulated = simulate_save([state], tmp_path / "sim", 8)
+    simulated = save_on_threads([state], tmp_path / "sim", 8)
 
     def layout(metadata: Metadata) -> dict[str, object]:
         return {k: v for k, v in metadata.to_json_dict().items() if k not in ("save_id", "files")}
@@ -274,7 +287,7 @@ def test_scalar_and_empty_tensors_round_trip(tmp_path: Path) -> None:
         }
         for rank in range(2)
     ]
-    metadata = simulate_save(state_dicts, tmp_path / "ckpt", 8)
+    metadata = save_on_threads(state_dicts, tmp_path / "ckpt", 8)
     assert [b.shape for b in metadata.tensors["s"].boxes] == [()]
     assert metadata.tensors["e"].boxes == ()
     assert metadata.tensors["e"].global_shape == (0, 4)

@@ -112,7 +112,7 @@ def test_d2_every_byte_of_a_strided_load_is_verified(tmp_path: Path) -> None:
     """A column slice of rows (runs shorter than a chunk) reads and verifies the chunks it touches whole:
     damage in a byte the load uses is caught, whatever the read pattern."""
     full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
-    reshard.save({"w": full}, tmp_path / "ckpt", checksum_chunk_bytes=1024)
+    reshard.save({"w": full}, tmp_path / "ckpt", options=reshard.SaveOptions(checksum_chunk_bytes=1024))
     metadata = reshard.read_metadata(tmp_path / "ckpt")
     box = metadata.tensors["w"].boxes[0]
     data = tmp_path / "ckpt" / metadata.files[0].path
@@ -140,7 +140,7 @@ class _NoMapStorage(LocalStorage):
 
 def test_d2_strided_loads_read_whole_chunks_and_report_it(tmp_path: Path) -> None:
     full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
-    reshard.save({"w": full}, tmp_path / "ckpt", checksum_chunk_bytes=1024)
+    reshard.save({"w": full}, tmp_path / "ckpt", options=reshard.SaveOptions(checksum_chunk_bytes=1024))
     for storage in (LocalStorage(tmp_path / "ckpt"), _NoMapStorage(tmp_path / "ckpt")):
         template = {"w": reshard.ShardedTensor("w", torch.zeros(64, 8), (64, 32), (0, 8))}
         stats = reshard.LoadStats()
@@ -182,7 +182,7 @@ def rank_save_with(ctx: RankContext, path: str, options: dict[str, list[Any]]) -
     mine = {name: values[ctx.rank] for name, values in options.items()}
     state = {"w": reshard.ShardedTensor.from_rank_offsets("w", torch.full((4, 4), 2.0 + ctx.rank), (0, ctx.rank, 2))}
     try:
-        reshard.save(state, path, group=group, overwrite=True, timeout=TIMEOUT, **mine)
+        reshard.save(state, path, group=group, overwrite=True, timeout=TIMEOUT, options=reshard.SaveOptions(**mine))
     except reshard.CheckpointError as exc:
         return {"error": type(exc).__name__, "message": str(exc)}
     return {"ok": True}

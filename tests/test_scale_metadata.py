@@ -35,10 +35,10 @@ from reshard.metadata import (
     SavedBoxes,
     TensorMetadata,
 )
+from reshard.planning.assemble import WriteReport, assemble_metadata
 from reshard.planning.descriptions import DescriptionTable, encode_description
 from reshard.planning.load_plan import plan_load
 from reshard.planning.save_plan import plan_save_table
-from reshard.save import _build_metadata, _SaveState
 from reshard.testing import MegatronLayout, Parallelism
 from reshard.testing.simulate import write_report
 from tests import oracle_planning as oracle
@@ -56,13 +56,18 @@ def simulated() -> tuple[Metadata, Metadata]:
     descriptions = [layout.rank_description(r) for r in range(LAYOUT_512.world)]
     table, _ = DescriptionTable.from_wire([encode_description(d) for d in descriptions])
     assignments = plan_save_table(table)
-    reports = [
-        json.loads(json.dumps(write_report(table, r, a, SAVE_ID, CHUNK, fingerprints=True)))
+    reports = [  # as they travel: JSON
+        json.loads(json.dumps(write_report(table, r, a, SAVE_ID, CHUNK, fingerprints=True).to_json()))
         for r, a in enumerate(assignments)
     ]
-    state = _SaveState(table=table)
-    state.flat.common["iteration"] = 7
-    mine = _build_metadata(state, reports, SAVE_ID, LAYOUT_512.world, CHUNK)
+    mine = assemble_metadata(
+        table,
+        [WriteReport.from_json(r) for r in reports],
+        save_id=SAVE_ID,
+        world_size=LAYOUT_512.world,
+        chunk_bytes=CHUNK,
+        common={"iteration": 7},
+    )
     legacy = [
         {
             "file": r["file"],
@@ -358,7 +363,7 @@ def test_a_save_packs_tensors_with_many_boxes_and_loads_them_into_another_layout
         flat = full.reshape(-1)[a:b].clone()
         leaves[f"z{i}"] = reshard.ShardedTensor.from_flat_range("opt", flat, (40, 6), (40, 6), (0, 0), a, b)
     leaves["small"] = reshard.ShardedTensor("small", full[:4].clone(), (4, 6), (0, 0))
-    result = reshard.save(leaves, tmp_path / "ckpt", checksum_chunk_bytes=64)
+    result = reshard.save(leaves, tmp_path / "ckpt", options=reshard.SaveOptions(checksum_chunk_bytes=64))
     assert result.metadata is not None and result.world_size == 1 and result.num_files == 1
     assert result.total_bytes == (240 + 24) * 4
     doc = json.loads((tmp_path / "ckpt" / "metadata.json").read_bytes())

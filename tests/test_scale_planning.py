@@ -22,10 +22,15 @@ from reshard.errors import CheckpointError, ShardingError
 from reshard.geometry.boxes import Box, flat_range_boxes
 from reshard.geometry.grid import BoxIndex, expand_grid, grid_rule
 from reshard.geometry.tiling import find_tiling_problem, untiled_groups
-from reshard.planning.descriptions import DescriptionTable, LocalSaveDescription, TensorPiece, encode_description
+from reshard.planning.descriptions import (
+    DescriptionTable,
+    LocalSaveDescription,
+    TensorPiece,
+    describe_state,
+    encode_description,
+)
 from reshard.planning.load_plan import TargetPiece
 from reshard.planning.save_plan import plan_save, plan_save_table
-from reshard.save import _describe
 from reshard.statedict import flatten_state_dict
 from reshard.testing import MegatronLayout, MoETransformer, Parallelism
 from tests import oracle_planning as oracle
@@ -75,7 +80,7 @@ def test_generated_descriptions_are_what_reshard_describes(par: Parallelism) -> 
     layout = MegatronLayout(SMALL, par)
     for rank in range(par.world):
         state = layout.rank_state_dict(rank)
-        described, _ = _describe(flatten_state_dict(state, rank=rank))
+        described, _ = describe_state(flatten_state_dict(state, rank=rank))
         generated = layout.rank_description(rank)
         assert generated.tensors == described.tensors
         assert generated.objects == described.objects

@@ -228,7 +228,11 @@ def test_dtype_conversion_on_load(tmp_path: Path, saved: torch.dtype, target: to
     out = reshard.load({"w": ShardedTensor("w", dest, (6, 4), (0, 2))}, tmp_path)
     assert torch.equal(out["w"], full[:, 2:].to(target))
     with pytest.raises(reshard.MismatchError, match=r"'w'.*saved dtype .*allow_dtype_cast=False"):
-        reshard.load({"w": ShardedTensor("w", dest, (6, 4), (0, 2))}, tmp_path, allow_dtype_cast=False)
+        reshard.load(
+            {"w": ShardedTensor("w", dest, (6, 4), (0, 2))},
+            tmp_path,
+            options=reshard.LoadOptions(allow_dtype_cast=False),
+        )
 
 
 def test_reads_are_planned_in_pieces_of_bounded_size(tmp_path: Path) -> None:
@@ -246,7 +250,12 @@ def test_reads_are_planned_in_pieces_of_bounded_size(tmp_path: Path) -> None:
     assert plan.bytes_read <= 1.10 * plan.bytes_needed
     dest = torch.zeros(60, 20, dtype=torch.float64)  # a dtype conversion: nothing lands directly
     stats = reshard.LoadStats()
-    out = reshard.load({"w": ShardedTensor("w", dest, (64, 48), (3, 5))}, tmp_path, read_buffer_bytes=1024, stats=stats)
+    out = reshard.load(
+        {"w": ShardedTensor("w", dest, (64, 48), (3, 5))},
+        tmp_path,
+        stats=stats,
+        options=reshard.LoadOptions(read_buffer_bytes=1024),
+    )
     assert torch.equal(out["w"], full[3:63, 5:25].double())
     assert stats.read_requests >= len(plan.items)
 

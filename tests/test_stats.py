@@ -62,7 +62,9 @@ def check_phases(stats: SaveStats | LoadStats, phases: tuple[str, ...]) -> None:
 
 def test_save_stats_count_what_the_files_hold(tmp_path: Path) -> None:
     stats = SaveStats()
-    metadata = reshard.save(state(), tmp_path / "ckpt", stats=stats, fingerprint=True).metadata
+    metadata = reshard.save(
+        state(), tmp_path / "ckpt", stats=stats, options=reshard.SaveOptions(fingerprint=True)
+    ).metadata
     assert metadata is not None  # a single process is the coordinator
     (data_file,) = metadata.files
     assert (
@@ -79,10 +81,10 @@ def test_save_stats_count_what_the_files_hold(tmp_path: Path) -> None:
 
 
 def test_load_stats_time_every_phase(tmp_path: Path) -> None:
-    reshard.save(state(), tmp_path / "ckpt", fingerprint=True)
+    reshard.save(state(), tmp_path / "ckpt", options=reshard.SaveOptions(fingerprint=True))
     stats = LoadStats()
     template = {"w": torch.zeros(8, 16), "bias": torch.zeros(5, dtype=torch.bfloat16), "step": 0}
-    reshard.load(template, tmp_path / "ckpt", stats=stats, verify=True)
+    reshard.load(template, tmp_path / "ckpt", stats=stats, options=reshard.LoadOptions(verify=True))
     assert stats.bytes_read == stats.bytes_needed == 8 * 16 * 4 + 5 * 2
     check_phases(stats, LOAD_PHASES)
     for name in ("seconds_metadata", "seconds_plan", "seconds_read", "seconds_verify"):

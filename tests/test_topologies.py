@@ -96,7 +96,14 @@ def rank_load(
     saved_dtype = DTYPES[saved]
     template = build_state(par, ctx.rank, parts, "template", DTYPES[target or saved])
     stats = reshard.LoadStats()
-    result = reshard.load(template, path, group=group, timeout=TIMEOUT, stats=stats, allow_dtype_cast=allow_dtype_cast)
+    result = reshard.load(
+        template,
+        path,
+        group=group,
+        timeout=TIMEOUT,
+        stats=stats,
+        options=reshard.LoadOptions(allow_dtype_cast=allow_dtype_cast),
+    )
     check_loaded(result, template, build_state(par, ctx.rank, parts, "expected", saved_dtype))
     covered = sum(p.box.volume for st in template.values() for p in st.pieces())
     out: dict[str, object] = {

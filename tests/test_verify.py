@@ -31,7 +31,9 @@ def _pieces(rank: int, size: int, axis: int, *, blank: bool) -> dict[str, reshar
 
 
 def rank_save(ctx: RankContext, path: str) -> None:
-    reshard.save(_pieces(ctx.rank, 4, 0, blank=False), path, fingerprint=True, timeout=TIMEOUT)
+    reshard.save(
+        _pieces(ctx.rank, 4, 0, blank=False), path, timeout=TIMEOUT, options=reshard.SaveOptions(fingerprint=True)
+    )
 
 
 def rank_load_verified(ctx: RankContext, path: str, size: int, axis: int) -> str | None:
@@ -39,7 +41,7 @@ def rank_load_verified(ctx: RankContext, path: str, size: int, axis: int) -> str
     if not member:
         return None
     template = _pieces(ctx.rank, size, axis, blank=True)
-    reshard.load(template, path, group=group, timeout=TIMEOUT, verify=True)
+    reshard.load(template, path, group=group, timeout=TIMEOUT, options=reshard.LoadOptions(verify=True))
     for key, st in template.items():
         shape, dtype = SHAPES[key]
         full = global_tensor(key, shape, dtype)
@@ -80,11 +82,11 @@ def test_damage_with_a_forged_chunk_checksum_is_caught_on_every_rank(pool4: Rank
 def test_verify_needs_fingerprints_and_skips_what_it_cannot_check(tmp_path: Path) -> None:
     reshard.save({"w": torch.ones(4)}, tmp_path / "plain")
     with pytest.raises(reshard.CheckpointError, match=r"no fingerprint of 'w'.*fingerprint=True"):
-        reshard.load({"w": torch.zeros(4)}, tmp_path / "plain", verify=True)
-    reshard.save({"w": torch.ones(4)}, tmp_path / "printed", fingerprint=True)
+        reshard.load({"w": torch.zeros(4)}, tmp_path / "plain", options=reshard.LoadOptions(verify=True))
+    reshard.save({"w": torch.ones(4)}, tmp_path / "printed", options=reshard.SaveOptions(fingerprint=True))
     part = reshard.ShardedTensor("w", torch.zeros(2), (4,), (0,))
     with pytest.warns(UserWarning, match=r"not checked.*w"):
-        reshard.load({"w": part}, tmp_path / "printed", verify=True)
+        reshard.load({"w": part}, tmp_path / "printed", options=reshard.LoadOptions(verify=True))
 
 
 def _reference(full: torch.Tensor) -> int:
@@ -126,7 +128,7 @@ def test_contiguous_partial_reads_verify_every_chunk_they_touch(tmp_path: Path) 
     destination, and the rest of its two boundary chunks beside it, so that every chunk it touches is
     verified on the bytes used: damage next to the slice is caught."""
     full = torch.arange(1000, dtype=torch.float32)
-    reshard.save({"w": full}, tmp_path, checksum_chunk_bytes=256)  # chunks of 64 elements
+    reshard.save({"w": full}, tmp_path, options=reshard.SaveOptions(checksum_chunk_bytes=256))  # chunks of 64 elements
     template = {"w": reshard.ShardedTensor("w", torch.zeros(300), (1000,), (100,))}
     stats = reshard.LoadStats()
     reshard.load(template, tmp_path, stats=stats)

@@ -28,6 +28,7 @@ from reshard.errors import (
 from reshard.load import LoadStats, load, read_metadata
 from reshard.manager import CheckpointManager
 from reshard.metadata import Metadata
+from reshard.options import LoadOptions, SaveOptions, StagingOptions
 from reshard.save import SaveResult, save
 from reshard.sharding import ShardedObject, ShardedTensor
 from reshard.statedict import filter_state_dict
@@ -45,15 +46,18 @@ __all__ = [
     "CommunicationError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "LoadOptions",
     "LoadStats",
     "Metadata",
     "MismatchError",
     "SaveHandle",
+    "SaveOptions",
     "SaveResult",
     "SaveStats",
     "ShardedObject",
     "ShardedTensor",
     "ShardingError",
+    "StagingOptions",
     "StateDictError",
     "StorageError",
     "UnconfirmedCommitError",

@@ -30,14 +30,15 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from reshard.dtensor import dtensor_to_sharded, is_dtensor
+from reshard.options import SaveOptions
 from reshard.save import SaveResult, save
 from reshard.sharding import ShardedObject, ShardedTensor
 from reshard.statedict import map_leaves
 from reshard.stats import SaveStats
 from reshard.storage import CheckpointLocation
+from reshard.transports import Group
 
 __all__ = ["AsyncCheckpointer", "SaveHandle", "async_save"]
 
@@ -91,9 +92,7 @@ class AsyncCheckpointer:
     Every rank of the group creates one and calls :meth:`save` at the same points.
     """
 
-    def __init__(
-        self, *, group: dist.ProcessGroup | None = None, timeout: datetime.timedelta | float | None = None
-    ) -> None:
+    def __init__(self, *, group: Group = None, timeout: datetime.timedelta | float | None = None) -> None:
         self.group = group
         self.timeout = timeout
         self._buffers: dict[str, torch.Tensor] = {}
@@ -148,11 +147,12 @@ class AsyncCheckpointer:
         path: CheckpointLocation,
         *,
         overwrite: bool = False,
+        options: SaveOptions | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> SaveHandle:
-        """Snapshot ``state_dict`` and save it to ``path`` in the background. Called by every rank of the
-        group. A previous save of this checkpointer is finalised first (its error, if any, is raised
-        here)."""
+        """Snapshot ``state_dict`` and save it to ``path`` in the background (``overwrite``, ``options`` and
+        ``storage_options`` as for :func:`reshard.save`). Called by every rank of the group. A previous save
+        of this checkpointer is finalised first (its error, if any, is raised here)."""
         if self._inflight is not None:
             previous, self._inflight = self._inflight, None
             previous.wait()
@@ -167,6 +167,7 @@ class AsyncCheckpointer:
                     path,
                     group=self.group,
                     overwrite=overwrite,
+                    options=options,
                     timeout=self.timeout,
                     storage_options=storage_options,
                     stats=handle.stats,
@@ -195,13 +196,14 @@ def async_save(
     state_dict: Any,
     path: CheckpointLocation,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: Group = None,
     overwrite: bool = False,
+    options: SaveOptions | None = None,
     timeout: datetime.timedelta | float | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> SaveHandle:
     """A one-off asynchronous save (fresh snapshot buffers); see :class:`AsyncCheckpointer` to reuse
     buffers and keep one save in flight at a time. Called by every rank of ``group``."""
     return AsyncCheckpointer(group=group, timeout=timeout).save(
-        state_dict, path, overwrite=overwrite, storage_options=storage_options
+        state_dict, path, overwrite=overwrite, options=options, storage_options=storage_options
     )

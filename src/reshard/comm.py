@@ -2,9 +2,10 @@
 
 Every collective reshard makes goes through :class:`Communicator`, which takes the group explicitly
 (``None`` means the default world group when ``torch.distributed`` is initialised, and a lone process
-otherwise). Payloads are bytes (JSON), carried in uint8 tensors: nothing is pickled. Every collective is
-issued asynchronously and waited on with a timeout, so a dead or missing peer turns into a
-:class:`~reshard.CommunicationError` instead of a hang.
+otherwise; a :class:`~reshard.transports.ThreadGroup` member runs ranks as threads of one process). It
+moves bytes (JSON) through a :class:`~reshard.transports.Transport`: over torch.distributed they are carried
+in uint8 tensors, nothing is pickled, and every collective is waited on with a timeout, so a dead or missing
+peer turns into a :class:`~reshard.CommunicationError` instead of a hang.
 
 :meth:`Communicator.step` is the building block of every phase: each rank runs its part, the coordinator
 (rank 0 of the group) gathers the outcomes and combines them, and every rank then either gets the
@@ -12,8 +13,7 @@ combined result or raises the same error, naming the ranks that failed. :meth:`C
 is the same with a reply of its own for each rank, so that no rank receives what only another needs
 (save planning: each rank gets its own write assignment, not everyone's).
 
-What a rank sends does not grow with the number of ranks: a gather pads payloads to the longest one and
-finds that length with an all-reduce (not an all-gather of every length), and replies go out by scatter.
+What a rank sends does not grow with the number of ranks (see :mod:`reshard.transports`);
 :attr:`Communicator.bytes_sent` and :attr:`Communicator.bytes_received` count the payload bytes.
 """
 
@@ -26,21 +26,23 @@ import struct
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, overload
 
-import torch
 import torch.distributed as dist
 
-from reshard.errors import ERROR_CLASSES, CheckpointError, CommunicationError, StorageError
+from reshard.errors import ERROR_CLASSES, CheckpointError, StorageError
+from reshard.transports import SingleProcess, ThreadGroup, TorchTransport, Transport, padded_size
 
-__all__ = ["DEFAULT_TIMEOUT", "Communicator", "StepFailure", "padded_size"]
+__all__ = ["DEFAULT_TIMEOUT", "Communicator", "StepFailure", "ThreadGroup", "Transport", "padded_size"]
 
 logger = logging.getLogger("reshard")
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 """Default time a rank waits for its peers in one collective."""
 
-_LENGTH = struct.Struct("<Q")
 _PHASE_LENGTH = struct.Struct("<H")
 _OK, _FAILED = b"\x00", b"\x01"
 
@@ -91,12 +93,6 @@ def _phase_mismatch(phase: str, gathered: list[bytes]) -> tuple[dict[int, tuple[
     )
 
 
-def padded_size(lengths: list[int]) -> int:
-    """Bytes each rank sends in a gather (or receives in a scatter) of payloads of these lengths: every
-    payload travels padded to the longest, behind its 8-byte length."""
-    return _LENGTH.size + max(lengths, default=0)
-
-
 @dataclass(frozen=True, slots=True)
 class StepFailure:
     """One rank's failure in a step: the error class name reshard will raise, and the message."""
@@ -138,155 +134,78 @@ def _failure_error(phase: str, failures: dict[int, StepFailure]) -> CheckpointEr
 
 
 class Communicator:
-    """Collectives of one checkpoint operation over one process group.
+    """Collectives of one checkpoint operation over one group, and agreement on every phase's outcome.
 
     Args:
-        group: the process group whose ranks take part; ``None`` means the default group if
-            ``torch.distributed`` is initialised, else a single process.
+        group: the ranks that take part: a ``torch.distributed`` process group, ``None`` (the default group
+            if ``torch.distributed`` is initialised, else this process alone), or a
+            :class:`~reshard.transports.Transport` (a :class:`~reshard.transports.ThreadGroup` member).
         timeout: how long each collective may wait for the slowest peer.
 
     All methods are collective: every rank of the group calls them, in the same order.
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, *, timeout: datetime.timedelta | float | None = None
+        self,
+        group: dist.ProcessGroup | Transport | None = None,
+        *,
+        timeout: datetime.timedelta | float | None = None,
     ) -> None:
         if timeout is None:
             timeout = DEFAULT_TIMEOUT
         elif not isinstance(timeout, datetime.timedelta):
             timeout = datetime.timedelta(seconds=float(timeout))
         self.timeout = timeout
-        self.distributed = dist.is_available() and dist.is_initialized()
-        if group is not None and not self.distributed:
+        distributed = dist.is_available() and dist.is_initialized()
+        self.transport: Transport
+        if isinstance(group, Transport):
+            self.transport = group
+        elif distributed:
+            self.transport = TorchTransport(group, timeout)
+        elif group is not None:
             raise CheckpointError("a process group was given but torch.distributed is not initialised")
-        self.group = group
-        if self.distributed:
-            self.rank = dist.get_rank(group)
-            self.size = dist.get_world_size(group)
-            if self.rank < 0:
-                raise CheckpointError("this process is not a member of the process group it was given")
-            self.global_ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.size)]
-            backend = str(dist.get_backend(group))
-            self.device = (
-                torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-            )
         else:
-            self.rank, self.size, self.global_ranks = 0, 1, [0]
-            self.device = torch.device("cpu")
-        self.bytes_sent = 0
-        """Payload bytes this rank has put into collectives (gathers, broadcasts, scatters, reductions)."""
-        self.bytes_received = 0
-        """Payload bytes this rank has got out of collectives."""
+            self.transport = SingleProcess(timeout)
+        self.rank = self.transport.rank
+        self.size = self.transport.size
 
     @property
     def is_coordinator(self) -> bool:
         """Whether this process is the group's rank 0, which combines results and writes metadata."""
         return self.rank == 0
 
-    def _wait(self, work: Any, what: str) -> None:
-        try:
-            work.wait(timeout=self.timeout)
-        except RuntimeError as exc:
-            raise CommunicationError(
-                f"collective {what} on rank {self.rank} did not complete within "
-                f"{self.timeout.total_seconds():.0f} s or a peer failed: {exc}"
-            ) from exc
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank has put into collectives (gathers, broadcasts, scatters, reductions)."""
+        return self.transport.bytes_sent
 
-    def _longest(self, length: int) -> int:
-        """The largest ``length`` of any rank (an all-reduce of one integer)."""
-        value = torch.tensor([length], dtype=torch.int64, device=self.device)
-        self._wait(dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "all_reduce(length)")
-        self.bytes_sent += value.nbytes
-        self.bytes_received += value.nbytes
-        return int(value.item())
-
-    def _framed(self, payload: bytes, size: int) -> torch.Tensor:
-        """``payload`` behind its length, zero-padded to ``size`` bytes, as a tensor on the device."""
-        framed = torch.zeros(size, dtype=torch.uint8)
-        framed[: _LENGTH.size + len(payload)] = torch.frombuffer(
-            bytearray(_LENGTH.pack(len(payload)) + payload), dtype=torch.uint8
-        )
-        return framed.to(self.device)
-
-    @staticmethod
-    def _unframed(framed: torch.Tensor) -> bytes:
-        raw = framed.cpu().numpy().tobytes()
-        (length,) = _LENGTH.unpack_from(raw)
-        return raw[_LENGTH.size : _LENGTH.size + length]
+    @property
+    def bytes_received(self) -> int:
+        """Payload bytes this rank has got out of collectives."""
+        return self.transport.bytes_received
 
     def gather_bytes(self, payload: bytes) -> list[bytes] | None:
         """Gather one payload per rank onto the coordinator; other ranks get None. Collective.
 
-        Each rank sends :func:`padded_size` bytes (its payload padded to the longest), whatever the number
-        of ranks; the coordinator receives that many from each.
+        Over torch.distributed each rank sends :func:`padded_size` bytes (its payload padded to the
+        longest), whatever the number of ranks; the coordinator receives that many from each.
         """
-        if self.size == 1:
-            return [payload]
-        size = _LENGTH.size + self._longest(len(payload))
-        mine = self._framed(payload, size)
-        gather_list = (
-            [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
-            if self.is_coordinator
-            else None
-        )
-        work = dist.gather(mine, gather_list, dst=self.global_ranks[0], group=self.group, async_op=True)
-        self._wait(work, "gather")
-        if gather_list is None:
-            self.bytes_sent += size
-            return None
-        self.bytes_received += size * (self.size - 1)
-        return [self._unframed(t) for t in gather_list]
+        return self.transport.gather_bytes(payload)
 
     def scatter_bytes(self, payloads: list[bytes] | None) -> bytes:
         """Send ``payloads[r]`` from the coordinator to rank ``r``; every rank gets its own. Collective: the
-        coordinator passes one payload per rank, the others pass None.
-
-        The longest length is broadcast first, then each rank receives :func:`padded_size` bytes.
-        """
-        if self.size == 1:
-            if payloads is None or len(payloads) != 1:
-                raise CheckpointError("scatter_bytes on the coordinator needs one payload per rank")
-            return payloads[0]
-        if self.is_coordinator and (payloads is None or len(payloads) != self.size):
-            raise CheckpointError(f"scatter_bytes on the coordinator needs {self.size} payloads")
-        longest = torch.tensor([max(map(len, payloads)) if payloads else 0], dtype=torch.int64, device=self.device)
-        work = dist.broadcast(longest, src=self.global_ranks[0], group=self.group, async_op=True)
-        self._wait(work, "broadcast(length)")
-        size = _LENGTH.size + int(longest.item())
-        mine = torch.empty(size, dtype=torch.uint8, device=self.device)
-        scatter_list = [self._framed(p, size) for p in payloads] if self.is_coordinator and payloads else None
-        work = dist.scatter(mine, scatter_list, src=self.global_ranks[0], group=self.group, async_op=True)
-        self._wait(work, "scatter")
-        if self.is_coordinator:
-            self.bytes_sent += longest.nbytes + size * (self.size - 1)
-        else:
-            self.bytes_received += longest.nbytes + size
-        return self._unframed(mine)
+        coordinator passes one payload per rank, the others pass None."""
+        return self.transport.scatter_bytes(payloads)
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
         """Send the coordinator's ``payload`` to every rank; others pass None."""
-        if self.size == 1:
-            return payload or b""
-        length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=self.device)
-        self._wait(
-            dist.broadcast(length, src=self.global_ranks[0], group=self.group, async_op=True), "broadcast(length)"
-        )
-        n = int(length.item())
-        if self.is_coordinator:
-            self.bytes_sent += length.nbytes + n
-        else:
-            self.bytes_received += length.nbytes + n
-        if self.is_coordinator and payload is not None:
-            buffer = (
-                torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
-                if n
-                else torch.empty(0, dtype=torch.uint8)
-            )
-        else:
-            buffer = torch.empty(n, dtype=torch.uint8, device=self.device)
-        if n:
-            self._wait(dist.broadcast(buffer, src=self.global_ranks[0], group=self.group, async_op=True), "broadcast")
-        return bytes(buffer.cpu().numpy().tobytes())
+        return self.transport.broadcast_bytes(payload)
+
+    @overload
+    def step(self, phase: str, local: Callable[[], object]) -> None: ...
+
+    @overload
+    def step(self, phase: str, local: Callable[[], T], combine: Callable[[list[T]], R]) -> R: ...
 
     def step(
         self,
@@ -295,6 +214,9 @@ class Communicator:
         combine: Callable[[list[Any]], Any] | None = None,
     ) -> Any:
         """Run one phase on every rank and agree on its outcome.
+
+        Typed: ``combine`` takes the values of ``local`` and its result is what every rank returns, after a
+        JSON round trip (so a tuple comes back as a list on the other ranks: return JSON types).
 
         Each rank runs ``local()``, which returns a JSON-able value. The values are gathered on the
         coordinator, which calls ``combine(values)`` (values in rank order) when every rank succeeded; the
@@ -334,8 +256,8 @@ class Communicator:
         self,
         phase: str,
         local: Callable[[], bytes],
-        combine: Callable[[list[bytes]], tuple[Any, list[bytes]]],
-    ) -> tuple[Any, bytes]:
+        combine: Callable[[list[bytes]], tuple[R, list[bytes]]],
+    ) -> tuple[R, bytes]:
         """:meth:`step` with a reply of its own for each rank. Called by every rank of the group.
 
         Each rank runs ``local()``, which returns bytes; they are gathered on the coordinator, which calls

@@ -14,44 +14,35 @@ Flow (each phase ends in agreement):
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import math
-import os
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from reshard.codec import decode_object_blob
 from reshard.comm import Communicator
 from reshard.dtypes import dtype_name
 from reshard.errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     CorruptCheckpointError,
-    IncompleteCheckpointError,
     MismatchError,
-    StateDictError,
-    StorageError,
 )
 from reshard.fingerprint import fingerprint
-from reshard.io.reader import DEFAULT_READ_BUFFER_BYTES, ReadExecutor
-from reshard.locking import read_lock
-from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata, SavedObject
-from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan, TargetPiece, plan_load
+from reshard.io.reader import ReadExecutor
+from reshard.metadata import METADATA_FILE, Metadata, SavedObject
+from reshard.options import LoadOptions
+from reshard.planning.load_plan import LoadPlan, TargetPiece, plan_load
 from reshard.sharding import LocalPiece, ShardedObject, ShardedTensor
+from reshard.sources import CheckpointSource, as_source, read_metadata_bytes
 from reshard.staging import StagedFiles, stage_files
 from reshard.statedict import FlatStateDict, flatten_state_dict, map_leaves
 from reshard.stats import EXCHANGE, PhaseClock
-from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
-
-if TYPE_CHECKING:
-    from reshard.interop.hf_source import KeyMap
+from reshard.storage import CheckpointLocation, storage_for
+from reshard.transports import Group
 
 __all__ = ["LoadStats", "load", "read_metadata"]
 
@@ -78,7 +69,7 @@ class LoadStats:
         seconds_plan: flattening the template, checking it against the metadata and planning the reads.
         seconds_stage: with staging, agreeing on and downloading this node's files (collectives included).
         seconds_read: reading, verifying and copying this rank's data into place.
-        seconds_verify: with ``verify=True``, the end-to-end fingerprint check (collectives included).
+        seconds_verify: with ``LoadOptions(verify=True)``, the end-to-end fingerprint check (collectives included).
         seconds_exchange: time in the other collectives beyond this rank's own work (the metadata
             broadcast, waiting for the slowest rank at the end of each phase).
         seconds: wall time of the whole load on this rank (at least the sum of the phases).
@@ -112,48 +103,6 @@ class LoadStats:
         return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
 
 
-def read_metadata_bytes(storage: Storage) -> bytes:
-    """The raw ``metadata.json`` of a checkpoint, or the error that says why there is none.
-
-    Raises:
-        CheckpointNotFoundError: the path does not exist, or is not a checkpoint.
-        IncompleteCheckpointError: data files but no ``metadata.json`` (a save that never committed).
-        CorruptCheckpointError: ``metadata.json`` is larger than :data:`~reshard.metadata.MAX_METADATA_BYTES`.
-        StorageError: the file exists but cannot be read.
-    """
-    where = storage.describe()
-    try:
-        return storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
-    except FileNotFoundError:
-        pass
-    except NotADirectoryError:
-        raise CheckpointNotFoundError(f"{where} is a file, not a checkpoint directory") from None
-    except FileTooLargeError as exc:
-        raise CorruptCheckpointError(
-            f"{storage.describe(METADATA_FILE)} is too large to be metadata ({exc.strerror}); refused unread"
-        ) from exc
-    except OSError as exc:
-        raise StorageError(f"cannot read {storage.describe(METADATA_FILE)}: {exc}") from exc
-    try:
-        exists = storage.root_exists()
-        holder = read_lock(storage) if exists else None
-        has_data = exists and (bool(storage.list_files(DATA_DIR)) or storage.exists(DATA_DIR))
-    except OSError as exc:
-        raise StorageError(f"{where} has no {METADATA_FILE}, and looking for its data failed: {exc}") from exc
-    if not exists:
-        raise CheckpointNotFoundError(f"no checkpoint at {where}: the path does not exist")
-    if holder is not None:
-        raise IncompleteCheckpointError(
-            f"{where} has no {METADATA_FILE}: a save is writing it or was interrupted "
-            f"(lock held by {holder.describe()})"
-        )
-    if has_data:
-        raise IncompleteCheckpointError(
-            f"{where} holds data files but no {METADATA_FILE}: a save that was interrupted before it committed"
-        )
-    raise CheckpointNotFoundError(f"{where} is not a reshard checkpoint: it has no {METADATA_FILE}")
-
-
 def read_metadata(path: CheckpointLocation, *, storage_options: dict[str, Any] | None = None) -> Metadata:
     """Read and validate a checkpoint's metadata (tensors, dtypes, shapes, boxes, files, common state)
     without reading any tensor data. Not collective. ``path`` is a directory, URL or Storage."""
@@ -167,21 +116,14 @@ def read_metadata(path: CheckpointLocation, *, storage_options: dict[str, Any] |
 
 def load(
     state_dict: Any,
-    path: CheckpointLocation,
+    source: CheckpointLocation | CheckpointSource,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: Group = None,
     strict: bool = True,
+    options: LoadOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
     timeout: datetime.timedelta | float | None = None,
     stats: LoadStats | None = None,
-    allow_dtype_cast: bool = True,
-    max_read_amplification: float = DEFAULT_MAX_READ_AMPLIFICATION,
-    read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
-    storage_options: dict[str, Any] | None = None,
-    staging_dir: str | os.PathLike[str] | None = None,
-    keep_staged: bool = False,
-    node_group: dist.ProcessGroup | None = None,
-    verify: bool = False,
-    key_map: KeyMap | None = None,
 ) -> Any:
     """Load a checkpoint into a template state dict of the current layout. Called by all ranks of ``group``.
 
@@ -192,129 +134,69 @@ def load(
 
     Args:
         state_dict: the template.
-        path: the checkpoint: a directory, a ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix``
-            URL, or a :class:`~reshard.storage.Storage`.
-        group: the ranks that load together (``None``: default group, or this process alone).
+        source: the checkpoint: a directory, a ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix``
+            URL, or a :class:`~reshard.storage.Storage` (a reshard checkpoint); or a
+            :class:`~reshard.sources.CheckpointSource`, such as
+            :class:`~reshard.interop.HuggingFaceSource` for a Hugging Face safetensors directory.
+        group: the ranks that load together: a process group (``None``: the default group, or this process
+            alone), or a :class:`~reshard.transports.ThreadGroup` member.
         strict: when True, keys of the template missing from the checkpoint raise
             :class:`~reshard.MismatchError`; when False they are skipped (left as they are) with a warning.
+        options: how to read (:class:`~reshard.LoadOptions`: dtype casts, read merging, the staging
+            buffer, end-to-end verification, node-local staging); the defaults suit most loads.
+        storage_options: passed to the object-store client of a path or URL ``source`` (see
+            :func:`reshard.save`).
         timeout: how long any collective may wait for the slowest rank.
         stats: if given, filled with this rank's read accounting.
-        allow_dtype_cast: convert saved elements to the template's dtype while copying (bf16 <-> fp32,
-            fp16 -> fp32, ...); when False a dtype difference raises :class:`~reshard.MismatchError`.
-        max_read_amplification: bytes read / bytes needed allowed when merging strided runs into larger
-            reads (at least 1.0).
-        read_buffer_bytes: the staging memory of this rank's reads that cannot land directly in their
-            destination (strided overlaps, dtype conversions); reads are planned in pieces of at most
-            this size, so a load's extra memory stays bounded by it whatever the tensor sizes.
-        storage_options: passed to the object-store client (see :func:`reshard.save`).
-        staging_dir: load through node-local staging: the ranks of each node agree on the whole data
-            files any of them needs, each file is downloaded once per node into this directory (a temp
-            name, then renamed; complete files from an earlier run are reused after checking their size
-            and checksums), and all reads are then local. For storage that is slow to range-read.
-        keep_staged: keep the staged files after the load (they are removed by default).
-        node_group: with ``staging_dir``, the process group of the ranks that share this node's staging
-            directory; default: the ranks with the same hostname.
-        verify: after reading, recompute every tensor's content fingerprint over the primary boxes of this
-            layout, combine the partial sums across ranks and compare them with the fingerprints the save
-            stored (``save(..., fingerprint=True)``): a wrong copy, a planner bug or corruption a chunk
-            checksum missed raises CorruptCheckpointError naming the tensor, on every rank. Tensors the
-            template does not cover whole, or loads with a dtype conversion, cannot be checked (a warning
-            names them).
-        key_map: for a Hugging Face safetensors source (a directory with ``model.safetensors`` or
-            ``model.safetensors.index.json`` instead of a reshard checkpoint): template key -> source, a
-            tensor name, or :class:`~reshard.interop.hf_source.Concat` / ``Stack`` of several (fused QKV,
-            GLU, stacked experts). Keys it does not name are looked up under their own name. Each rank
-            reads only the bytes of its boxes; safetensors has no checksums, so nothing is verified.
 
     Returns:
         A state dict of the template's structure in which each ShardedTensor is replaced by its filled
         local tensor, each ShardedObject by its saved value and each common value by the saved one.
 
     Raises:
-        CheckpointNotFoundError, IncompleteCheckpointError: nothing loadable at ``path``.
+        CheckpointNotFoundError, IncompleteCheckpointError: nothing loadable at ``source``.
         MismatchError: missing keys (with ``strict``), a (logical) global shape that differs, or a dtype
             that differs when ``allow_dtype_cast`` is off.
         CorruptCheckpointError: invalid metadata, a checksum mismatch, a truncated or missing file.
         CheckpointError: any failure, raised on every rank and naming the failing ranks.
     """
-    if max_read_amplification < 1.0:
-        raise ValueError(f"max_read_amplification must be at least 1.0, got {max_read_amplification}")
     started = time.perf_counter()
+    options = options if options is not None else LoadOptions()
     comm = Communicator(group, timeout=timeout)
-    storage = storage_for(path, storage_options)
+    opened = as_source(source, storage_options)
     try:
-        return _load_from(
-            storage,
-            state_dict,
-            comm,
-            strict=strict,
-            stats=stats,
-            allow_dtype_cast=allow_dtype_cast,
-            max_read_amplification=max_read_amplification,
-            read_buffer_bytes=read_buffer_bytes,
-            verify=verify,
-            key_map=key_map,
-            started=started,
-            staging=_StagingOptions(Path(staging_dir), keep_staged, node_group) if staging_dir is not None else None,
-        )
+        return _load_from(opened, state_dict, comm, strict=strict, stats=stats, options=options, started=started)
     finally:
-        if storage is not path:
-            storage.close()
-
-
-@dataclass(frozen=True, slots=True)
-class _StagingOptions:
-    directory: Path
-    keep: bool
-    node_group: dist.ProcessGroup | None
+        if opened is not source:
+            opened.close()
 
 
 def _load_from(
-    storage: Storage,
+    source: CheckpointSource,
     state_dict: Any,
     comm: Communicator,
     *,
     strict: bool,
     stats: LoadStats | None,
-    allow_dtype_cast: bool,
-    max_read_amplification: float,
-    read_buffer_bytes: int,
-    verify: bool,
-    key_map: KeyMap | None,
+    options: LoadOptions,
     started: float,
-    staging: _StagingOptions | None,
 ) -> Any:
-    """The body of :func:`load` once the storage is open."""
-    from reshard.interop.hf_source import describe_source, is_safetensors_source, source_metadata
-
+    """The body of :func:`load` once the source is open."""
     clock = PhaseClock("load", comm.rank, started)
+    storage = source.storage
     metadata_holder: list[tuple[bytes, Metadata]] = []
 
-    def read_on_coordinator() -> bool:
+    def read_on_coordinator() -> None:
         if comm.is_coordinator:
-            if not storage.exists(METADATA_FILE) and is_safetensors_source(storage):
-                source = describe_source(storage)
-                metadata_holder.append((json.dumps(source).encode(), source_metadata(source, key_map)))
-                return True
-            if key_map is not None:
-                raise StateDictError("key_map applies to Hugging Face safetensors sources, not to reshard checkpoints")
-            raw = read_metadata_bytes(storage)
-            metadata_holder.append((raw, Metadata.from_json_bytes(raw, where=storage.describe(METADATA_FILE))))
-        return False
+            metadata_holder.append(source.read_metadata())
 
-    # Only the coordinator touches metadata.json (or the safetensors headers); the others get the bytes
-    # it validated.
+    # Only the coordinator reads the metadata (metadata.json, or the safetensors headers); the others get
+    # the bytes it validated.
     with clock.exchange():
-        from_safetensors = comm.step("reading metadata", clock.timed("metadata", read_on_coordinator), lambda r: r[0])
+        comm.step("reading metadata", clock.timed("metadata", read_on_coordinator))
         raw = comm.broadcast_bytes(metadata_holder[0][0] if comm.is_coordinator else None)
     with clock.phase("metadata"):
-        if comm.is_coordinator:
-            metadata = metadata_holder[0][1]
-        elif from_safetensors:
-            metadata = source_metadata(json.loads(raw), key_map)
-        else:
-            # The coordinator validated these bytes: each rank decodes only the packed tensors it loads.
-            metadata = Metadata.from_json_bytes(raw, lazy=True)
+        metadata = metadata_holder[0][1] if comm.is_coordinator else source.decode_metadata(raw)
 
     flat = FlatStateDict()
     plan_holder: list[LoadPlan] = []
@@ -323,7 +205,7 @@ def _load_from(
 
     def plan() -> None:
         template = flatten_state_dict(state_dict, rank=comm.rank, dedup=False)
-        missing.extend(_check_template(template, metadata, strict=strict, allow_dtype_cast=allow_dtype_cast))
+        missing.extend(_check_template(template, metadata, strict=strict, allow_dtype_cast=options.allow_dtype_cast))
         flat.tensors, flat.objects = template.tensors, template.objects
         targets = []
         for tensor in flat.tensors:
@@ -332,7 +214,10 @@ def _load_from(
                 targets.append(TargetPiece(key=tensor.key, box=piece.box))
         plan_holder.append(
             plan_load(
-                metadata, targets, max_read_amplification=max_read_amplification, max_read_bytes=read_buffer_bytes
+                metadata,
+                targets,
+                max_read_amplification=options.max_read_amplification,
+                max_read_bytes=options.read_buffer_bytes,
             )
         )
 
@@ -346,13 +231,16 @@ def _load_from(
         )
     load_plan = plan_holder[0]
     staged: StagedFiles | None = None
+    staging = options.staging
     if staging is not None:
         needed = {item.file for item in load_plan.items}
         for obj in flat.objects:
             needed.update(e.file for e in metadata.objects[obj.key].entries if e.offset == obj.global_offset)
         with clock.phase("stage"):
-            staged = stage_files(comm, storage, metadata, needed, staging.directory, staging.node_group)
-    executor = ReadExecutor(staged.storage if staged is not None else storage, metadata, buffer_bytes=read_buffer_bytes)
+            staged = stage_files(comm, storage, metadata, needed, staging.path, staging.node_group)
+    executor = ReadExecutor(
+        staged.storage if staged is not None else storage, metadata, buffer_bytes=options.read_buffer_bytes
+    )
     loaded_objects: dict[tuple[str, tuple[int, ...]], object] = {}
 
     def read() -> None:
@@ -374,7 +262,7 @@ def _load_from(
         # Every rank of every node is done reading (or failed) once the step returns or raises.
         if staged is not None and staging is not None and not staging.keep:
             staged.remove()
-    if verify:
+    if options.verify:
         with clock.phase("verify"):
             _verify_fingerprints(comm, metadata, flat.tensors)
 
@@ -422,7 +310,7 @@ def _load_from(
 
 
 def _verify_fingerprints(comm: Communicator, metadata: Metadata, tensors: list[ShardedTensor]) -> None:
-    """The end-to-end check of ``load(verify=True)``: a collective step; see :func:`load`."""
+    """The end-to-end check of ``LoadOptions(verify=True)``: a collective step; see :func:`load`."""
 
     def partial() -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
@@ -432,7 +320,8 @@ def _verify_fingerprints(comm: Communicator, metadata: Metadata, tensors: list[S
                 continue
             if saved.fingerprint is None:
                 raise CheckpointError(
-                    f"verify=True: the checkpoint holds no fingerprint of {tensor.key!r}; save with fingerprint=True"
+                    f"verify=True: the checkpoint holds no fingerprint of {tensor.key!r}; save with "
+                    "SaveOptions(fingerprint=True)"
                 )
             entry = out.setdefault(tensor.key, [0, 0])
             for piece in tensor.pieces():
@@ -465,7 +354,8 @@ def _verify_fingerprints(comm: Communicator, metadata: Metadata, tensors: list[S
     uncovered = comm.step("verifying", partial, check)
     if uncovered:
         warnings.warn(
-            f"reshard.load(verify=True): not checked, the template's primary boxes do not cover them whole: "
+            "reshard.load(LoadOptions(verify=True)): not checked, the template's primary boxes do not cover "
+            f"them whole: "
             f"{', '.join(uncovered[:20])}",
             stacklevel=4,
         )

@@ -18,8 +18,8 @@ import crc32c
 
 from reshard.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, StorageError
 from reshard.io.datafile import DATA_FILE_PATTERN
-from reshard.load import read_metadata_bytes
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
+from reshard.sources import read_metadata_bytes
 from reshard.storage import CheckpointLocation, ReadRequest, Storage, storage_for
 
 __all__ = ["DEFAULT_GC_MIN_AGE_S", "collect_garbage", "validate_checkpoint"]

@@ -31,8 +31,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
 from reshard.comm import Communicator
 from reshard.errors import (
     CheckpointNotFoundError,
@@ -41,11 +39,14 @@ from reshard.errors import (
     StorageError,
     UnconfirmedCommitError,
 )
-from reshard.load import load, read_metadata_bytes
+from reshard.load import load
 from reshard.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
 from reshard.metadata import METADATA_FILE, Metadata
+from reshard.options import SaveOptions
 from reshard.save import SaveResult, save
+from reshard.sources import read_metadata_bytes
 from reshard.storage import CheckpointLocation, Storage, storage_for
+from reshard.transports import Group
 
 __all__ = ["LATEST_FILE", "CheckpointManager", "StepInfo", "scan_root"]
 
@@ -128,7 +129,7 @@ class CheckpointManager:
         *,
         keep_last: int | None = None,
         keep_every: int | None = None,
-        group: dist.ProcessGroup | None = None,
+        group: Group = None,
         storage_options: dict[str, Any] | None = None,
         timeout: datetime.timedelta | float | None = None,
     ) -> None:
@@ -164,10 +165,13 @@ class CheckpointManager:
 
     # ---- save (collective) -----------------------------------------------------------------------
 
-    def save(self, step: int, state_dict: Any, *, overwrite: bool = False) -> SaveResult:
-        """Save ``state_dict`` as step ``step``, then (coordinator) point ``latest`` at it and apply the
-        retention policy. Called by all ranks of the group. Two managers saving to one root at the same
-        time cannot interleave: the second gets CheckpointLockedError.
+    def save(
+        self, step: int, state_dict: Any, *, overwrite: bool = False, options: SaveOptions | None = None
+    ) -> SaveResult:
+        """Save ``state_dict`` as step ``step`` (``options`` as for :func:`reshard.save`), then
+        (coordinator) point ``latest`` at it and apply the retention policy. Called by all ranks of the
+        group. Two managers saving to one root at the same time cannot interleave: the second gets
+        CheckpointLockedError.
 
         Raises:
             UnconfirmedCommitError: the step was committed and is complete (``latest`` points at it where the
@@ -192,6 +196,7 @@ class CheckpointManager:
                     self.path_of(step),
                     group=self.group,
                     overwrite=overwrite,
+                    options=options,
                     timeout=self.timeout,
                 )
             except UnconfirmedCommitError:
@@ -260,7 +265,10 @@ class CheckpointManager:
         def candidates() -> list[int] | None:
             return sorted(self.steps(), reverse=True) if comm.is_coordinator else None
 
-        listed = comm.step("listing checkpoints", candidates, lambda values: values[0])
+        def coordinators(values: list[list[int] | None]) -> list[int]:
+            return values[0] or []
+
+        listed = comm.step("listing checkpoints", candidates, coordinators)
         for step in listed:
             try:
                 loaded = load(state_dict, self.path_of(step), group=self.group, timeout=self.timeout, **load_kwargs)

@@ -25,60 +25,45 @@ So what a rank other than the coordinator sends and receives does not grow with 
 
 from __future__ import annotations
 
-import base64
 import datetime
-import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
-from reshard._version import __version__
 from reshard.codec import encode_object_blob, encode_tagged
 from reshard.comm import Communicator
-from reshard.dtypes import dtype_name
 from reshard.errors import CheckpointError, CommunicationError, StateDictError, StorageError, UnconfirmedCommitError
-from reshard.fingerprint import combine, fingerprint
-from reshard.geometry.boxes import Box
+from reshard.fingerprint import fingerprint
 from reshard.io.commit import CommitOutcome, SaveCommit
 from reshard.io.datafile import DataFileWriter, data_file_name, tensor_bytes
 from reshard.locking import LockTiming
 from reshard.metadata import (
     MAX_METADATA_BYTES,
     METADATA_FILE,
-    BoxColumns,
-    DataFile,
     Metadata,
-    ObjectMetadata,
-    SavedBoxes,
-    SavedObject,
-    TensorMetadata,
 )
+from reshard.options import SaveOptions
+from reshard.planning.assemble import ObjectReport, TensorReport, WriteReport, assemble_metadata
 from reshard.planning.descriptions import (
     DescriptionTable,
     LocalSaveDescription,
-    ObjectPiece,
-    TensorPiece,
     WriteAssignment,
+    describe_state,
     encode_description,
 )
 from reshard.planning.save_plan import plan_save_table
-from reshard.sharding import LocalPiece
 from reshard.statedict import FlatStateDict, flatten_state_dict
 from reshard.stats import PhaseClock, SaveStats, fill_save_stats
 from reshard.storage import CheckpointLocation, Storage, storage_for
+from reshard.transports import Group
 
-__all__ = ["DEFAULT_CHECKSUM_CHUNK_BYTES", "SaveResult", "save", "tensor_bytes"]
+__all__ = ["SaveResult", "save", "tensor_bytes"]
 
 logger = logging.getLogger("reshard")
-
-DEFAULT_CHECKSUM_CHUNK_BYTES = 4 * 1024 * 1024
-"""Stored bytes are checksummed in pieces of this size, so a partial read can verify what it touches."""
 
 
 @dataclass
@@ -93,8 +78,6 @@ class _SaveState:
     """The size of the data file this rank wrote (0: none)."""
     description: LocalSaveDescription = field(default_factory=lambda: LocalSaveDescription(tensors=(), objects=()))
     """This rank's own description."""
-    descriptions: list[LocalSaveDescription] = field(default_factory=list)
-    """Every rank's description as objects; used when ``table`` is None (single-process simulations)."""
     table: DescriptionTable | None = None
     """Every rank's description in columns; on the coordinator only."""
     commit: SaveCommit | None = None
@@ -130,12 +113,11 @@ def save(
     state_dict: Any,
     path: CheckpointLocation,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: Group = None,
     overwrite: bool = False,
-    fingerprint: bool = False,
+    options: SaveOptions | None = None,
     storage_options: dict[str, Any] | None = None,
     timeout: datetime.timedelta | float | None = None,
-    checksum_chunk_bytes: int = DEFAULT_CHECKSUM_CHUNK_BYTES,
     stats: SaveStats | None = None,
 ) -> SaveResult:
     """Save a (sharded) state dict as a checkpoint at ``path``. Called by all ranks of ``group``.
@@ -146,15 +128,14 @@ def save(
             once) or JSON-like common values (the coordinator's are written).
         path: the checkpoint: a directory (created if needed), a ``file://``, ``s3://bucket/prefix`` or
             ``gs://bucket/prefix`` URL, or a :class:`~reshard.storage.Storage`. Every rank passes the same.
-        group: the ranks that save together; ``None`` means the default group, or this process alone
-            when ``torch.distributed`` is not initialised.
+        group: the ranks that save together: a process group (``None``: the default group, or this process
+            alone when ``torch.distributed`` is not initialised), or a :class:`~reshard.transports.ThreadGroup`
+            member.
         overwrite: replace a complete checkpoint at ``path``. The old one stays loadable until the new
             ``metadata.json`` replaces it; its data files are removed after that.
+        options: how to write (:class:`~reshard.SaveOptions`: content fingerprints, the checksum chunk
+            size); every rank passes equal ones.
         timeout: how long any collective may wait for the slowest rank (default 10 minutes).
-        checksum_chunk_bytes: size of the pieces each stored box is checksummed in.
-        fingerprint: also store, for every tensor, a layout-independent content fingerprint, so that
-            ``load(..., verify=True)`` can check a reshard end to end (costs an extra pass over the data,
-            see docs/reliability.md).
         storage_options: passed to the object-store client (fsspec ``s3``/``gs`` filesystem options such
             as ``endpoint_url``); credentials otherwise come from the client's usual configuration.
         stats: if given, filled with this rank's bytes written and seconds per phase (see
@@ -174,6 +155,7 @@ def save(
         CheckpointError: any failure, on every rank, naming the failing ranks; nothing is committed.
     """
     started = time.perf_counter()
+    options = options if options is not None else SaveOptions()
     comm = Communicator(group, timeout=timeout)
     storage = storage_for(path, storage_options)
     try:
@@ -182,8 +164,8 @@ def save(
             state_dict,
             comm,
             overwrite=overwrite,
-            checksum_chunk_bytes=checksum_chunk_bytes,
-            with_fingerprints=fingerprint,
+            checksum_chunk_bytes=options.checksum_chunk_bytes,
+            with_fingerprints=options.fingerprint,
             started=started,
             stats=stats,
         )
@@ -251,7 +233,7 @@ def _save_to(
             state.commit.begin()
         except StorageError as exc:
             raise StorageError(f"on the coordinator (rank {comm.rank}): {exc}") from exc
-        return save_id, [_assignment_bytes(a) for a in assignments]
+        return save_id, [a.to_bytes() for a in assignments]
 
     try:
         with clock.exchange():
@@ -262,18 +244,30 @@ def _save_to(
         if state.commit is not None:
             state.commit.discard()
         raise
-    assignment = _assignment_from_bytes(mine)
+    assignment = WriteAssignment.from_bytes(mine)
     logger.debug("[rank=%d] save %s: writing %d boxes", comm.rank, save_id, len(assignment.tensors))
 
     def write() -> dict[str, Any]:
-        return _write_assigned(storage, state, assignment, save_id, comm.rank, checksum_chunk_bytes, with_fingerprints)
+        report = _write_assigned(
+            storage, state, assignment, save_id, comm.rank, checksum_chunk_bytes, with_fingerprints
+        )
+        return report.to_json()
 
     committed: list[Metadata] = []
 
     def commit(results: list[dict[str, Any]]) -> dict[str, Any]:
         if state.commit is None:
             raise CheckpointError("the coordinator has no commit protocol (planning did not run here)")
-        metadata = _build_metadata(state, results, save_id, comm.size, checksum_chunk_bytes)
+        if state.table is None:
+            raise CheckpointError("the coordinator has no descriptions (planning did not run here)")
+        metadata = assemble_metadata(
+            state.table,
+            [WriteReport.from_json(r) for r in results],
+            save_id=save_id,
+            world_size=comm.size,
+            chunk_bytes=checksum_chunk_bytes,
+            common=state.flat.common,
+        )
         # The commit point: before it the old checkpoint (if any) is intact, after it the new one is, and
         # nothing it references is deleted by this save whatever fails next.
         try:
@@ -353,16 +347,6 @@ def _summary(metadata: Metadata) -> dict[str, int]:
     }
 
 
-def _assignment_bytes(assignment: WriteAssignment) -> bytes:
-    """One rank's write assignment as the coordinator sends it (only to that rank)."""
-    return json.dumps([list(assignment.tensors), list(assignment.objects)], separators=(",", ":")).encode()
-
-
-def _assignment_from_bytes(raw: bytes) -> WriteAssignment:
-    tensors, objects = json.loads(raw)
-    return WriteAssignment(tensors=tuple(tensors), objects=tuple(objects))
-
-
 def _prepare_rank_state(state: _SaveState, state_dict: Any, *, rank: int, is_coordinator: bool) -> LocalSaveDescription:
     """Phase one on one rank: flatten the state dict, encode object values (and, on the coordinator,
     check that common values can be encoded), and describe every box. Fills ``state``."""
@@ -378,32 +362,8 @@ def _prepare_rank_state(state: _SaveState, state_dict: Any, *, rank: int, is_coo
     if is_coordinator:
         for item_path, value in state.flat.common.items():
             encode_tagged(value, where=f"common value {item_path!r}")
-    state.description, state.views = _describe(state.flat)
+    state.description, state.views = describe_state(state.flat)
     return state.description
-
-
-def _describe(flat: FlatStateDict) -> tuple[LocalSaveDescription, list[torch.Tensor]]:
-    """This rank's description (boxes, no data) and, in the same order, the views holding each box."""
-    tensors = []
-    views = []
-    for st in flat.tensors:
-        name = dtype_name(st.data.dtype)
-        pieces = st.pieces()
-        if not pieces:  # nothing to store, but the key, dtype and shape are still recorded
-            empty = Box((0,) * len(st.saved_shape), (0,) * len(st.saved_shape))
-            pieces = [LocalPiece(empty, st.data.new_empty((0,) * len(st.saved_shape)))]
-        for piece in pieces:
-            tensors.append(
-                TensorPiece(
-                    key=st.key, dtype=name, global_shape=st.saved_shape, box=piece.box, replica_id=st.replica_id
-                )
-            )
-            views.append(piece.view)
-    objects = [
-        ObjectPiece(key=o.key, global_shape=o.global_shape, offset=o.global_offset, replica_id=o.replica_id)
-        for o in flat.objects
-    ]
-    return LocalSaveDescription(tensors=tuple(tensors), objects=tuple(objects)), views
 
 
 def _write_assigned(
@@ -414,12 +374,10 @@ def _write_assigned(
     rank: int,
     chunk_bytes: int,
     with_fingerprints: bool = False,
-) -> dict[str, Any]:
-    """Write this rank's assigned boxes and objects into its data file; describe where they went (the
-    report :func:`_build_metadata` reads: per box its index in this rank's description, byte offset and
-    length, and all checksums packed)."""
+) -> WriteReport:
+    """Write this rank's assigned boxes and objects into its data file; where they went."""
     if not assignment.tensors and not assignment.objects:
-        return {"file": None, "size": 0, "tensors": _tensor_report([], [], [], [], None), "objects": []}
+        return WriteReport()
     name = data_file_name(save_id, rank)
     writer = DataFileWriter(storage, name, chunk_bytes)
     offsets: list[int] = []
@@ -438,130 +396,18 @@ def _write_assigned(
                 prints.append(fingerprint(state.views[index], piece.box, piece.global_shape))
         for index in assignment.objects:
             stored = writer.append(memoryview(state.blobs[index]))
-            written_objects.append([index, stored.byte_offset, stored.byte_length, list(stored.checksums)])
+            written_objects.append(
+                ObjectReport(
+                    index=index,
+                    byte_offset=stored.byte_offset,
+                    byte_length=stored.byte_length,
+                    checksums=stored.checksums,
+                )
+            )
     except BaseException:
         writer.abort()
         raise
     size = writer.commit()
     state.file_bytes = size
-    report = _tensor_report(
-        list(assignment.tensors), offsets, lengths, checksums, prints if with_fingerprints else None
-    )
-    return {"file": name, "size": size, "tensors": report, "objects": written_objects}
-
-
-def _tensor_report(
-    indices: list[int], offsets: list[int], lengths: list[int], checksums: list[int], prints: list[int] | None
-) -> dict[str, Any]:
-    return {
-        "index": indices,
-        "byte_offset": offsets,
-        "byte_length": lengths,
-        "crc32c": base64.b64encode(np.asarray(checksums, dtype="<u4").tobytes()).decode("ascii"),
-        "fingerprint": prints,
-    }
-
-
-def _build_metadata(
-    state: _SaveState, results: list[dict[str, Any]], save_id: str, world_size: int, chunk_bytes: int
-) -> Metadata:
-    """On the coordinator: combine every rank's description and write report into the metadata.
-
-    Tensor boxes are assembled in columns (:class:`~reshard.metadata.SavedBoxes`), never as one object per
-    box: a checkpoint of hundreds of thousands of boxes takes seconds and megabytes here.
-    """
-    table = state.table if state.table is not None else DescriptionTable.from_descriptions(state.descriptions)
-    files: list[DataFile] = []
-    rows, file_of, offsets, lengths, crcs = [], [], [], [], []
-    prints: list[int] = []
-    fingerprinted = False
-    entries: dict[str, list[SavedObject]] = {}
-    object_shapes: dict[str, tuple[int, ...]] = {}
-    for objects in table.objects:
-        for obj in objects:
-            object_shapes.setdefault(obj.key, obj.global_shape)
-            entries.setdefault(obj.key, [])
-    for rank, report in enumerate(results):
-        if report["file"] is None:
-            continue
-        file_index = len(files)
-        files.append(DataFile(path=report["file"], size=report["size"]))
-        written = report["tensors"]
-        index = np.asarray(written["index"], dtype=np.int64)
-        rows.append(table.rank_start[rank] + index)
-        file_of.append(np.full(len(index), file_index, dtype=np.int64))
-        offsets.append(np.asarray(written["byte_offset"], dtype=np.int64))
-        lengths.append(np.asarray(written["byte_length"], dtype=np.int64))
-        crcs.append(np.frombuffer(base64.b64decode(written["crc32c"]), dtype="<u4"))
-        if written["fingerprint"] is not None:
-            fingerprinted = True
-            prints += written["fingerprint"]
-        for obj_index, offset, length, checksums in report["objects"]:
-            obj = table.objects[rank][obj_index]
-            entries[obj.key].append(
-                SavedObject(
-                    offset=obj.offset,
-                    file=file_index,
-                    byte_offset=offset,
-                    byte_length=length,
-                    checksums=tuple(checksums),
-                )
-            )
-    empty = np.zeros(0, dtype=np.int64)
-    row = np.concatenate(rows) if rows else empty
-    byte_length = np.concatenate(lengths) if lengths else empty
-    crc_count = -(-byte_length // chunk_bytes)
-    columns = BoxColumns(
-        offset=table.offset[row],
-        shape=table.shape[row],
-        file=np.concatenate(file_of) if file_of else empty,
-        byte_offset=np.concatenate(offsets) if offsets else empty,
-        byte_length=byte_length,
-        crc_start=np.cumsum(crc_count) - crc_count,
-        crc_count=crc_count,
-        crc=np.concatenate(crcs).astype(np.uint32) if crcs else np.zeros(0, dtype=np.uint32),
-    )
-    key_of_row = table.header_key[table.header[row]]
-    by_key = np.argsort(key_of_row, kind="stable")
-    starts = np.searchsorted(key_of_row[by_key], np.arange(len(table.keys) + 1))
-    first_header: dict[int, int] = {}
-    for h, key_id in enumerate(table.header_key.tolist()):
-        first_header.setdefault(key_id, h)
-    tensors = {}
-    for key_id, key in sorted(enumerate(table.keys), key=lambda item: item[1]):
-        header = first_header[key_id]
-        shape = table.header_shape[header]
-        mine = by_key[starts[key_id] : starts[key_id + 1]]
-        part = columns.take(mine)
-        boxes = BoxColumns(
-            offset=part.offset[:, : len(shape)],
-            shape=part.shape[:, : len(shape)],
-            file=part.file,
-            byte_offset=part.byte_offset,
-            byte_length=part.byte_length,
-            crc_start=part.crc_start,
-            crc_count=part.crc_count,
-            crc=part.crc,
-        ).sorted()
-        tensors[key] = TensorMetadata(
-            key=key,
-            dtype=table.header_dtype[header],
-            global_shape=shape,
-            boxes=SavedBoxes(boxes),
-            fingerprint=combine([prints[i] for i in mine.tolist()]) if fingerprinted else None,
-        )
-    return Metadata(
-        save_id=save_id,
-        created_by=f"reshard {__version__}",
-        world_size=world_size,
-        checksum_chunk_bytes=chunk_bytes,
-        files=tuple(files),
-        tensors=tensors,
-        objects={
-            key: ObjectMetadata(
-                key=key, global_shape=shape, entries=tuple(sorted(entries[key], key=lambda e: e.offset))
-            )
-            for key, shape in sorted(object_shapes.items())
-        },
-        common=dict(state.flat.common),
-    )
+    report = TensorReport.of(assignment.tensors, offsets, lengths, checksums, prints if with_fingerprints else None)
+    return WriteReport(file=name, size=size, tensors=report, objects=tuple(written_objects))

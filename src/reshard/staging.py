@@ -1,4 +1,4 @@
-"""Node-local staging of whole data files for a load (``load(..., staging_dir=...)``).
+"""Node-local staging of whole data files for a load (``load(..., options=LoadOptions(staging=StagingOptions(...)))``).
 
 For storage that is slow to range-read, the ranks of each node download the whole data files that any
 of them needs, once per node, into a node-local directory, and then read locally. The seed report of

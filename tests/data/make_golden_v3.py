@@ -31,7 +31,9 @@ def main() -> int:
     if OUT.exists():
         shutil.rmtree(OUT)
     with mock.patch("uuid.uuid4", return_value=SAVE_ID):
-        result = reshard.save(golden_state_dict(), OUT, checksum_chunk_bytes=CHECKSUM_CHUNK_BYTES)
+        result = reshard.save(
+            golden_state_dict(), OUT, options=reshard.SaveOptions(checksum_chunk_bytes=CHECKSUM_CHUNK_BYTES)
+        )
     names = sorted(p.relative_to(OUT).as_posix() for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT}: save_id {result.save_id}, files {names}")
     return 0

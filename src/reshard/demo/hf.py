@@ -32,8 +32,8 @@ __all__ = ["demo_hf_key_map", "split_for_hf", "to_hf_tensors"]
 
 
 def demo_hf_key_map(model: ModelConfig) -> dict[str, Source]:
-    """The ``key_map`` for ``reshard.load(template, hf_dir, key_map=...)``: demo-model key -> Hugging Face
-    source (see the module docstring)."""
+    """The ``key_map`` for ``reshard.load(template, HuggingFaceSource(hf_dir, key_map))``: demo-model key ->
+    Hugging Face source (see the module docstring)."""
     key_map: dict[str, Source] = {
         "embedding.word_embeddings.weight": "model.embed_tokens.weight",
         "decoder.final_norm.weight": "model.norm.weight",

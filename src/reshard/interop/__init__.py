@@ -1,6 +1,8 @@
 """Interoperability and offline tools: Hugging Face safetensors out, torch.distributed.checkpoint in,
 and whole-checkpoint copy, cast and comparison, all in one process and in bounded memory.
 
+- :class:`HuggingFaceSource`: a Hugging Face safetensors directory as a source of :func:`reshard.load`, with
+  a key map (:class:`Concat`, :class:`Stack` for fused and stacked tensors).
 - :func:`export_safetensors`: a checkpoint's tensors as Hugging Face sharded safetensors.
 - :func:`import_dcp`: a ``torch.distributed.checkpoint`` directory as a reshard checkpoint.
 - :func:`convert_checkpoint`: copy (local <-> object storage) and cast a checkpoint.
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from reshard.interop.convert import convert_checkpoint
 from reshard.interop.diff import DiffReport, EntryDiff, TensorDiff, diff_checkpoints
 from reshard.interop.export import ExportResult, KeyMap, export_safetensors
+from reshard.interop.hf_source import Concat, HuggingFaceSource, Stack
 from reshard.interop.offline import CheckpointReader, CheckpointWriter
 from reshard.interop.progress import Progress
 
@@ -25,12 +28,15 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointReader",
     "CheckpointWriter",
+    "Concat",
     "DiffReport",
     "EntryDiff",
     "ExportResult",
+    "HuggingFaceSource",
     "ImportResult",
     "KeyMap",
     "Progress",
+    "Stack",
     "TensorDiff",
     "convert_checkpoint",
     "diff_checkpoints",

@@ -1,4 +1,4 @@
-"""Hugging Face safetensors checkpoints as a load source: ``reshard.load(template, hf_dir, key_map=...)``.
+"""Hugging Face safetensors checkpoints as a load source: ``load(template, HuggingFaceSource(hf_dir, key_map))``.
 
 A directory with ``model.safetensors``, or with ``model.safetensors.index.json`` and the shards it names,
 is read as if it were a reshard checkpoint in which every source tensor is one whole box: the validated
@@ -31,12 +31,14 @@ from reshard.dtypes import dtype_name
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, MismatchError, StorageError
 from reshard.interop.safetensors import TensorEntry, read_header
 from reshard.metadata import DataFile, Metadata, SavedBox, TensorMetadata, check_relative_path
-from reshard.storage import FileTooLargeError, Storage
+from reshard.sources import CheckpointSource
+from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
 
 __all__ = [
     "INDEX_FILE",
     "SINGLE_FILE",
     "Concat",
+    "HuggingFaceSource",
     "KeyMap",
     "Source",
     "Stack",
@@ -239,3 +241,44 @@ def _tensor(
     )
     name = dtype_name(torch_dtype) if torch_dtype is not None and len(dtypes) == 1 else "float32"
     return TensorMetadata(key=key, dtype=name, global_shape=global_shape, boxes=boxes)
+
+
+class HuggingFaceSource(CheckpointSource):
+    """A Hugging Face safetensors directory (``model.safetensors``, or ``model.safetensors.index.json`` and
+    the shards it names) as a source for :func:`reshard.load`.
+
+    Args:
+        path: the directory: a path, a ``file://``, ``s3://`` or ``gs://`` URL, or a Storage.
+        key_map: template key -> source (a tensor name, :class:`Concat` or :class:`Stack`); keys it does not
+            name are looked up under their own name (see the module doc).
+        storage_options: passed to the object-store client.
+
+    Each rank reads only the bytes of its boxes; safetensors has no checksums, so nothing is verified.
+    """
+
+    def __init__(
+        self,
+        path: CheckpointLocation,
+        key_map: KeyMap | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.storage = storage_for(path, storage_options)
+        self._owns_storage = self.storage is not path
+        self.key_map = key_map
+
+    def read_metadata(self) -> tuple[bytes, Metadata]:
+        if not is_safetensors_source(self.storage):
+            raise CheckpointNotFoundError(
+                f"{self.storage.describe()} holds neither {SINGLE_FILE} nor {INDEX_FILE}: not a Hugging Face "
+                "safetensors checkpoint"
+            )
+        description = describe_source(self.storage)
+        return json.dumps(description).encode(), source_metadata(description, self.key_map)
+
+    def decode_metadata(self, raw: bytes) -> Metadata:
+        return source_metadata(json.loads(raw), self.key_map)
+
+    def close(self) -> None:
+        if self._owns_storage:
+            self.storage.close()

@@ -30,7 +30,6 @@ from reshard.geometry.boxes import flat_range_boxes
 from reshard.io.commit import SaveCommit
 from reshard.io.datafile import DataFileWriter, data_file_name, tensor_bytes
 from reshard.io.reader import ReadExecutor
-from reshard.load import read_metadata_bytes
 from reshard.metadata import (
     METADATA_FILE,
     DataFile,
@@ -40,8 +39,9 @@ from reshard.metadata import (
     SavedObject,
     TensorMetadata,
 )
+from reshard.options import DEFAULT_CHECKSUM_CHUNK_BYTES
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, TargetPiece, plan_load
-from reshard.save import DEFAULT_CHECKSUM_CHUNK_BYTES
+from reshard.sources import read_metadata_bytes
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
 __all__ = [
@@ -206,7 +206,7 @@ class CheckpointWriter:
     Args:
         path: where to write: a directory, a ``file://``, ``s3://`` or ``gs://`` URL, or a Storage.
         overwrite: replace a complete checkpoint at ``path`` (it stays loadable until the commit).
-        fingerprint: store every tensor's content fingerprint (see ``reshard.save(fingerprint=True)``).
+        fingerprint: store every tensor's content fingerprint (see ``SaveOptions(fingerprint=True)``).
         checksum_chunk_bytes: size of the pieces each stored box is checksummed in.
         storage_options: passed to the object-store client.
     """

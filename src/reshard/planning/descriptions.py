@@ -16,10 +16,13 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
+from reshard.dtypes import dtype_name
 from reshard.errors import CheckpointError
 from reshard.geometry.boxes import Box
-from reshard.sharding import ReplicaId, is_main_replica
+from reshard.sharding import LocalPiece, ReplicaId, is_main_replica
+from reshard.statedict import FlatStateDict
 
 __all__ = [
     "DescriptionTable",
@@ -27,6 +30,7 @@ __all__ = [
     "ObjectPiece",
     "TensorPiece",
     "WriteAssignment",
+    "describe_state",
     "encode_description",
 ]
 
@@ -107,6 +111,41 @@ class WriteAssignment:
 
     tensors: tuple[int, ...]
     objects: tuple[int, ...]
+
+    def to_bytes(self) -> bytes:
+        """The assignment as the coordinator sends it (to that rank only)."""
+        return json.dumps([list(self.tensors), list(self.objects)], separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> WriteAssignment:
+        tensors, objects = json.loads(raw)
+        return cls(tensors=tuple(int(t) for t in tensors), objects=tuple(int(o) for o in objects))
+
+
+def describe_state(flat: FlatStateDict) -> tuple[LocalSaveDescription, list[torch.Tensor]]:
+    """A rank's description of its flattened state dict (boxes, no data) and, in the same order, the
+    views holding each box. A tensor with nothing to store is still described (an empty box), so that its
+    key, dtype and shape are recorded."""
+    tensors = []
+    views = []
+    for st in flat.tensors:
+        name = dtype_name(st.data.dtype)
+        pieces = st.pieces()
+        if not pieces:
+            empty = Box((0,) * len(st.saved_shape), (0,) * len(st.saved_shape))
+            pieces = [LocalPiece(empty, st.data.new_empty((0,) * len(st.saved_shape)))]
+        for piece in pieces:
+            tensors.append(
+                TensorPiece(
+                    key=st.key, dtype=name, global_shape=st.saved_shape, box=piece.box, replica_id=st.replica_id
+                )
+            )
+            views.append(piece.view)
+    objects = [
+        ObjectPiece(key=o.key, global_shape=o.global_shape, offset=o.global_offset, replica_id=o.replica_id)
+        for o in flat.objects
+    ]
+    return LocalSaveDescription(tensors=tuple(tensors), objects=tuple(objects)), views
 
 
 _WIRE_MAGIC = b"RSD1"

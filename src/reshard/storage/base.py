@@ -76,7 +76,21 @@ class FileWriter(ABC):
 
 
 class Storage(ABC):
-    """A checkpoint's place: its files by relative name."""
+    """A checkpoint's place: its files by relative name.
+
+    Capabilities (class or instance attributes), checked where reshard's guarantees depend on them:
+
+    - ``supports_conditional_create``: a create-only :meth:`commit` is atomic (of two racing creators
+      exactly one succeeds). Create-only commits of ``metadata.json`` and lock markers need it; a backend
+      without it must refuse them with an error, never degrade to check-then-write.
+    - ``supports_mapping``: :meth:`map_range` can return mappings (else it returns None and reads go
+      through :meth:`read_ranges`).
+    - ``supports_ranged_reads``: :meth:`read_ranges` reads ranges without fetching whole files.
+    """
+
+    supports_conditional_create: bool = True
+    supports_mapping: bool = False
+    supports_ranged_reads: bool = True
 
     @abstractmethod
     def describe(self, name: str = "") -> str:

@@ -125,6 +125,8 @@ class LocalStorage(Storage):
     The root itself may be a link.
     """
 
+    supports_mapping = True
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
 

@@ -9,14 +9,12 @@ use it to build the metadata of thousands of ranks with reshard's own code.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from reshard.dtypes import DTYPE_BY_NAME
 from reshard.io.datafile import ALIGNMENT, data_file_name
+from reshard.planning.assemble import ObjectReport, TensorReport, WriteReport
 from reshard.planning.descriptions import DescriptionTable, WriteAssignment
-from reshard.save import _tensor_report
 
 __all__ = ["write_report"]
 
@@ -30,12 +28,12 @@ def write_report(
     *,
     object_bytes: int = 96,
     fingerprints: bool = False,
-) -> dict[str, Any]:
+) -> WriteReport:
     """The report rank ``rank`` would send after writing ``assignment`` (the form ``reshard.save``'s
     writers send): each box's byte offset and length as the writer lays them out, one checksum per chunk
     (deterministic placeholders), each ShardedObject value counted as ``object_bytes``."""
     if not assignment.tensors and not assignment.objects:
-        return {"file": None, "size": 0, "tensors": _tensor_report([], [], [], [], None), "objects": []}
+        return WriteReport()
     rows = table.rank_start[rank] + np.asarray(assignment.tensors, dtype=np.int64)
     itemsize = np.array([DTYPE_BY_NAME[d].itemsize for d in table.header_dtype], dtype=np.int64)
     ndim = table.ndim[rows]
@@ -50,14 +48,17 @@ def write_report(
     objects = []
     for index in assignment.objects:
         position += -position % ALIGNMENT
-        objects.append([index, position, object_bytes, [rank] * -(-object_bytes // chunk_bytes)])
+        checksums_of_object = (rank,) * -(-object_bytes // chunk_bytes)
+        objects.append(
+            ObjectReport(index=index, byte_offset=position, byte_length=object_bytes, checksums=checksums_of_object)
+        )
         position += object_bytes
     chunks = sum(-(-n // chunk_bytes) for n in lengths)
     checksums = np.random.default_rng(rank).integers(0, 2**32, size=chunks, dtype=np.uint32).tolist()
     prints = [(rank << 32) + i for i in range(len(lengths))] if fingerprints else None
-    return {
-        "file": data_file_name(save_id, rank),
-        "size": position,
-        "tensors": _tensor_report(list(assignment.tensors), offsets, lengths, checksums, prints),
-        "objects": objects,
-    }
+    return WriteReport(
+        file=data_file_name(save_id, rank),
+        size=position,
+        tensors=TensorReport.of(assignment.tensors, offsets, lengths, checksums, prints),
+        objects=tuple(objects),
+    )

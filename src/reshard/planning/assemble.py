@@ -1,0 +1,233 @@
+"""Assembling a save's metadata on its coordinator, from every rank's description and write report.
+
+The write report is what a rank sends after writing its data file: per box, its index in the rank's own
+description, its byte offset and length, and its chunk checksums (packed); per object cell the same; the
+file's name and size. :func:`assemble_metadata` is a pure function of the descriptions (a
+:class:`~reshard.planning.descriptions.DescriptionTable`) and the reports, so a save of any number of ranks
+can be assembled in one process (``reshard.testing.simulate``, ``benchmarks/scale.py``).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from reshard._version import __version__
+from reshard.fingerprint import combine
+from reshard.metadata import (
+    BoxColumns,
+    DataFile,
+    Metadata,
+    ObjectMetadata,
+    SavedBoxes,
+    SavedObject,
+    TensorMetadata,
+)
+from reshard.planning.descriptions import DescriptionTable
+
+__all__ = ["ObjectReport", "TensorReport", "WriteReport", "assemble_metadata"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorReport:
+    """Where a rank's boxes went, in columns: ``index[i]`` is the box's index in the rank's description,
+    stored at ``byte_offset[i]`` with ``byte_length[i]`` bytes; ``crc32c`` holds every box's chunk
+    checksums one after the other, as little-endian uint32; ``fingerprint`` (when the save computes them)
+    each box's content fingerprint."""
+
+    index: tuple[int, ...] = ()
+    byte_offset: tuple[int, ...] = ()
+    byte_length: tuple[int, ...] = ()
+    crc32c: bytes = b""
+    fingerprint: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        index: Sequence[int],
+        byte_offset: Sequence[int],
+        byte_length: Sequence[int],
+        checksums: Sequence[int],
+        fingerprint: Sequence[int] | None = None,
+    ) -> TensorReport:
+        return cls(
+            index=tuple(index),
+            byte_offset=tuple(byte_offset),
+            byte_length=tuple(byte_length),
+            crc32c=np.asarray(checksums, dtype="<u4").tobytes(),
+            fingerprint=tuple(fingerprint) if fingerprint is not None else None,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": list(self.index),
+            "byte_offset": list(self.byte_offset),
+            "byte_length": list(self.byte_length),
+            "crc32c": base64.b64encode(self.crc32c).decode("ascii"),
+            "fingerprint": list(self.fingerprint) if self.fingerprint is not None else None,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> TensorReport:
+        prints = doc["fingerprint"]
+        return cls(
+            index=tuple(doc["index"]),
+            byte_offset=tuple(doc["byte_offset"]),
+            byte_length=tuple(doc["byte_length"]),
+            crc32c=base64.b64decode(doc["crc32c"]),
+            fingerprint=tuple(prints) if prints is not None else None,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ObjectReport:
+    """Where one object cell of a rank went: ``index`` in the rank's description, its bytes and checksums."""
+
+    index: int
+    byte_offset: int
+    byte_length: int
+    checksums: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriteReport:
+    """What one rank wrote (``file`` None: nothing was assigned to it)."""
+
+    file: str | None = None
+    size: int = 0
+    tensors: TensorReport = TensorReport()
+    objects: tuple[ObjectReport, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "size": self.size,
+            "tensors": self.tensors.to_json(),
+            "objects": [[o.index, o.byte_offset, o.byte_length, list(o.checksums)] for o in self.objects],
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> WriteReport:
+        return cls(
+            file=doc["file"],
+            size=int(doc["size"]),
+            tensors=TensorReport.from_json(doc["tensors"]),
+            objects=tuple(
+                ObjectReport(index=i, byte_offset=o, byte_length=n, checksums=tuple(c)) for i, o, n, c in doc["objects"]
+            ),
+        )
+
+
+def assemble_metadata(
+    table: DescriptionTable,
+    reports: Sequence[WriteReport],
+    *,
+    save_id: str,
+    world_size: int,
+    chunk_bytes: int,
+    common: Mapping[str, Any],
+) -> Metadata:
+    """On the coordinator: every rank's description (``table``) and write report (``reports``, in rank order)
+    combined into the checkpoint's metadata. Pure: no I/O, no collectives.
+
+    Tensor boxes are assembled in columns (:class:`~reshard.metadata.SavedBoxes`), never as one object per
+    box: a checkpoint of hundreds of thousands of boxes takes seconds and megabytes here.
+    """
+    files: list[DataFile] = []
+    rows, file_of, offsets, lengths, crcs = [], [], [], [], []
+    prints: list[int] = []
+    fingerprinted = False
+    entries: dict[str, list[SavedObject]] = {}
+    object_shapes: dict[str, tuple[int, ...]] = {}
+    for objects in table.objects:
+        for obj in objects:
+            object_shapes.setdefault(obj.key, obj.global_shape)
+            entries.setdefault(obj.key, [])
+    for rank, report in enumerate(reports):
+        if report.file is None:
+            continue
+        file_index = len(files)
+        files.append(DataFile(path=report.file, size=report.size))
+        written = report.tensors
+        index = np.asarray(written.index, dtype=np.int64)
+        rows.append(table.rank_start[rank] + index)
+        file_of.append(np.full(len(index), file_index, dtype=np.int64))
+        offsets.append(np.asarray(written.byte_offset, dtype=np.int64))
+        lengths.append(np.asarray(written.byte_length, dtype=np.int64))
+        crcs.append(np.frombuffer(written.crc32c, dtype="<u4"))
+        if written.fingerprint is not None:
+            fingerprinted = True
+            prints += written.fingerprint
+        for stored in report.objects:
+            obj = table.objects[rank][stored.index]
+            entries[obj.key].append(
+                SavedObject(
+                    offset=obj.offset,
+                    file=file_index,
+                    byte_offset=stored.byte_offset,
+                    byte_length=stored.byte_length,
+                    checksums=stored.checksums,
+                )
+            )
+    empty = np.zeros(0, dtype=np.int64)
+    row = np.concatenate(rows) if rows else empty
+    byte_length = np.concatenate(lengths) if lengths else empty
+    crc_count = -(-byte_length // chunk_bytes)
+    columns = BoxColumns(
+        offset=table.offset[row],
+        shape=table.shape[row],
+        file=np.concatenate(file_of) if file_of else empty,
+        byte_offset=np.concatenate(offsets) if offsets else empty,
+        byte_length=byte_length,
+        crc_start=np.cumsum(crc_count) - crc_count,
+        crc_count=crc_count,
+        crc=np.concatenate(crcs).astype(np.uint32) if crcs else np.zeros(0, dtype=np.uint32),
+    )
+    key_of_row = table.header_key[table.header[row]]
+    by_key = np.argsort(key_of_row, kind="stable")
+    starts = np.searchsorted(key_of_row[by_key], np.arange(len(table.keys) + 1))
+    first_header: dict[int, int] = {}
+    for h, key_id in enumerate(table.header_key.tolist()):
+        first_header.setdefault(key_id, h)
+    tensors = {}
+    for key_id, key in sorted(enumerate(table.keys), key=lambda item: item[1]):
+        header = first_header[key_id]
+        shape = table.header_shape[header]
+        mine = by_key[starts[key_id] : starts[key_id + 1]]
+        part = columns.take(mine)
+        boxes = BoxColumns(
+            offset=part.offset[:, : len(shape)],
+            shape=part.shape[:, : len(shape)],
+            file=part.file,
+            byte_offset=part.byte_offset,
+            byte_length=part.byte_length,
+            crc_start=part.crc_start,
+            crc_count=part.crc_count,
+            crc=part.crc,
+        ).sorted()
+        tensors[key] = TensorMetadata(
+            key=key,
+            dtype=table.header_dtype[header],
+            global_shape=shape,
+            boxes=SavedBoxes(boxes),
+            fingerprint=combine([prints[i] for i in mine.tolist()]) if fingerprinted else None,
+        )
+    return Metadata(
+        save_id=save_id,
+        created_by=f"reshard {__version__}",
+        world_size=world_size,
+        checksum_chunk_bytes=chunk_bytes,
+        files=tuple(files),
+        tensors=tensors,
+        objects={
+            key: ObjectMetadata(
+                key=key, global_shape=shape, entries=tuple(sorted(entries[key], key=lambda e: e.offset))
+            )
+            for key, shape in sorted(object_shapes.items())
+        },
+        common=dict(common),
+    )

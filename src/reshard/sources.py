@@ -1,0 +1,143 @@
+"""Where a load reads boxes from: a :class:`CheckpointSource`.
+
+A source gives the coordinator of a load the checkpoint's metadata (and the bytes that the other ranks
+decode it from, so that only one rank reads it) and a :class:`~reshard.storage.Storage` that the planned
+byte runs are read from. The planner and the read executor are the same for every source; only where the
+metadata and the bytes come from differs. Sources:
+
+- :class:`ReshardCheckpoint`: a reshard checkpoint (``metadata.json``, verified data files). A plain path,
+  URL or Storage given to :func:`reshard.load` means this.
+- :class:`reshard.interop.HuggingFaceSource`: a Hugging Face safetensors directory with a key map.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from reshard.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StorageError,
+)
+from reshard.locking import read_lock
+from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
+from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
+
+__all__ = ["CheckpointSource", "ReshardCheckpoint", "as_source", "read_metadata_bytes"]
+
+_SAFETENSORS_NAMES = ("model.safetensors", "model.safetensors.index.json")
+
+
+class CheckpointSource(ABC):
+    """What a load reads from. Used by one load (the source is closed after it when the load opened it).
+
+    Call order, on every rank of the load: the coordinator calls :meth:`read_metadata` and broadcasts the
+    bytes it returns; every other rank calls :meth:`decode_metadata` on them (they never read the metadata
+    themselves); then every rank reads its byte runs from :attr:`storage`.
+    """
+
+    storage: Storage
+
+    def describe(self) -> str:
+        """Where the source is, for messages."""
+        return self.storage.describe()
+
+    @abstractmethod
+    def read_metadata(self) -> tuple[bytes, Metadata]:
+        """On the coordinator: the metadata, validated, and the bytes the other ranks decode it from.
+
+        Raises:
+            CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError, StorageError.
+        """
+
+    @abstractmethod
+    def decode_metadata(self, raw: bytes) -> Metadata:
+        """On the other ranks: the metadata from the bytes the coordinator read (and validated)."""
+
+    def close(self) -> None:
+        """Release the storage."""
+        self.storage.close()
+
+
+def read_metadata_bytes(storage: Storage) -> bytes:
+    """The raw ``metadata.json`` of a checkpoint, or the error that says why there is none.
+
+    Raises:
+        CheckpointNotFoundError: the path does not exist, or is not a checkpoint.
+        IncompleteCheckpointError: data files but no ``metadata.json`` (a save that never committed).
+        CorruptCheckpointError: ``metadata.json`` is larger than :data:`~reshard.metadata.MAX_METADATA_BYTES`.
+        StorageError: the file exists but cannot be read.
+    """
+    where = storage.describe()
+    try:
+        return storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
+    except FileNotFoundError:
+        pass
+    except NotADirectoryError:
+        raise CheckpointNotFoundError(f"{where} is a file, not a checkpoint directory") from None
+    except FileTooLargeError as exc:
+        raise CorruptCheckpointError(
+            f"{storage.describe(METADATA_FILE)} is too large to be metadata ({exc.strerror}); refused unread"
+        ) from exc
+    except OSError as exc:
+        raise StorageError(f"cannot read {storage.describe(METADATA_FILE)}: {exc}") from exc
+    try:
+        exists = storage.root_exists()
+        holder = read_lock(storage) if exists else None
+        has_data = exists and (bool(storage.list_files(DATA_DIR)) or storage.exists(DATA_DIR))
+        safetensors = exists and not has_data and any(storage.exists(n) for n in _SAFETENSORS_NAMES)
+    except OSError as exc:
+        raise StorageError(f"{where} has no {METADATA_FILE}, and looking for its data failed: {exc}") from exc
+    if not exists:
+        raise CheckpointNotFoundError(f"no checkpoint at {where}: the path does not exist")
+    if holder is not None:
+        raise IncompleteCheckpointError(
+            f"{where} has no {METADATA_FILE}: a save is writing it or was interrupted "
+            f"(lock held by {holder.describe()})"
+        )
+    if has_data:
+        raise IncompleteCheckpointError(
+            f"{where} holds data files but no {METADATA_FILE}: a save that was interrupted before it committed"
+        )
+    if safetensors:
+        raise CheckpointNotFoundError(
+            f"{where} is a Hugging Face safetensors directory, not a reshard checkpoint: load it through "
+            "reshard.interop.HuggingFaceSource(path, key_map)"
+        )
+    raise CheckpointNotFoundError(f"{where} is not a reshard checkpoint: it has no {METADATA_FILE}")
+
+
+class ReshardCheckpoint(CheckpointSource):
+    """A reshard checkpoint: its ``metadata.json`` (validated, sealed) and its data files.
+
+    Args:
+        path: a directory, a ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix`` URL, or a Storage.
+        storage_options: passed to the object-store client.
+    """
+
+    def __init__(self, path: CheckpointLocation, storage_options: dict[str, Any] | None = None) -> None:
+        self.storage = storage_for(path, storage_options)
+        self._owns_storage = self.storage is not path
+
+    def read_metadata(self) -> tuple[bytes, Metadata]:
+        raw = read_metadata_bytes(self.storage)
+        return raw, Metadata.from_json_bytes(raw, where=self.storage.describe(METADATA_FILE))
+
+    def decode_metadata(self, raw: bytes) -> Metadata:
+        # The coordinator validated these bytes: each rank decodes only the packed tensors it loads.
+        return Metadata.from_json_bytes(raw, lazy=True)
+
+    def close(self) -> None:
+        if self._owns_storage:
+            self.storage.close()
+
+
+def as_source(
+    location: CheckpointLocation | CheckpointSource, storage_options: dict[str, Any] | None
+) -> CheckpointSource:
+    """``location`` as a source: a CheckpointSource as it is, anything else as a :class:`ReshardCheckpoint`."""
+    if isinstance(location, CheckpointSource):
+        return location
+    return ReshardCheckpoint(location, storage_options)

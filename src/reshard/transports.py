@@ -1,0 +1,290 @@
+"""How the ranks of a checkpoint operation exchange bytes: the transports under :class:`~reshard.comm.Communicator`.
+
+A :class:`Transport` moves byte payloads among the ranks of one group: a gather to the coordinator (rank
+0), a broadcast from it, a scatter from it. Three implementations:
+
+- :class:`TorchTransport`: a ``torch.distributed`` process group (gloo or NCCL). Payloads travel in uint8
+  tensors (nothing is pickled), every collective is issued asynchronously and waited on with the timeout,
+  and what a rank sends does not grow with the number of ranks (a gather pads payloads to the longest,
+  found with an all-reduce of one integer; replies go out by scatter).
+- :class:`SingleProcess`: one rank alone (no ``torch.distributed``).
+- :class:`ThreadGroup`: ranks that are threads of one process (:meth:`ThreadGroup.member` gives each its
+  transport). For tests and simulations that run the real ``save`` and ``load`` on several ranks in one
+  process; a rank that does not arrive within the timeout breaks the group's barrier for every rank.
+
+Every method is collective: every rank of the group calls it, in the same order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import struct
+import threading
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reshard.errors import CheckpointError, CommunicationError
+
+__all__ = ["Group", "SingleProcess", "ThreadGroup", "ThreadTransport", "TorchTransport", "Transport", "padded_size"]
+
+_LENGTH = struct.Struct("<Q")
+
+
+def padded_size(lengths: list[int]) -> int:
+    """Bytes each rank sends in a gather (or receives in a scatter) of payloads of these lengths over a
+    :class:`TorchTransport`: every payload travels padded to the longest, behind its 8-byte length."""
+    return _LENGTH.size + max(lengths, default=0)
+
+
+class Transport(ABC):
+    """The byte collectives of one group, seen from one rank."""
+
+    rank: int
+    size: int
+    timeout: datetime.timedelta
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        """Payload bytes this rank has put into collectives."""
+        self.bytes_received = 0
+        """Payload bytes this rank has got out of collectives."""
+
+    @abstractmethod
+    def gather_bytes(self, payload: bytes) -> list[bytes] | None:
+        """Every rank's payload on the coordinator (in rank order); None on the other ranks."""
+
+    @abstractmethod
+    def scatter_bytes(self, payloads: list[bytes] | None) -> bytes:
+        """``payloads[r]`` (given by the coordinator; None elsewhere) to rank ``r``; this rank's payload."""
+
+    @abstractmethod
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        """The coordinator's ``payload`` on every rank (the others pass None)."""
+
+
+Group = dist.ProcessGroup | Transport | None
+"""The ranks of a checkpoint operation: a process group, a transport (a :class:`ThreadGroup` member), or
+``None`` (the default group when ``torch.distributed`` is initialised, else this process alone)."""
+
+
+class SingleProcess(Transport):
+    """A group of one: every collective returns at once."""
+
+    def __init__(self, timeout: datetime.timedelta) -> None:
+        super().__init__()
+        self.rank, self.size, self.timeout = 0, 1, timeout
+
+    def gather_bytes(self, payload: bytes) -> list[bytes] | None:
+        return [payload]
+
+    def scatter_bytes(self, payloads: list[bytes] | None) -> bytes:
+        if payloads is None or len(payloads) != 1:
+            raise CheckpointError("scatter_bytes on the coordinator needs one payload per rank")
+        return payloads[0]
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        return payload or b""
+
+
+class TorchTransport(Transport):
+    """A ``torch.distributed`` process group (``None``: the default group), every wait bounded by
+    ``timeout``."""
+
+    def __init__(self, group: dist.ProcessGroup | None, timeout: datetime.timedelta) -> None:
+        super().__init__()
+        self.group = group
+        self.timeout = timeout
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        if self.rank < 0:
+            raise CheckpointError("this process is not a member of the process group it was given")
+        self.global_ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.size)]
+        backend = str(dist.get_backend(group))
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait(timeout=self.timeout)
+        except RuntimeError as exc:
+            raise CommunicationError(
+                f"collective {what} on rank {self.rank} did not complete within "
+                f"{self.timeout.total_seconds():.0f} s or a peer failed: {exc}"
+            ) from exc
+
+    def _longest(self, length: int) -> int:
+        """The largest ``length`` of any rank (an all-reduce of one integer)."""
+        value = torch.tensor([length], dtype=torch.int64, device=self.device)
+        self._wait(dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "all_reduce(length)")
+        self.bytes_sent += value.nbytes
+        self.bytes_received += value.nbytes
+        return int(value.item())
+
+    def _framed(self, payload: bytes, size: int) -> torch.Tensor:
+        """``payload`` behind its length, zero-padded to ``size`` bytes, as a tensor on the device."""
+        framed = torch.zeros(size, dtype=torch.uint8)
+        framed[: _LENGTH.size + len(payload)] = torch.frombuffer(
+            bytearray(_LENGTH.pack(len(payload)) + payload), dtype=torch.uint8
+        )
+        return framed.to(self.device)
+
+    @staticmethod
+    def _unframed(framed: torch.Tensor) -> bytes:
+        raw = framed.cpu().numpy().tobytes()
+        (length,) = _LENGTH.unpack_from(raw)
+        return raw[_LENGTH.size : _LENGTH.size + length]
+
+    def gather_bytes(self, payload: bytes) -> list[bytes] | None:
+        """Gather one payload per rank onto the coordinator; other ranks get None. Collective.
+
+        Each rank sends :func:`padded_size` bytes (its payload padded to the longest), whatever the number
+        of ranks; the coordinator receives that many from each.
+        """
+        if self.size == 1:
+            return [payload]
+        size = _LENGTH.size + self._longest(len(payload))
+        mine = self._framed(payload, size)
+        gather_list = (
+            [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+            if self.is_coordinator
+            else None
+        )
+        work = dist.gather(mine, gather_list, dst=self.global_ranks[0], group=self.group, async_op=True)
+        self._wait(work, "gather")
+        if gather_list is None:
+            self.bytes_sent += size
+            return None
+        self.bytes_received += size * (self.size - 1)
+        return [self._unframed(t) for t in gather_list]
+
+    def scatter_bytes(self, payloads: list[bytes] | None) -> bytes:
+        """Send ``payloads[r]`` from the coordinator to rank ``r``; every rank gets its own. Collective: the
+        coordinator passes one payload per rank, the others pass None.
+
+        The longest length is broadcast first, then each rank receives :func:`padded_size` bytes.
+        """
+        if self.size == 1:
+            if payloads is None or len(payloads) != 1:
+                raise CheckpointError("scatter_bytes on the coordinator needs one payload per rank")
+            return payloads[0]
+        if self.is_coordinator and (payloads is None or len(payloads) != self.size):
+            raise CheckpointError(f"scatter_bytes on the coordinator needs {self.size} payloads")
+        longest = torch.tensor([max(map(len, payloads)) if payloads else 0], dtype=torch.int64, device=self.device)
+        work = dist.broadcast(longest, src=self.global_ranks[0], group=self.group, async_op=True)
+        self._wait(work, "broadcast(length)")
+        size = _LENGTH.size + int(longest.item())
+        mine = torch.empty(size, dtype=torch.uint8, device=self.device)
+        scatter_list = [self._framed(p, size) for p in payloads] if self.is_coordinator and payloads else None
+        work = dist.scatter(mine, scatter_list, src=self.global_ranks[0], group=self.group, async_op=True)
+        self._wait(work, "scatter")
+        if self.is_coordinator:
+            self.bytes_sent += longest.nbytes + size * (self.size - 1)
+        else:
+            self.bytes_received += longest.nbytes + size
+        return self._unframed(mine)
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        """Send the coordinator's ``payload`` to every rank; others pass None."""
+        if self.size == 1:
+            return payload or b""
+        length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=self.device)
+        self._wait(
+            dist.broadcast(length, src=self.global_ranks[0], group=self.group, async_op=True), "broadcast(length)"
+        )
+        n = int(length.item())
+        if self.is_coordinator:
+            self.bytes_sent += length.nbytes + n
+        else:
+            self.bytes_received += length.nbytes + n
+        if self.is_coordinator and payload is not None:
+            buffer = (
+                torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+                if n
+                else torch.empty(0, dtype=torch.uint8)
+            )
+        else:
+            buffer = torch.empty(n, dtype=torch.uint8, device=self.device)
+        if n:
+            self._wait(dist.broadcast(buffer, src=self.global_ranks[0], group=self.group, async_op=True), "broadcast")
+        return bytes(buffer.cpu().numpy().tobytes())
+
+
+class ThreadGroup:
+    """A group whose ranks are threads of this process. Create one per group, then give each thread its
+    :meth:`member` as the ``group`` of ``reshard.save``, ``reshard.load`` or a ``CheckpointManager``.
+
+    Args:
+        size: the number of ranks (threads).
+        timeout: how long a rank waits for the others in one collective (seconds).
+    """
+
+    def __init__(self, size: int, *, timeout: float = 60.0) -> None:
+        if size < 1:
+            raise ValueError(f"a group has at least one rank, not {size}")
+        self.size = size
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.barrier = threading.Barrier(size)
+        self.slots: list[bytes] = [b""] * size
+        self.shared = b""
+
+    def member(self, rank: int) -> ThreadTransport:
+        """The transport of rank ``rank`` (use it from that rank's thread only)."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is not in a group of {self.size}")
+        return ThreadTransport(self, rank)
+
+
+class ThreadTransport(Transport):
+    """One rank of a :class:`ThreadGroup`."""
+
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        super().__init__()
+        self.group = group
+        self.rank = rank
+        self.size = group.size
+        self.timeout = group.timeout
+
+    def _sync(self, what: str) -> None:
+        try:
+            self.group.barrier.wait(self.timeout.total_seconds())
+        except threading.BrokenBarrierError:
+            raise CommunicationError(
+                f"collective {what} on rank {self.rank} did not complete within "
+                f"{self.timeout.total_seconds():.0f} s or a peer failed"
+            ) from None
+
+    def gather_bytes(self, payload: bytes) -> list[bytes] | None:
+        self.group.slots[self.rank] = payload
+        self._sync("gather")
+        out = list(self.group.slots) if self.rank == 0 else None
+        self._sync("gather")
+        self.bytes_sent += len(payload)
+        if out is not None:
+            self.bytes_received += sum(len(p) for p in out) - len(payload)
+        return out
+
+    def scatter_bytes(self, payloads: list[bytes] | None) -> bytes:
+        if self.rank == 0:
+            if payloads is None or len(payloads) != self.size:
+                raise CheckpointError(f"scatter_bytes on the coordinator needs {self.size} payloads")
+            self.group.slots = list(payloads)
+        self._sync("scatter")
+        mine = self.group.slots[self.rank]
+        self._sync("scatter")
+        self.bytes_received += len(mine)
+        return mine
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        if self.rank == 0:
+            self.group.shared = payload or b""
+        self._sync("broadcast")
+        value = self.group.shared
+        self._sync("broadcast")
+        self.bytes_received += len(value)
+        return value
