@@ -14,13 +14,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import crc32c
-
 from reshard.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, StorageError
 from reshard.io.datafile import DATA_FILE_PATTERN
+from reshard.io.reader import ReadExecutor
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
 from reshard.sources import read_metadata_bytes
-from reshard.storage import CheckpointLocation, ReadRequest, Storage, storage_for
+from reshard.storage import CheckpointLocation, Storage, storage_for
 
 __all__ = ["DEFAULT_GC_MIN_AGE_S", "collect_garbage", "validate_checkpoint"]
 
@@ -122,6 +121,8 @@ def validate_checkpoint(
 
 
 def _check_all_chunks(storage: Storage, metadata: Metadata, files: set[int]) -> list[str]:
+    """Every chunk of every stored box and blob in ``files``, through the read executor of loads (bounded
+    memory whatever the declared chunk size); one problem per damaged box or blob."""
     entries: list[tuple[str, int, int, int, tuple[int, ...]]] = []
     for key, tensor in metadata.tensors.items():
         for box in tensor.boxes:
@@ -139,34 +140,17 @@ def _check_all_chunks(storage: Storage, metadata: Metadata, files: set[int]) -> 
                     entry.checksums,
                 )
             )
-    chunk = metadata.checksum_chunk_bytes
+    executor = ReadExecutor(storage, metadata, buffer_bytes=16 * 1024 * 1024)
+    executor.checked_files.update(files)  # sizes were checked by the caller
     problems = []
-    piece = min(chunk, 16 * 1024 * 1024)  # chunks are checked in bounded pieces, whatever their declared size
-    buffer = memoryview(bytearray(piece))
-    for what, file, offset, length, checksums in entries:
-        if file not in files:
-            continue
-        name = metadata.files[file].path
-        for index, expected in enumerate(checksums):
-            start = offset + index * chunk
-            size = min(chunk, length - index * chunk)
-            value = 0
-            failure = ""
-            for at in range(0, size, piece):
-                view = buffer[: min(piece, size - at)]
-                try:
-                    (got,) = storage.read_ranges([ReadRequest(name, start + at, view)])
-                except OSError as exc:
-                    failure = str(exc)
-                    break
-                if got != len(view):
-                    failure = f"short read at byte {start + at}"
-                    break
-                value = crc32c.crc32c(view, value)
-            if failure:
-                problems.append(f"{what}: reading {storage.describe(name)} failed: {failure}")
-                break
-            if value != expected:
-                where = storage.describe(name)
-                problems.append(f"{what}: checksum mismatch in data file {where} at bytes [{start}, {start + size})")
+    try:
+        for what, file, offset, length, checksums in entries:
+            if file not in files:
+                continue
+            try:
+                executor.verify_stored(checksums, length, file, offset, what)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+    finally:
+        executor.close()
     return problems

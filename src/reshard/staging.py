@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import crc32c
 import torch.distributed as dist
 
-from reshard.errors import StorageError
+from reshard.errors import CheckpointError, StorageError
+from reshard.io.reader import ReadExecutor
 from reshard.metadata import Metadata
 from reshard.storage import LocalStorage, Storage
 
@@ -88,22 +88,25 @@ def stored_ranges(metadata: Metadata, files: set[int]) -> StoredRanges:
 def file_is_complete(path: Path, metadata: Metadata, file: int, ranges: StoredRanges | None = None) -> bool:
     """Whether the local file at ``path`` is a complete copy of data file ``file``: its size, and the
     checksum of every chunk of every box and object stored in it (``ranges``: from :func:`stored_ranges`,
-    computed here when not given)."""
+    computed here when not given), verified through the read executor of loads."""
     entry = metadata.files[file]
     try:
         if os.stat(path, follow_symlinks=False).st_size != entry.size:
             return False
-        stored = (ranges if ranges is not None and file in ranges else stored_ranges(metadata, {file}))[file]
-        chunk = metadata.checksum_chunk_bytes
-        with open(path, "rb", buffering=0) as f:
-            for offset, length, checksums in stored:
-                for index, expected in enumerate(checksums):
-                    f.seek(offset + index * chunk)
-                    data = f.read(min(chunk, length - index * chunk))
-                    if crc32c.crc32c(data) != expected:
-                        return False
     except OSError:
         return False
+    stored = (ranges if ranges is not None and file in ranges else stored_ranges(metadata, {file}))[file]
+    # The copy is read under the name the metadata gives it, from the directory that holds it.
+    depth = len(Path(entry.path).parts) - 1
+    executor = ReadExecutor(LocalStorage(path.parents[depth]), metadata, buffer_bytes=16 * 1024 * 1024)
+    executor.checked_files.add(file)
+    try:
+        for offset, length, checksums in stored:
+            executor.verify_stored(checksums, length, file, offset, f"staged copy {path}")
+    except CheckpointError:
+        return False
+    finally:
+        executor.close()
     return True
 
 

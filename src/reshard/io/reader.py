@@ -193,6 +193,17 @@ class ReadExecutor:
                     )
                 self.bytes_verified += chunk_hi - chunk_lo
 
+    def verify_stored(self, checksums: tuple[int, ...], length: int, file: int, offset: int, what: str) -> None:
+        """Verify every chunk of a whole stored box or blob (``length`` bytes at ``offset`` of data file
+        ``file``), streamed through a bounded buffer whatever the chunk size.
+
+        Raises:
+            CorruptCheckpointError: a chunk's checksum does not match, or the file is short.
+            StorageError: the file cannot be read.
+        """
+        if length:
+            self.verify_chunks(checksums, length, file, offset, [(0, length)], [_Segment(0, length)], what)
+
     def _crc_streamed(self, name: str, offset: int, length: int, value: int, what: str) -> int:
         piece = max(1, min(length, _STREAM_PIECE, self.buffer_bytes))
         view = self._scratch_view(piece)
