@@ -220,7 +220,14 @@ def _arrays(boxes: list[Box], ndim: int) -> tuple[np.ndarray, np.ndarray]:
     return offset, shape
 
 
-def test_grid_rule_round_trips_and_the_index_finds_exactly_the_overlaps() -> None:
+@pytest.fixture(params=["grid", "scan"])
+def index_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a BoxIndex answers: its grid (every set indexed) and, for small sets, a scan of all boxes."""
+    monkeypatch.setattr(BoxIndex, "SCAN_BOXES", 0 if request.param == "grid" else 1 << 30)
+    return str(request.param)
+
+
+def test_grid_rule_round_trips_and_the_index_finds_exactly_the_overlaps(index_mode: str) -> None:
     rng = random.Random(7)
     ruled = 0
     for _ in range(600):
@@ -240,7 +247,7 @@ def test_grid_rule_round_trips_and_the_index_finds_exactly_the_overlaps() -> Non
     assert ruled > 500
 
 
-def test_the_index_works_on_boxes_that_do_not_tile() -> None:
+def test_the_index_works_on_boxes_that_do_not_tile(index_mode: str) -> None:
     rng = random.Random(8)
     for _ in range(300):
         shape = tuple(rng.randrange(1, 9) for _ in range(rng.randrange(1, 4)))

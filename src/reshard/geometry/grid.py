@@ -36,7 +36,8 @@ _MAX_LINEAR = 2**62
 def full_cuts(offset: Int64Array, end: Int64Array, extent: int) -> Int64Array:
     """The coordinates in ``[0, extent]`` that none of the non-empty intervals ``[offset[i], end[i])``
     crosses, sorted (0 and ``extent`` always among them)."""
-    candidates = np.unique(np.concatenate([offset, end, np.array([0, extent], dtype=np.int64)]))
+    values = np.sort(np.concatenate([offset, end, np.array([0, extent], dtype=np.int64)]))
+    candidates = values[np.concatenate([[True], values[1:] != values[:-1]])]  # np.unique would import numpy.ma
     starts = np.sort(offset)
     ends = np.sort(end)
     # Intervals strictly around c: those starting before c, less those ending at or before c.
@@ -216,8 +217,12 @@ class BoxIndex:
     Built once per tensor (``n log n``), then each :meth:`overlapping` takes time in the number of boxes
     it returns: the query's cells are found by bisection on each axis, a cell holding several boxes that
     are contiguous in its flattening is searched by bisection along it. Works for any set of boxes (a
-    tiling or not); boxes with no element never overlap anything.
+    tiling or not); boxes with no element never overlap anything. A set of at most :data:`SCAN_BOXES`
+    boxes is not indexed: each lookup compares the query with every box, which is cheaper at that size than
+    building the grid.
     """
+
+    SCAN_BOXES = 16
 
     def __init__(self, offset: Int64Array, shape: Int64Array) -> None:
         self.offset = offset
@@ -225,6 +230,9 @@ class BoxIndex:
         n, d = shape.shape
         self.ndim = d
         live = np.flatnonzero((shape > 0).all(axis=1)) if d else np.arange(n, dtype=np.int64)
+        self.scan: Int64Array | None = live if n <= self.SCAN_BOXES else None
+        if self.scan is not None:
+            return
         live_offset, live_end = offset[live], self.end[live]
         self.cuts = [full_cuts(live_offset[:, a], live_end[:, a], int(live_end[:, a].max(initial=0))) for a in range(d)]
         coord = (
@@ -278,6 +286,12 @@ class BoxIndex:
             raise ValueError(f"cannot look up a box of {box.ndim} axes among boxes of {self.ndim}")
         q_lo = np.asarray(box.offset, dtype=np.int64)
         q_hi = np.asarray(box.end, dtype=np.int64)
+        if self.scan is not None:
+            if (q_hi <= q_lo).any():
+                return []
+            live = self.scan
+            hit = (self.offset[live] < q_hi).all(axis=1) & (self.end[live] > q_lo).all(axis=1)
+            return sorted(live[hit].tolist())
         if (q_hi <= q_lo).any() or len(self.cell_first) == 0:
             return []
         first = np.zeros(self.ndim, dtype=np.int64)
