@@ -143,10 +143,12 @@ class FaultyStorage(LocalStorage):
         super().__init__(root)
         self.fault = fault
 
-    def open_writer(self, name: str) -> FileWriter:
+    def open_writer(self, name: str, *, max_buffered_bytes: int | None = None) -> FileWriter:
         if self.fault.applies("before_write"):
             self.fault.fire(file=name, exists=(self.root / name).exists())
-        return FaultyWriter(super().open_writer(name), self.fault, self.root / name)
+        return FaultyWriter(
+            super().open_writer(name, max_buffered_bytes=max_buffered_bytes), self.fault, self.root / name
+        )
 
     def commit(self, name: str, data: bytes, *, replace: bool) -> None:
         if name == METADATA_FILE and self.fault.applies("in_commit"):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import reshard
+from tests.memory import peak_rss_growth
 from tests.rankpool import RankContext, RankPool
 
 TIMEOUT = 60.0
@@ -51,6 +52,36 @@ def test_snapshot_is_consistent_and_buffers_are_reused(tmp_path: Path) -> None:
         assert torch.equal(out["w"], w)
         assert torch.equal(out["fused"][5:10], fused[0:5]) and torch.equal(out["fused"][0:5], fused[5:10])
         assert out["rng"] == {"s": [step]} and out["step"] == step
+
+
+def test_warmup_pre_pays_the_snapshot_buffers(tmp_path: Path) -> None:
+    """After warmup the first snapshot copies into memory already resident (no new peak), into the same
+    buffers, and warmup reports their bytes; a save in flight is finalised before buffers are touched."""
+    mib = 2**20
+    # 40 MiB: above glibc's largest mmap threshold, so every new buffer is fresh memory (not reused heap)
+    state = {"w": torch.randn(40 * mib // 4), "b": torch.randn(7).to(torch.bfloat16), "step": 3}
+    cold = reshard.AsyncCheckpointer()
+    with peak_rss_growth() as grown:
+        cold.snapshot(state)
+    assert grown() >= 39 * mib  # fresh buffers: the whole state becomes resident during the first snapshot
+    del cold
+
+    checkpointer = reshard.AsyncCheckpointer()
+    assert checkpointer.warmup(state) == 40 * mib + 7 * 2
+    buffers = dict(checkpointer._buffers)
+    with peak_rss_growth() as grown:
+        snapshot = checkpointer.snapshot(state)
+    assert grown() < 2 * mib, f"peak RSS grew by {grown() / mib:.1f} MiB after warmup"
+    assert all(checkpointer._buffers[k] is v for k, v in buffers.items())
+    assert torch.equal(snapshot["w"], state["w"]) and snapshot["step"] == 3
+
+    handle = checkpointer.save(state, tmp_path / "first")
+    checkpointer.warmup(state)  # finalises the save in flight before zeroing its buffers
+    assert handle.done()
+    out = reshard.load(
+        {"w": torch.zeros_like(state["w"]), "b": torch.zeros(7, dtype=torch.bfloat16), "step": 0}, tmp_path / "first"
+    )
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
 
 
 def test_one_save_in_flight_the_next_finalises_the_previous(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ of two data files. Each hypothesis example copies it into a fresh sandbox, appli
 and to the metadata file itself) and loads it twice, in one process: with a template of every whole
 tensor, object cell and common value (sometimes with ``verify=True``), and with a random partial,
 resharded template (random sub-boxes, two leaves of one key, dtype casts, ``strict=False``, read merging up
-to ``max_read_amplification=100``, ``read_buffer_bytes`` down to 24, node-local staging). Every load must end
+to ``max_read_amplification=100``, ``memory_budget_bytes`` down to 24, node-local staging). Every load must end
 in one of:
 
 - an exception that is a ``reshard.CheckpointError``, and not a generic one wrapping an internal error
@@ -47,7 +47,6 @@ import math
 import os
 import random
 import re
-import resource
 import shutil
 import stat
 import tempfile
@@ -71,6 +70,7 @@ import reshard
 from reshard.locking import LOCK_FILE
 from reshard.maintenance import validate_checkpoint
 from reshard.metadata import METADATA_FILE
+from tests.memory import peak_rss_growth
 from tests.metadata_docs import CHECKSUM_MEMBER, dumps, read_doc, seal, unseal, write_doc
 
 # --------------------------------------------------------------------------------------------------
@@ -260,14 +260,14 @@ class Template:
     verify: bool = False
     strict: bool = True
     amplification: float = 1.10  # max_read_amplification: larger merges more strided runs into one read
-    buffer_bytes: int | None = None  # read_buffer_bytes: small values cut reads into slabs and batches
+    buffer_bytes: int | None = None  # memory_budget_bytes: small values cut reads into slabs and batches
     staging: bool = False  # load through node-local staging (StagingOptions)
 
     def options(self, top: Path) -> dict[str, Any]:
         """The keyword arguments of this template's ``reshard.load``."""
         read: dict[str, Any] = {"verify": self.verify, "max_read_amplification": self.amplification}
         if self.buffer_bytes is not None:
-            read["read_buffer_bytes"] = self.buffer_bytes
+            read["memory_budget_bytes"] = self.buffer_bytes
         if self.staging:
             read["staging"] = reshard.StagingOptions(directory=top / "staging")
         return {"strict": self.strict, "options": reshard.LoadOptions(**read)}
@@ -1171,29 +1171,6 @@ def reads_move_access_times(tmp_path_factory: pytest.TempPathFactory) -> bool:
     return probe.stat().st_atime_ns != mtime - 10**12
 
 
-@contextlib.contextmanager
-def peak_rss_growth() -> Iterator[Callable[[], int]]:
-    """Yield a function giving how far the peak resident memory rose (bytes) since entering.
-
-    The kernel's high-water mark is reset first where /proc allows it (Linux >= 4.0), so that a peak
-    reached earlier in the session cannot hide a new one; resource.getrusage reads it."""
-    with_reset = True
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        with_reset = False
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if with_reset:
-        with open("/proc/self/statm") as f:
-            before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-
-    def grown() -> int:
-        return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
-
-    yield grown
-
-
 # --------------------------------------------------------------------------------------------------
 # The reference reader (docs/format.md sections 3, 6 and 8) and the oracle
 
@@ -1690,7 +1667,7 @@ MiB4 = 4 * 2**20
 )
 def test_small_reads_of_a_huge_tensor_stay_small(tmp_path: Path, chunk: int, what: str) -> None:
     """A valid checkpoint of a 512 MiB tensor (a sparse file): small reads of it cost little memory, whatever
-    the checksum chunk size (README: a load's extra memory is bounded by read_buffer_bytes, 32 MiB)."""
+    the checksum chunk size (README: a load's extra memory is bounded by memory_budget_bytes, 32 MiB)."""
     _sparse_checkpoint(tmp_path / "ckpt", HUGE_SHAPE, chunk)
     template = _huge_templates(what)
     with peak_rss_growth() as grown:

@@ -236,7 +236,7 @@ def test_dtype_conversion_on_load(tmp_path: Path, saved: torch.dtype, target: to
 
 
 def test_reads_are_planned_in_pieces_of_bounded_size(tmp_path: Path) -> None:
-    """A load's staging memory is bounded by ``read_buffer_bytes``: big overlaps are read in slabs."""
+    """A load's staging memory is bounded by ``memory_budget_bytes``: big overlaps are read in slabs."""
     from reshard.planning.load_plan import TargetPiece, plan_load
 
     full = torch.randn(64, 48)
@@ -254,7 +254,7 @@ def test_reads_are_planned_in_pieces_of_bounded_size(tmp_path: Path) -> None:
         {"w": ShardedTensor("w", dest, (64, 48), (3, 5))},
         tmp_path,
         stats=stats,
-        options=reshard.LoadOptions(read_buffer_bytes=1024),
+        options=reshard.LoadOptions(memory_budget_bytes=1024),
     )
     assert torch.equal(out["w"], full[3:63, 5:25].double())
     assert stats.read_requests >= len(plan.items)

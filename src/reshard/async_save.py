@@ -107,13 +107,33 @@ class AsyncCheckpointer:
             self._buffers[path] = buffer
         return buffer
 
+    def warmup(self, state_dict: Any) -> int:
+        """Allocate and touch the snapshot buffers of ``state_dict`` now, so that the first :meth:`save` blocks
+        only for a copy into memory already mapped, as every later one does (memory touched for the first time
+        costs page faults: about three times a copy on a busy host). Call it once at start-up with the state
+        that will be saved (same leaves, shapes and dtypes; the values do not matter); each rank calls it on its
+        own, no collective. A save in flight is finalised first (its error, if any, is raised here).
+
+        Returns the bytes of the buffers: the host memory an asynchronous save holds for its snapshot (the
+        state's size, on top of ``SaveOptions(memory_budget_bytes=...)`` of the background save)."""
+        self.wait()
+        self._visit(state_dict, fill=False)
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
     def snapshot(self, state_dict: Any) -> Any:
         """A copy of ``state_dict`` whose tensors live in this checkpointer's host buffers."""
+        return self._visit(state_dict, fill=True)
+
+    def _visit(self, state_dict: Any, *, fill: bool) -> Any:
+        """Map every tensor leaf of ``state_dict`` to its buffer: copied into it (``fill``) or only touched."""
         cuda_copies = False
 
         def copy_tensor(path: str, tensor: torch.Tensor) -> torch.Tensor:
             nonlocal cuda_copies
             buffer = self._buffer(path, tensor)
+            if not fill:
+                buffer.zero_()
+                return buffer
             cuda = tensor.device.type == "cuda"
             cuda_copies |= cuda
             with torch.no_grad():
@@ -133,7 +153,7 @@ class AsyncCheckpointer:
             if isinstance(value, torch.Tensor):
                 return copy_tensor(path, value)
             if isinstance(value, ShardedObject):
-                return dataclasses.replace(value, value=copy.deepcopy(value.value))
+                return dataclasses.replace(value, value=copy.deepcopy(value.value)) if fill else value
             return value
 
         snapshot = map_leaves(state_dict, leaf)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from reshard.codec import decode_object_blob
+from reshard.collector import collector_paused
 from reshard.comm import Communicator
 from reshard.dtypes import dtype_name
 from reshard.errors import (
@@ -32,7 +33,7 @@ from reshard.errors import (
     MismatchError,
 )
 from reshard.fingerprint import fingerprint
-from reshard.io.reader import ReadExecutor
+from reshard.io.reader import ReadBudget, ReadExecutor
 from reshard.metadata import METADATA_FILE, Metadata, SavedObject
 from reshard.options import LoadOptions
 from reshard.planning.load_plan import LoadPlan, TargetPiece, plan_load
@@ -165,7 +166,8 @@ def load(
     comm = Communicator(group, timeout=timeout)
     opened = as_source(source, storage_options)
     try:
-        return _load_from(opened, state_dict, comm, strict=strict, stats=stats, options=options, started=started)
+        with collector_paused():
+            return _load_from(opened, state_dict, comm, strict=strict, stats=stats, options=options, started=started)
     finally:
         if opened is not source:
             opened.close()
@@ -217,7 +219,7 @@ def _load_from(
                 metadata,
                 targets,
                 max_read_amplification=options.max_read_amplification,
-                max_read_bytes=options.read_buffer_bytes,
+                max_read_bytes=ReadBudget.of(options.memory_budget_bytes).max_read_bytes,
             )
         )
 
@@ -239,7 +241,7 @@ def _load_from(
         with clock.phase("stage"):
             staged = stage_files(comm, storage, metadata, needed, staging.path, staging.node_group)
     executor = ReadExecutor(
-        staged.storage if staged is not None else storage, metadata, buffer_bytes=options.read_buffer_bytes
+        staged.storage if staged is not None else storage, metadata, memory_budget_bytes=options.memory_budget_bytes
     )
     loaded_objects: dict[tuple[str, tuple[int, ...]], object] = {}
 

@@ -140,7 +140,7 @@ def _check_all_chunks(storage: Storage, metadata: Metadata, files: set[int]) -> 
                     entry.checksums,
                 )
             )
-    executor = ReadExecutor(storage, metadata, buffer_bytes=16 * 1024 * 1024)
+    executor = ReadExecutor(storage, metadata, memory_budget_bytes=16 * 1024 * 1024)
     executor.checked_files.update(files)  # sizes were checked by the caller
     problems = []
     try:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from reshard.io.reader import DEFAULT_READ_BUFFER_BYTES
+from reshard.io.datafile import DEFAULT_SAVE_MEMORY_BUDGET, MIN_SAVE_MEMORY_BUDGET
+from reshard.io.reader import DEFAULT_LOAD_MEMORY_BUDGET, MIN_LOAD_MEMORY_BUDGET
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION
 
 if TYPE_CHECKING:
@@ -33,10 +34,28 @@ class SaveOptions:
             ``load(..., options=LoadOptions(verify=True))`` can check a reshard end to end (an extra pass
             over the data; docs/reliability.md section 9).
         checksum_chunk_bytes: size of the pieces each stored box is checksummed in (a positive integer).
+        memory_budget_bytes: the most host memory this rank's save holds at once for its own buffers
+            (default 256 MiB, at least 1 MiB): the staging copies of tensors that are not contiguous CPU
+            memory (GPU tensors, transposed views), streamed through it a slab at a time instead of copied
+            whole, and an object store's upload parts in flight; a storage that cannot keep within it (a
+            budget below two upload parts, a one-put store and a data file larger than the budget) raises
+            :class:`~reshard.StorageError` and nothing is committed. Not in it: the state itself, the
+            encoded values of ShardedObjects, and the snapshot of an asynchronous save (the state's size,
+            by design).
+
+    Raises (on construction):
+        ValueError: ``memory_budget_bytes`` below 1 MiB.
     """
 
     fingerprint: bool = False
     checksum_chunk_bytes: int = DEFAULT_CHECKSUM_CHUNK_BYTES
+    memory_budget_bytes: int = DEFAULT_SAVE_MEMORY_BUDGET
+
+    def __post_init__(self) -> None:
+        if self.memory_budget_bytes < MIN_SAVE_MEMORY_BUDGET:
+            raise ValueError(
+                f"memory_budget_bytes must be at least {MIN_SAVE_MEMORY_BUDGET} bytes, got {self.memory_budget_bytes}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,9 +90,12 @@ class LoadOptions:
             fp16 -> fp32, ...); when False a dtype difference raises :class:`~reshard.MismatchError`.
         max_read_amplification: bytes read / bytes needed allowed when merging strided runs into larger
             reads (at least 1.0).
-        read_buffer_bytes: the staging memory of this rank's reads that cannot land directly in their
-            destination (strided overlaps, dtype conversions); reads are planned in pieces of at most this
-            size, so a load's extra memory stays bounded by it whatever the tensor sizes.
+        memory_budget_bytes: the most host memory this rank's load holds at once for its own buffers
+            (default 32 MiB): the staging buffer of reads that cannot land directly in their destination
+            (strided overlaps, dtype conversions, the parts of checksum chunks outside a read), and the
+            mapped windows of local files or an object store's ranged GETs in flight (under half the budget:
+            a larger budget makes larger and more concurrent GETs); reads are planned in pieces that keep
+            within it, whatever the tensor sizes. Not in it: the targets, the metadata and the read plan.
         verify: after reading, recompute every tensor's content fingerprint over the primary boxes of this
             layout, combine the partial sums across ranks and compare them with the fingerprints the save
             stored (``SaveOptions(fingerprint=True)``): a wrong copy, a planner bug or a forgery of the data
@@ -82,17 +104,19 @@ class LoadOptions:
         staging: load through node-local staging (:class:`StagingOptions`); None reads directly.
 
     Raises (on construction):
-        ValueError: ``max_read_amplification`` below 1.0, or ``read_buffer_bytes`` below 1.
+        ValueError: ``max_read_amplification`` below 1.0, or ``memory_budget_bytes`` below 16.
     """
 
     allow_dtype_cast: bool = True
     max_read_amplification: float = DEFAULT_MAX_READ_AMPLIFICATION
-    read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES
+    memory_budget_bytes: int = DEFAULT_LOAD_MEMORY_BUDGET
     verify: bool = False
     staging: StagingOptions | None = None
 
     def __post_init__(self) -> None:
         if not self.max_read_amplification >= 1.0:
             raise ValueError(f"max_read_amplification must be at least 1.0, got {self.max_read_amplification}")
-        if self.read_buffer_bytes < 1:
-            raise ValueError(f"read_buffer_bytes must be positive, got {self.read_buffer_bytes}")
+        if self.memory_budget_bytes < MIN_LOAD_MEMORY_BUDGET:
+            raise ValueError(
+                f"memory_budget_bytes must be at least {MIN_LOAD_MEMORY_BUDGET}, got {self.memory_budget_bytes}"
+            )

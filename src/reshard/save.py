@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from reshard.codec import encode_object_blob, encode_tagged
+from reshard.collector import collector_paused
 from reshard.comm import Communicator
 from reshard.errors import CheckpointError, CommunicationError, StateDictError, StorageError, UnconfirmedCommitError
 from reshard.fingerprint import fingerprint
@@ -159,16 +160,18 @@ def save(
     comm = Communicator(group, timeout=timeout)
     storage = storage_for(path, storage_options)
     try:
-        return _save_to(
-            storage,
-            state_dict,
-            comm,
-            overwrite=overwrite,
-            checksum_chunk_bytes=options.checksum_chunk_bytes,
-            with_fingerprints=options.fingerprint,
-            started=started,
-            stats=stats,
-        )
+        with collector_paused():
+            return _save_to(
+                storage,
+                state_dict,
+                comm,
+                overwrite=overwrite,
+                checksum_chunk_bytes=options.checksum_chunk_bytes,
+                with_fingerprints=options.fingerprint,
+                memory_budget_bytes=options.memory_budget_bytes,
+                started=started,
+                stats=stats,
+            )
     finally:
         if storage is not path:
             storage.close()
@@ -209,6 +212,7 @@ def _save_to(
     overwrite: bool,
     checksum_chunk_bytes: int,
     with_fingerprints: bool,
+    memory_budget_bytes: int,
     started: float,
     stats: SaveStats | None = None,
     lock_timing: LockTiming | None = None,
@@ -249,7 +253,7 @@ def _save_to(
 
     def write() -> dict[str, Any]:
         report = _write_assigned(
-            storage, state, assignment, save_id, comm.rank, checksum_chunk_bytes, with_fingerprints
+            storage, state, assignment, save_id, comm.rank, checksum_chunk_bytes, with_fingerprints, memory_budget_bytes
         )
         return report.to_json()
 
@@ -373,13 +377,14 @@ def _write_assigned(
     save_id: str,
     rank: int,
     chunk_bytes: int,
-    with_fingerprints: bool = False,
+    with_fingerprints: bool,
+    memory_budget_bytes: int,
 ) -> WriteReport:
     """Write this rank's assigned boxes and objects into its data file; where they went."""
     if not assignment.tensors and not assignment.objects:
         return WriteReport()
     name = data_file_name(save_id, rank)
-    writer = DataFileWriter(storage, name, chunk_bytes)
+    writer = DataFileWriter(storage, name, chunk_bytes, memory_budget_bytes)
     offsets: list[int] = []
     lengths: list[int] = []
     checksums: list[int] = []
@@ -387,7 +392,7 @@ def _write_assigned(
     written_objects = []
     try:
         for index in assignment.tensors:
-            stored = writer.append(tensor_bytes(state.views[index]))
+            stored = writer.append_tensor(state.views[index])
             offsets.append(stored.byte_offset)
             lengths.append(stored.byte_length)
             checksums += stored.checksums

@@ -98,7 +98,7 @@ def file_is_complete(path: Path, metadata: Metadata, file: int, ranges: StoredRa
     stored = (ranges if ranges is not None and file in ranges else stored_ranges(metadata, {file}))[file]
     # The copy is read under the name the metadata gives it, from the directory that holds it.
     depth = len(Path(entry.path).parts) - 1
-    executor = ReadExecutor(LocalStorage(path.parents[depth]), metadata, buffer_bytes=16 * 1024 * 1024)
+    executor = ReadExecutor(LocalStorage(path.parents[depth]), metadata, memory_budget_bytes=16 * 1024 * 1024)
     executor.checked_files.add(file)
     try:
         for offset, length, checksums in stored:

@@ -29,7 +29,7 @@ from reshard.fingerprint import fingerprint as content_fingerprint
 from reshard.geometry.boxes import flat_range_boxes
 from reshard.io.commit import SaveCommit
 from reshard.io.datafile import DataFileWriter, data_file_name, tensor_bytes
-from reshard.io.reader import ReadExecutor
+from reshard.io.reader import ReadBudget, ReadExecutor
 from reshard.metadata import (
     METADATA_FILE,
     DataFile,
@@ -46,7 +46,7 @@ from reshard.storage import CheckpointLocation, Storage, storage_for
 
 __all__ = [
     "CAST_DTYPES",
-    "DEFAULT_READ_BUFFER_BYTES",
+    "DEFAULT_MEMORY_BUDGET_BYTES",
     "DEFAULT_SLAB_BYTES",
     "CheckpointReader",
     "CheckpointWriter",
@@ -56,8 +56,9 @@ __all__ = [
 DEFAULT_SLAB_BYTES = 64 * 1024 * 1024
 """Largest piece of a tensor a reader hands out at once (in bytes of the requested dtype)."""
 
-DEFAULT_READ_BUFFER_BYTES = 16 * 1024 * 1024
-"""Staging memory for reads that cannot land directly in a slab (strided boxes, dtype conversions)."""
+DEFAULT_MEMORY_BUDGET_BYTES = 16 * 1024 * 1024
+"""The reader's buffers: staging for reads that cannot land directly in a slab (strided boxes, dtype
+conversions) and mapped windows (see :class:`reshard.io.reader.ReadExecutor`)."""
 
 CAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """The dtypes a conversion can cast floating tensors to, by their short names."""
@@ -74,9 +75,9 @@ class CheckpointReader:
     """A committed checkpoint, read by this process alone, piece by piece.
 
     Not collective: it never touches ``torch.distributed``, so it works in a process with or without a
-    process group. Memory stays bounded by one slab plus the read buffer, whatever the tensor sizes.
-    Every checksum chunk a read covers is verified, as with :func:`reshard.load`. Use it as a context
-    manager, or call :meth:`close`.
+    process group. Memory stays bounded by one slab plus ``memory_budget_bytes`` (the reader's buffers),
+    whatever the tensor sizes. Every checksum chunk a read covers is verified, as with :func:`reshard.load`.
+    Use it as a context manager, or call :meth:`close`.
 
     Raises (on construction):
         CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError: nothing valid at ``path``.
@@ -87,7 +88,7 @@ class CheckpointReader:
         path: CheckpointLocation,
         *,
         storage_options: dict[str, Any] | None = None,
-        read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES,
+        memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
     ) -> None:
         self.storage = storage_for(path, storage_options)
         self._owns_storage = self.storage is not path
@@ -97,8 +98,8 @@ class CheckpointReader:
         except BaseException:
             self.close()
             raise
-        self.read_buffer_bytes = read_buffer_bytes
-        self._executor = ReadExecutor(self.storage, self.metadata, buffer_bytes=read_buffer_bytes)
+        self.max_read_bytes = ReadBudget.of(memory_budget_bytes).max_read_bytes
+        self._executor = ReadExecutor(self.storage, self.metadata, memory_budget_bytes=memory_budget_bytes)
         self._slab = torch.empty(0, dtype=torch.uint8)
 
     def describe(self) -> str:
@@ -162,7 +163,7 @@ class CheckpointReader:
             self.metadata,
             [TargetPiece(key=key, box=box) for box in boxes],
             max_read_amplification=DEFAULT_MAX_READ_AMPLIFICATION,
-            max_read_bytes=self.read_buffer_bytes,
+            max_read_bytes=self.max_read_bytes,
         )
         self._executor.run(plan, views, boxes)
 

@@ -86,11 +86,15 @@ class Storage(ABC):
     - ``supports_mapping``: :meth:`map_range` can return mappings (else it returns None and reads go
       through :meth:`read_ranges`).
     - ``supports_ranged_reads``: :meth:`read_ranges` reads ranges without fetching whole files.
+    - ``concurrent_reads``: :meth:`read_ranges` serves the requests of one call concurrently (object
+      stores), so the reader batches them; where False (local files), it issues small reads and verifies
+      each as soon as it lands.
     """
 
     supports_conditional_create: bool = True
     supports_mapping: bool = False
     supports_ranged_reads: bool = True
+    concurrent_reads: bool = True
 
     @abstractmethod
     def describe(self, name: str = "") -> str:
@@ -128,13 +132,15 @@ class Storage(ABC):
         bytes (checked before the content is read where the backend can)."""
 
     @abstractmethod
-    def read_ranges(self, requests: list[ReadRequest]) -> list[int]:
+    def read_ranges(self, requests: list[ReadRequest], *, max_buffered_bytes: int | None = None) -> list[int]:
         """Fill every request's buffer; return the bytes read for each (fewer only at the end of a file).
 
         Backends may serve the requests concurrently and in any order; the caller must not touch the
         buffers until this returns. A backend whose answers can be of another range than asked (HTTP)
         checks each answer's range and length and raises ``RangeReadError`` rather than fill a buffer with
-        other bytes.
+        other bytes. ``max_buffered_bytes``: the most the backend may hold at once of answers not yet in
+        their buffers (an object store's response bodies in flight; a local file reads straight into the
+        buffers and holds none); None leaves it to the backend's transfer options.
         """
 
     @abstractmethod
@@ -143,8 +149,14 @@ class Storage(ABC):
         coordinator only, before any rank writes."""
 
     @abstractmethod
-    def open_writer(self, name: str) -> FileWriter:
-        """Create ``name`` for writing; it must not exist yet (names are unique to each save)."""
+    def open_writer(self, name: str, *, max_buffered_bytes: int | None = None) -> FileWriter:
+        """Create ``name`` for writing; it must not exist yet (names are unique to each save).
+
+        ``max_buffered_bytes``: the most host memory the writer may hold of data written but not yet
+        stored (an object store's parts being filled and in flight); None: the storage's own bound. A
+        writer that cannot keep within it raises :class:`~reshard.StorageError` (on open, or on the write
+        that would exceed it), never exceeds it. Local files hold nothing (the kernel's page cache is not
+        the writer's memory)."""
 
     @abstractmethod
     def commit(self, name: str, data: bytes, *, replace: bool) -> None:

@@ -63,6 +63,10 @@ class RetryPolicy:
             yield rng.uniform(0, min(self.max_delay_s, self.base_delay_s * 2**attempt))
 
 
+MIN_GET_BYTES = 1024 * 1024
+"""The smallest ranged GET a read is cut into when a memory budget shares its bytes among many in flight."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransferOptions:
     """Concurrency and part size of object-store transfers."""
@@ -322,16 +326,53 @@ class ObjectStorage(Storage):
         request.buffer[:count] = memoryview(data)[:count]
         return count
 
-    def read_ranges(self, requests: list[ReadRequest]) -> list[int]:
-        if len(requests) <= 1:
-            return [self._read_one(r) for r in requests]
-        return list(self.pool().map(self._read_one, requests))
+    def get_sizes(self, max_buffered_bytes: int | None) -> tuple[int, int]:
+        """The size of the ranged GETs :meth:`read_ranges` cuts reads into, and how many it keeps in flight,
+        so that at most ``max_buffered_bytes`` of response bodies are in flight: as many GETs as
+        ``max_concurrency`` allows, each at least :data:`MIN_GET_BYTES` (where the budget has room) and at
+        most ``part_bytes``."""
+        transfer = self.transfer
+        cap = transfer.max_concurrency * transfer.part_bytes if max_buffered_bytes is None else max_buffered_bytes
+        piece = max(1, min(transfer.part_bytes, max(MIN_GET_BYTES, cap // transfer.max_concurrency), cap))
+        return piece, max(1, min(transfer.max_concurrency, cap // piece))
+
+    def read_ranges(self, requests: list[ReadRequest], *, max_buffered_bytes: int | None = None) -> list[int]:
+        """Ranged GETs of at most ``part_bytes`` each (smaller under a tight ``max_buffered_bytes``), at most
+        ``max_concurrency`` in flight, and never more response bytes in flight than ``max_buffered_bytes``
+        (default: ``max_concurrency * part_bytes``)."""
+        piece, in_flight = self.get_sizes(max_buffered_bytes)
+        gets = [
+            (index, ReadRequest(r.name, r.offset + start, r.buffer[start : start + piece]))
+            for index, r in enumerate(requests)
+            for start in range(0, len(r.buffer), piece)
+        ]
+        counts = [0] * len(requests)
+        if len(gets) <= 1 or in_flight == 1:
+            for index, get in gets:
+                counts[index] += self._read_one(get)
+            return counts
+        pool = self.pool()
+        running: dict[concurrent.futures.Future[int], int] = {}
+        try:
+            for index, get in gets:
+                if len(running) >= in_flight:
+                    done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                    for future in done:
+                        counts[running.pop(future)] += future.result()
+                running[pool.submit(self._read_one, get)] = index
+            for future in concurrent.futures.as_completed(list(running)):
+                counts[running.pop(future)] += future.result()
+        finally:
+            for future in running:  # after an error: let the others finish before the buffers are released
+                future.cancel()
+            concurrent.futures.wait(running)
+        return counts
 
     def prepare_root(self) -> None:
         """Object stores have no directories."""
 
-    def open_writer(self, name: str) -> FileWriter:
-        return self.strategy.writer(self, name)
+    def open_writer(self, name: str, *, max_buffered_bytes: int | None = None) -> FileWriter:
+        return self.strategy.writer(self, name, max_buffered_bytes)
 
     def commit(self, name: str, data: bytes, *, replace: bool) -> None:
         path = self.object_path(name)

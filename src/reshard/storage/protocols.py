@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from reshard.errors import StorageError
 from reshard.storage.base import FileWriter
 
 if TYPE_CHECKING:
@@ -45,9 +46,9 @@ class ObjectProtocol(ABC):
         """Bytes ``[start, end)`` of ``path`` and the ``Content-Range`` of the answer (None: unknown)."""
         return bytes(fs.cat_file(path, start=start, end=end)), None
 
-    def writer(self, storage: ObjectStorage, name: str) -> FileWriter:
-        """A writer that streams the data object ``name`` up."""
-        return SinglePutWriter(storage, name)
+    def writer(self, storage: ObjectStorage, name: str, max_buffered_bytes: int | None) -> FileWriter:
+        """A writer that streams the data object ``name`` up, holding at most ``max_buffered_bytes``."""
+        return SinglePutWriter(storage, name, max_buffered_bytes)
 
 
 class S3(ObjectProtocol):
@@ -81,8 +82,8 @@ class S3(ObjectProtocol):
 
         return sync(fs.loop, get)  # type: ignore[no-any-return]
 
-    def writer(self, storage: ObjectStorage, name: str) -> FileWriter:
-        return S3MultipartWriter(storage, name)
+    def writer(self, storage: ObjectStorage, name: str, max_buffered_bytes: int | None) -> FileWriter:
+        return S3MultipartWriter(storage, name, max_buffered_bytes)
 
 
 class GCS(ObjectProtocol):
@@ -107,8 +108,8 @@ class GCS(ObjectProtocol):
         found = {k.lower(): v for k, v in dict(headers).items()}
         return bytes(body), found.get("content-range")
 
-    def writer(self, storage: ObjectStorage, name: str) -> FileWriter:
-        return GCSComposeWriter(storage, name)
+    def writer(self, storage: ObjectStorage, name: str, max_buffered_bytes: int | None) -> FileWriter:
+        return GCSComposeWriter(storage, name, max_buffered_bytes)
 
 
 class OtherFsspec(ObjectProtocol):
@@ -144,32 +145,57 @@ class _Upload:
 
 
 class PartsWriter(FileWriter, ABC):
-    """Streams a data object in parts of ``transfer.part_bytes`` uploaded concurrently (at most
-    ``transfer.max_concurrency`` in flight, so memory stays bounded); an object of one part is a single put."""
+    """Streams a data object in parts of ``transfer.part_bytes`` uploaded concurrently; an object of one
+    part is a single put.
 
-    def __init__(self, storage: ObjectStorage, name: str) -> None:
+    Memory: the part being filled, plus the parts in flight (each a copy handed to the upload). With
+    ``max_buffered_bytes`` the number in flight is cut to keep the two within it (at most
+    ``max_buffered_bytes // part_bytes - 1``, and never more than ``transfer.max_concurrency``); a budget
+    below two parts cannot be kept and raises :class:`~reshard.StorageError` on open."""
+
+    def __init__(self, storage: ObjectStorage, name: str, max_buffered_bytes: int | None = None) -> None:
         self.storage = storage
         self.name = name
         self.buffer = bytearray()
         self.position = 0
         self.upload = _Upload()
+        part = storage.transfer.part_bytes
+        self.max_in_flight = storage.transfer.max_concurrency
+        if max_buffered_bytes is not None and self.multipart:
+            if max_buffered_bytes < 2 * part:
+                raise StorageError(
+                    f"{storage.describe(name)}: a memory budget of {max_buffered_bytes} bytes cannot hold the part "
+                    f"being filled and one part in flight ({part} bytes each): raise the budget to at least "
+                    f"{2 * part} bytes or lower TransferOptions(part_bytes=...)"
+                )
+            self.max_in_flight = max(1, min(self.max_in_flight, max_buffered_bytes // part - 1))
+
+    multipart = True
+    """Whether the object goes up in parts (False: one put of the whole object)."""
 
     def tell(self) -> int:
         return self.position
 
     def write(self, data: memoryview) -> None:
-        self.buffer += data
-        self.position += len(data)
+        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         part = self.storage.transfer.part_bytes
-        while len(self.buffer) >= part:
-            chunk = bytes(self.buffer[:part])
-            del self.buffer[:part]
-            self._submit(chunk)
+        self.position += len(view)
+        while view:
+            take = min(len(view), part - len(self.buffer))
+            self.buffer += view[:take]
+            view = view[take:]
+            if len(self.buffer) == part:
+                self._submit_buffer()
 
-    def _submit(self, chunk: bytes) -> None:
+    def _submit_buffer(self) -> None:
+        """Hand the filled buffer to an upload. A slot is waited for first, so that the copy handed over, the
+        buffer it is made from and the parts in flight together stay within ``max_in_flight + 1`` parts."""
         in_flight = [f for f in self.upload.parts if not f.done()]
-        if len(in_flight) >= self.storage.transfer.max_concurrency:
+        while len(in_flight) >= self.max_in_flight:
             concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+            in_flight = [f for f in in_flight if not f.done()]
+        chunk = bytes(self.buffer)
+        self.buffer = bytearray()
         self.upload.parts.append(self.start_part(len(self.upload.parts) + 1, chunk))
 
     @abstractmethod
@@ -185,8 +211,7 @@ class PartsWriter(FileWriter, ABC):
             self.storage.put(self.name, bytes(self.buffer))
             return
         if self.buffer:
-            self._submit(bytes(self.buffer))
-            self.buffer = bytearray()
+            self._submit_buffer()
         self.finish([f.result() for f in self.upload.parts])
 
     def abort(self) -> None:
@@ -205,9 +230,22 @@ class PartsWriter(FileWriter, ABC):
 
 
 class SinglePutWriter(PartsWriter):
-    """Buffers the whole object and puts it once (stores without multipart uploads)."""
+    """Buffers the whole object and puts it once (stores without multipart uploads): a data file larger
+    than ``max_buffered_bytes`` cannot be written, and the write that would exceed it raises."""
+
+    multipart = False
+
+    def __init__(self, storage: ObjectStorage, name: str, max_buffered_bytes: int | None = None) -> None:
+        super().__init__(storage, name, max_buffered_bytes)
+        self.max_buffered_bytes = max_buffered_bytes
 
     def write(self, data: memoryview) -> None:
+        if self.max_buffered_bytes is not None and self.position + len(data) > self.max_buffered_bytes:
+            raise StorageError(
+                f"{self.storage.describe(self.name)}: {self.storage.protocol}:// stores a data file in one put, "
+                f"buffered whole in memory, and this one grows past the memory budget of "
+                f"{self.max_buffered_bytes} bytes (SaveOptions(memory_budget_bytes=...))"
+            )
         self.buffer += data
         self.position += len(data)
 
@@ -221,8 +259,8 @@ class SinglePutWriter(PartsWriter):
 class S3MultipartWriter(PartsWriter):
     """An S3 multipart upload."""
 
-    def __init__(self, storage: ObjectStorage, name: str) -> None:
-        super().__init__(storage, name)
+    def __init__(self, storage: ObjectStorage, name: str, max_buffered_bytes: int | None = None) -> None:
+        super().__init__(storage, name, max_buffered_bytes)
         self.bucket, self.key = storage.object_path(name).split("/", 1)
 
     def start_part(self, number: int, chunk: bytes) -> concurrent.futures.Future[Any]:
