@@ -1,5 +1,6 @@
-"""Keeps ``benchmarks/compare.py`` working: a tiny run (a few MiB, one repetition, 2 ranks) of every system,
-with the JSON report checked for its structure and for positive figures.
+"""Keeps ``benchmarks/compare.py`` working: a tiny run (a few MiB, one repetition, 2 ranks) of every system in
+warm processes, and of the cold-start mode (fresh processes per operation), with the JSON report checked for
+its structure and for positive figures.
 
 Megatron-Core is an optional benchmark extra: when it is not installed the benchmark skips it (and says so in
 the report), and so does this test."""
@@ -28,27 +29,28 @@ def _megatron_installed() -> bool:
         return False
 
 
-@pytest.mark.timeout(180)
-def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
-    out = tmp_path / "report.json"
-    ckpt_dir = tmp_path / "ckpt"
-    command = [
+def _tiny_compare(ckpt_dir: Path, out: Path, *options: str) -> list[str]:
+    """benchmarks/compare.py at 4 MiB, one repetition, checkpoints in ``ckpt_dir``, the JSON report in ``out``."""
+    return [
         sys.executable,
         str(SCRIPT),
         "--size-gib",
         "0.004",
         "--repeat",
         "1",
-        "--ranks",
-        "2",
-        "--load-world",
-        "1",
-        "--dp-replicas",
+        *options,
         "--dir",
         str(ckpt_dir),
         "--json",
         str(out),
     ]
+
+
+@pytest.mark.timeout(180)
+def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    ckpt_dir = tmp_path / "ckpt"
+    command = _tiny_compare(ckpt_dir, out, "--ranks", "2", "--load-world", "1", "--dp-replicas", "--mode", "warm")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
     proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=170, cwd=tmp_path, env=env)
@@ -67,6 +69,7 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
         "limit.write",
         "limit.read",
         "limit.memcpy",
+        "limit.crc32c",
         "reshard.save",
         "reshard.load_same",
         "reshard.load_axis",
@@ -122,6 +125,10 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
     axis0 = report["accounting"]["load_axis"]["axis1->axis0"]
     assert axis0["bytes_read"] == axis0["bytes_needed"]
 
+    for name in ("reshard.save", "reshard.load_same", "reshard.load_axis"):  # reshard's own phase clock
+        parts = phases[name]["reshard_phases_median"]
+        assert parts["total"] > 0 and all(v >= 0 for v in parts.values()), name
+        assert all(v <= parts["total"] for v in parts.values()), name  # each phase is part of the whole
     ratios = {row["name"]: row for row in report["ratios"]}
     for name in (
         "save: reshard GB/s / fsync'ed write GB/s",
@@ -131,9 +138,59 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
         "async: blocking time / synchronous save",
         "DP=2 save: reshard time / DCP time",
     ):
-        row = ratios[name]
+        row = ratios[f"warm: {name}"]
         assert row["value"] is not None and math.isfinite(row["value"]) and row["value"] > 0, name
         assert row["target"] is not None and row["pass"] in (True, False), name
+
+
+@pytest.mark.timeout(240)
+def test_compare_cold_start_mode_runs_at_a_tiny_size(tmp_path: Path) -> None:
+    """``--mode cold``: every operation in freshly spawned ranks, reshard and DCP alternating, with the limits
+    (write + fsync, page-cache read, memcpy, CRC-32C) and the DP=2 saves, reported as ``cold.`` phases and
+    ratios, with reshard's per-phase breakdown and the import times paid before the clock."""
+    out = tmp_path / "cold.json"
+    command = _tiny_compare(
+        tmp_path / "ckpt", out, "--mode", "cold", "--systems", "limits,reshard,dcp", "--dp-replicas"
+    )
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=220, cwd=tmp_path)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    report = json.loads(out.read_text())
+    assert report["config"]["mode"] == "cold"
+    phases = report["phases"]
+    expected = {
+        *(f"cold.limit.{k}" for k in ("write", "read", "memcpy", "crc32c")),
+        *(f"cold.{s}.{op}" for s in ("reshard", "dcp") for op in ("save", "load_same", "load_axis")),
+        "cold.reshard.async_first",
+        "cold.reshard.async_warmup",
+        "cold.dp.limit.write",
+        "cold.dp.reshard.save",
+        "cold.dp.dcp.save",
+    }
+    assert set(phases) == expected, sorted(set(phases) ^ expected)
+    for name, phase in phases.items():
+        assert phase["ranks"] == (4 if name.startswith("cold.dp.") else 2), name
+        assert phase["seconds_median"] > 0 and phase["gb_per_s"] > 0, name
+    for name in ("cold.reshard.save", "cold.reshard.load_same", "cold.reshard.load_axis", "cold.dp.reshard.save"):
+        assert phases[name]["reshard_phases_median"]["total"] > 0, name
+    assert set(report["imports_seconds_median"]) == {"reshard", "dcp"}
+    ratios = {row["name"]: row for row in report["ratios"]}
+    for name in (
+        "cold: save: reshard time / DCP time",
+        "cold: save: reshard GB/s / fsync'ed write GB/s",
+        "cold: load same: reshard time / DCP time",
+        "cold: load split axis flipped: reshard time / DCP time",
+        "cold: DP=2 save: reshard time / DCP time",
+        "cold: load: reshard extra peak RSS per rank (MiB, worst load)",
+        "cold: load: reshard extra peak RSS per rank / budget (worst load)",
+        "cold: save: reshard extra peak RSS per rank / budget",
+        "cold: async (first save after warmup()): blocking time / memcpy",
+    ):
+        row = ratios[name]
+        assert row["value"] is not None and math.isfinite(row["value"]) and row["value"] > 0, name
+        assert row["pass"] in (True, False), name
+    assert not any(name.startswith("warm:") for name in ratios)
+    assert report["memory_budgets"] == {"save": 256 * 2**20, "load": 32 * 2**20}
+    assert "cold: save: reshard time / DCP time" in proc.stdout
 
 
 @pytest.mark.timeout(240)
