@@ -58,11 +58,11 @@ LAYOUTS = [
 def test_every_layout_computes_the_same_training(pool8: RankPool) -> None:
     """The model is correct on every parallel dimension: the losses of the first steps (forward, backward,
     gradient reduction and Adam) match the single-rank run up to floating-point reassociation."""
-    reference = pool8.run_ok(rank_losses, "tp=1", 3)[0]
-    assert reference[2] < reference[0]  # it learns
+    reference = pool8.run_ok(rank_losses, "tp=1", 8)[0]
+    assert max(reference[-3:]) < reference[0]  # it learns (after the warmup of the learning rate)
     for layout in LAYOUTS:
         losses = pool8.run_ok(rank_losses, layout, 3)[0]
-        assert losses == pytest.approx(reference, rel=2e-5), layout
+        assert losses == pytest.approx(reference[:3], rel=2e-5), layout
 
 
 def rank_train_and_save(ctx: RankContext, layout: str, steps: int, path: str) -> dict[str, Any] | None:

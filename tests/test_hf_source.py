@@ -187,3 +187,17 @@ def test_source_on_an_object_store_reads_only_the_ranges_needed(object_store: An
     expected = torch.cat([torch.arange(64.0).reshape(16, 4), -torch.arange(32.0).reshape(8, 4)])[14:18]
     assert torch.equal(rows.data, expected)
     assert stats.bytes_read == stats.bytes_needed == 4 * 4 * 4
+
+
+def test_source_tensors_no_template_uses_are_an_error_unless_allowed(tmp_path: Path) -> None:
+    """A key map that does not fit silently drops weights: source tensors that no template key uses raise
+    MismatchError naming them; allow_unused=True loads part of the source."""
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    save_file({"a": torch.ones(2, 3), "b": torch.zeros(2, 4), "c": torch.zeros(1)}, str(hf_dir / "model.safetensors"))
+    with pytest.raises(reshard.MismatchError, match=r"2 tensors of the source are used by no template key.*'b', 'c'"):
+        reshard.load({"a": torch.zeros(2, 3)}, HuggingFaceSource(hf_dir))
+    with pytest.raises(reshard.MismatchError, match=r"1 tensors .*'c'.*allow_unused=True"):
+        reshard.load({"x": torch.zeros(2, 7)}, HuggingFaceSource(hf_dir, key_map={"x": Concat("a", "b", axis=1)}))
+    out = reshard.load({"a": torch.zeros(2, 3)}, HuggingFaceSource(hf_dir, allow_unused=True))
+    assert torch.equal(out["a"], torch.ones(2, 3))

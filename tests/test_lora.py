@@ -68,13 +68,13 @@ LORA_LAYOUTS = ["tp=2", "dp=2,ep=2", "tp=2,etp=2", "cp=2,dp=2,ep=2,etp=2", "tp=2
 def test_lora_trains_the_same_on_every_layout_with_the_base_frozen(pool8: RankPool) -> None:
     """The TP/ETP-aware adapters are correct: losses match one rank (up to reassociation), only adapters
     move, and Adam holds state for the adapters alone."""
-    reference = pool8.run_ok(rank_lora_losses, "tp=1", 3)[0]
-    assert reference["losses"][2] < reference["losses"][0]
+    reference = pool8.run_ok(rank_lora_losses, "tp=1", 8)[0]
+    assert min(reference["losses"][-3:]) < reference["losses"][0]  # it learns (after the learning-rate warmup)
     assert reference["base_frozen"] and reference["adapters_moved"]
     assert reference["optimizer_keys"] and all(is_adapter_key(k) for k in reference["optimizer_keys"])
     for layout in LORA_LAYOUTS:
         result = pool8.run_ok(rank_lora_losses, layout, 3)[0]
-        assert result["losses"] == pytest.approx(reference["losses"], rel=2e-5), layout
+        assert result["losses"] == pytest.approx(reference["losses"][:3], rel=2e-5), layout
         assert result["base_frozen"] and result["adapters_moved"], layout
 
 

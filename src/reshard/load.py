@@ -205,7 +205,7 @@ def _load_from(
     missing: list[str] = []
     pieces: list[LocalPiece] = []
 
-    def plan() -> None:
+    def plan() -> list[str] | None:
         template = flatten_state_dict(state_dict, rank=comm.rank, dedup=False)
         missing.extend(_check_template(template, metadata, strict=strict, allow_dtype_cast=options.allow_dtype_cast))
         flat.tensors, flat.objects = template.tensors, template.objects
@@ -222,9 +222,24 @@ def _load_from(
                 max_read_bytes=ReadBudget.of(options.memory_budget_bytes).max_read_bytes,
             )
         )
+        # Sources that refuse unused entries (safetensors) need every rank's keys: a rank holds one stage.
+        return sorted({t.key for t in flat.tensors}) if source.refuses_unused else None
+
+    def check_unused(keys_per_rank: list[list[str] | None]) -> None:
+        """On the coordinator: the source's entries no rank's template uses, an error where it refuses them."""
+        if not source.refuses_unused:
+            return
+        unused = source.unused_entries({key for keys in keys_per_rank for key in keys or ()})
+        if unused:
+            shown = ", ".join(repr(name) for name in unused[:20])
+            raise MismatchError(
+                f"{source.describe()}: {len(unused)} tensors of the source are used by no template key of this "
+                f"load: {shown}{' ...' if len(unused) > 20 else ''} (a key map that does not fit the checkpoint? "
+                "pass allow_unused=True to the source to load a part of it)"
+            )
 
     with clock.exchange():
-        comm.step("load planning", clock.timed("plan", plan))
+        comm.step("load planning", clock.timed("plan", plan), check_unused)
     if missing:
         warnings.warn(
             f"reshard.load(strict=False): {len(missing)} entries are not in the checkpoint and were left as "

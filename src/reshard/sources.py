@@ -56,6 +56,16 @@ class CheckpointSource(ABC):
     def decode_metadata(self, raw: bytes) -> Metadata:
         """On the other ranks: the metadata from the bytes the coordinator read (and validated)."""
 
+    refuses_unused = False
+    """Whether entries that no template key of a load uses (over all its ranks) are an error (see
+    :meth:`unused_entries`). Not for a reshard checkpoint: loading part of one (the model without the
+    optimizer) is normal."""
+
+    def unused_entries(self, keys: set[str]) -> list[str]:
+        """The entries of the source that a load whose templates (over all its ranks) hold ``keys`` would not
+        use, where :attr:`refuses_unused` (else ``[]``)."""
+        return []
+
     def close(self) -> None:
         """Release the storage."""
         self.storage.close()

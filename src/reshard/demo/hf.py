@@ -1,24 +1,27 @@
-"""Hugging Face naming of the demo GPT: load a Llama/Mixtral-style safetensors checkpoint straight into
-any layout of the demo model, and name the demo model's full tensors the Hugging Face way.
+"""Hugging Face naming of the reference GPT: load a Llama checkpoint (as transformers' ``save_pretrained``
+writes it) straight into any layout of the model, and name the model's full tensors the Hugging Face way.
 
 The demo model's modules map to Hugging Face's like this (``L`` a layer, ``e`` an expert)::
 
     embedding.word_embeddings.weight            model.embed_tokens.weight
     decoder.layers.L.input_norm.weight          model.layers.L.input_layernorm.weight
     decoder.layers.L.self_attention.qkv.weight  Concat(q_proj, k_proj, v_proj)   (model.layers.L.self_attn.*)
-    decoder.layers.L.self_attention.proj.weight model.layers.L.self_attn.o_proj.weight
+    decoder.layers.L.self_attention.qkv.bias    Concat(q_proj, k_proj, v_proj)   (biases, attention_bias)
+    decoder.layers.L.self_attention.proj.weight model.layers.L.self_attn.o_proj.weight (and .bias)
     decoder.layers.L.pre_mlp_norm.weight        model.layers.L.post_attention_layernorm.weight
     decoder.layers.L.mlp.fc1.weight             Concat(gate_proj, up_proj)       (model.layers.L.mlp.*)
-    decoder.layers.L.mlp.fc2.weight             model.layers.L.mlp.down_proj.weight
+    decoder.layers.L.mlp.fc1.bias               Concat(gate_proj, up_proj)       (biases, mlp_bias)
+    decoder.layers.L.mlp.fc2.weight             model.layers.L.mlp.down_proj.weight (and .bias)
     decoder.layers.L.mlp.router.weight          model.layers.L.mlp.gate.weight
     decoder.layers.L.mlp.experts.fc1.weight     Stack(model.layers.L.mlp.experts.e.up_proj.weight, e = 0..E-1)
     decoder.layers.L.mlp.experts.fc2.weight     Stack(model.layers.L.mlp.experts.e.down_proj.weight, ...)
     decoder.final_norm.weight                   model.norm.weight
-    output_layer.weight                         lm_head.weight
+    output_layer.weight                         lm_head.weight                   (absent when tied)
 
 The fused QKV's global layout is ``[all Q heads; all K heads; all V heads]`` (grouped-query attention
 regrouping happens in each rank's local layout), so it is exactly the concatenation of Hugging Face's
-three projections; the demo model has no rotary embedding, so no head permutation is involved.
+three projections. Hugging Face stores each head's rows in the order its rotary embedding pairs them (the
+two halves of the head), and the model applies the rotation the same way, so no permutation is involved.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ def demo_hf_key_map(model: ModelConfig) -> dict[str, Source]:
     key_map: dict[str, Source] = {
         "embedding.word_embeddings.weight": "model.embed_tokens.weight",
         "decoder.final_norm.weight": "model.norm.weight",
-        "output_layer.weight": "lm_head.weight",
     }
+    if not model.tie_word_embeddings:
+        key_map["output_layer.weight"] = "lm_head.weight"
     for layer in range(model.num_layers):
         ours, theirs = f"decoder.layers.{layer}", f"model.layers.{layer}"
         attn, mlp = f"{theirs}.self_attn", f"{theirs}.mlp"
@@ -47,6 +51,11 @@ def demo_hf_key_map(model: ModelConfig) -> dict[str, Source]:
             f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"
         )
         key_map[f"{ours}.self_attention.proj.weight"] = f"{attn}.o_proj.weight"
+        if model.attention_bias:
+            key_map[f"{ours}.self_attention.qkv.bias"] = Concat(
+                f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"
+            )
+            key_map[f"{ours}.self_attention.proj.bias"] = f"{attn}.o_proj.bias"
         key_map[f"{ours}.pre_mlp_norm.weight"] = f"{theirs}.post_attention_layernorm.weight"
         if layer in model.moe_layers:
             key_map[f"{ours}.mlp.router.weight"] = f"{mlp}.gate.weight"
@@ -56,12 +65,15 @@ def demo_hf_key_map(model: ModelConfig) -> dict[str, Source]:
         else:
             key_map[f"{ours}.mlp.fc1.weight"] = Concat(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight")
             key_map[f"{ours}.mlp.fc2.weight"] = f"{mlp}.down_proj.weight"
+            if model.mlp_bias:
+                key_map[f"{ours}.mlp.fc1.bias"] = Concat(f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias")
+                key_map[f"{ours}.mlp.fc2.bias"] = f"{mlp}.down_proj.bias"
     return key_map
 
 
 def _fused_rows(key: str, model: ModelConfig) -> list[int]:
     """Rows of each part of the fused tensor ``key``: ``[Q; K; V]`` or ``[gate; up]``."""
-    if key.endswith("self_attention.qkv.weight"):
+    if ".self_attention.qkv." in key:
         kv_rows = model.num_query_groups * model.head_dim
         return [model.num_heads * model.head_dim, kv_rows, kv_rows]
     return [model.ffn_hidden, model.ffn_hidden]

@@ -28,9 +28,13 @@ stacked per layer like the experts (``[E, r, in]`` and ``[E, out, r]``), split b
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import zlib
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,7 +55,15 @@ __all__ = ["LORA_TARGETS", "GPTStage", "LoraConfig", "ModelConfig", "ParamLayout
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
-    """Sizes of the demo GPT. ``moe_layers`` are the global layer numbers that use experts."""
+    """Sizes and options of the reference GPT, a Llama-family decoder: RMSNorm (``rms_norm_eps``), rotary
+    position embeddings (``rope_theta``; ``rope_scaling`` None or the ``llama3`` scaling of Llama 3.1),
+    grouped-query attention (``num_query_groups`` key/value heads of ``head_dim``), optional biases on the
+    attention projections (``attention_bias``) and on the MLP (``mlp_bias``), a gated MLP (``hidden_act`` of
+    the gate: ``silu`` for SwiGLU, or ``gelu``), and an output layer that is its own tensor or the word
+    embedding (``tie_word_embeddings``). ``moe_layers`` are the global layer numbers that use experts.
+
+    :meth:`from_hf` builds one from a Hugging Face Llama config; :meth:`check` says which layouts can run it.
+    """
 
     vocab_size: int = 61
     hidden: int = 32
@@ -67,6 +79,28 @@ class ModelConfig:
     seq_len: int = 16
     vocab_pad_multiple: int = 8
     seed: int = 1234
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hidden_act not in GATE_ACTIVATIONS:
+            supported = sorted(GATE_ACTIVATIONS)
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported: the model has {supported}")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type")
+            if rope_type != "llama3":
+                raise ValueError(
+                    f"rope_scaling with rope_type={rope_type!r} is not supported: the model has the default "
+                    "rotary embedding and the 'llama3' scaling"
+                )
+            missing = sorted(set(LLAMA3_ROPE_KEYS) - set(self.rope_scaling))
+            if missing:
+                raise ValueError(f"rope_scaling of type 'llama3' needs {missing}")
 
     def padded_vocab(self, tp: int) -> int:
         multiple = tp * self.vocab_pad_multiple
@@ -88,6 +122,11 @@ class ModelConfig:
             problems.append(f"num_experts={self.num_experts} is not divisible by ep={parallel.ep}")
         if self.moe_layers and self.expert_ffn_hidden % parallel.etp:
             problems.append(f"expert_ffn_hidden={self.expert_ffn_hidden} is not divisible by etp={parallel.etp}")
+        if self.tie_word_embeddings and parallel.pp > 1:
+            problems.append(
+                "tie_word_embeddings=True needs pp=1 (the reference model does not share the embedding between "
+                "the first and the last pipeline stage)"
+            )
         if problems:
             raise ValueError(f"layout {parallel.describe()} cannot run this model: " + "; ".join(problems))
 
@@ -98,8 +137,106 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> ModelConfig:
-        return cls(**{**doc, "moe_layers": tuple(doc["moe_layers"])})
+        """The inverse of :meth:`to_dict`; options a document lacks take their defaults (documents written
+        before they existed), and an option this model does not know is an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(doc) - known)
+        if unknown:
+            raise ValueError(f"unknown model options {unknown}")
+        values = dict(doc)
+        if "moe_layers" in values:
+            values["moe_layers"] = tuple(values["moe_layers"])
+        return cls(**values)
 
+    @classmethod
+    def from_hf(cls, config: Any, **overrides: Any) -> ModelConfig:
+        """The model of a Hugging Face Llama config: a ``transformers`` config object, a ``config.json`` path
+        or the directory holding it, or the parsed dict. ``overrides`` set the options Hugging Face does not
+        describe (``seq_len``, ``seed``, ``vocab_pad_multiple``).
+
+        Raises:
+            ValueError: the config describes something this model does not compute exactly (another
+                architecture, a rope type other than default and llama3, partial rotary embeddings, an
+                activation other than silu and gelu, attention dropout), naming the option.
+        """
+        return cls(**hf_config_options(config), **overrides)
+
+
+GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu}
+"""The activations of the MLP's gate the model supports, by their Hugging Face names."""
+
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def hf_config_options(config: Any) -> dict[str, Any]:
+    """The :class:`ModelConfig` options of a Hugging Face Llama config (see :meth:`ModelConfig.from_hf`)."""
+    doc = _hf_config_dict(config)
+    model_type = doc.get("model_type")
+    if model_type != "llama":
+        raise ValueError(f"model_type={model_type!r} is not supported by the reference model (it reproduces 'llama')")
+    heads = int(doc["num_attention_heads"])
+    hidden = int(doc["hidden_size"])
+    head_dim = doc.get("head_dim") or hidden // heads
+    rope = dict(doc.get("rope_parameters") or {})
+    legacy_scaling = doc.get("rope_scaling")
+    if legacy_scaling:  # transformers 4.x configs: rope_theta beside rope_scaling
+        rope = {**dict(legacy_scaling), **rope}
+        rope.setdefault("rope_type", rope.pop("type", None))
+    theta = float(rope.get("rope_theta", doc.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", "default") or "default"
+    if float(rope.get("partial_rotary_factor", doc.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ValueError("partial_rotary_factor other than 1.0 is not supported by the reference model")
+    if float(doc.get("attention_dropout") or 0.0) != 0.0:
+        raise ValueError("attention_dropout other than 0 is not supported by the reference model")
+    scaling = None
+    if rope_type == "llama3":
+        scaling = {"rope_type": "llama3", **{k: rope[k] for k in LLAMA3_ROPE_KEYS if k in rope}}
+    elif rope_type != "default":
+        raise ValueError(
+            f"rope_type={rope_type!r} is not supported by the reference model (it has 'default' and 'llama3')"
+        )
+    kv_heads = doc.get("num_key_value_heads") or heads
+    return {
+        "vocab_size": int(doc["vocab_size"]),
+        "hidden": hidden,
+        "num_layers": int(doc["num_hidden_layers"]),
+        "num_heads": heads,
+        "num_query_groups": int(kv_heads),
+        "head_dim": int(head_dim),
+        "ffn_hidden": int(doc["intermediate_size"]),
+        "moe_layers": (),
+        "rms_norm_eps": float(doc.get("rms_norm_eps", 1e-6)),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "attention_bias": bool(doc.get("attention_bias", False)),
+        "mlp_bias": bool(doc.get("mlp_bias", False)),
+        "hidden_act": str(doc.get("hidden_act", "silu")),
+        "tie_word_embeddings": bool(doc.get("tie_word_embeddings", False)),
+    }
+
+
+def _hf_config_dict(config: Any) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, str | os.PathLike):
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict):
+            raise TypeError(f"{path}: not a JSON object")
+        return doc
+    to_dict = getattr(config, "to_dict", None)
+    if to_dict is None:
+        raise TypeError(f"expected a transformers config, a config.json path or a dict, got {type(config).__name__}")
+    doc = to_dict()
+    if not isinstance(doc, dict):
+        raise TypeError("config.to_dict() did not return a dict")
+    return doc
+
+
+EMBEDDING_KEY = "embedding.word_embeddings.weight"
+OUTPUT_WEIGHT_KEY = "output_layer.weight"
 
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts.fc1", "experts.fc2")
 """The linears LoRA can adapt: attention QKV and output projection, the dense MLP's fc1 and fc2, and the
@@ -219,8 +356,37 @@ def init_global(key: str, shape: tuple[int, ...], seed: int, *, lora_b: str = "z
     return torch.randn(shape, generator=generator) / math.sqrt(fan_in)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """The rotary embedding's inverse frequencies over ``head_dim``, as transformers computes them for Llama
+    (the default, or Llama 3.1's scaling that divides the low frequencies and blends the middle ones)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    context = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[batch, seq, heads, head_dim]`` rotated by the ``[seq, head_dim]`` tables (halves convention)."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
 class GPTStage:
@@ -250,6 +416,8 @@ class GPTStage:
         self.has_embedding = 0 in self.virtual_stages
         self.has_output = self.num_chunks - 1 in self.virtual_stages
         self.layouts: dict[str, ParamLayout] = {}
+        self._inv_freq = rope_inverse_frequencies(config)
+        self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._build_layouts()
         if lora is not None:
             for key in list(self.layouts):
@@ -332,6 +500,16 @@ class GPTStage:
                 )
                 heads_cols = groups_local * per_group * d
                 self._dense(f"{prefix}.self_attention.proj.weight", (h, q_rows), (h, heads_cols), (0, r * heads_cols))
+                if cfg.attention_bias:
+                    self._dense(
+                        f"{prefix}.self_attention.qkv.bias",
+                        (q_rows + 2 * kv_rows,),
+                        (qkv_local,),
+                        (0,),
+                        segment_axis=0,
+                        segments=tuple(segments),
+                    )
+                    self._dense(f"{prefix}.self_attention.proj.bias", (h,), (h,), (0,), tp_replicated=True)
                 self._dense(f"{prefix}.pre_mlp_norm.weight", (h,), (h,), (0,), tp_replicated=True)
                 if layer in cfg.moe_layers:
                     self._build_moe_layouts(prefix)
@@ -345,11 +523,26 @@ class GPTStage:
                         segments=((r * ffn_local, ffn_local), (cfg.ffn_hidden + r * ffn_local, ffn_local)),
                     )
                     self._dense(f"{prefix}.mlp.fc2.weight", (h, cfg.ffn_hidden), (h, ffn_local), (0, r * ffn_local))
+                    if cfg.mlp_bias:
+                        self._dense(
+                            f"{prefix}.mlp.fc1.bias",
+                            (2 * cfg.ffn_hidden,),
+                            (2 * ffn_local,),
+                            (0,),
+                            segment_axis=0,
+                            segments=((r * ffn_local, ffn_local), (cfg.ffn_hidden + r * ffn_local, ffn_local)),
+                        )
+                        self._dense(f"{prefix}.mlp.fc2.bias", (h,), (h,), (0,), tp_replicated=True)
         if self.has_output:
             self._dense("decoder.final_norm.weight", (h,), (h,), (0,), tp_replicated=True)
-            self._dense(
-                "output_layer.weight", (vocab_padded, h), (rows, h), (r * rows, 0), logical_shape=(cfg.vocab_size, h)
-            )
+            if not cfg.tie_word_embeddings:  # tied: the output layer is the word embedding (pp=1, see check)
+                self._dense(
+                    "output_layer.weight",
+                    (vocab_padded, h),
+                    (rows, h),
+                    (r * rows, 0),
+                    logical_shape=(cfg.vocab_size, h),
+                )
 
     def _build_moe_layouts(self, prefix: str) -> None:
         cfg = self.config
@@ -439,6 +632,9 @@ class GPTStage:
         rank's output columns, with its adapter's update. ``A``'s gradient is summed over the group
         (``copy_to_group`` of ``x A^T``), so the replicated ``A`` stays identical on every rank."""
         out = copy_to_group(x, group) @ self.params[key].t()
+        bias = self.params.get(key.removesuffix(".weight") + ".bias")
+        if bias is not None:
+            out = out + bias
         adapter = self._adapter_tensors(key)
         if adapter is None:
             return out
@@ -458,6 +654,9 @@ class GPTStage:
         (summed over ``group``), with its adapter's update (``x A^T`` summed over the group, then the
         replicated ``B``)."""
         out = reduce_from_group(x @ self.params[key].t(), group)
+        bias = self.params.get(key.removesuffix(".weight") + ".bias")  # replicated: added once, after the sum
+        if bias is not None:
+            out = out + bias
         adapter = self._adapter_tensors(key)
         if adapter is None:
             return out
@@ -475,8 +674,9 @@ class GPTStage:
     def layer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         prefix = f"decoder.layers.{layer}"
         p = self.params
-        x = x + self._attention(prefix, rms_norm(x, p[f"{prefix}.input_norm.weight"]))
-        normed = rms_norm(x, p[f"{prefix}.pre_mlp_norm.weight"])
+        eps = self.config.rms_norm_eps
+        x = x + self._attention(prefix, rms_norm(x, p[f"{prefix}.input_norm.weight"], eps))
+        normed = rms_norm(x, p[f"{prefix}.pre_mlp_norm.weight"], eps)
         if layer in self.config.moe_layers:
             return x + self._moe(prefix, normed)
         return x + self._mlp(prefix, normed)
@@ -489,8 +689,9 @@ class GPTStage:
         groups_local = cfg.num_query_groups // tp.size
         qkv = self._column(f"{prefix}.self_attention.qkv.weight", x, tp)
         qkv = qkv.view(batch, seq, groups_local, per_group + 2, cfg.head_dim)
-        q = qkv[:, :, :, :per_group].reshape(batch, seq, groups_local * per_group, cfg.head_dim)
-        k = qkv[:, :, :, per_group].repeat_interleave(per_group, dim=2)
+        cos, sin = self._rope_tables(seq)
+        q = apply_rope(qkv[:, :, :, :per_group].reshape(batch, seq, groups_local * per_group, cfg.head_dim), cos, sin)
+        k = apply_rope(qkv[:, :, :, per_group], cos, sin).repeat_interleave(per_group, dim=2)
         v = qkv[:, :, :, per_group + 1].repeat_interleave(per_group, dim=2)
         context = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
@@ -498,11 +699,20 @@ class GPTStage:
         context = context.transpose(1, 2).reshape(batch, seq, -1)
         return self._row(f"{prefix}.self_attention.proj.weight", context, tp)
 
+    def _rope_tables(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[seq, head_dim]`` of positions ``0 .. seq-1`` (every rank holds whole sequences)."""
+        tables = self._rope_cache.get(seq)
+        if tables is None:
+            freqs = torch.arange(seq, dtype=torch.float32)[:, None] * self._inv_freq[None, :]
+            angles = torch.cat((freqs, freqs), dim=-1)
+            tables = self._rope_cache[seq] = (angles.cos(), angles.sin())
+        return tables
+
     def _mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         tp = self.groups.tp
         gate_up = self._column(f"{prefix}.mlp.fc1.weight", x, tp)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self._row(f"{prefix}.mlp.fc2.weight", F.silu(gate) * up, tp)
+        return self._row(f"{prefix}.mlp.fc2.weight", GATE_ACTIVATIONS[self.config.hidden_act](gate) * up, tp)
 
     def _moe(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -550,8 +760,9 @@ class GPTStage:
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """Logits over the logical vocabulary (padding columns removed)."""
-        x = rms_norm(x, self.params["decoder.final_norm.weight"])
-        local = copy_to_group(x, self.groups.tp) @ self.params["output_layer.weight"].t()
+        x = rms_norm(x, self.params["decoder.final_norm.weight"], self.config.rms_norm_eps)
+        weight = self.params[OUTPUT_WEIGHT_KEY if not self.config.tie_word_embeddings else EMBEDDING_KEY]
+        local = copy_to_group(x, self.groups.tp) @ weight.t()
         return gather_last_dim(local, self.groups.tp)[..., : self.config.vocab_size]
 
 

@@ -108,6 +108,33 @@ class Trainer:
         holders = parallel.tp * parallel.cp * parallel.dp
         return float(total) / holders
 
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The model's logits ``[batch, seq, vocab]`` for ``tokens`` ``[batch, seq]`` (positions 0 .. seq-1),
+        through every pipeline stage. Called by every rank of the layout with the same tokens; the ranks of
+        the last stage return the logits, the others None."""
+        g = self.groups
+        stage = self.stage
+        pp = g.config.pp
+        shape = (tokens.shape[0], tokens.shape[1], self.model_config.hidden)
+        x: torch.Tensor | None = None
+        for virtual in range(stage.num_chunks):
+            owner = virtual % pp
+            if owner != g.coords.pp:
+                continue
+            if virtual == 0:
+                x = stage.embed(tokens)
+            elif (virtual - 1) % pp != owner or x is None:
+                x = torch.empty(shape)
+                dist.recv(x, src=g.pp.ranks[(virtual - 1) % pp], group=g.pp.process_group)
+            for layer in stage.chunks[stage.virtual_stages.index(virtual)]:
+                x = stage.layer(layer, x)
+            if virtual == stage.num_chunks - 1:
+                return stage.output(x)
+            if (virtual + 1) % pp != owner:
+                dist.send(x, dst=g.pp.ranks[(virtual + 1) % pp], group=g.pp.process_group)
+        return None
+
     def _forward_backward(self, tokens: torch.Tensor, *, scale: float) -> torch.Tensor:
         """One micro-batch through every virtual pipeline stage and back. Returns this rank's loss (0 where
         the rank does not hold the last stage)."""

@@ -252,6 +252,9 @@ class HuggingFaceSource(CheckpointSource):
         key_map: template key -> source (a tensor name, :class:`Concat` or :class:`Stack`); keys it does not
             name are looked up under their own name (see the module doc).
         storage_options: passed to the object-store client.
+        allow_unused: whether source tensors that no template key of the load uses (over all its ranks) are
+            allowed; by default they raise :class:`~reshard.MismatchError` listing them, since a tensor a
+            model does not ask for is usually a key map that does not fit the checkpoint.
 
     Each rank reads only the bytes of its boxes; safetensors has no checksums, so nothing is verified.
     """
@@ -262,10 +265,27 @@ class HuggingFaceSource(CheckpointSource):
         key_map: KeyMap | None = None,
         *,
         storage_options: dict[str, Any] | None = None,
+        allow_unused: bool = False,
     ) -> None:
         self.storage = storage_for(path, storage_options)
         self._owns_storage = self.storage is not path
         self.key_map = key_map
+        self.allow_unused = allow_unused
+        self._source_names: list[str] = []
+
+    @property
+    def refuses_unused(self) -> bool:  # type: ignore[override]
+        return not self.allow_unused
+
+    def unused_entries(self, keys: set[str]) -> list[str]:
+        if self.allow_unused:
+            return []
+        key_map = self.key_map or {}
+        used: set[str] = set()
+        for key in keys:
+            spec = key_map.get(key, key)
+            used.update([spec] if isinstance(spec, str) else spec.sources)
+        return sorted(set(self._source_names) - used)
 
     def read_metadata(self) -> tuple[bytes, Metadata]:
         if not is_safetensors_source(self.storage):
@@ -274,10 +294,13 @@ class HuggingFaceSource(CheckpointSource):
                 "safetensors checkpoint"
             )
         description = describe_source(self.storage)
+        self._source_names = list(description["tensors"])
         return json.dumps(description).encode(), source_metadata(description, self.key_map)
 
     def decode_metadata(self, raw: bytes) -> Metadata:
-        return source_metadata(json.loads(raw), self.key_map)
+        description = json.loads(raw)
+        self._source_names = list(description["tensors"])
+        return source_metadata(description, self.key_map)
 
     def close(self) -> None:
         if self._owns_storage:

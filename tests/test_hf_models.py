@@ -1,0 +1,158 @@
+"""The reference model against the real transformers: a Llama checkpoint written by ``save_pretrained`` loads
+straight into any layout of the model (``HuggingFaceSource`` with the model's key map), and the model's logits
+equal transformers' own forward on the same tokens, with normal positions (rotary embeddings included).
+
+Tiny random models are built here (no hub access); transformers runs in the test process, the reshard model
+in the ranks of a pool, which never import transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+import reshard
+from reshard.demo.hf import demo_hf_key_map
+from reshard.demo.model import ModelConfig
+from reshard.demo.parallel import ParallelConfig, ParallelGroups
+from reshard.demo.training import Trainer, TrainingConfig
+from reshard.interop import HuggingFaceSource
+from tests.rankpool import RankContext, RankPool
+
+TOKENS = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(11))
+
+BASE: dict[str, Any] = {
+    "vocab_size": 61,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 8,  # not hidden_size / num_attention_heads (4)
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+}
+
+LLAMAS: dict[str, dict[str, Any]] = {
+    "untied": {},
+    "biases": {"attention_bias": True, "mlp_bias": True},
+    "llama3_rope": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        }
+    },
+    "gelu_theta": {"hidden_act": "gelu", "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}},
+    "tied": {"tie_word_embeddings": True},
+}
+
+
+def _save_llama(directory: Path, options: dict[str, Any], seed: int = 0) -> Any:
+    """A random tiny LlamaForCausalLM, saved with save_pretrained into ``directory``; returns the model."""
+    config = transformers.LlamaConfig(**{**BASE, **options})
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # transformers zero-initialises biases: make them count
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory)
+    return model
+
+
+def rank_hf_logits(ctx: RankContext, layout: str, hf_dir: str) -> dict[str, Any] | None:
+    """Build the reference model on ``layout`` from ``hf_dir``'s config.json, load its safetensors straight
+    into it, and return the last stage's logits for TOKENS and the load's bytes."""
+    parallel = ParallelConfig.parse(layout)
+    groups = ParallelGroups.create(parallel, layout_ranks=list(range(parallel.world_size)))
+    if groups is None:
+        return None
+    model = ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1])
+    trainer = Trainer(model, TrainingConfig(), groups)
+    stats = reshard.LoadStats()
+    reshard.load(
+        {"model": trainer.sharded_state_dict()["model"]},
+        HuggingFaceSource(hf_dir, key_map=demo_hf_key_map(model)),
+        group=groups.layout.process_group,
+        stats=stats,
+    )
+    logits = trainer.logits(TOKENS)
+    return {"logits": logits, "read": stats.bytes_read, "needed": stats.bytes_needed}
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.Tensor]]:
+    """Each variant saved once, with transformers' logits for TOKENS."""
+    out = {}
+    for name, options in LLAMAS.items():
+        directory = tmp_path_factory.mktemp(f"llama-{name}")
+        model = _save_llama(directory, options)
+        with torch.no_grad():
+            out[name] = (directory, model(TOKENS).logits)
+    return out
+
+
+LAYOUTS = ["tp=1", "tp=2,pp=2", "tp=4"]
+
+
+@pytest.mark.parametrize("variant", list(LLAMAS))
+def test_llama_logits_equal_transformers_on_every_layout(
+    pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], variant: str
+) -> None:
+    directory, expected = llama_dirs[variant]
+    layouts = [layout for layout in LAYOUTS if not (variant == "tied" and "pp=2" in layout)]
+    for layout in layouts:
+        results = [r for r in pool4.run_ok(rank_hf_logits, layout, str(directory)) if r is not None]
+        logits = [r["logits"] for r in results if r["logits"] is not None]
+        assert logits, layout
+        for got in logits:
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=f"{variant} on {layout}")
+        for r in results:
+            assert r["read"] == r["needed"], layout  # each rank reads exactly its bytes
+
+
+def test_from_hf_reads_every_option_and_refuses_what_it_cannot_compute(
+    llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    directory, _ = llama_dirs["biases"]
+    config = transformers.AutoConfig.from_pretrained(directory)
+    from_object, from_dir = ModelConfig.from_hf(config), ModelConfig.from_hf(directory)
+    assert from_object == from_dir
+    assert from_dir.attention_bias and from_dir.mlp_bias and from_dir.head_dim == 8 and from_dir.rms_norm_eps == 1e-5
+    assert from_dir.num_query_groups == 4 and from_dir.moe_layers == ()
+    scaled = ModelConfig.from_hf(llama_dirs["llama3_rope"][0])
+    assert scaled.rope_theta == 500000.0 and scaled.rope_scaling is not None
+    assert scaled.rope_scaling["rope_type"] == "llama3" and scaled.rope_scaling["factor"] == 8.0
+    assert ModelConfig.from_hf(llama_dirs["tied"][0]).tie_word_embeddings
+
+    doc = json.loads((directory / "config.json").read_text())
+    refused = {
+        "model_type": ({"model_type": "gpt2"}, "model_type='gpt2'"),
+        "rope_type": ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type='yarn'"),
+        "hidden_act": ({"hidden_act": "relu"}, "hidden_act='relu'"),
+        "attention_dropout": ({"attention_dropout": 0.1}, "attention_dropout"),
+        "partial_rotary_factor": (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor",
+        ),
+    }
+    for name, (change, message) in refused.items():
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_hf({**doc, **change})
+        assert name
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        ModelConfig(tie_word_embeddings=True).check(ParallelConfig.parse("pp=2"))
+    with pytest.raises(ValueError, match="unknown model options"):
+        ModelConfig.from_dict({**ModelConfig().to_dict(), "sliding_window": 4})
+    legacy = ModelConfig().to_dict()
+    del legacy["rms_norm_eps"], legacy["moe_layers"]  # a document written before these options existed
+    assert ModelConfig.from_dict(legacy) == ModelConfig()
