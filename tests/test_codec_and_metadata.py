@@ -809,3 +809,17 @@ def test_fuzzed_metadata_never_raises_another_exception(valid_doc: dict[str, Any
     raw = dumps(doc)
     with contextlib.suppress(CorruptCheckpointError):
         Metadata.from_json_bytes(raw)
+
+
+def test_empty_containers_are_saved_as_common_values(tmp_path: Path) -> None:
+    """An empty list, dict or tuple of the state dict is kept (an offline reader of the checkpoint sees it),
+    and a template's empty container that a checkpoint lacks (saved before they were kept) is no error."""
+    state = {"w": torch.ones(2), "config": {"moe_layers": [], "extra": {}, "shape": ()}}
+    reshard.save(state, tmp_path / "ckpt")
+    common = reshard.read_metadata(tmp_path / "ckpt").common
+    assert common["config.moe_layers"] == [] and common["config.extra"] == {} and list(common["config.shape"]) == []
+    out = reshard.load({"w": torch.zeros(2), "config": {"moe_layers": [], "extra": {}, "shape": ()}}, tmp_path / "ckpt")
+    assert out["config"] == {"moe_layers": [], "extra": {}, "shape": ()}
+    reshard.save({"w": torch.ones(2)}, tmp_path / "old")
+    out = reshard.load({"w": torch.zeros(2), "later": []}, tmp_path / "old", strict=True)
+    assert out["later"] == []

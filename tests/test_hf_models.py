@@ -9,6 +9,7 @@ in the ranks of a pool, which never import transformers.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,9 @@ import transformers
 
 import reshard
 from reshard.demo.hf import demo_hf_key_map
-from reshard.demo.model import ModelConfig
+from reshard.demo.model import LoraConfig, ModelConfig, is_adapter_key
 from reshard.demo.parallel import ParallelConfig, ParallelGroups
+from reshard.demo.peft import export_peft
 from reshard.demo.training import Trainer, TrainingConfig
 from reshard.interop import HuggingFaceSource
 from tests.rankpool import RankContext, RankPool
@@ -156,3 +158,59 @@ def test_from_hf_reads_every_option_and_refuses_what_it_cannot_compute(
     legacy = ModelConfig().to_dict()
     del legacy["rms_norm_eps"], legacy["moe_layers"]  # a document written before these options existed
     assert ModelConfig.from_dict(legacy) == ModelConfig()
+
+
+# ---- PEFT: adapters trained on a layout, loaded by PEFT onto the transformers base ------------------------
+
+
+def rank_lora_from_hf(ctx: RankContext, layout: str, hf_dir: str, path: str) -> dict[str, Any] | None:
+    """The Llama of ``hf_dir`` with LoRA on every linear on ``layout``: base loaded from the safetensors,
+    adapters trained two steps, an adapter-only checkpoint saved; the logits with the adapters."""
+    parallel = ParallelConfig.parse(layout)
+    groups = ParallelGroups.create(parallel, layout_ranks=list(range(parallel.world_size)))
+    if groups is None:
+        return None
+    model = ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1])
+    trainer = Trainer(model, TrainingConfig(), groups, LoraConfig(init_b="random"))
+    base = {k: v for k, v in trainer.sharded_state_dict()["model"].items() if not is_adapter_key(k)}
+    reshard.load(base, HuggingFaceSource(hf_dir, key_map=demo_hf_key_map(model)), group=groups.layout.process_group)
+    for _ in range(2):
+        trainer.train_step()
+    trainer.save_adapter(path)
+    return {"logits": trainer.logits(TOKENS)}
+
+
+def test_peft_loads_an_exported_adapter_onto_the_transformers_base(
+    pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """LoRA trained on TP=2 x PP=2 over a Llama loaded from its safetensors, exported with export-peft:
+    PeftModel and AutoPeftModelForCausalLM (through base_model_name_or_path) load it with no missing or
+    unexpected keys, and their logits equal the reshard model's with its adapters."""
+    import peft
+
+    for variant in ("untied", "biases"):
+        hf_dir, _ = llama_dirs[variant]
+        ckpt, out = tmp_path / f"adapter-{variant}", tmp_path / f"peft-{variant}"
+        results = pool4.run_ok(rank_lora_from_hf, "tp=2,pp=2", str(hf_dir), str(ckpt))
+        expected = next(r["logits"] for r in results if r is not None and r["logits"] is not None)
+        exported = export_peft(ckpt, out, base_model=str(hf_dir))
+        assert len(exported) == 4 * (3 + 1 + 2 + 1) * 2  # q, k, v, o, gate, up, down; A and B; 4 layers
+        config = json.loads((out / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == str(hf_dir)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+            with_adapter = peft.PeftModel.from_pretrained(base, out).eval()
+            auto = peft.AutoPeftModelForCausalLM.from_pretrained(out).eval()
+        complaints = [str(w.message) for w in caught if "missing" in str(w.message) or "unexpected" in str(w.message)]
+        assert not complaints, complaints
+        # PEFT does not warn about unexpected keys: every exported tensor must land in a module of the model.
+        loaded = set(with_adapter.state_dict())
+        landed = {name.replace(".weight", ".default.weight") for name in exported}
+        assert landed <= loaded, sorted(landed - loaded)
+        assert len({k for k in loaded if ".lora_" in k}) == len(exported)
+        with torch.no_grad():
+            for model in (with_adapter, auto):
+                torch.testing.assert_close(model(TOKENS).logits, expected, rtol=0, atol=1e-5, msg=variant)
+        base_logits = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)(TOKENS).logits
+        assert (base_logits - expected).abs().max() > 1e-3  # the adapters matter

@@ -40,7 +40,7 @@ from reshard.planning.load_plan import LoadPlan, TargetPiece, plan_load
 from reshard.sharding import LocalPiece, ShardedObject, ShardedTensor
 from reshard.sources import CheckpointSource, as_source, read_metadata_bytes
 from reshard.staging import StagedFiles, stage_files
-from reshard.statedict import FlatStateDict, flatten_state_dict, map_leaves
+from reshard.statedict import FlatStateDict, flatten_state_dict, is_empty_container, map_leaves
 from reshard.stats import EXCHANGE, PhaseClock
 from reshard.storage import CheckpointLocation, storage_for
 from reshard.transports import Group
@@ -288,7 +288,7 @@ def _load_from(
             return leaf.data
         if isinstance(leaf, ShardedObject):
             return loaded_objects.get((leaf.key, leaf.global_offset), leaf.value)
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, torch.Tensor) or is_empty_container(leaf):
             return leaf
         return metadata.common.get(path, leaf)
 
@@ -416,8 +416,9 @@ def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool, al
             missing.append(f"object {obj.key!r} at {list(obj.global_offset)}")
         else:
             present_objects.append(obj)
-    for path in flat.common:
-        if path not in metadata.common:
+    for path, value in flat.common.items():
+        # An empty container is structure: checkpoints saved before empty containers were kept lack it.
+        if path not in metadata.common and not is_empty_container(value):
             missing.append(f"common value {path!r}")
     if mismatches:
         raise MismatchError("the checkpoint does not match the template: " + "; ".join(mismatches))

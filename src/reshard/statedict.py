@@ -4,8 +4,8 @@ Containers are dicts (string or int keys), lists and tuples (named tuples and ``
 Everything else is a leaf: :class:`~reshard.ShardedTensor`, :class:`~reshard.ShardedObject`, a
 ``torch.distributed.tensor.DTensor`` (described as the ShardedTensor of this rank's local tensor, keyed by
 its path, see :mod:`reshard.dtensor`), a plain ``torch.Tensor`` (a full tensor, replicated on every rank)
-or a *common* value (JSON-like scalars, saved once by the coordinator). A leaf's path is its container
-keys joined with dots: ``optimizer.state.0.lr``.
+or a *common* value (JSON-like scalars, and empty containers, saved once by the coordinator). A leaf's path
+is its container keys joined with dots: ``optimizer.state.0.lr``.
 """
 
 from __future__ import annotations
@@ -20,13 +20,21 @@ from reshard.dtensor import dtensor_to_sharded, is_dtensor
 from reshard.errors import StateDictError
 from reshard.sharding import ShardedObject, ShardedTensor
 
-__all__ = ["FlatStateDict", "filter_state_dict", "flatten_state_dict", "map_leaves"]
+__all__ = ["FlatStateDict", "filter_state_dict", "flatten_state_dict", "is_empty_container", "map_leaves"]
 
 Leaf = Any
 PathKey = str | int
 
 
+def is_empty_container(obj: object) -> bool:
+    """Whether ``obj`` is an empty dict, list or tuple: below the root, a leaf of its own (a common value), so
+    that a save keeps it (``moe_layers: []`` would otherwise vanish from the checkpoint)."""
+    return isinstance(obj, dict | list | tuple) and not obj
+
+
 def _walk(obj: object, path: tuple[PathKey, ...], visit: Callable[[str, Leaf], Leaf]) -> object:
+    if path and is_empty_container(obj):
+        return visit(_dotted(path), obj)
     if isinstance(obj, dict):
         out: dict[Any, object] = {}
         for key, value in obj.items():

@@ -274,12 +274,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read the LoRA adapters of a demo-model checkpoint (adapter-only or full, any saving layout) "
         "whole, and write OUT/adapter_model.safetensors (PEFT key names, fused QKV and GLU linears split per "
         "projection) and OUT/adapter_config.json. The naming is reshard.demo.peft.demo_peft_tensors; the Python "
-        "API export_peft(..., name_map=) takes another.",
+        "API export_peft(..., name_map=) takes another. Adapters of the demo's experts have no PEFT target (the "
+        "experts are not a Hugging Face architecture) and are refused rather than written for PEFT to drop.",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     export_peft.add_argument("checkpoint", metavar="CKPT", help="the checkpoint (directory or URL)")
     export_peft.add_argument("out", metavar="OUT", help="the output directory (or URL); must not hold an adapter")
+    export_peft.add_argument(
+        "--base-model",
+        metavar="NAME_OR_DIR",
+        default=None,
+        help="the base model, written as base_model_name_or_path (AutoPeftModelForCausalLM loads it from there)",
+    )
     export_peft.set_defaults(func=cmd_export_peft)
     demo = sub.add_parser("demo", help="train a small GPT on CPU ranks, save, resume on another layout, train on")
     from reshard.demo.run import build_parser as build_demo_parser

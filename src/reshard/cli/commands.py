@@ -326,7 +326,9 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
 def cmd_export_peft(args: argparse.Namespace) -> int:
     from reshard.demo.peft import export_peft
 
-    exported = export_peft(args.checkpoint, args.out, storage_options=storage_options_of(args))
+    exported = export_peft(
+        args.checkpoint, args.out, base_model=args.base_model, storage_options=storage_options_of(args)
+    )
     print(f"wrote {len(exported)} adapter tensors to {args.out} (adapter_model.safetensors, adapter_config.json)")
     return EXIT_OK
 

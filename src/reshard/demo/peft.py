@@ -92,15 +92,20 @@ def export_peft(
     out: CheckpointLocation,
     *,
     name_map: NameMap = demo_peft_tensors,
+    base_model: str | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Write the LoRA adapters of a demo-model checkpoint (adapter-only or full) as a PEFT adapter.
 
     Runs in one process (no process group): each adapter tensor is read whole, from any saving layout.
+    ``base_model`` (a hub name or a directory) goes into ``adapter_config.json`` as
+    ``base_model_name_or_path``, which ``AutoPeftModelForCausalLM.from_pretrained`` loads the base from.
     Returns the exported names and shapes.
 
     Raises:
-        MismatchError: the checkpoint holds no LoRA adapters (or the name map rejects a key).
+        MismatchError: the checkpoint holds no LoRA adapters, or adapters that no Hugging Face module would
+            take (the demo's experts are not a Hugging Face architecture, and PEFT would drop them without a
+            word), or the name map rejects a key.
         CheckpointError: ``out`` already holds an adapter (the export never overwrites).
     """
     metadata = reshard.read_metadata(checkpoint, storage_options=storage_options)
@@ -108,8 +113,21 @@ def export_peft(
     keys = sorted(k for k in metadata.tensors if is_adapter_key(k) and not k.startswith("optimizer."))
     if not keys or not isinstance(lora_doc, dict) or not lora_doc:
         raise MismatchError(f"the checkpoint at {checkpoint} holds no LoRA adapters of the demo model")
+    untargeted = [k for k in keys if ".mlp.experts." in k]
+    if untargeted and name_map is demo_peft_tensors:
+        raise MismatchError(
+            f"{len(untargeted)} adapters of the checkpoint have no PEFT target: the demo model's experts are not "
+            f"a Hugging Face architecture, so PEFT would drop them when loading ({', '.join(untargeted[:6])}"
+            f"{' ...' if len(untargeted) > 6 else ''}); train LoRA without the expert targets to export it"
+        )
     lora = LoraConfig.from_dict(lora_doc)
-    model = ModelConfig.from_dict(_unflatten(metadata.common, "trainer.model_config"))
+    model_doc = _unflatten(metadata.common, "trainer.model_config")
+    if isinstance(model_doc, dict) and "moe_layers" not in model_doc:
+        # Checkpoints written before empty lists were kept lost an empty moe_layers: take it from the tensors.
+        model_doc["moe_layers"] = sorted(
+            {int(k.split(".")[2]) for k in metadata.tensors if k.startswith("decoder.layers.") and ".mlp.experts." in k}
+        )
+    model = ModelConfig.from_dict(model_doc)
     template = {k: torch.empty(metadata.tensors[k].global_shape, dtype=metadata.tensors[k].torch_dtype) for k in keys}
     full = reshard.load(template, checkpoint, storage_options=storage_options)
     tensors = [pair for key in keys for pair in name_map(key, full[key], model)]
@@ -117,7 +135,7 @@ def export_peft(
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": None,
+        "base_model_name_or_path": base_model,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": 0.0,
