@@ -9,6 +9,8 @@ in the ranks of a pool, which never import transformers.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -214,3 +216,107 @@ def test_peft_loads_an_exported_adapter_onto_the_transformers_base(
                 torch.testing.assert_close(model(TOKENS).logits, expected, rtol=0, atol=1e-5, msg=variant)
         base_logits = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)(TOKENS).logits
         assert (base_logits - expected).abs().max() > 1e-3  # the adapters matter
+
+
+# ---- export-hf: back to a Hugging Face model directory ---------------------------------------------------
+
+
+def rank_train_from_hf(ctx: RankContext, layout: str, hf_dir: str, path: str, steps: int) -> dict[str, Any] | None:
+    """The Llama of ``hf_dir`` on ``layout``, loaded from its safetensors, trained ``steps`` steps and saved
+    whole (model, Adam, RNG, trainer state); its logits after training."""
+    parallel = ParallelConfig.parse(layout)
+    groups = ParallelGroups.create(parallel, layout_ranks=list(range(parallel.world_size)))
+    if groups is None:
+        return None
+    model = ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1])
+    trainer = Trainer(model, TrainingConfig(), groups)
+    reshard.load(
+        {"model": trainer.sharded_state_dict()["model"]},
+        HuggingFaceSource(hf_dir, key_map=demo_hf_key_map(model)),
+        group=groups.layout.process_group,
+    )
+    for _ in range(steps):
+        trainer.train_step()
+    trainer.save(path)
+    return {"logits": trainer.logits(TOKENS)}
+
+
+def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+def test_export_hf_of_an_untrained_model_is_bit_exact_with_the_original_files(
+    pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Hugging Face -> reshard (saved on TP=2 x PP=2, or TP=4 when tied) -> reshard export-hf: the same tensor
+    names and bits as the files save_pretrained wrote, and a config.json that rebuilds the same model."""
+    for variant in ("untied", "biases", "llama3_rope", "tied"):
+        hf_dir, _ = llama_dirs[variant]
+        layout = "tp=4" if variant == "tied" else "tp=2,pp=2"
+        ckpt, out = tmp_path / f"ckpt-{variant}", tmp_path / f"hf-{variant}"
+        pool4.run_ok(rank_train_from_hf, layout, str(hf_dir), str(ckpt), 0)
+        done = subprocess.run(
+            [sys.executable, "-m", "reshard", "export-hf", str(ckpt), str(out)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        original, exported = _hf_tensors(hf_dir), _hf_tensors(out)
+        assert sorted(exported) == sorted(original), variant
+        for name, tensor in original.items():
+            assert torch.equal(exported[name], tensor), (variant, name)
+        assert ModelConfig.from_hf(out) == ModelConfig.from_hf(hf_dir), variant
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_trained_model_exported_loads_in_transformers_with_its_logits(
+    pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Two steps of training on TP=2 x PP=2, export-hf in shards: AutoModelForCausalLM loads it with no
+    missing, unexpected or mismatched keys, and its logits equal the trained reshard model's."""
+    from reshard.demo.hf_export import export_hf
+
+    hf_dir, untrained = llama_dirs["biases"]
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    results = pool4.run_ok(rank_train_from_hf, "tp=2,pp=2", str(hf_dir), str(ckpt), 2)
+    expected = next(r["logits"] for r in results if r is not None and r["logits"] is not None)
+    assert (expected - untrained).abs().max() > 1e-3  # it trained
+    written = export_hf(ckpt, out, max_shard_bytes=20_000)
+    assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("model-*.safetensors"))) > 1
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert info["missing_keys"] == set() or not info["missing_keys"], info
+    assert not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert set(written) == set(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(TOKENS).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_export_hf_refuses_what_it_cannot_write_and_leaves_nothing(
+    pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    from reshard.demo.hf_export import export_hf
+
+    hf_dir, _ = llama_dirs["untied"]
+    ckpt = tmp_path / "ckpt"
+    pool4.run_ok(rank_train_from_hf, "tp=1", str(hf_dir), str(ckpt), 0)
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(reshard.CheckpointExistsError):
+        export_hf(ckpt, tmp_path / "taken")
+    # An adapter-only checkpoint has no model tensors: refused, nothing written.
+    adapter = tmp_path / "adapter"
+    pool4.run_ok(rank_lora_from_hf, "tp=1", str(hf_dir), str(adapter))
+    with pytest.raises(reshard.MismatchError, match="export-peft"):
+        export_hf(adapter, tmp_path / "from-adapter")
+    # The demo's MoE model is not a Hugging Face architecture.
+    moe = tmp_path / "moe"
+    reshard.save({"trainer": {"model_config": ModelConfig().to_dict()}, "w": torch.ones(1)}, moe)
+    with pytest.raises(reshard.MismatchError, match="experts"):
+        export_hf(moe, tmp_path / "from-moe")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "ckpt", "moe", "taken"]

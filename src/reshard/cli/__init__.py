@@ -33,6 +33,7 @@ from reshard.cli.commands import (
     cmd_demo,
     cmd_diff,
     cmd_export,
+    cmd_export_hf,
     cmd_export_peft,
     cmd_gc,
     cmd_import_dcp,
@@ -288,6 +289,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="the base model, written as base_model_name_or_path (AutoPeftModelForCausalLM loads it from there)",
     )
     export_peft.set_defaults(func=cmd_export_peft)
+    export_hf = sub.add_parser(
+        "export-hf",
+        parents=[storage],
+        help="write a demo-model checkpoint as a Hugging Face model directory (config.json + safetensors)",
+        description="Read the model of a demo-model checkpoint (any saving layout) and write OUT/config.json (a "
+        "LlamaForCausalLM that computes what the model computes) and its tensors under transformers' names "
+        "(model.safetensors, or numbered shards and model.safetensors.index.json): fused QKV and GLU split back, "
+        "no vocabulary padding, no optimizer, RNG or trainer state. Streamed in bounded memory, into a temporary "
+        "directory renamed to OUT at the end: OUT appears complete or not at all. OUT must not exist. Refused: "
+        "a model with experts (not a Hugging Face architecture), a checkpoint with LoRA adapters (use "
+        "export-peft), a checkpoint without the model's tensors.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export_hf.add_argument("checkpoint", metavar="CKPT", help="the checkpoint (directory or URL)")
+    export_hf.add_argument("out", metavar="OUT", help="the output directory, a local path that does not exist yet")
+    export_hf.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default="5GB",
+        metavar="SIZE",
+        help="largest shard, e.g. 2GB, 500MB, 1GiB (default 5GB); one shard is written as model.safetensors",
+    )
+    export_hf.set_defaults(func=cmd_export_hf)
     demo = sub.add_parser("demo", help="train a small GPT on CPU ranks, save, resume on another layout, train on")
     from reshard.demo.run import build_parser as build_demo_parser
 

@@ -23,6 +23,7 @@ __all__ = [
     "cmd_demo",
     "cmd_diff",
     "cmd_export",
+    "cmd_export_hf",
     "cmd_export_peft",
     "cmd_gc",
     "cmd_import_dcp",
@@ -330,6 +331,16 @@ def cmd_export_peft(args: argparse.Namespace) -> int:
         args.checkpoint, args.out, base_model=args.base_model, storage_options=storage_options_of(args)
     )
     print(f"wrote {len(exported)} adapter tensors to {args.out} (adapter_model.safetensors, adapter_config.json)")
+    return EXIT_OK
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from reshard.demo.hf_export import export_hf
+
+    written = export_hf(
+        args.checkpoint, args.out, max_shard_bytes=args.max_shard_size, storage_options=storage_options_of(args)
+    )
+    print(f"wrote {args.out}: config.json and {len(written)} tensors under Hugging Face names")
     return EXIT_OK
 
 

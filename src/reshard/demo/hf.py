@@ -26,12 +26,18 @@ two halves of the head), and the model applies the rotation the same way, so no 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from reshard.demo.model import ModelConfig
+from reshard.errors import MismatchError
 from reshard.interop.hf_source import Concat, Source, Stack
 
-__all__ = ["demo_hf_key_map", "split_for_hf", "to_hf_tensors"]
+if TYPE_CHECKING:
+    from reshard.metadata import Metadata
+
+__all__ = ["checkpoint_model_config", "common_tree", "demo_hf_key_map", "split_for_hf", "to_hf_tensors"]
 
 
 def demo_hf_key_map(model: ModelConfig) -> dict[str, Source]:
@@ -106,3 +112,43 @@ def to_hf_tensors(full: dict[str, torch.Tensor], model: ModelConfig) -> dict[str
         if key in names
         for name, part in split_for_hf(key, tensor, model)
     }
+
+
+def common_tree(common: dict[str, Any], prefix: str) -> Any:
+    """The common values below ``prefix`` (dotted paths) as the nested dicts and lists they were saved
+    from (a dict whose keys are 0..n-1 was a list)."""
+    tree: dict[str, Any] = {}
+    for path, value in common.items():
+        if not path.startswith(prefix + "."):
+            continue
+        *parents, leaf = path[len(prefix) + 1 :].split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+
+    def listify(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        items = {k: listify(v) for k, v in node.items()}
+        if items and sorted(items) == sorted(str(i) for i in range(len(items))):
+            return [items[str(i)] for i in range(len(items))]
+        return items
+
+    return listify(tree)
+
+
+def checkpoint_model_config(metadata: Metadata, where: str) -> ModelConfig:
+    """The :class:`ModelConfig` a demo-model checkpoint was trained with (its ``trainer.model_config``).
+
+    Raises:
+        MismatchError: the checkpoint (at ``where``, for the message) is not one of the demo model.
+    """
+    doc = common_tree(metadata.common, "trainer.model_config")
+    if not isinstance(doc, dict) or not doc:
+        raise MismatchError(f"{where} is not a checkpoint of the demo model (it has no trainer.model_config)")
+    if "moe_layers" not in doc:  # written before empty lists were kept: the layers with experts hold them
+        doc["moe_layers"] = sorted(
+            {int(k.split(".")[2]) for k in metadata.tensors if k.startswith("decoder.layers.") and ".mlp.experts." in k}
+        )
+    return ModelConfig.from_dict(doc)

@@ -61,6 +61,7 @@ class ModelConfig:
     attention projections (``attention_bias``) and on the MLP (``mlp_bias``), a gated MLP (``hidden_act`` of
     the gate: ``silu`` for SwiGLU, or ``gelu``), and an output layer that is its own tensor or the word
     embedding (``tie_word_embeddings``). ``moe_layers`` are the global layer numbers that use experts.
+    ``max_position_embeddings`` only travels with the model (to the ``config.json`` of an export).
 
     :meth:`from_hf` builds one from a Hugging Face Llama config; :meth:`check` says which layouts can run it.
     """
@@ -86,6 +87,7 @@ class ModelConfig:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
 
     def __post_init__(self) -> None:
         if self.hidden_act not in GATE_ACTIVATIONS:
@@ -212,6 +214,7 @@ def hf_config_options(config: Any) -> dict[str, Any]:
         "mlp_bias": bool(doc.get("mlp_bias", False)),
         "hidden_act": str(doc.get("hidden_act", "silu")),
         "tie_word_embeddings": bool(doc.get("tie_word_embeddings", False)),
+        "max_position_embeddings": int(doc.get("max_position_embeddings", 2048)),
     }
 
 
@@ -776,3 +779,40 @@ def _all_gather_plain(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(group.size)]
     dist.all_gather(parts, x.contiguous(), group=group.process_group)
     return torch.cat(parts, 0)
+
+
+def hf_config_of(model: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face ``LlamaForCausalLM`` that computes what ``model`` computes (the
+    inverse of :meth:`ModelConfig.from_hf`).
+
+    Raises:
+        ValueError: ``model`` has experts, which are not a Hugging Face architecture.
+    """
+    if model.moe_layers:
+        raise ValueError(
+            f"the model has experts in layers {list(model.moe_layers)}: the demo model's experts are not a Hugging "
+            "Face architecture, so it has no Hugging Face config"
+        )
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
+    if model.rope_scaling is not None:
+        rope = {**model.rope_scaling, "rope_theta": model.rope_theta}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden,
+        "intermediate_size": model.ffn_hidden,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads,
+        "num_key_value_heads": model.num_query_groups,
+        "head_dim": model.head_dim,
+        "hidden_act": model.hidden_act,
+        "max_position_embeddings": model.max_position_embeddings,
+        "rms_norm_eps": model.rms_norm_eps,
+        "rope_parameters": rope,
+        "attention_bias": model.attention_bias,
+        "mlp_bias": model.mlp_bias,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": model.tie_word_embeddings,
+        "dtype": str(dtype).removeprefix("torch."),
+    }

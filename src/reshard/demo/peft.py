@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 import reshard
-from reshard.demo.hf import demo_hf_key_map, split_for_hf
+from reshard.demo.hf import checkpoint_model_config, common_tree, demo_hf_key_map, split_for_hf
 from reshard.demo.model import LoraConfig, ModelConfig, is_adapter_key
 from reshard.errors import CheckpointError, MismatchError
 from reshard.interop.hf_source import Concat
@@ -63,30 +63,6 @@ def demo_peft_tensors(key: str, tensor: torch.Tensor, model: ModelConfig) -> lis
     return [(f"base_model.model.{name.removesuffix('.weight')}.{factor}.weight", t.contiguous()) for name, t in parts]
 
 
-def _unflatten(common: dict[str, Any], prefix: str) -> Any:
-    """The common values below ``prefix`` (dotted paths) as the nested dicts and lists they were saved
-    from (a dict whose keys are 0..n-1 was a list)."""
-    tree: dict[str, Any] = {}
-    for path, value in common.items():
-        if not path.startswith(prefix + "."):
-            continue
-        *parents, leaf = path[len(prefix) + 1 :].split(".")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-
-    def listify(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        items = {k: listify(v) for k, v in node.items()}
-        if items and sorted(items) == sorted(str(i) for i in range(len(items))):
-            return [items[str(i)] for i in range(len(items))]
-        return items
-
-    return listify(tree)
-
-
 def export_peft(
     checkpoint: CheckpointLocation,
     out: CheckpointLocation,
@@ -109,7 +85,7 @@ def export_peft(
         CheckpointError: ``out`` already holds an adapter (the export never overwrites).
     """
     metadata = reshard.read_metadata(checkpoint, storage_options=storage_options)
-    lora_doc = _unflatten(metadata.common, "trainer.lora")
+    lora_doc = common_tree(metadata.common, "trainer.lora")
     keys = sorted(k for k in metadata.tensors if is_adapter_key(k) and not k.startswith("optimizer."))
     if not keys or not isinstance(lora_doc, dict) or not lora_doc:
         raise MismatchError(f"the checkpoint at {checkpoint} holds no LoRA adapters of the demo model")
@@ -121,13 +97,7 @@ def export_peft(
             f"{' ...' if len(untargeted) > 6 else ''}); train LoRA without the expert targets to export it"
         )
     lora = LoraConfig.from_dict(lora_doc)
-    model_doc = _unflatten(metadata.common, "trainer.model_config")
-    if isinstance(model_doc, dict) and "moe_layers" not in model_doc:
-        # Checkpoints written before empty lists were kept lost an empty moe_layers: take it from the tensors.
-        model_doc["moe_layers"] = sorted(
-            {int(k.split(".")[2]) for k in metadata.tensors if k.startswith("decoder.layers.") and ".mlp.experts." in k}
-        )
-    model = ModelConfig.from_dict(model_doc)
+    model = checkpoint_model_config(metadata, str(checkpoint))
     template = {k: torch.empty(metadata.tensors[k].global_shape, dtype=metadata.tensors[k].torch_dtype) for k in keys}
     full = reshard.load(template, checkpoint, storage_options=storage_options)
     tensors = [pair for key in keys for pair in name_map(key, full[key], model)]

@@ -28,7 +28,16 @@ from reshard.interop.safetensors import SafetensorsWriter, TensorSpec, safetenso
 from reshard.metadata import check_relative_path
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "INDEX_FILE", "ExportResult", "KeyMap", "export_safetensors", "parse_size"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_FILE",
+    "ExportResult",
+    "KeyMap",
+    "export_safetensors",
+    "parse_size",
+    "plan_shards",
+    "shard_file_names",
+]
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
@@ -112,18 +121,28 @@ def _output_names(reader: CheckpointReader, key_map: KeyMap | None) -> tuple[lis
     return pairs, left_out
 
 
-def _shards(items: list[_Item], max_shard_bytes: int) -> list[list[_Item]]:
-    """Split ``items`` (in order) into shards of at most ``max_shard_bytes``, as Hugging Face does: a new
-    shard starts when the next tensor would not fit; a tensor larger than the limit gets a shard alone."""
-    shards: list[list[_Item]] = []
+def plan_shards(sizes: list[int], max_shard_bytes: int) -> list[list[int]]:
+    """Split tensors of ``sizes`` bytes (in order) into shards of at most ``max_shard_bytes``, as Hugging Face
+    does: a new shard starts when the next tensor would not fit; a tensor larger than the limit gets a shard
+    alone. Returns the indices of each shard's tensors."""
+    shards: list[list[int]] = []
     size = 0
-    for item in items:
-        if not shards or (shards[-1] and size + item.spec.nbytes > max_shard_bytes):
+    for index, nbytes in enumerate(sizes):
+        if not shards or (shards[-1] and size + nbytes > max_shard_bytes):
             shards.append([])
             size = 0
-        shards[-1].append(item)
-        size += item.spec.nbytes
+        shards[-1].append(index)
+        size += nbytes
     return shards
+
+
+def shard_file_names(count: int) -> list[str]:
+    """The names of ``count`` shards: ``model-00001-of-0000N.safetensors``, numbered also when there is one."""
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def _shards(items: list[_Item], max_shard_bytes: int) -> list[list[_Item]]:
+    return [[items[i] for i in shard] for shard in plan_shards([item.spec.nbytes for item in items], max_shard_bytes)]
 
 
 def _clear_previous(storage: Storage, names: list[str], *, overwrite: bool) -> None:
@@ -202,7 +221,7 @@ def export_safetensors(
                 raise StateDictError(f"tensor {key!r}: safetensors cannot hold dtype {saved.dtype}") from None
             items.append(_Item(key, spec))
         shards = _shards(items, max_shard_bytes)
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        names = shard_file_names(len(shards))
         storage = storage_for(out, storage_options)
         try:
             _clear_previous(storage, names, overwrite=overwrite)

@@ -1,0 +1,170 @@
+"""``reshard export-hf``: a demo-model checkpoint as a Hugging Face model directory that transformers loads.
+
+The output directory holds ``config.json`` (a ``LlamaForCausalLM`` that computes what the model computes,
+:func:`reshard.demo.model.hf_config_of`) and the model's tensors under transformers' names
+(:mod:`reshard.demo.hf`): ``model.safetensors`` when they fit one shard, else numbered shards and
+``model.safetensors.index.json``. Fused tensors are split back (QKV into ``q_proj``/``k_proj``/``v_proj``,
+the GLU into ``gate_proj``/``up_proj``), the vocabulary padding is not there (checkpoints hold the logical
+shapes), and nothing else of the checkpoint is written (no optimizer state, RNG or trainer state).
+
+Memory stays bounded: every output tensor is a row range of a checkpoint tensor, streamed in slabs through
+one buffer. The export is atomic: everything is written into a temporary directory beside ``OUT`` and
+renamed to ``OUT`` at the end, so an interrupted export leaves no directory transformers would load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.demo.hf import checkpoint_model_config, demo_hf_key_map, split_for_hf
+from reshard.demo.model import ModelConfig, hf_config_of, is_adapter_key
+from reshard.errors import CheckpointExistsError, MismatchError, StorageError
+from reshard.interop.export import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, plan_shards, shard_file_names
+from reshard.interop.offline import DEFAULT_SLAB_BYTES, CheckpointReader
+from reshard.interop.safetensors import SafetensorsWriter, TensorSpec
+from reshard.storage import CheckpointLocation, LocalStorage
+
+__all__ = ["CONFIG_FILE", "SINGLE_FILE", "export_hf"]
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """Output tensor ``spec``: elements ``[start, start + count)`` of checkpoint tensor ``key``'s flattening."""
+
+    spec: TensorSpec
+    key: str
+    start: int
+
+
+def _parts(reader: CheckpointReader, model: ModelConfig) -> list[_Part]:
+    """Every output tensor of the model, as a row range of its checkpoint tensor."""
+    key_map = demo_hf_key_map(model)
+    missing = sorted(k for k in key_map if k not in reader.metadata.tensors)
+    if missing:
+        raise MismatchError(
+            f"{reader.describe()} lacks {len(missing)} tensors of the model: {', '.join(missing[:10])}"
+            f"{' ...' if len(missing) > 10 else ''} (an adapter-only checkpoint? export it with export-peft)"
+        )
+    parts = []
+    for key in key_map:
+        saved = reader.tensor(key)
+        # split_for_hf names the parts and gives their shapes; the data is streamed below, not held here.
+        meta = torch.empty(saved.global_shape, dtype=saved.torch_dtype, device="meta")
+        start = 0
+        for name, piece in split_for_hf(key, meta, model):
+            parts.append(_Part(TensorSpec(name=name, dtype=saved.torch_dtype, shape=tuple(piece.shape)), key, start))
+            start += math.prod(piece.shape)
+    return sorted(parts, key=lambda p: p.spec.name)
+
+
+def export_hf(
+    checkpoint: CheckpointLocation,
+    out: str | os.PathLike[str],
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    storage_options: dict[str, Any] | None = None,
+    slab_bytes: int = DEFAULT_SLAB_BYTES,
+) -> dict[str, tuple[int, ...]]:
+    """Write the model of a demo-model checkpoint (saved on any layout) as a Hugging Face model directory
+    ``out`` (see the module doc). Not collective. Returns the written names and shapes.
+
+    Args:
+        checkpoint: the reshard checkpoint (directory, URL or Storage).
+        out: a local directory that must not exist yet; it appears complete or not at all.
+        max_shard_bytes: shard size limit (a larger tensor gets a shard of its own).
+        storage_options: for an object-store ``checkpoint``.
+        slab_bytes: the largest piece of a tensor held in memory at once.
+
+    Raises:
+        CheckpointExistsError: ``out`` exists.
+        MismatchError: not a checkpoint of the demo model, a model with experts (not a Hugging Face
+            architecture), a checkpoint without the model's tensors, or LoRA adapters in it (export those
+            with export-peft; merging is not done here).
+        StorageError: writing failed (nothing is left at ``out``).
+    """
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    target = Path(out)
+    if target.exists() or target.is_symlink():
+        raise CheckpointExistsError(f"{target} already exists; export-hf writes a new directory")
+    with CheckpointReader(checkpoint, storage_options=storage_options) as reader:
+        model = checkpoint_model_config(reader.metadata, reader.describe())
+        try:
+            hf_config_of(model)  # a model with experts has none
+        except ValueError as exc:
+            raise MismatchError(str(exc)) from None
+        adapters = sorted(k for k in reader.metadata.tensors if is_adapter_key(k) and not k.startswith("optimizer."))
+        if adapters:
+            raise MismatchError(
+                f"{reader.describe()} holds {len(adapters)} LoRA adapter tensors ({adapters[0]}, ...): export them "
+                "with export-peft; export-hf writes the base model only and does not merge adapters"
+            )
+        parts = _parts(reader, model)
+        config = hf_config_of(model, reader.tensor("embedding.word_embeddings.weight").torch_dtype)
+        shards = plan_shards([p.spec.nbytes for p in parts], max_shard_bytes)
+        names = [SINGLE_FILE] if len(shards) == 1 else shard_file_names(len(shards))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temp = target.parent / f".{target.name}.export-hf-{uuid.uuid4().hex}"
+        temp.mkdir()
+        try:
+            storage = LocalStorage(temp)
+            weight_map: dict[str, str] = {}
+            for shard, name in zip(shards, names, strict=True):
+                _write_shard(reader, storage, [parts[i] for i in shard], name, slab_bytes)
+                weight_map.update({parts[i].spec.name: name for i in shard})
+            if len(shards) > 1:
+                index = {"metadata": {"total_size": sum(p.spec.nbytes for p in parts)}, "weight_map": weight_map}
+                storage.commit(INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode(), replace=False)
+            storage.commit(CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode(), replace=False)
+            storage.sync_dir("")
+            os.rename(temp, target)  # atomic: OUT appears complete, or not at all
+            with contextlib.suppress(OSError):
+                fd = os.open(target.parent, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except BaseException as exc:
+            shutil.rmtree(temp, ignore_errors=True)
+            if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+                raise StorageError(f"writing the export into {target} failed: {exc}") from exc
+            raise
+    return {p.spec.name: p.spec.shape for p in parts}
+
+
+def _write_shard(
+    reader: CheckpointReader, storage: LocalStorage, parts: list[_Part], name: str, slab_bytes: int
+) -> None:
+    """One safetensors file of ``parts``, each streamed in slabs of at most ``slab_bytes``."""
+    # Larger elements first: every tensor then starts aligned to its element size.
+    ordered = sorted(parts, key=lambda p: (-p.spec.dtype.itemsize, p.spec.name))
+    sink = storage.open_writer(name)
+    try:
+        writer = SafetensorsWriter(sink, [p.spec for p in ordered], {"format": "pt"})
+        for part in ordered:
+            itemsize = part.spec.dtype.itemsize
+            per_slab = max(1, slab_bytes // itemsize)
+            total = math.prod(part.spec.shape)
+            for offset in range(0, total, per_slab):
+                count = min(per_slab, total - offset)
+                slab = reader.slab_buffer(count * itemsize).view(part.spec.dtype)[:count]
+                reader.read_flat(part.key, part.start + offset, slab)
+                writer.write(slab)
+            writer.end_tensor()
+        writer.close()
+    except BaseException:
+        sink.abort()
+        raise
