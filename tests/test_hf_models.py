@@ -20,12 +20,10 @@ import torch
 import transformers
 
 import reshard
-from reshard.demo.hf import demo_hf_key_map
-from reshard.demo.model import LoraConfig, ModelConfig, is_adapter_key
+from reshard.demo.model import LoraConfig, ModelConfig
 from reshard.demo.parallel import ParallelConfig, ParallelGroups
 from reshard.demo.peft import export_peft
 from reshard.demo.training import Trainer, TrainingConfig
-from reshard.interop import HuggingFaceSource
 from tests.rankpool import RankContext, RankPool
 
 TOKENS = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(11))
@@ -80,15 +78,9 @@ def rank_hf_logits(ctx: RankContext, layout: str, hf_dir: str) -> dict[str, Any]
     groups = ParallelGroups.create(parallel, layout_ranks=list(range(parallel.world_size)))
     if groups is None:
         return None
-    model = ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1])
-    trainer = Trainer(model, TrainingConfig(), groups)
+    trainer = Trainer(ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1]), TrainingConfig(), groups)
     stats = reshard.LoadStats()
-    reshard.load(
-        {"model": trainer.sharded_state_dict()["model"]},
-        HuggingFaceSource(hf_dir, key_map=demo_hf_key_map(model)),
-        group=groups.layout.process_group,
-        stats=stats,
-    )
+    trainer.load_hf(hf_dir, stats=stats)
     logits = trainer.logits(TOKENS)
     return {"logits": logits, "read": stats.bytes_read, "needed": stats.bytes_needed}
 
@@ -174,8 +166,7 @@ def rank_lora_from_hf(ctx: RankContext, layout: str, hf_dir: str, path: str) -> 
         return None
     model = ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1])
     trainer = Trainer(model, TrainingConfig(), groups, LoraConfig(init_b="random"))
-    base = {k: v for k, v in trainer.sharded_state_dict()["model"].items() if not is_adapter_key(k)}
-    reshard.load(base, HuggingFaceSource(hf_dir, key_map=demo_hf_key_map(model)), group=groups.layout.process_group)
+    trainer.load_hf(hf_dir)  # the base; the adapters keep their initial values
     for _ in range(2):
         trainer.train_step()
     trainer.save_adapter(path)
@@ -228,13 +219,8 @@ def rank_train_from_hf(ctx: RankContext, layout: str, hf_dir: str, path: str, st
     groups = ParallelGroups.create(parallel, layout_ranks=list(range(parallel.world_size)))
     if groups is None:
         return None
-    model = ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1])
-    trainer = Trainer(model, TrainingConfig(), groups)
-    reshard.load(
-        {"model": trainer.sharded_state_dict()["model"]},
-        HuggingFaceSource(hf_dir, key_map=demo_hf_key_map(model)),
-        group=groups.layout.process_group,
-    )
+    trainer = Trainer(ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1]), TrainingConfig(), groups)
+    trainer.load_hf(hf_dir)
     for _ in range(steps):
         trainer.train_step()
     trainer.save(path)
@@ -320,3 +306,31 @@ def test_export_hf_refuses_what_it_cannot_write_and_leaves_nothing(
     with pytest.raises(reshard.MismatchError, match="experts"):
         export_hf(moe, tmp_path / "from-moe")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "ckpt", "moe", "taken"]
+
+
+def test_demo_from_hf_starts_from_the_transformers_weights(
+    llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """reshard demo --from-hf DIR: layout A starts from the Llama's weights (its first loss is transformers'
+    loss on the same batch), saves, and layout B resumes bit-exactly."""
+    import torch.nn.functional as F
+
+    from reshard.demo.training import global_batch
+
+    hf_dir, _ = llama_dirs["biases"]
+    out = tmp_path / "demo"
+    command = [sys.executable, "-m", "reshard", "demo", "--from-hf", str(hf_dir), "--layout-a", "tp=2,pp=2"]
+    command += ["--layout-b", "tp=4", "--steps", "1", "--resume-steps", "1", "--out", str(out), "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["phase_a"]["digest_saved"] == report["phase_b"]["digest_loaded"]
+    model_config = ModelConfig.from_hf(hf_dir)
+    batch = global_batch(0, model_config, TrainingConfig())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        logits = hf(batch[:, :-1]).logits
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)).item()
+    assert report["phase_a"]["losses"][0] == pytest.approx(expected, rel=1e-5)
+    refused = subprocess.run([*command[:6], "--hidden", "64"], capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2 and "drop --hidden" in refused.stderr

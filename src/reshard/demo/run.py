@@ -18,9 +18,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from reshard.demo.model import ModelConfig
 
 __all__ = ["DemoOptions", "PhaseResult", "main", "run_demo"]
 
@@ -38,6 +41,16 @@ class DemoOptions:
     timeout_s: float = 300.0
     lora_rank: int = 0
     """With a positive rank: LoRA fine-tuning (frozen base) and adapter-only checkpoints."""
+    from_hf: str | None = None
+    """A Hugging Face Llama directory: the model is built from its config.json (``hidden`` and ``layers``
+    unused) and phase A starts from its weights, loaded straight into layout A."""
+
+    def model_config(self) -> ModelConfig:
+        from reshard.demo.model import ModelConfig
+
+        if self.from_hf:
+            return ModelConfig.from_hf(self.from_hf)
+        return ModelConfig(hidden=self.hidden, num_layers=self.layers)
 
 
 @dataclass
@@ -75,7 +88,7 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
     import torch.distributed as dist
 
     import reshard
-    from reshard.demo.model import LoraConfig, ModelConfig
+    from reshard.demo.model import LoraConfig
     from reshard.demo.parallel import ParallelConfig, ParallelGroups
     from reshard.demo.training import Trainer, TrainingConfig, timed
 
@@ -89,7 +102,7 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
     )
     try:
         parallel = ParallelConfig.parse(task["layout"])
-        model = ModelConfig(hidden=task["hidden"], num_layers=task["layers"])
+        model = DemoOptions(hidden=task["hidden"], layers=task["layers"], from_hf=task["from_hf"]).model_config()
         groups = ParallelGroups.create(parallel)
         if groups is None:  # cannot happen: the phase spawned exactly the layout's ranks
             return
@@ -102,6 +115,9 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
             _, out["seconds_load"] = timed(load, task["resume_from"], stats=stats)
             out["bytes_read"], out["bytes_needed"] = stats.bytes_read, stats.bytes_needed
             out["digest_loaded"] = state_digest(trainer.full_state())
+        elif task["from_hf"]:
+            stats = reshard.LoadStats()
+            _, out["seconds_load"] = timed(trainer.load_hf, task["from_hf"], stats=stats)
         out["first_step"] = trainer.step
         out["losses"] = [trainer.train_step() for _ in range(task["steps"])]
         if task.get("save_to"):
@@ -161,12 +177,11 @@ def run_phase(task: dict[str, Any], world: int, timeout_s: float) -> PhaseResult
 
 def run_demo(options: DemoOptions) -> tuple[PhaseResult, PhaseResult]:
     """Phase A (train, save) then phase B (resume resharded, train); returns both phases' results."""
-    from reshard.demo.model import ModelConfig
     from reshard.demo.parallel import ParallelConfig
 
     layout_a = ParallelConfig.parse(options.layout_a)
     layout_b = ParallelConfig.parse(options.layout_b)
-    model = ModelConfig(hidden=options.hidden, num_layers=options.layers)
+    model = options.model_config()
     model.check(layout_a)
     model.check(layout_b)
     out = str(Path(options.out).resolve())
@@ -175,6 +190,7 @@ def run_demo(options: DemoOptions) -> tuple[PhaseResult, PhaseResult]:
         "layers": options.layers,
         "timeout_s": options.timeout_s,
         "lora_rank": options.lora_rank,
+        "from_hf": str(Path(options.from_hf).resolve()) if options.from_hf else None,
     }
     phase_a = run_phase(
         {**common, "layout": options.layout_a, "steps": options.steps, "save_to": out},
@@ -267,8 +283,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--resume-steps", type=int, default=defaults.resume_steps, help="training steps after the resume"
     )
     parser.add_argument("--out", default=defaults.out, help="checkpoint directory (default ./demo-checkpoint)")
-    parser.add_argument("--hidden", type=int, default=defaults.hidden, help="model width")
-    parser.add_argument("--layers", type=int, default=defaults.layers, help="number of transformer layers")
+    parser.add_argument("--hidden", type=int, default=None, help=f"model width (default {defaults.hidden})")
+    parser.add_argument(
+        "--layers", type=int, default=None, help=f"number of transformer layers (default {defaults.layers})"
+    )
+    parser.add_argument(
+        "--from-hf",
+        default=None,
+        metavar="DIR",
+        help="start from a Hugging Face Llama directory (config.json and safetensors, as save_pretrained writes "
+        "them): the model is built from its config (not with --hidden/--layers) and its weights are loaded "
+        "straight into layout A",
+    )
     parser.add_argument(
         "--plot", default=None, help="write the loss curve to this PNG (needs matplotlib: pip install 'reshard[demo]')"
     )
@@ -285,16 +311,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def main(args: argparse.Namespace) -> int:
+    defaults = DemoOptions()
+    if args.from_hf and (args.hidden is not None or args.layers is not None):
+        print("reshard demo: --from-hf builds the model from its config.json; drop --hidden/--layers", file=sys.stderr)
+        return 2
     options = DemoOptions(
         layout_a=args.layout_a,
         layout_b=args.layout_b,
         steps=args.steps,
         resume_steps=args.resume_steps,
         out=args.out,
-        hidden=args.hidden,
-        layers=args.layers,
+        hidden=defaults.hidden if args.hidden is None else args.hidden,
+        layers=defaults.layers if args.layers is None else args.layers,
         plot=args.plot,
         lora_rank=args.lora,
+        from_hf=args.from_hf,
     )
     a, b = run_demo(options)
     if args.json:

@@ -308,6 +308,22 @@ class Trainer:
             self.sharded_state_dict(), path, group=self.groups.layout.process_group, overwrite=overwrite
         )
 
+    def load_hf(self, hf_dir: str, *, stats: reshard.LoadStats | None = None) -> None:
+        """Initialise the model's weights (not LoRA adapters) straight from a Hugging Face safetensors
+        directory that matches the model (:meth:`ModelConfig.from_hf`), each rank reading only its bytes.
+        Collective over the layout. Raises :class:`~reshard.MismatchError` when the files do not fit the
+        model (missing tensors, other shapes, tensors the model has no place for)."""
+        from reshard.demo.hf import demo_hf_key_map
+        from reshard.interop import HuggingFaceSource
+
+        model = self.sharded_state_dict()["model"]
+        reshard.load(
+            {"model": {k: v for k, v in model.items() if not is_adapter_key(k)}},
+            HuggingFaceSource(hf_dir, key_map=demo_hf_key_map(self.model_config)),
+            group=self.groups.layout.process_group,
+            stats=stats,
+        )
+
     def load(self, path: str, *, stats: reshard.LoadStats | None = None, state: dict[str, Any] | None = None) -> None:
         """Resume from a checkpoint saved on any layout (collective over the layout). See the module
         docstring for what continues and how RNG states of new ranks are seeded. ``state`` is the part
