@@ -55,14 +55,24 @@ LLAMAS: dict[str, dict[str, Any]] = {
     },
     "gelu_theta": {"hidden_act": "gelu", "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}},
     "tied": {"tie_word_embeddings": True},
+    "mixtral": {"architecture": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
 }
+
+MOE_LAYOUTS = ["tp=2,dp=2,ep=2", "tp=2,etp=2", "dp=4,ep=4"]
+"""Expert layouts, besides LAYOUTS, for the Mixtral variant (TP=2 x EP=2, ETP=2, EP=4)."""
 
 
 def _save_llama(directory: Path, options: dict[str, Any], seed: int = 0) -> Any:
-    """A random tiny LlamaForCausalLM, saved with save_pretrained into ``directory``; returns the model."""
-    config = transformers.LlamaConfig(**{**BASE, **options})
+    """A random tiny LlamaForCausalLM (or MixtralForCausalLM, ``architecture="mixtral"``), saved with
+    save_pretrained into ``directory``; returns the model."""
+    options = dict(options)
+    if options.pop("architecture", "llama") == "mixtral":
+        config_class, model_class = transformers.MixtralConfig, transformers.MixtralForCausalLM
+    else:
+        config_class, model_class = transformers.LlamaConfig, transformers.LlamaForCausalLM
+    config = config_class(**{**BASE, **options})
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():  # transformers zero-initialises biases: make them count
         for name, param in model.named_parameters():
             if name.endswith(".bias") or "norm" in name:
@@ -71,11 +81,23 @@ def _save_llama(directory: Path, options: dict[str, Any], seed: int = 0) -> Any:
     return model
 
 
+_GROUPS: dict[str, ParallelGroups | None] = {}
+
+
+def _groups(layout: str) -> ParallelGroups | None:
+    """The process groups of ``layout`` in this rank, created once per rank process: every test here calls
+    its rank functions with the same layouts on every rank, so the cache agrees across ranks (creating
+    groups is collective), and the pool's processes do not pile up hundreds of gloo groups and threads."""
+    if layout not in _GROUPS:
+        parallel = ParallelConfig.parse(layout)
+        _GROUPS[layout] = ParallelGroups.create(parallel, layout_ranks=list(range(parallel.world_size)))
+    return _GROUPS[layout]
+
+
 def rank_hf_logits(ctx: RankContext, layout: str, hf_dir: str) -> dict[str, Any] | None:
     """Build the reference model on ``layout`` from ``hf_dir``'s config.json, load its safetensors straight
     into it, and return the last stage's logits for TOKENS and the load's bytes."""
-    parallel = ParallelConfig.parse(layout)
-    groups = ParallelGroups.create(parallel, layout_ranks=list(range(parallel.world_size)))
+    groups = _groups(layout)
     if groups is None:
         return None
     trainer = Trainer(ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1]), TrainingConfig(), groups)
@@ -101,11 +123,13 @@ LAYOUTS = ["tp=1", "tp=2,pp=2", "tp=4"]
 
 
 @pytest.mark.parametrize("variant", list(LLAMAS))
-def test_llama_logits_equal_transformers_on_every_layout(
+def test_hf_logits_equal_transformers_on_every_layout(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], variant: str
 ) -> None:
     directory, expected = llama_dirs[variant]
     layouts = [layout for layout in LAYOUTS if not (variant == "tied" and "pp=2" in layout)]
+    if variant == "mixtral":
+        layouts += MOE_LAYOUTS
     for layout in layouts:
         results = [r for r in pool4.run_ok(rank_hf_logits, layout, str(directory)) if r is not None]
         logits = [r["logits"] for r in results if r["logits"] is not None]
@@ -129,12 +153,16 @@ def test_from_hf_reads_every_option_and_refuses_what_it_cannot_compute(
     assert scaled.rope_theta == 500000.0 and scaled.rope_scaling is not None
     assert scaled.rope_scaling["rope_type"] == "llama3" and scaled.rope_scaling["factor"] == 8.0
     assert ModelConfig.from_hf(llama_dirs["tied"][0]).tie_word_embeddings
+    mixtral = ModelConfig.from_hf(llama_dirs["mixtral"][0])
+    assert mixtral.expert_glu and mixtral.moe_layers == (0, 1, 2, 3) and mixtral.num_experts == 4
+    assert mixtral.moe_topk == 2 and mixtral.expert_ffn_hidden == 64
 
     doc = json.loads((directory / "config.json").read_text())
     refused = {
         "model_type": ({"model_type": "gpt2"}, "model_type='gpt2'"),
         "rope_type": ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type='yarn'"),
         "hidden_act": ({"hidden_act": "relu"}, "hidden_act='relu'"),
+        "router_jitter_noise": ({"model_type": "mixtral", "router_jitter_noise": 0.1}, "router_jitter_noise"),
         "attention_dropout": ({"attention_dropout": 0.1}, "attention_dropout"),
         "partial_rotary_factor": (
             {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
@@ -160,8 +188,7 @@ def test_from_hf_reads_every_option_and_refuses_what_it_cannot_compute(
 def rank_lora_from_hf(ctx: RankContext, layout: str, hf_dir: str, path: str) -> dict[str, Any] | None:
     """The Llama of ``hf_dir`` with LoRA on every linear on ``layout``: base loaded from the safetensors,
     adapters trained two steps, an adapter-only checkpoint saved; the logits with the adapters."""
-    parallel = ParallelConfig.parse(layout)
-    groups = ParallelGroups.create(parallel, layout_ranks=list(range(parallel.world_size)))
+    groups = _groups(layout)
     if groups is None:
         return None
     model = ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1])
@@ -215,8 +242,7 @@ def test_peft_loads_an_exported_adapter_onto_the_transformers_base(
 def rank_train_from_hf(ctx: RankContext, layout: str, hf_dir: str, path: str, steps: int) -> dict[str, Any] | None:
     """The Llama of ``hf_dir`` on ``layout``, loaded from its safetensors, trained ``steps`` steps and saved
     whole (model, Adam, RNG, trainer state); its logits after training."""
-    parallel = ParallelConfig.parse(layout)
-    groups = ParallelGroups.create(parallel, layout_ranks=list(range(parallel.world_size)))
+    groups = _groups(layout)
     if groups is None:
         return None
     trainer = Trainer(ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1]), TrainingConfig(), groups)
@@ -241,9 +267,9 @@ def test_export_hf_of_an_untrained_model_is_bit_exact_with_the_original_files(
 ) -> None:
     """Hugging Face -> reshard (saved on TP=2 x PP=2, or TP=4 when tied) -> reshard export-hf: the same tensor
     names and bits as the files save_pretrained wrote, and a config.json that rebuilds the same model."""
-    for variant in ("untied", "biases", "llama3_rope", "tied"):
+    for variant in ("untied", "biases", "llama3_rope", "tied", "mixtral"):
         hf_dir, _ = llama_dirs[variant]
-        layout = "tp=4" if variant == "tied" else "tp=2,pp=2"
+        layout = {"tied": "tp=4", "mixtral": "tp=2,dp=2,ep=2"}.get(variant, "tp=2,pp=2")
         ckpt, out = tmp_path / f"ckpt-{variant}", tmp_path / f"hf-{variant}"
         pool4.run_ok(rank_train_from_hf, layout, str(hf_dir), str(ckpt), 0)
         done = subprocess.run(
@@ -260,6 +286,11 @@ def test_export_hf_of_an_untrained_model_is_bit_exact_with_the_original_files(
             assert torch.equal(exported[name], tensor), (variant, name)
         assert ModelConfig.from_hf(out) == ModelConfig.from_hf(hf_dir), variant
         assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (variant, info)
+        assert type(reloaded).__name__ == ("MixtralForCausalLM" if variant == "mixtral" else "LlamaForCausalLM")
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded.eval()(TOKENS).logits, llama_dirs[variant][1], rtol=0, atol=1e-6)
 
 
 def test_a_trained_model_exported_loads_in_transformers_with_its_logits(

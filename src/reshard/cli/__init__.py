@@ -275,8 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read the LoRA adapters of a demo-model checkpoint (adapter-only or full, any saving layout) "
         "whole, and write OUT/adapter_model.safetensors (PEFT key names, fused QKV and GLU linears split per "
         "projection) and OUT/adapter_config.json. The naming is reshard.demo.peft.demo_peft_tensors; the Python "
-        "API export_peft(..., name_map=) takes another. Adapters of the demo's experts have no PEFT target (the "
-        "experts are not a Hugging Face architecture) and are refused rather than written for PEFT to drop.",
+        "API export_peft(..., name_map=) takes another. Adapters of experts are refused rather than written for PEFT "
+        "to drop (the demo's default experts are no Hugging Face architecture; Mixtral expert adapters are not "
+        "exported yet).",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -298,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(model.safetensors, or numbered shards and model.safetensors.index.json): fused QKV and GLU split back, "
         "no vocabulary padding, no optimizer, RNG or trainer state. Streamed in bounded memory, into a temporary "
         "directory renamed to OUT at the end: OUT appears complete or not at all. OUT must not exist. Refused: "
-        "a model with experts (not a Hugging Face architecture), a checkpoint with LoRA adapters (use "
+        "a model with experts other than Mixtral's (gated, in every layer), a checkpoint with LoRA adapters (use "
         "export-peft), a checkpoint without the model's tensors.",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -12,7 +12,9 @@ The demo model's modules map to Hugging Face's like this (``L`` a layer, ``e`` a
     decoder.layers.L.mlp.fc1.weight             Concat(gate_proj, up_proj)       (model.layers.L.mlp.*)
     decoder.layers.L.mlp.fc1.bias               Concat(gate_proj, up_proj)       (biases, mlp_bias)
     decoder.layers.L.mlp.fc2.weight             model.layers.L.mlp.down_proj.weight (and .bias)
-    decoder.layers.L.mlp.router.weight          model.layers.L.mlp.gate.weight
+    decoder.layers.L.mlp.router.weight          model.layers.L.mlp.gate.weight   (Mixtral: block_sparse_moe.gate)
+    decoder.layers.L.mlp.experts.gate.weight    Stack(model.layers.L.block_sparse_moe.experts.e.w1.weight, ...)
+                                                (Mixtral, expert_glu; fc1 is then Stack(w3), fc2 Stack(w2))
     decoder.layers.L.mlp.experts.fc1.weight     Stack(model.layers.L.mlp.experts.e.up_proj.weight, e = 0..E-1)
     decoder.layers.L.mlp.experts.fc2.weight     Stack(model.layers.L.mlp.experts.e.down_proj.weight, ...)
     decoder.final_norm.weight                   model.norm.weight
@@ -63,7 +65,14 @@ def demo_hf_key_map(model: ModelConfig) -> dict[str, Source]:
             )
             key_map[f"{ours}.self_attention.proj.bias"] = f"{attn}.o_proj.bias"
         key_map[f"{ours}.pre_mlp_norm.weight"] = f"{theirs}.post_attention_layernorm.weight"
-        if layer in model.moe_layers:
+        if layer in model.moe_layers and model.expert_glu:  # Mixtral's naming
+            moe = f"{theirs}.block_sparse_moe"
+            experts = range(model.num_experts)
+            key_map[f"{ours}.mlp.router.weight"] = f"{moe}.gate.weight"
+            key_map[f"{ours}.mlp.experts.gate.weight"] = Stack(*(f"{moe}.experts.{e}.w1.weight" for e in experts))
+            key_map[f"{ours}.mlp.experts.fc1.weight"] = Stack(*(f"{moe}.experts.{e}.w3.weight" for e in experts))
+            key_map[f"{ours}.mlp.experts.fc2.weight"] = Stack(*(f"{moe}.experts.{e}.w2.weight" for e in experts))
+        elif layer in model.moe_layers:
             key_map[f"{ours}.mlp.router.weight"] = f"{mlp}.gate.weight"
             experts = range(model.num_experts)
             key_map[f"{ours}.mlp.experts.fc1.weight"] = Stack(*(f"{mlp}.experts.{e}.up_proj.weight" for e in experts))

@@ -90,9 +90,9 @@ def export_hf(
 
     Raises:
         CheckpointExistsError: ``out`` exists.
-        MismatchError: not a checkpoint of the demo model, a model with experts (not a Hugging Face
-            architecture), a checkpoint without the model's tensors, or LoRA adapters in it (export those
-            with export-peft; merging is not done here).
+        MismatchError: not a checkpoint of the demo model, a model with experts other than Mixtral's (not a
+            Hugging Face architecture), a checkpoint without the model's tensors, or LoRA adapters in it
+            (export those with export-peft; merging is not done here).
         StorageError: writing failed (nothing is left at ``out``).
     """
     if max_shard_bytes < 1:
@@ -103,7 +103,7 @@ def export_hf(
     with CheckpointReader(checkpoint, storage_options=storage_options) as reader:
         model = checkpoint_model_config(reader.metadata, reader.describe())
         try:
-            hf_config_of(model)  # a model with experts has none
+            hf_config_of(model)  # a model with experts other than Mixtral's has none
         except ValueError as exc:
             raise MismatchError(str(exc)) from None
         adapters = sorted(k for k in reader.metadata.tensors if is_adapter_key(k) and not k.startswith("optimizer."))

@@ -28,6 +28,7 @@ stacked per layer like the experts (``[E, r, in]`` and ``[E, out, r]``), split b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -61,7 +62,10 @@ class ModelConfig:
     attention projections (``attention_bias``) and on the MLP (``mlp_bias``), a gated MLP (``hidden_act`` of
     the gate: ``silu`` for SwiGLU, or ``gelu``), and an output layer that is its own tensor or the word
     embedding (``tie_word_embeddings``). ``moe_layers`` are the global layer numbers that use experts.
-    ``max_position_embeddings`` only travels with the model (to the ``config.json`` of an export).
+    ``max_position_embeddings`` only travels with the model (to the ``config.json`` of an export). The experts
+    are un-gated MLPs (``fc2(gelu(fc1 x))``), or with ``expert_glu`` gated ones as in Mixtral
+    (``fc2(act(gate x) * fc1 x)``, ``act`` the ``hidden_act``), routed as Mixtral routes: softmax over the
+    experts, the top ``moe_topk``, renormalised.
 
     :meth:`from_hf` builds one from a Hugging Face Llama config; :meth:`check` says which layouts can run it.
     """
@@ -88,6 +92,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
+    expert_glu: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_act not in GATE_ACTIVATIONS:
@@ -174,8 +179,12 @@ def hf_config_options(config: Any) -> dict[str, Any]:
     """The :class:`ModelConfig` options of a Hugging Face Llama config (see :meth:`ModelConfig.from_hf`)."""
     doc = _hf_config_dict(config)
     model_type = doc.get("model_type")
-    if model_type != "llama":
-        raise ValueError(f"model_type={model_type!r} is not supported by the reference model (it reproduces 'llama')")
+    if model_type not in ("llama", "mixtral"):
+        raise ValueError(
+            f"model_type={model_type!r} is not supported by the reference model (it reproduces 'llama' and 'mixtral')"
+        )
+    if float(doc.get("router_jitter_noise") or 0.0) != 0.0:
+        raise ValueError("router_jitter_noise other than 0 is not supported by the reference model")
     heads = int(doc["num_attention_heads"])
     hidden = int(doc["hidden_size"])
     head_dim = doc.get("head_dim") or hidden // heads
@@ -198,15 +207,25 @@ def hf_config_options(config: Any) -> dict[str, Any]:
             f"rope_type={rope_type!r} is not supported by the reference model (it has 'default' and 'llama3')"
         )
     kv_heads = doc.get("num_key_value_heads") or heads
+    layers = int(doc["num_hidden_layers"])
+    moe: dict[str, Any] = {"moe_layers": ()}
+    if model_type == "mixtral":
+        moe = {
+            "moe_layers": tuple(range(layers)),
+            "num_experts": int(doc["num_local_experts"]),
+            "moe_topk": int(doc["num_experts_per_tok"]),
+            "expert_ffn_hidden": int(doc["intermediate_size"]),
+            "expert_glu": True,
+        }
     return {
         "vocab_size": int(doc["vocab_size"]),
         "hidden": hidden,
-        "num_layers": int(doc["num_hidden_layers"]),
+        "num_layers": layers,
         "num_heads": heads,
         "num_query_groups": int(kv_heads),
         "head_dim": int(head_dim),
         "ffn_hidden": int(doc["intermediate_size"]),
-        "moe_layers": (),
+        **moe,
         "rms_norm_eps": float(doc.get("rms_norm_eps", 1e-6)),
         "rope_theta": theta,
         "rope_scaling": scaling,
@@ -566,6 +585,11 @@ class GPTStage:
             replica_id=edp,
             is_expert=True,
         )
+        if cfg.expert_glu:  # the gate projection: laid out like fc1 (ETP splits its ffn axis the same way)
+            fc1 = self.layouts[f"{prefix}.mlp.experts.fc1.weight"]
+            self.layouts[f"{prefix}.mlp.experts.gate.weight"] = dataclasses.replace(
+                fc1, key=f"{prefix}.mlp.experts.gate.weight"
+            )
         self.layouts[f"{prefix}.mlp.experts.fc2.weight"] = ParamLayout(
             key=f"{prefix}.mlp.experts.fc2.weight",
             global_shape=(cfg.num_experts, h, cfg.expert_ffn_hidden),
@@ -735,6 +759,7 @@ class GPTStage:
         all_chosen = _all_gather_plain(chosen, g)
         fc1_key, fc2_key = f"{prefix}.mlp.experts.fc1.weight", f"{prefix}.mlp.experts.fc2.weight"
         fc1, fc2 = self.params[fc1_key], self.params[fc2_key]
+        gate = self.params.get(f"{prefix}.mlp.experts.gate.weight")
         fc1_adapter = self._adapter_tensors(fc1_key)
         fc2_adapter = self._adapter_tensors(fc2_key)
         first_expert = g.coords.ep * fc1.shape[0]
@@ -750,7 +775,10 @@ class GPTStage:
             if fc1_adapter is not None:  # column-parallel over ETP: A replicated, B split like fc1
                 a, b = fc1_adapter
                 pre = pre + self._lora_scale * (copy_to_group(ep_tokens[rows] @ a[local].t(), g.etp) @ b[local].t())
-            hidden = F.gelu(pre)
+            if gate is None:
+                hidden = F.gelu(pre)
+            else:
+                hidden = GATE_ACTIVATIONS[cfg.hidden_act](all_tokens[rows] @ gate[local].t()) * pre
             out = (hidden @ fc2[local].t()) * all_weights[rows, slots].unsqueeze(-1)
             partial = partial.index_add(0, rows, out)
             if fc2_adapter is not None:  # row-parallel over ETP: A split like fc2, B replicated
@@ -788,20 +816,30 @@ def hf_config_of(model: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
     Raises:
         ValueError: ``model`` has experts, which are not a Hugging Face architecture.
     """
-    if model.moe_layers:
+    mixtral = bool(model.moe_layers) and model.expert_glu
+    if model.moe_layers and not (mixtral and tuple(model.moe_layers) == tuple(range(model.num_layers))):
         raise ValueError(
-            f"the model has experts in layers {list(model.moe_layers)}: the demo model's experts are not a Hugging "
-            "Face architecture, so it has no Hugging Face config"
+            f"the model has experts in layers {list(model.moe_layers)}: only gated experts in every layer "
+            "(expert_glu, Mixtral) are a Hugging Face architecture, so this model has no Hugging Face config"
         )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
     if model.rope_scaling is not None:
         rope = {**model.rope_scaling, "rope_theta": model.rope_theta}
+    experts: dict[str, Any] = {}
+    if mixtral:
+        experts = {
+            "num_local_experts": model.num_experts,
+            "num_experts_per_tok": model.moe_topk,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+        }
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["MixtralForCausalLM" if mixtral else "LlamaForCausalLM"],
+        "model_type": "mixtral" if mixtral else "llama",
+        **experts,
         "vocab_size": model.vocab_size,
         "hidden_size": model.hidden,
-        "intermediate_size": model.ffn_hidden,
+        "intermediate_size": model.expert_ffn_hidden if mixtral else model.ffn_hidden,
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_heads,
         "num_key_value_heads": model.num_query_groups,

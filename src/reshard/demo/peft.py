@@ -79,9 +79,9 @@ def export_peft(
     Returns the exported names and shapes.
 
     Raises:
-        MismatchError: the checkpoint holds no LoRA adapters, or adapters that no Hugging Face module would
-            take (the demo's experts are not a Hugging Face architecture, and PEFT would drop them without a
-            word), or the name map rejects a key.
+        MismatchError: the checkpoint holds no LoRA adapters, or adapters of experts (the demo's default
+            experts are no Hugging Face architecture, and Mixtral expert adapters are not exported yet: PEFT
+            would drop them without a word), or the name map rejects a key.
         CheckpointError: ``out`` already holds an adapter (the export never overwrites).
     """
     metadata = reshard.read_metadata(checkpoint, storage_options=storage_options)
@@ -92,8 +92,9 @@ def export_peft(
     untargeted = [k for k in keys if ".mlp.experts." in k]
     if untargeted and name_map is demo_peft_tensors:
         raise MismatchError(
-            f"{len(untargeted)} adapters of the checkpoint have no PEFT target: the demo model's experts are not "
-            f"a Hugging Face architecture, so PEFT would drop them when loading ({', '.join(untargeted[:6])}"
+            f"{len(untargeted)} adapters of the checkpoint have no PEFT target: expert adapters are not exported "
+            f"(the demo's default experts are no Hugging Face architecture, and Mixtral's are not supported yet), "
+            f"and PEFT would drop them when loading ({', '.join(untargeted[:6])}"
             f"{' ...' if len(untargeted) > 6 else ''}); train LoRA without the expert targets to export it"
         )
     lora = LoraConfig.from_dict(lora_doc)
