@@ -19,15 +19,15 @@ import torch
 
 import reshard
 from reshard.demo.model import ModelConfig
-from reshard.demo.parallel import ParallelConfig, ParallelGroups
+from reshard.demo.parallel import ParallelConfig
 from reshard.demo.run import state_digest
 from reshard.demo.training import Trainer, TrainingConfig
+from tests.demo_groups import layout_groups
 from tests.rankpool import RankContext, RankPool
 
 
 def _trainer(layout: str) -> Trainer | None:
-    config = ParallelConfig.parse(layout)
-    groups = ParallelGroups.create(config, layout_ranks=list(range(config.world_size)))
+    groups = layout_groups(layout)
     if groups is None:
         return None
     return Trainer(ModelConfig(), TrainingConfig(), groups)

@@ -21,9 +21,10 @@ import transformers
 
 import reshard
 from reshard.demo.model import LoraConfig, ModelConfig
-from reshard.demo.parallel import ParallelConfig, ParallelGroups
+from reshard.demo.parallel import ParallelConfig
 from reshard.demo.peft import export_peft
 from reshard.demo.training import Trainer, TrainingConfig
+from tests.demo_groups import layout_groups
 from tests.rankpool import RankContext, RankPool
 
 TOKENS = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(11))
@@ -81,23 +82,10 @@ def _save_llama(directory: Path, options: dict[str, Any], seed: int = 0) -> Any:
     return model
 
 
-_GROUPS: dict[str, ParallelGroups | None] = {}
-
-
-def _groups(layout: str) -> ParallelGroups | None:
-    """The process groups of ``layout`` in this rank, created once per rank process: every test here calls
-    its rank functions with the same layouts on every rank, so the cache agrees across ranks (creating
-    groups is collective), and the pool's processes do not pile up hundreds of gloo groups and threads."""
-    if layout not in _GROUPS:
-        parallel = ParallelConfig.parse(layout)
-        _GROUPS[layout] = ParallelGroups.create(parallel, layout_ranks=list(range(parallel.world_size)))
-    return _GROUPS[layout]
-
-
 def rank_hf_logits(ctx: RankContext, layout: str, hf_dir: str) -> dict[str, Any] | None:
     """Build the reference model on ``layout`` from ``hf_dir``'s config.json, load its safetensors straight
     into it, and return the last stage's logits for TOKENS and the load's bytes."""
-    groups = _groups(layout)
+    groups = layout_groups(layout)
     if groups is None:
         return None
     trainer = Trainer(ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1]), TrainingConfig(), groups)
@@ -188,7 +176,7 @@ def test_from_hf_reads_every_option_and_refuses_what_it_cannot_compute(
 def rank_lora_from_hf(ctx: RankContext, layout: str, hf_dir: str, path: str) -> dict[str, Any] | None:
     """The Llama of ``hf_dir`` with LoRA on every linear on ``layout``: base loaded from the safetensors,
     adapters trained two steps, an adapter-only checkpoint saved; the logits with the adapters."""
-    groups = _groups(layout)
+    groups = layout_groups(layout)
     if groups is None:
         return None
     model = ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1])
@@ -242,7 +230,7 @@ def test_peft_loads_an_exported_adapter_onto_the_transformers_base(
 def rank_train_from_hf(ctx: RankContext, layout: str, hf_dir: str, path: str, steps: int) -> dict[str, Any] | None:
     """The Llama of ``hf_dir`` on ``layout``, loaded from its safetensors, trained ``steps`` steps and saved
     whole (model, Adam, RNG, trainer state); its logits after training."""
-    groups = _groups(layout)
+    groups = layout_groups(layout)
     if groups is None:
         return None
     trainer = Trainer(ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1]), TrainingConfig(), groups)

@@ -19,16 +19,15 @@ from safetensors.torch import save_file
 import reshard
 from reshard.demo.hf import demo_hf_key_map, to_hf_tensors
 from reshard.demo.model import ModelConfig
-from reshard.demo.parallel import ParallelConfig, ParallelGroups
 from reshard.demo.training import Trainer, TrainingConfig
 from reshard.interop import HuggingFaceSource
 from reshard.interop.hf_source import Concat, Stack
+from tests.demo_groups import layout_groups
 from tests.rankpool import RankContext, RankPool
 
 
 def _trainer(layout: str) -> Trainer | None:
-    config = ParallelConfig.parse(layout)
-    groups = ParallelGroups.create(config, layout_ranks=list(range(config.world_size)))
+    groups = layout_groups(layout)
     return None if groups is None else Trainer(ModelConfig(), TrainingConfig(), groups)
 
 

@@ -20,10 +20,11 @@ import torch
 
 import reshard
 from reshard.demo.model import LoraConfig, ModelConfig, is_adapter_key
-from reshard.demo.parallel import ParallelConfig, ParallelGroups
+from reshard.demo.parallel import ParallelConfig
 from reshard.demo.run import state_digest
 from reshard.demo.training import Trainer, TrainingConfig
 from reshard.metadata import METADATA_FILE
+from tests.demo_groups import layout_groups
 from tests.rankpool import RankContext, RankPool
 
 RANDOM_B = LoraConfig(init_b="random")
@@ -31,8 +32,7 @@ EXPERT_B = "decoder.layers.1.mlp.experts.fc1.lora_B.weight"
 
 
 def _trainer(layout: str, lora: dict[str, Any] | None) -> Trainer | None:
-    config = ParallelConfig.parse(layout)
-    groups = ParallelGroups.create(config, layout_ranks=list(range(config.world_size)))
+    groups = layout_groups(layout)
     if groups is None:
         return None
     return Trainer(ModelConfig(), TrainingConfig(), groups, LoraConfig.from_dict(lora) if lora else None)
