@@ -271,11 +271,8 @@ class HuggingFaceSource(CheckpointSource):
         self._owns_storage = self.storage is not path
         self.key_map = key_map
         self.allow_unused = allow_unused
+        self.refuses_unused = not allow_unused
         self._source_names: list[str] = []
-
-    @property
-    def refuses_unused(self) -> bool:  # type: ignore[override]
-        return not self.allow_unused
 
     def unused_entries(self, keys: set[str]) -> list[str]:
         if self.allow_unused:
