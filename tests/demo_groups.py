@@ -9,7 +9,7 @@ process stays the same on every rank.
 
 from __future__ import annotations
 
-from reshard.demo.parallel import ParallelConfig, ParallelGroups
+from reshard.models.parallel import ParallelConfig, ParallelGroups
 
 _GROUPS: dict[str, ParallelGroups | None] = {}
 

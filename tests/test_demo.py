@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import reshard
-from reshard.demo.model import ModelConfig
-from reshard.demo.parallel import ParallelConfig
 from reshard.demo.run import state_digest
 from reshard.demo.training import Trainer, TrainingConfig
+from reshard.models.config import ModelConfig
+from reshard.models.parallel import ParallelConfig
 from tests.demo_groups import layout_groups
 from tests.rankpool import RankContext, RankPool
 

@@ -20,10 +20,10 @@ import torch
 import transformers
 
 import reshard
-from reshard.demo.model import LoraConfig, ModelConfig
-from reshard.demo.parallel import ParallelConfig
-from reshard.demo.peft import export_peft
 from reshard.demo.training import Trainer, TrainingConfig
+from reshard.models.config import LoraConfig, ModelConfig
+from reshard.models.parallel import ParallelConfig
+from reshard.models.peft import export_peft
 from tests.demo_groups import layout_groups
 from tests.rankpool import RankContext, RankPool
 
@@ -286,7 +286,7 @@ def test_a_trained_model_exported_loads_in_transformers_with_its_logits(
 ) -> None:
     """Two steps of training on TP=2 x PP=2, export-hf in shards: AutoModelForCausalLM loads it with no
     missing, unexpected or mismatched keys, and its logits equal the trained reshard model's."""
-    from reshard.demo.hf_export import export_hf
+    from reshard.models.hf_export import export_hf
 
     hf_dir, untrained = llama_dirs["biases"]
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
@@ -306,7 +306,7 @@ def test_a_trained_model_exported_loads_in_transformers_with_its_logits(
 def test_export_hf_refuses_what_it_cannot_write_and_leaves_nothing(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
-    from reshard.demo.hf_export import export_hf
+    from reshard.models.hf_export import export_hf
 
     hf_dir, _ = llama_dirs["untied"]
     ckpt = tmp_path / "ckpt"

@@ -17,11 +17,11 @@ import torch
 from safetensors.torch import save_file
 
 import reshard
-from reshard.demo.hf import demo_hf_key_map, to_hf_tensors
-from reshard.demo.model import ModelConfig
 from reshard.demo.training import Trainer, TrainingConfig
 from reshard.interop import HuggingFaceSource
 from reshard.interop.hf_source import Concat, Stack
+from reshard.models.config import ModelConfig
+from reshard.models.hf import hf_key_map, to_hf_tensors
 from tests.demo_groups import layout_groups
 from tests.rankpool import RankContext, RankPool
 
@@ -50,7 +50,7 @@ def rank_load_hf(ctx: RankContext, layout: str, hf_dir: str) -> dict[str, Any] |
     template = {"model": trainer.sharded_state_dict()["model"]}
     reshard.load(
         template,
-        HuggingFaceSource(hf_dir, key_map=demo_hf_key_map(trainer.model_config)),
+        HuggingFaceSource(hf_dir, key_map=hf_key_map(trainer.model_config)),
         group=trainer.groups.layout.process_group,
         stats=stats,
     )

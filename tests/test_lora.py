@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import reshard
-from reshard.demo.model import LoraConfig, ModelConfig, is_adapter_key
-from reshard.demo.parallel import ParallelConfig
 from reshard.demo.run import state_digest
 from reshard.demo.training import Trainer, TrainingConfig
 from reshard.metadata import METADATA_FILE
+from reshard.models.config import LoraConfig, ModelConfig, is_adapter_key
+from reshard.models.parallel import ParallelConfig
 from tests.demo_groups import layout_groups
 from tests.rankpool import RankContext, RankPool
 

@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the demo model's LoRA adapters as a Hugging Face PEFT adapter",
         description="Read the LoRA adapters of a demo-model checkpoint (adapter-only or full, any saving layout) "
         "whole, and write OUT/adapter_model.safetensors (PEFT key names, fused QKV and GLU linears split per "
-        "projection) and OUT/adapter_config.json. The naming is reshard.demo.peft.demo_peft_tensors; the Python "
+        "projection) and OUT/adapter_config.json. The naming is reshard.models.peft.peft_tensors; the Python "
         "API export_peft(..., name_map=) takes another. Adapters of experts are refused rather than written for PEFT "
         "to drop (the demo's default experts are no Hugging Face architecture; Mixtral expert adapters are not "
         "exported yet).",

@@ -325,7 +325,7 @@ def cmd_import_dcp(args: argparse.Namespace) -> int:
 
 
 def cmd_export_peft(args: argparse.Namespace) -> int:
-    from reshard.demo.peft import export_peft
+    from reshard.models.peft import export_peft
 
     exported = export_peft(
         args.checkpoint, args.out, base_model=args.base_model, storage_options=storage_options_of(args)
@@ -335,7 +335,7 @@ def cmd_export_peft(args: argparse.Namespace) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from reshard.demo.hf_export import export_hf
+    from reshard.models.hf_export import export_hf
 
     written = export_hf(
         args.checkpoint, args.out, max_shard_bytes=args.max_shard_size, storage_options=storage_options_of(args)

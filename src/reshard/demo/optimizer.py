@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from reshard.demo.model import GPTStage
-from reshard.demo.parallel import Group
+from reshard.models.gpt import GPTStage
+from reshard.models.parallel import Group
 from reshard.sharding import ShardedTensor
 
 __all__ = ["Adam", "AdamConfig", "LRSchedule"]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from reshard.demo.model import ModelConfig
+    from reshard.models.config import ModelConfig
 
 __all__ = ["DemoOptions", "PhaseResult", "main", "run_demo"]
 
@@ -46,7 +46,7 @@ class DemoOptions:
     unused) and phase A starts from its weights, loaded straight into layout A."""
 
     def model_config(self) -> ModelConfig:
-        from reshard.demo.model import ModelConfig
+        from reshard.models.config import ModelConfig
 
         if self.from_hf:
             return ModelConfig.from_hf(self.from_hf)
@@ -88,9 +88,9 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
     import torch.distributed as dist
 
     import reshard
-    from reshard.demo.model import LoraConfig
-    from reshard.demo.parallel import ParallelConfig, ParallelGroups
     from reshard.demo.training import Trainer, TrainingConfig, timed
+    from reshard.models.config import LoraConfig
+    from reshard.models.parallel import ParallelConfig, ParallelGroups
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -177,7 +177,7 @@ def run_phase(task: dict[str, Any], world: int, timeout_s: float) -> PhaseResult
 
 def run_demo(options: DemoOptions) -> tuple[PhaseResult, PhaseResult]:
     """Phase A (train, save) then phase B (resume resharded, train); returns both phases' results."""
-    from reshard.demo.parallel import ParallelConfig
+    from reshard.models.parallel import ParallelConfig
 
     layout_a = ParallelConfig.parse(options.layout_a)
     layout_b = ParallelConfig.parse(options.layout_b)
@@ -206,7 +206,7 @@ def run_demo(options: DemoOptions) -> tuple[PhaseResult, PhaseResult]:
 
 
 def _table(options: DemoOptions, a: PhaseResult, b: PhaseResult) -> str:
-    from reshard.demo.parallel import ParallelConfig
+    from reshard.models.parallel import ParallelConfig
 
     equal = a.digest_saved == b.digest_loaded and bool(a.digest_saved)
     rows = [
@@ -244,7 +244,7 @@ def _plot(path: str, a: PhaseResult, b: PhaseResult) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    from reshard.demo.parallel import ParallelConfig
+    from reshard.models.parallel import ParallelConfig
 
     fig, ax = plt.subplots(figsize=(7, 4))
     steps_a = list(range(a.first_step + 1, a.first_step + len(a.losses) + 1))

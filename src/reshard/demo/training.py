@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 import reshard
 from reshard.comm import Communicator
-from reshard.demo.model import GPTStage, LoraConfig, ModelConfig, is_adapter_key
 from reshard.demo.optimizer import Adam, AdamConfig, LRSchedule
-from reshard.demo.parallel import ParallelGroups
+from reshard.models.config import LoraConfig, ModelConfig, is_adapter_key
+from reshard.models.gpt import GPTStage
+from reshard.models.parallel import ParallelGroups
 from reshard.sharding import ShardedObject, ShardedTensor
 
 __all__ = ["Trainer", "TrainingConfig", "global_batch"]
@@ -313,13 +314,13 @@ class Trainer:
         directory that matches the model (:meth:`ModelConfig.from_hf`), each rank reading only its bytes.
         Collective over the layout. Raises :class:`~reshard.MismatchError` when the files do not fit the
         model (missing tensors, other shapes, tensors the model has no place for)."""
-        from reshard.demo.hf import demo_hf_key_map
         from reshard.interop import HuggingFaceSource
+        from reshard.models.hf import hf_key_map
 
         model = self.sharded_state_dict()["model"]
         reshard.load(
             {"model": {k: v for k, v in model.items() if not is_adapter_key(k)}},
-            HuggingFaceSource(hf_dir, key_map=demo_hf_key_map(self.model_config)),
+            HuggingFaceSource(hf_dir, key_map=hf_key_map(self.model_config)),
             group=self.groups.layout.process_group,
             stats=stats,
         )

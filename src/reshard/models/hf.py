@@ -32,17 +32,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reshard.demo.model import ModelConfig
 from reshard.errors import MismatchError
 from reshard.interop.hf_source import Concat, Source, Stack
+from reshard.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from reshard.metadata import Metadata
 
-__all__ = ["checkpoint_model_config", "common_tree", "demo_hf_key_map", "split_for_hf", "to_hf_tensors"]
+__all__ = ["checkpoint_model_config", "common_tree", "hf_key_map", "split_for_hf", "to_hf_tensors"]
 
 
-def demo_hf_key_map(model: ModelConfig) -> dict[str, Source]:
+def hf_key_map(model: ModelConfig) -> dict[str, Source]:
     """The ``key_map`` for ``reshard.load(template, HuggingFaceSource(hf_dir, key_map))``: demo-model key ->
     Hugging Face source (see the module docstring)."""
     key_map: dict[str, Source] = {
@@ -99,9 +99,9 @@ def split_for_hf(key: str, tensor: torch.Tensor, model: ModelConfig) -> list[tup
     split into its parts by rows, a stacked one into its experts (views, not copies).
 
     Raises:
-        KeyError: ``key`` is not in :func:`demo_hf_key_map`.
+        KeyError: ``key`` is not in :func:`hf_key_map`.
     """
-    source = demo_hf_key_map(model)[key]
+    source = hf_key_map(model)[key]
     if isinstance(source, str):
         return [(source, tensor)]
     if isinstance(source, Stack):
@@ -112,9 +112,9 @@ def split_for_hf(key: str, tensor: torch.Tensor, model: ModelConfig) -> list[tup
 
 def to_hf_tensors(full: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
     """The demo model's full (logical) tensors under Hugging Face names: the inverse of
-    :func:`demo_hf_key_map`, splitting fused and stacked tensors. Keys the map does not name (optimizer
+    :func:`hf_key_map`, splitting fused and stacked tensors. Keys the map does not name (optimizer
     states) are left out."""
-    names = demo_hf_key_map(model)
+    names = hf_key_map(model)
     return {
         name: part.contiguous()
         for key, tensor in full.items()

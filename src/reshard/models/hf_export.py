@@ -1,8 +1,8 @@
 """``reshard export-hf``: a demo-model checkpoint as a Hugging Face model directory that transformers loads.
 
 The output directory holds ``config.json`` (a ``LlamaForCausalLM`` that computes what the model computes,
-:func:`reshard.demo.model.hf_config_of`) and the model's tensors under transformers' names
-(:mod:`reshard.demo.hf`): ``model.safetensors`` when they fit one shard, else numbered shards and
+:func:`reshard.models.config.hf_config_of`) and the model's tensors under transformers' names
+(:mod:`reshard.models.hf`): ``model.safetensors`` when they fit one shard, else numbered shards and
 ``model.safetensors.index.json``. Fused tensors are split back (QKV into ``q_proj``/``k_proj``/``v_proj``,
 the GLU into ``gate_proj``/``up_proj``), the vocabulary padding is not there (checkpoints hold the logical
 shapes), and nothing else of the checkpoint is written (no optimizer state, RNG or trainer state).
@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from reshard.demo.hf import checkpoint_model_config, demo_hf_key_map, split_for_hf
-from reshard.demo.model import ModelConfig, hf_config_of, is_adapter_key
 from reshard.errors import CheckpointExistsError, MismatchError, StorageError
 from reshard.interop.export import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, plan_shards, shard_file_names
 from reshard.interop.offline import DEFAULT_SLAB_BYTES, CheckpointReader
 from reshard.interop.safetensors import SafetensorsWriter, TensorSpec
+from reshard.models.config import ModelConfig, hf_config_of, is_adapter_key
+from reshard.models.hf import checkpoint_model_config, hf_key_map, split_for_hf
 from reshard.storage import CheckpointLocation, LocalStorage
 
 __all__ = ["CONFIG_FILE", "SINGLE_FILE", "export_hf"]
@@ -51,7 +51,7 @@ class _Part:
 
 def _parts(reader: CheckpointReader, model: ModelConfig) -> list[_Part]:
     """Every output tensor of the model, as a row range of its checkpoint tensor."""
-    key_map = demo_hf_key_map(model)
+    key_map = hf_key_map(model)
     missing = sorted(k for k in key_map if k not in reader.metadata.tensors)
     if missing:
         raise MismatchError(

@@ -5,7 +5,7 @@
 PEFT's key names, ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``.
 
 The names come from a *name map*, a function ``(key, tensor, model) -> [(name, tensor), ...]``: the
-default, :func:`demo_peft_tensors`, names the demo model's modules as :mod:`reshard.demo.hf` does (like a
+default, :func:`peft_tensors`, names the demo model's modules as :mod:`reshard.models.hf` does (like a
 Hugging Face Llama/Mixtral model) and splits its fused linears, which PEFT adapts one projection at a time:
 
 ====================================================  ================================================
@@ -32,14 +32,14 @@ from typing import Any
 import torch
 
 import reshard
-from reshard.demo.hf import checkpoint_model_config, common_tree, demo_hf_key_map, split_for_hf
-from reshard.demo.model import LoraConfig, ModelConfig, is_adapter_key
 from reshard.errors import CheckpointError, MismatchError
 from reshard.interop.hf_source import Concat
 from reshard.interop.safetensors import SafetensorsWriter, TensorSpec
+from reshard.models.config import LoraConfig, ModelConfig, is_adapter_key
+from reshard.models.hf import checkpoint_model_config, common_tree, hf_key_map, split_for_hf
 from reshard.storage import CheckpointLocation, storage_for
 
-__all__ = ["ADAPTER_CONFIG_FILE", "ADAPTER_FILE", "NameMap", "demo_peft_tensors", "export_peft"]
+__all__ = ["ADAPTER_CONFIG_FILE", "ADAPTER_FILE", "NameMap", "export_peft", "peft_tensors"]
 
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -48,12 +48,12 @@ NameMap = Callable[[str, torch.Tensor, ModelConfig], list[tuple[str, torch.Tenso
 """(reshard adapter key, its full tensor, the model's sizes) -> PEFT (name, tensor) pairs."""
 
 
-def demo_peft_tensors(key: str, tensor: torch.Tensor, model: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+def peft_tensors(key: str, tensor: torch.Tensor, model: ModelConfig) -> list[tuple[str, torch.Tensor]]:
     """The default name map (see the module docstring): PEFT names and tensors for one adapter tensor of
-    the demo GPT, from the Hugging Face naming of :mod:`reshard.demo.hf`."""
+    the demo GPT, from the Hugging Face naming of :mod:`reshard.models.hf`."""
     factor = "lora_A" if ".lora_A." in key else "lora_B"
     base = key.replace(f".{factor}.weight", ".weight")
-    source = demo_hf_key_map(model).get(base)
+    source = hf_key_map(model).get(base)
     if not is_adapter_key(key) or not key.endswith(f".{factor}.weight") or source is None:
         raise MismatchError(f"{key!r} is not an adapter key of the demo model")
     if isinstance(source, Concat) and factor == "lora_A":  # one shared A for every part of a fused linear
@@ -67,7 +67,7 @@ def export_peft(
     checkpoint: CheckpointLocation,
     out: CheckpointLocation,
     *,
-    name_map: NameMap = demo_peft_tensors,
+    name_map: NameMap = peft_tensors,
     base_model: str | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, tuple[int, ...]]:
@@ -90,7 +90,7 @@ def export_peft(
     if not keys or not isinstance(lora_doc, dict) or not lora_doc:
         raise MismatchError(f"the checkpoint at {checkpoint} holds no LoRA adapters of the demo model")
     untargeted = [k for k in keys if ".mlp.experts." in k]
-    if untargeted and name_map is demo_peft_tensors:
+    if untargeted and name_map is peft_tensors:
         raise MismatchError(
             f"{len(untargeted)} adapters of the checkpoint have no PEFT target: expert adapters are not exported "
             f"(the demo's default experts are no Hugging Face architecture, and Mixtral's are not supported yet), "

@@ -1,4 +1,4 @@
-"""Autograd-aware collectives of tensor and expert parallelism, over a :class:`~reshard.demo.parallel.Group`.
+"""Autograd-aware collectives of tensor and expert parallelism, over a :class:`~reshard.models.parallel.Group`.
 
 Each is a conjugate pair (forward, backward) in the style of Megatron's mappings; all are no-ops on a
 group of one rank.
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reshard.demo.parallel import Group
+from reshard.models.parallel import Group
 
 __all__ = ["copy_to_group", "gather_last_dim", "gather_tokens", "reduce_from_group", "reduce_then_slice_tokens"]
 
