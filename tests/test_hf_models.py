@@ -57,20 +57,31 @@ LLAMAS: dict[str, dict[str, Any]] = {
     "gelu_theta": {"hidden_act": "gelu", "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}},
     "tied": {"tie_word_embeddings": True},
     "mixtral": {"architecture": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {  # un-normalised top-k weights, a dense layer among the MoE ones, biases on the attention
+        "architecture": "qwen3_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": False,
+        "mlp_only_layers": [1],
+        "attention_bias": True,
+    },
 }
+MOE_VARIANTS = ("mixtral", "qwen3_moe")
 
 MOE_LAYOUTS = ["tp=2,dp=2,ep=2", "tp=2,etp=2", "dp=4,ep=4"]
-"""Expert layouts, besides LAYOUTS, for the Mixtral variant (TP=2 x EP=2, ETP=2, EP=4)."""
+"""Expert layouts, besides LAYOUTS, for the MoE variants (TP=2 x EP=2, ETP=2, EP=4)."""
 
 
 def _save_llama(directory: Path, options: dict[str, Any], seed: int = 0) -> Any:
-    """A random tiny LlamaForCausalLM (or MixtralForCausalLM, ``architecture="mixtral"``), saved with
+    """A random tiny LlamaForCausalLM (or MixtralForCausalLM, Qwen3MoeForCausalLM by ``architecture``), saved with
     save_pretrained into ``directory``; returns the model."""
     options = dict(options)
-    if options.pop("architecture", "llama") == "mixtral":
-        config_class, model_class = transformers.MixtralConfig, transformers.MixtralForCausalLM
-    else:
-        config_class, model_class = transformers.LlamaConfig, transformers.LlamaForCausalLM
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    }[options.pop("architecture", "llama")]
     config = config_class(**{**BASE, **options})
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -116,7 +127,7 @@ def test_hf_logits_equal_transformers_on_every_layout(
 ) -> None:
     directory, expected = llama_dirs[variant]
     layouts = [layout for layout in LAYOUTS if not (variant == "tied" and "pp=2" in layout)]
-    if variant == "mixtral":
+    if variant in MOE_VARIANTS:
         layouts += MOE_LAYOUTS
     for layout in layouts:
         results = [r for r in pool4.run_ok(rank_hf_logits, layout, str(directory)) if r is not None]
@@ -143,7 +154,19 @@ def test_from_hf_reads_every_option_and_refuses_what_it_cannot_compute(
     assert ModelConfig.from_hf(llama_dirs["tied"][0]).tie_word_embeddings
     mixtral = ModelConfig.from_hf(llama_dirs["mixtral"][0])
     assert mixtral.expert_glu and mixtral.moe_layers == (0, 1, 2, 3) and mixtral.num_experts == 4
-    assert mixtral.moe_topk == 2 and mixtral.expert_ffn_hidden == 64
+    assert mixtral.moe_topk == 2 and mixtral.expert_ffn_hidden == 64 and mixtral.architecture == "mixtral"
+    qwen = ModelConfig.from_hf(llama_dirs["qwen3_moe"][0])
+    assert qwen.architecture == "qwen3_moe" and qwen.qk_norm and not qwen.moe_norm_topk and qwen.attention_bias
+    assert qwen.moe_layers == (0, 2, 3) and qwen.expert_ffn_hidden == 32 and qwen.ffn_hidden == 64
+    qwen_doc = json.loads((llama_dirs["qwen3_moe"][0] / "config.json").read_text())
+    sparse = ModelConfig.from_hf({**qwen_doc, "mlp_only_layers": [], "decoder_sparse_step": 2})
+    assert sparse.moe_layers == (1, 3)
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelConfig.from_hf({**qwen_doc, "use_sliding_window": True, "sliding_window": 8})
+    with pytest.raises(ValueError, match="architecture='mixtral' needs"):
+        ModelConfig(architecture="mixtral", moe_layers=(1,), expert_glu=True)
+    with pytest.raises(ValueError, match="architecture='llama' needs no query/key norms"):
+        ModelConfig(qk_norm=True)
 
     doc = json.loads((directory / "config.json").read_text())
     refused = {
@@ -173,14 +196,17 @@ def test_from_hf_reads_every_option_and_refuses_what_it_cannot_compute(
 # ---- PEFT: adapters trained on a layout, loaded by PEFT onto the transformers base ------------------------
 
 
-def rank_lora_from_hf(ctx: RankContext, layout: str, hf_dir: str, path: str) -> dict[str, Any] | None:
-    """The Llama of ``hf_dir`` with LoRA on every linear on ``layout``: base loaded from the safetensors,
-    adapters trained two steps, an adapter-only checkpoint saved; the logits with the adapters."""
+def rank_lora_from_hf(
+    ctx: RankContext, layout: str, hf_dir: str, path: str, targets: tuple[str, ...] | None = None
+) -> dict[str, Any] | None:
+    """The model of ``hf_dir`` with LoRA on every linear (or ``targets``) on ``layout``: base loaded from the
+    safetensors, adapters trained two steps, an adapter-only checkpoint saved; the logits with the adapters."""
     groups = layout_groups(layout)
     if groups is None:
         return None
     model = ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1])
-    trainer = Trainer(model, TrainingConfig(), groups, LoraConfig(init_b="random"))
+    lora = LoraConfig(init_b="random") if targets is None else LoraConfig(init_b="random", targets=targets)
+    trainer = Trainer(model, TrainingConfig(), groups, lora)
     trainer.load_hf(hf_dir)  # the base; the adapters keep their initial values
     for _ in range(2):
         trainer.train_step()
@@ -196,15 +222,22 @@ def test_peft_loads_an_exported_adapter_onto_the_transformers_base(
     unexpected keys, and their logits equal the reshard model's with its adapters."""
     import peft
 
-    for variant in ("untied", "biases"):
+    cases = [("untied", "tp=2,pp=2"), ("biases", "tp=2,pp=2"), ("qwen3_moe", "tp=2,etp=2"), ("mixtral", "dp=2,ep=2")]
+    for variant, layout in cases:
         hf_dir, _ = llama_dirs[variant]
         ckpt, out = tmp_path / f"adapter-{variant}", tmp_path / f"peft-{variant}"
-        results = pool4.run_ok(rank_lora_from_hf, "tp=2,pp=2", str(hf_dir), str(ckpt))
+        # A Qwen3-MoE's dense MLP (layer 1) has no PEFT target: see test_export_peft_refuses_what_peft_would_misplace.
+        targets = ("qkv", "proj", "experts.fc1", "experts.fc2") if variant == "qwen3_moe" else None
+        results = pool4.run_ok(rank_lora_from_hf, layout, str(hf_dir), str(ckpt), targets)
         expected = next(r["logits"] for r in results if r is not None and r["logits"] is not None)
         exported = export_peft(ckpt, out, base_model=str(hf_dir))
-        assert len(exported) == 4 * (3 + 1 + 2 + 1) * 2  # q, k, v, o, gate, up, down; A and B; 4 layers
+        # Per layer: q, k, v, o, and gate, up, down of a dense MLP or the experts' gate_up_proj and down_proj.
+        per_layer = {"untied": [7] * 4, "biases": [7] * 4, "qwen3_moe": [6, 4, 6, 6], "mixtral": [6] * 4}[variant]
+        assert len(exported) == 2 * sum(per_layer), variant  # A and B
         config = json.loads((out / "adapter_config.json").read_text())
         assert config["base_model_name_or_path"] == str(hf_dir)
+        if variant in MOE_VARIANTS:
+            assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
@@ -213,15 +246,51 @@ def test_peft_loads_an_exported_adapter_onto_the_transformers_base(
         complaints = [str(w.message) for w in caught if "missing" in str(w.message) or "unexpected" in str(w.message)]
         assert not complaints, complaints
         # PEFT does not warn about unexpected keys: every exported tensor must land in a module of the model.
-        loaded = set(with_adapter.state_dict())
+        loaded = with_adapter.state_dict()
         landed = {name.replace(".weight", ".default.weight") for name in exported}
-        assert landed <= loaded, sorted(landed - loaded)
+        assert landed <= set(loaded), sorted(landed - set(loaded))
         assert len({k for k in loaded if ".lora_" in k}) == len(exported)
+        for name, shape in exported.items():
+            assert tuple(loaded[name.replace(".weight", ".default.weight")].shape) == shape, name
         with torch.no_grad():
             for model in (with_adapter, auto):
                 torch.testing.assert_close(model(TOKENS).logits, expected, rtol=0, atol=1e-5, msg=variant)
         base_logits = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)(TOKENS).logits
         assert (base_logits - expected).abs().max() > 1e-3  # the adapters matter
+        if variant in MOE_VARIANTS:  # and so do the experts' adapters
+            ckpt_dense, out_dense = tmp_path / f"adapter-{variant}-dense", tmp_path / f"peft-{variant}-dense"
+            dense_targets = ("qkv", "proj")
+            dense = pool4.run_ok(rank_lora_from_hf, layout, str(hf_dir), str(ckpt_dense), dense_targets)
+            dense_logits = next(r["logits"] for r in dense if r is not None and r["logits"] is not None)
+            assert (dense_logits - expected).abs().max() > 1e-4, variant
+            dense_exported = export_peft(ckpt_dense, out_dense)
+            assert not any(".experts." in name for name in dense_exported)
+            assert "target_parameters" not in json.loads((out_dense / "adapter_config.json").read_text())
+
+
+def test_export_peft_refuses_what_peft_would_misplace(
+    pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Adapters PEFT would drop or put elsewhere are refused, naming them, and nothing is written: the demo's own
+    (un-gated) experts, and a Qwen3-MoE's dense MLP layers (PEFT maps gate_proj/up_proj/down_proj targets of a
+    Qwen-MoE model to its experts)."""
+    hf_dir, _ = llama_dirs["qwen3_moe"]
+    ckpt = tmp_path / "qwen-dense-mlp"
+    pool4.run_ok(rank_lora_from_hf, "tp=1", str(hf_dir), str(ckpt), ("qkv", "fc1", "fc2"))
+    with pytest.raises(reshard.MismatchError, match=r"dense MLPs of a Qwen3-MoE \(decoder.layers.1.mlp.fc1"):
+        export_peft(ckpt, tmp_path / "out-qwen")
+    demo = tmp_path / "demo-experts"
+    pool4.run_ok(rank_lora_demo_model, "tp=1", str(demo))
+    with pytest.raises(reshard.MismatchError, match=r"demo's own experts .*decoder.layers.1.mlp.experts.fc1"):
+        export_peft(demo, tmp_path / "out-demo")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-experts", "qwen-dense-mlp"]
+
+
+def rank_lora_demo_model(ctx: RankContext, layout: str, path: str) -> None:
+    """The demo's default model (un-gated experts in layers 1 and 3) with LoRA on every target, saved."""
+    groups = layout_groups(layout)
+    if groups is not None:
+        Trainer(ModelConfig(), TrainingConfig(), groups, LoraConfig(init_b="random")).save_adapter(path)
 
 
 # ---- export-hf: back to a Hugging Face model directory ---------------------------------------------------
@@ -255,9 +324,9 @@ def test_export_hf_of_an_untrained_model_is_bit_exact_with_the_original_files(
 ) -> None:
     """Hugging Face -> reshard (saved on TP=2 x PP=2, or TP=4 when tied) -> reshard export-hf: the same tensor
     names and bits as the files save_pretrained wrote, and a config.json that rebuilds the same model."""
-    for variant in ("untied", "biases", "llama3_rope", "tied", "mixtral"):
+    for variant in ("untied", "biases", "llama3_rope", "tied", "mixtral", "qwen3_moe"):
         hf_dir, _ = llama_dirs[variant]
-        layout = {"tied": "tp=4", "mixtral": "tp=2,dp=2,ep=2"}.get(variant, "tp=2,pp=2")
+        layout = {"tied": "tp=4", "mixtral": "tp=2,dp=2,ep=2", "qwen3_moe": "tp=2,etp=2"}.get(variant, "tp=2,pp=2")
         ckpt, out = tmp_path / f"ckpt-{variant}", tmp_path / f"hf-{variant}"
         pool4.run_ok(rank_train_from_hf, layout, str(hf_dir), str(ckpt), 0)
         done = subprocess.run(
@@ -276,7 +345,8 @@ def test_export_hf_of_an_untrained_model_is_bit_exact_with_the_original_files(
         assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
         reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (variant, info)
-        assert type(reloaded).__name__ == ("MixtralForCausalLM" if variant == "mixtral" else "LlamaForCausalLM")
+        names = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+        assert type(reloaded).__name__ == names.get(variant, "LlamaForCausalLM")
         with torch.no_grad():
             torch.testing.assert_close(reloaded.eval()(TOKENS).logits, llama_dirs[variant][1], rtol=0, atol=1e-6)
 
@@ -284,23 +354,28 @@ def test_export_hf_of_an_untrained_model_is_bit_exact_with_the_original_files(
 def test_a_trained_model_exported_loads_in_transformers_with_its_logits(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
-    """Two steps of training on TP=2 x PP=2, export-hf in shards: AutoModelForCausalLM loads it with no
-    missing, unexpected or mismatched keys, and its logits equal the trained reshard model's."""
+    """Two steps of training (a Llama on TP=2 x PP=2, a Qwen3-MoE on TP=2 x DP=2 x EP=2), export-hf in shards:
+    AutoModelForCausalLM loads it with no missing, unexpected or mismatched keys, and its logits equal the
+    trained reshard model's. The Qwen3-MoE trained on one rank reaches the same logits (the per-head
+    query/key norms, shared by the TP ranks, get their whole gradient on each)."""
     from reshard.models.hf_export import export_hf
 
-    hf_dir, untrained = llama_dirs["biases"]
-    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
-    results = pool4.run_ok(rank_train_from_hf, "tp=2,pp=2", str(hf_dir), str(ckpt), 2)
-    expected = next(r["logits"] for r in results if r is not None and r["logits"] is not None)
-    assert (expected - untrained).abs().max() > 1e-3  # it trained
-    written = export_hf(ckpt, out, max_shard_bytes=20_000)
-    assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("model-*.safetensors"))) > 1
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert info["missing_keys"] == set() or not info["missing_keys"], info
-    assert not info["unexpected_keys"] and not info["mismatched_keys"], info
-    assert set(written) == set(model.state_dict())
-    with torch.no_grad():
-        torch.testing.assert_close(model.eval()(TOKENS).logits, expected, rtol=0, atol=1e-5)
+    for variant, layout in (("biases", "tp=2,pp=2"), ("qwen3_moe", "tp=2,dp=2,ep=2")):
+        hf_dir, untrained = llama_dirs[variant]
+        ckpt, out = tmp_path / f"ckpt-{variant}", tmp_path / f"hf-{variant}"
+        results = pool4.run_ok(rank_train_from_hf, layout, str(hf_dir), str(ckpt), 2)
+        expected = next(r["logits"] for r in results if r is not None and r["logits"] is not None)
+        assert (expected - untrained).abs().max() > 1e-3, variant  # it trained
+        written = export_hf(ckpt, out, max_shard_bytes=20_000)
+        assert (out / "model.safetensors.index.json").exists() and len(list(out.glob("model-*.safetensors"))) > 1
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (variant, info)
+        assert set(written) == set(_hf_tensors(hf_dir)), variant  # the names save_pretrained writes
+        with torch.no_grad():
+            torch.testing.assert_close(model.eval()(TOKENS).logits, expected, rtol=0, atol=1e-5, msg=variant)
+        if variant == "qwen3_moe":
+            single = pool4.run_ok(rank_train_from_hf, "tp=1", str(hf_dir), str(tmp_path / "single"), 2)
+            torch.testing.assert_close(single[0]["logits"], expected, rtol=0, atol=1e-4)
 
 
 def test_export_hf_refuses_what_it_cannot_write_and_leaves_nothing(

@@ -33,16 +33,22 @@ __all__ = [
 class ModelConfig:
     """Sizes and options of the reference GPT, a Llama-family decoder: RMSNorm (``rms_norm_eps``), rotary
     position embeddings (``rope_theta``; ``rope_scaling`` None or the ``llama3`` scaling of Llama 3.1),
-    grouped-query attention (``num_query_groups`` key/value heads of ``head_dim``), optional biases on the
+    grouped-query attention (``num_query_groups`` key/value heads of ``head_dim``) with optional per-head
+    RMSNorms of the queries and keys before the rotation (``qk_norm``, Qwen3), optional biases on the
     attention projections (``attention_bias``) and on the MLP (``mlp_bias``), a gated MLP (``hidden_act`` of
     the gate: ``silu`` for SwiGLU, or ``gelu``), and an output layer that is its own tensor or the word
     embedding (``tie_word_embeddings``). ``moe_layers`` are the global layer numbers that use experts.
     ``max_position_embeddings`` only travels with the model (to the ``config.json`` of an export). The experts
-    are un-gated MLPs (``fc2(gelu(fc1 x))``), or with ``expert_glu`` gated ones as in Mixtral
-    (``fc2(act(gate x) * fc1 x)``, ``act`` the ``hidden_act``), routed as Mixtral routes: softmax over the
-    experts, the top ``moe_topk``, renormalised.
+    are un-gated MLPs (``fc2(gelu(fc1 x))``), or with ``expert_glu`` gated ones as in Mixtral and Qwen3-MoE
+    (``fc2(act(gate x) * fc1 x)``, ``act`` the ``hidden_act``), routed by a softmax over the experts and the
+    top ``moe_topk``, renormalised when ``moe_norm_topk`` (Mixtral always; Qwen3-MoE's ``norm_topk_prob``).
 
-    :meth:`from_hf` builds one from a Hugging Face Llama config; :meth:`check` says which layouts can run it.
+    ``architecture`` is the Hugging Face ``model_type`` the model reproduces, which fixes its tensors'
+    Hugging Face names and its exported ``config.json``: ``"llama"`` (also the demo's own model with un-gated
+    experts, which has no Hugging Face counterpart), ``"mixtral"`` (gated experts in every layer) or
+    ``"qwen3_moe"`` (gated experts, query/key norms, dense MLPs in the layers not in ``moe_layers``).
+
+    :meth:`from_hf` builds one from a Hugging Face config; :meth:`check` says which layouts can run it.
     """
 
     vocab_size: int = 61
@@ -68,8 +74,28 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     expert_glu: bool = False
+    qk_norm: bool = False
+    moe_norm_topk: bool = True
+    architecture: str = "llama"
 
     def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture={self.architecture!r} is not one of {list(ARCHITECTURES)}")
+        problems = []
+        if self.architecture == "mixtral":
+            if tuple(self.moe_layers) != tuple(range(self.num_layers)) or not self.expert_glu:
+                problems.append("gated experts (expert_glu) in every layer")
+            if self.qk_norm or not self.moe_norm_topk:
+                problems.append("no query/key norms and renormalised top-k weights")
+        elif self.architecture == "qwen3_moe":
+            if not self.expert_glu or not self.qk_norm:
+                problems.append("gated experts (expert_glu) and query/key norms (qk_norm)")
+            if self.mlp_bias:
+                problems.append("no MLP biases")
+        elif self.qk_norm:
+            problems.append("no query/key norms (those are Qwen3's)")
+        if problems:
+            raise ValueError(f"architecture={self.architecture!r} needs " + " and ".join(problems))
         if self.hidden_act not in GATE_ACTIVATIONS:
             supported = sorted(GATE_ACTIVATIONS)
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported: the model has {supported}")
@@ -147,6 +173,9 @@ class ModelConfig:
 GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu}
 """The activations of the MLP's gate the model supports, by their Hugging Face names."""
 
+ARCHITECTURES = ("llama", "mixtral", "qwen3_moe")
+"""The Hugging Face ``model_type`` values the reference model reproduces."""
+
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -154,12 +183,16 @@ def hf_config_options(config: Any) -> dict[str, Any]:
     """The :class:`ModelConfig` options of a Hugging Face Llama config (see :meth:`ModelConfig.from_hf`)."""
     doc = _hf_config_dict(config)
     model_type = doc.get("model_type")
-    if model_type not in ("llama", "mixtral"):
+    if model_type not in ARCHITECTURES:
         raise ValueError(
-            f"model_type={model_type!r} is not supported by the reference model (it reproduces 'llama' and 'mixtral')"
+            f"model_type={model_type!r} is not supported by the reference model (it reproduces {list(ARCHITECTURES)})"
         )
     if float(doc.get("router_jitter_noise") or 0.0) != 0.0:
         raise ValueError("router_jitter_noise other than 0 is not supported by the reference model")
+    if doc.get("use_sliding_window") and doc.get("sliding_window") is not None:
+        raise ValueError(
+            "use_sliding_window=True is not supported by the reference model (it attends to every position)"
+        )
     heads = int(doc["num_attention_heads"])
     hidden = int(doc["hidden_size"])
     head_dim = doc.get("head_dim") or hidden // heads
@@ -192,6 +225,19 @@ def hf_config_options(config: Any) -> dict[str, Any]:
             "expert_ffn_hidden": int(doc["intermediate_size"]),
             "expert_glu": True,
         }
+    elif model_type == "qwen3_moe":
+        experts = int(doc.get("num_experts") or doc.get("num_local_experts") or 0)
+        dense = {int(layer) for layer in doc.get("mlp_only_layers") or ()}
+        step = int(doc.get("decoder_sparse_step", 1))
+        moe = {
+            "moe_layers": tuple(i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0),
+            "num_experts": experts or 1,
+            "moe_topk": int(doc["num_experts_per_tok"]),
+            "expert_ffn_hidden": int(doc["moe_intermediate_size"]),
+            "expert_glu": True,
+            "moe_norm_topk": bool(doc.get("norm_topk_prob", False)),
+            "qk_norm": True,
+        }
     return {
         "vocab_size": int(doc["vocab_size"]),
         "hidden": hidden,
@@ -209,6 +255,7 @@ def hf_config_options(config: Any) -> dict[str, Any]:
         "hidden_act": str(doc.get("hidden_act", "silu")),
         "tie_word_embeddings": bool(doc.get("tie_word_embeddings", False)),
         "max_position_embeddings": int(doc.get("max_position_embeddings", 2048)),
+        "architecture": model_type,
     }
 
 
@@ -289,36 +336,53 @@ class LoraConfig:
 
 
 def hf_config_of(model: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The ``config.json`` of a Hugging Face ``LlamaForCausalLM`` that computes what ``model`` computes (the
-    inverse of :meth:`ModelConfig.from_hf`).
+    """The ``config.json`` of the Hugging Face model (``LlamaForCausalLM``, ``MixtralForCausalLM`` or
+    ``Qwen3MoeForCausalLM``, by ``model.architecture``) that computes what ``model`` computes: the inverse of
+    :meth:`ModelConfig.from_hf`.
 
     Raises:
-        ValueError: ``model`` has experts, which are not a Hugging Face architecture.
+        ValueError: ``model`` is a Llama with experts (the demo's own), which is not a Hugging Face
+            architecture.
     """
-    mixtral = bool(model.moe_layers) and model.expert_glu
-    if model.moe_layers and not (mixtral and tuple(model.moe_layers) == tuple(range(model.num_layers))):
+    arch = model.architecture
+    if arch == "llama" and model.moe_layers:
         raise ValueError(
-            f"the model has experts in layers {list(model.moe_layers)}: only gated experts in every layer "
-            "(expert_glu, Mixtral) are a Hugging Face architecture, so this model has no Hugging Face config"
+            f"the model has experts in layers {list(model.moe_layers)} but architecture='llama': only Mixtral's "
+            "and Qwen3-MoE's experts are a Hugging Face architecture, so this model has no Hugging Face config"
         )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
     if model.rope_scaling is not None:
         rope = {**model.rope_scaling, "rope_theta": model.rope_theta}
+    intermediate = model.ffn_hidden
     experts: dict[str, Any] = {}
-    if mixtral:
+    if arch == "mixtral":
+        intermediate = model.expert_ffn_hidden
         experts = {
             "num_local_experts": model.num_experts,
             "num_experts_per_tok": model.moe_topk,
             "router_jitter_noise": 0.0,
             "output_router_logits": False,
         }
+    elif arch == "qwen3_moe":
+        experts = {
+            "num_experts": model.num_experts,
+            "num_experts_per_tok": model.moe_topk,
+            "moe_intermediate_size": model.expert_ffn_hidden,
+            "norm_topk_prob": model.moe_norm_topk,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(model.num_layers) if i not in model.moe_layers],
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "output_router_logits": False,
+        }
+    names = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
     return {
-        "architectures": ["MixtralForCausalLM" if mixtral else "LlamaForCausalLM"],
-        "model_type": "mixtral" if mixtral else "llama",
+        "architectures": [names[arch]],
+        "model_type": arch,
         **experts,
         "vocab_size": model.vocab_size,
         "hidden_size": model.hidden,
-        "intermediate_size": model.expert_ffn_hidden if mixtral else model.ffn_hidden,
+        "intermediate_size": intermediate,
         "num_hidden_layers": model.num_layers,
         "num_attention_heads": model.num_heads,
         "num_key_value_heads": model.num_query_groups,
@@ -328,7 +392,7 @@ def hf_config_of(model: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
         "rms_norm_eps": model.rms_norm_eps,
         "rope_parameters": rope,
         "attention_bias": model.attention_bias,
-        "mlp_bias": model.mlp_bias,
+        **({} if arch == "qwen3_moe" else {"mlp_bias": model.mlp_bias}),
         "attention_dropout": 0.0,
         "tie_word_embeddings": model.tie_word_embeddings,
         "dtype": str(dtype).removeprefix("torch."),

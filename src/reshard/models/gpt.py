@@ -278,6 +278,9 @@ class GPTStage:
                         segments=tuple(segments),
                     )
                     self._dense(f"{prefix}.self_attention.proj.bias", (h,), (h,), (0,), tp_replicated=True)
+                if cfg.qk_norm:  # one weight over head_dim for every head: replicated on every TP rank
+                    self._dense(f"{prefix}.self_attention.q_norm.weight", (d,), (d,), (0,), tp_replicated=True)
+                    self._dense(f"{prefix}.self_attention.k_norm.weight", (d,), (d,), (0,), tp_replicated=True)
                 self._dense(f"{prefix}.pre_mlp_norm.weight", (h,), (h,), (0,), tp_replicated=True)
                 if layer in cfg.moe_layers:
                     self._build_moe_layouts(prefix)
@@ -463,8 +466,16 @@ class GPTStage:
         qkv = self._column(f"{prefix}.self_attention.qkv.weight", x, tp)
         qkv = qkv.view(batch, seq, groups_local, per_group + 2, cfg.head_dim)
         cos, sin = self._rope_tables(seq)
-        q = apply_rope(qkv[:, :, :, :per_group].reshape(batch, seq, groups_local * per_group, cfg.head_dim), cos, sin)
-        k = apply_rope(qkv[:, :, :, per_group], cos, sin).repeat_interleave(per_group, dim=2)
+        q = qkv[:, :, :, :per_group].reshape(batch, seq, groups_local * per_group, cfg.head_dim)
+        k = qkv[:, :, :, per_group]
+        if cfg.qk_norm:
+            # Each TP rank normalises only its heads with the shared weight: copy_to_group sums the weight's
+            # partial gradients over the TP group, so every rank's copy stays the same.
+            eps = cfg.rms_norm_eps
+            q = rms_norm(q, copy_to_group(self.params[f"{prefix}.self_attention.q_norm.weight"], tp), eps)
+            k = rms_norm(k, copy_to_group(self.params[f"{prefix}.self_attention.k_norm.weight"], tp), eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin).repeat_interleave(per_group, dim=2)
         v = qkv[:, :, :, per_group + 1].repeat_interleave(per_group, dim=2)
         context = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
@@ -494,7 +505,8 @@ class GPTStage:
         tokens = x.reshape(-1, shape[-1])
         probs = torch.softmax(tokens @ self.params[f"{prefix}.mlp.router.weight"].t(), dim=-1)
         weights, chosen = probs.topk(cfg.moe_topk, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
+        if cfg.moe_norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
         # Expert parallelism: every rank of the EP group sees the tokens of all of them.
         ep_tokens = gather_tokens(tokens, g.ep)
         all_tokens = copy_to_group(ep_tokens, g.etp)

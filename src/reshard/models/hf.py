@@ -8,6 +8,7 @@ The demo model's modules map to Hugging Face's like this (``L`` a layer, ``e`` a
     decoder.layers.L.self_attention.qkv.weight  Concat(q_proj, k_proj, v_proj)   (model.layers.L.self_attn.*)
     decoder.layers.L.self_attention.qkv.bias    Concat(q_proj, k_proj, v_proj)   (biases, attention_bias)
     decoder.layers.L.self_attention.proj.weight model.layers.L.self_attn.o_proj.weight (and .bias)
+    decoder.layers.L.self_attention.q_norm.weight model.layers.L.self_attn.q_norm.weight (and k_norm; Qwen3)
     decoder.layers.L.pre_mlp_norm.weight        model.layers.L.post_attention_layernorm.weight
     decoder.layers.L.mlp.fc1.weight             Concat(gate_proj, up_proj)       (model.layers.L.mlp.*)
     decoder.layers.L.mlp.fc1.bias               Concat(gate_proj, up_proj)       (biases, mlp_bias)
@@ -15,6 +16,7 @@ The demo model's modules map to Hugging Face's like this (``L`` a layer, ``e`` a
     decoder.layers.L.mlp.router.weight          model.layers.L.mlp.gate.weight   (Mixtral: block_sparse_moe.gate)
     decoder.layers.L.mlp.experts.gate.weight    Stack(model.layers.L.block_sparse_moe.experts.e.w1.weight, ...)
                                                 (Mixtral, expert_glu; fc1 is then Stack(w3), fc2 Stack(w2))
+    decoder.layers.L.mlp.experts.gate.weight    Stack(model.layers.L.mlp.experts.e.gate_proj.weight, ...) (Qwen3-MoE)
     decoder.layers.L.mlp.experts.fc1.weight     Stack(model.layers.L.mlp.experts.e.up_proj.weight, e = 0..E-1)
     decoder.layers.L.mlp.experts.fc2.weight     Stack(model.layers.L.mlp.experts.e.down_proj.weight, ...)
     decoder.final_norm.weight                   model.norm.weight
@@ -65,7 +67,10 @@ def hf_key_map(model: ModelConfig) -> dict[str, Source]:
             )
             key_map[f"{ours}.self_attention.proj.bias"] = f"{attn}.o_proj.bias"
         key_map[f"{ours}.pre_mlp_norm.weight"] = f"{theirs}.post_attention_layernorm.weight"
-        if layer in model.moe_layers and model.expert_glu:  # Mixtral's naming
+        if model.qk_norm:
+            key_map[f"{ours}.self_attention.q_norm.weight"] = f"{attn}.q_norm.weight"
+            key_map[f"{ours}.self_attention.k_norm.weight"] = f"{attn}.k_norm.weight"
+        if layer in model.moe_layers and model.architecture == "mixtral":  # Mixtral's naming
             moe = f"{theirs}.block_sparse_moe"
             experts = range(model.num_experts)
             key_map[f"{ours}.mlp.router.weight"] = f"{moe}.gate.weight"
@@ -75,6 +80,10 @@ def hf_key_map(model: ModelConfig) -> dict[str, Source]:
         elif layer in model.moe_layers:
             key_map[f"{ours}.mlp.router.weight"] = f"{mlp}.gate.weight"
             experts = range(model.num_experts)
+            if model.expert_glu:
+                key_map[f"{ours}.mlp.experts.gate.weight"] = Stack(
+                    *(f"{mlp}.experts.{e}.gate_proj.weight" for e in experts)
+                )
             key_map[f"{ours}.mlp.experts.fc1.weight"] = Stack(*(f"{mlp}.experts.{e}.up_proj.weight" for e in experts))
             key_map[f"{ours}.mlp.experts.fc2.weight"] = Stack(*(f"{mlp}.experts.{e}.down_proj.weight" for e in experts))
         else:

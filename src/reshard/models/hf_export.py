@@ -90,7 +90,7 @@ def export_hf(
 
     Raises:
         CheckpointExistsError: ``out`` exists.
-        MismatchError: not a checkpoint of the demo model, a model with experts other than Mixtral's (not a
+        MismatchError: not a checkpoint of the reference model, a model with the demo's own experts (not a
             Hugging Face architecture), a checkpoint without the model's tensors, or LoRA adapters in it
             (export those with export-peft; merging is not done here).
         StorageError: writing failed (nothing is left at ``out``).
@@ -103,7 +103,7 @@ def export_hf(
     with CheckpointReader(checkpoint, storage_options=storage_options) as reader:
         model = checkpoint_model_config(reader.metadata, reader.describe())
         try:
-            hf_config_of(model)  # a model with experts other than Mixtral's has none
+            hf_config_of(model)  # the demo's own experts have none
         except ValueError as exc:
             raise MismatchError(str(exc)) from None
         adapters = sorted(k for k in reader.metadata.tensors if is_adapter_key(k) and not k.startswith("optimizer."))
