@@ -9,6 +9,7 @@ in the ranks of a pool, which never import transformers.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import warnings
@@ -22,7 +23,6 @@ import transformers
 import reshard
 from reshard.demo.training import Trainer, TrainingConfig
 from reshard.models.config import LoraConfig, ModelConfig
-from reshard.models.parallel import ParallelConfig
 from reshard.models.peft import export_peft
 from tests.demo_groups import layout_groups
 from tests.rankpool import RankContext, RankPool
@@ -126,7 +126,9 @@ def test_hf_logits_equal_transformers_on_every_layout(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], variant: str
 ) -> None:
     directory, expected = llama_dirs[variant]
-    layouts = [layout for layout in LAYOUTS if not (variant == "tied" and "pp=2" in layout)]
+    layouts = list(LAYOUTS)
+    if variant == "tied":  # the output layer on the last stage is a copy of the first stage's embedding
+        layouts += ["pp=4"]
     if variant in MOE_VARIANTS:
         layouts += MOE_LAYOUTS
     for layout in layouts:
@@ -184,8 +186,6 @@ def test_from_hf_reads_every_option_and_refuses_what_it_cannot_compute(
         with pytest.raises(ValueError, match=message):
             ModelConfig.from_hf({**doc, **change})
         assert name
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        ModelConfig(tie_word_embeddings=True).check(ParallelConfig.parse("pp=2"))
     with pytest.raises(ValueError, match="unknown model options"):
         ModelConfig.from_dict({**ModelConfig().to_dict(), "sliding_window": 4})
     legacy = ModelConfig().to_dict()
@@ -322,11 +322,12 @@ def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 def test_export_hf_of_an_untrained_model_is_bit_exact_with_the_original_files(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
-    """Hugging Face -> reshard (saved on TP=2 x PP=2, or TP=4 when tied) -> reshard export-hf: the same tensor
-    names and bits as the files save_pretrained wrote, and a config.json that rebuilds the same model."""
+    """Hugging Face -> reshard (saved on TP=2 x PP=2, PP=4 when tied, EP and ETP layouts for MoE) -> reshard
+    export-hf: the same tensor names and bits as the files save_pretrained wrote, and a config.json that
+    rebuilds the same model."""
     for variant in ("untied", "biases", "llama3_rope", "tied", "mixtral", "qwen3_moe"):
         hf_dir, _ = llama_dirs[variant]
-        layout = {"tied": "tp=4", "mixtral": "tp=2,dp=2,ep=2", "qwen3_moe": "tp=2,etp=2"}.get(variant, "tp=2,pp=2")
+        layout = {"tied": "pp=4", "mixtral": "tp=2,dp=2,ep=2", "qwen3_moe": "tp=2,etp=2"}.get(variant, "tp=2,pp=2")
         ckpt, out = tmp_path / f"ckpt-{variant}", tmp_path / f"hf-{variant}"
         pool4.run_ok(rank_train_from_hf, layout, str(hf_dir), str(ckpt), 0)
         done = subprocess.run(
@@ -376,6 +377,35 @@ def test_a_trained_model_exported_loads_in_transformers_with_its_logits(
         if variant == "qwen3_moe":
             single = pool4.run_ok(rank_train_from_hf, "tp=1", str(hf_dir), str(tmp_path / "single"), 2)
             torch.testing.assert_close(single[0]["logits"], expected, rtol=0, atol=1e-4)
+
+
+def test_tied_embeddings_over_pipeline_stages_train_as_one_tensor(
+    pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """A tied Llama on PP=4 and TP=2 x PP=2 (the last stage's output layer a copy of the first stage's embedding)
+    and on DP=2 x PP=2 with ZeRO-1 trains exactly as on one rank (the embedding group sums the two copies'
+    gradients); the checkpoint holds the embedding once and no output layer, and exports to a tied Llama that
+    transformers loads with the trained logits."""
+    from reshard.models.hf_export import export_hf
+
+    hf_dir, untrained = llama_dirs["tied"]
+    single = pool4.run_ok(rank_train_from_hf, "tp=1", str(hf_dir), str(tmp_path / "single"), 2)[0]["logits"]
+    assert (single - untrained).abs().max() > 1e-3
+    for layout in ("pp=4", "tp=2,pp=2", "dp=2,pp=2,zero"):
+        ckpt = tmp_path / layout.replace(",", "-").replace("=", "")
+        results = pool4.run_ok(rank_train_from_hf, layout, str(hf_dir), str(ckpt), 2)
+        logits = next(r["logits"] for r in results if r is not None and r["logits"] is not None)
+        torch.testing.assert_close(logits, single, rtol=0, atol=1e-5, msg=layout)
+        tensors = reshard.read_metadata(ckpt).tensors
+        assert "output_layer.weight" not in tensors
+        embedding = tensors["embedding.word_embeddings.weight"]
+        assert sum(math.prod(box.shape) for box in embedding.boxes) == 61 * 32, layout  # once, not per stage
+        out = tmp_path / f"hf-{ckpt.name}"
+        export_hf(ckpt, out)
+        model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        assert model.config.tie_word_embeddings
+        with torch.no_grad():
+            torch.testing.assert_close(model(TOKENS).logits, logits, rtol=0, atol=1e-5, msg=layout)
 
 
 def test_export_hf_refuses_what_it_cannot_write_and_leaves_nothing(

@@ -2,7 +2,9 @@
 
 Gradient reduction (every rank, after backward): dense parameters are averaged over the data- and
 context-parallel group; expert parameters are averaged over the expert-data-parallel group and divided by
-the EP size (each EP rank's gradient already sums the tokens of its EP group). Adam is element-wise, so
+the EP size (each EP rank's gradient already sums the tokens of its EP group). A tied word embedding held
+by two pipeline stages (the embedding on the first, its copy as the output layer on the last) first sums
+its two gradients over the embedding group, so both copies take the same steps. Adam is element-wise, so
 updating a flat slice of a parameter (ZeRO-1) gives exactly the same bits as updating all of it.
 
 With ZeRO-1, each rank's local parameters are laid end to end in a flat buffer (dense and expert
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from reshard.models.config import EMBEDDING_KEY
 from reshard.models.gpt import GPTStage
 from reshard.models.parallel import Group
 from reshard.sharding import ShardedTensor
@@ -105,6 +108,10 @@ class Adam:
             param = self.stage.params[key]
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             layout = self.stage.layouts[key]
+            tied = key == EMBEDDING_KEY and self.stage.config.tie_word_embeddings
+            if tied and g.embedding is not None and g.embedding.size > 1:
+                # the word embedding and its copy, the last stage's output layer: sum both uses
+                dist.all_reduce(grad, group=g.embedding.process_group)
             group = g.edp if layout.is_expert else g.dp_cp
             if group.size > 1:
                 dist.all_reduce(grad, group=group.process_group)

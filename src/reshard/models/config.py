@@ -37,7 +37,8 @@ class ModelConfig:
     RMSNorms of the queries and keys before the rotation (``qk_norm``, Qwen3), optional biases on the
     attention projections (``attention_bias``) and on the MLP (``mlp_bias``), a gated MLP (``hidden_act`` of
     the gate: ``silu`` for SwiGLU, or ``gelu``), and an output layer that is its own tensor or the word
-    embedding (``tie_word_embeddings``). ``moe_layers`` are the global layer numbers that use experts.
+    embedding (``tie_word_embeddings``, on any number of pipeline stages).
+    ``moe_layers`` are the global layer numbers that use experts.
     ``max_position_embeddings`` only travels with the model (to the ``config.json`` of an export). The experts
     are un-gated MLPs (``fc2(gelu(fc1 x))``), or with ``expert_glu`` gated ones as in Mixtral and Qwen3-MoE
     (``fc2(act(gate x) * fc1 x)``, ``act`` the ``hidden_act``), routed by a softmax over the experts and the
@@ -130,11 +131,6 @@ class ModelConfig:
             problems.append(f"num_experts={self.num_experts} is not divisible by ep={parallel.ep}")
         if self.moe_layers and self.expert_ffn_hidden % parallel.etp:
             problems.append(f"expert_ffn_hidden={self.expert_ffn_hidden} is not divisible by etp={parallel.etp}")
-        if self.tie_word_embeddings and parallel.pp > 1:
-            problems.append(
-                "tie_word_embeddings=True needs pp=1 (the reference model does not share the embedding between "
-                "the first and the last pipeline stage)"
-            )
         if problems:
             raise ValueError(f"layout {parallel.describe()} cannot run this model: " + "; ".join(problems))
 

@@ -214,18 +214,22 @@ class GPTStage:
         offset: tuple[int, ...],
         *,
         tp_replicated: bool = False,
+        copy: bool = False,
         **extra: Any,
     ) -> None:
+        """The layout of a dense parameter: replicated over CP and DP (and TP when ``tp_replicated``); a
+        ``copy`` (the last stage's word embedding, when tied) is a replica of the same key on another stage."""
         c = self.groups.coords
         tp_rep = c.tp if tp_replicated else 0
+        marker = (1,) if copy else ()
         self.layouts[key] = ParamLayout(
             key=key,
             global_shape=global_shape,
             global_offset=offset,
             local_shape=local_shape,
-            replica_id=(tp_rep, c.cp, c.dp),
+            replica_id=(tp_rep, c.cp, c.dp, *marker),
             tp_replicated=tp_replicated,
-            zero_replica_id=(tp_rep,),
+            zero_replica_id=(tp_rep, *marker),
             **extra,
         )
 
@@ -237,13 +241,18 @@ class GPTStage:
         h, d = cfg.hidden, cfg.head_dim
         vocab_padded = cfg.padded_vocab(tp)
         rows = vocab_padded // tp
-        if self.has_embedding:
+        # Tied embeddings on several stages: the last stage holds a copy of the word embedding as its output
+        # layer, under the embedding's key as a replica (saved once, loaded into both); the embedding group
+        # sums the two copies' gradients, so they stay equal (Megatron's embedding group).
+        tied_copy = cfg.tie_word_embeddings and self.has_output and not self.has_embedding
+        if self.has_embedding or tied_copy:
             self._dense(
-                "embedding.word_embeddings.weight",
+                EMBEDDING_KEY,
                 (vocab_padded, h),
                 (rows, h),
                 (r * rows, 0),
                 logical_shape=(cfg.vocab_size, h),
+                copy=tied_copy,
             )
         groups_local = cfg.num_query_groups // tp
         per_group = cfg.num_heads // cfg.num_query_groups
@@ -306,7 +315,7 @@ class GPTStage:
                         self._dense(f"{prefix}.mlp.fc2.bias", (h,), (h,), (0,), tp_replicated=True)
         if self.has_output:
             self._dense("decoder.final_norm.weight", (h,), (h,), (0,), tp_replicated=True)
-            if not cfg.tie_word_embeddings:  # tied: the output layer is the word embedding (pp=1, see check)
+            if not cfg.tie_word_embeddings:  # tied: the output layer is the word embedding (or its copy, above)
                 self._dense(
                     "output_layer.weight",
                     (vocab_padded, h),

@@ -163,6 +163,9 @@ class ParallelGroups:
         self.ep = groups["ep"]
         self.edp = groups["edp"]
         self.layout = groups["layout"]
+        self.embedding: Group | None = groups.get("embedding", groups["pp"] if config.pp <= 2 else None)
+        """The first and the last pipeline stage's ranks of this rank's (dp, cp, tp) coordinates, which hold the
+        word embedding twice with ``tie_word_embeddings`` (None on the stages between them)."""
 
     @property
     def edp_index(self) -> int:
@@ -221,4 +224,6 @@ def _group_rank_lists(config: ParallelConfig) -> dict[str, list[list[int]]]:
         "ep": by(lambda r: (r.pp, r.etp_rest, r.etp, r.dp_rest)),
         "edp": by(lambda r: (r.pp, r.etp, r.ep)),
         "layout": [list(range(c.world_size))],
+        # With two stages or fewer the pp groups are the embedding groups: no groups of their own.
+        **({"embedding": [[g[0], g[-1]] for g in by(lambda r: (r.dp, r.cp, r.tp))]} if c.pp > 2 else {}),
     }
