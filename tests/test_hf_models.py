@@ -23,6 +23,7 @@ import transformers
 import reshard
 from reshard.demo.training import Trainer, TrainingConfig
 from reshard.models.config import LoraConfig, ModelConfig
+from reshard.models.parallel import ParallelConfig
 from reshard.models.peft import export_peft
 from tests.demo_groups import layout_groups
 from tests.rankpool import RankContext, RankPool
@@ -66,8 +67,17 @@ LLAMAS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [1],
         "attention_bias": True,
     },
+    "qwen2_moe": {  # a shared expert, biases on Q, K, V only, normalised top-k weights, a dense last layer
+        "architecture": "qwen2_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [3],
+    },
 }
-MOE_VARIANTS = ("mixtral", "qwen3_moe")
+MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 MOE_LAYOUTS = ["tp=2,dp=2,ep=2", "tp=2,etp=2", "dp=4,ep=4"]
 """Expert layouts, besides LAYOUTS, for the MoE variants (TP=2 x EP=2, ETP=2, EP=4)."""
@@ -80,6 +90,7 @@ def _save_llama(directory: Path, options: dict[str, Any], seed: int = 0) -> Any:
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[options.pop("architecture", "llama")]
     config = config_class(**{**BASE, **options})
@@ -161,6 +172,13 @@ def test_from_hf_reads_every_option_and_refuses_what_it_cannot_compute(
     assert qwen.architecture == "qwen3_moe" and qwen.qk_norm and not qwen.moe_norm_topk and qwen.attention_bias
     assert qwen.moe_layers == (0, 2, 3) and qwen.expert_ffn_hidden == 32 and qwen.ffn_hidden == 64
     qwen_doc = json.loads((llama_dirs["qwen3_moe"][0] / "config.json").read_text())
+    qwen2 = ModelConfig.from_hf(llama_dirs["qwen2_moe"][0])
+    assert qwen2.architecture == "qwen2_moe" and qwen2.qkv_bias and not qwen2.attention_bias and not qwen2.qk_norm
+    assert qwen2.shared_expert_ffn_hidden == 48 and qwen2.moe_norm_topk and qwen2.moe_layers == (0, 1, 2)
+    with pytest.raises(ValueError, match="shared_expert_ffn_hidden=48 is not divisible by tp=5"):
+        qwen2.check(ParallelConfig(tp=5))
+    with pytest.raises(ValueError, match="no shared experts"):
+        ModelConfig(shared_expert_ffn_hidden=16)
     sparse = ModelConfig.from_hf({**qwen_doc, "mlp_only_layers": [], "decoder_sparse_step": 2})
     assert sparse.moe_layers == (1, 3)
     with pytest.raises(ValueError, match="use_sliding_window"):
@@ -223,16 +241,20 @@ def test_peft_loads_an_exported_adapter_onto_the_transformers_base(
     import peft
 
     cases = [("untied", "tp=2,pp=2"), ("biases", "tp=2,pp=2"), ("qwen3_moe", "tp=2,etp=2"), ("mixtral", "dp=2,ep=2")]
+    cases += [("qwen2_moe", "tp=2,dp=2,ep=2")]
     for variant, layout in cases:
         hf_dir, _ = llama_dirs[variant]
         ckpt, out = tmp_path / f"adapter-{variant}", tmp_path / f"peft-{variant}"
         # A Qwen3-MoE's dense MLP (layer 1) has no PEFT target: see test_export_peft_refuses_what_peft_would_misplace.
-        targets = ("qkv", "proj", "experts.fc1", "experts.fc2") if variant == "qwen3_moe" else None
+        targets = ("qkv", "proj", "experts.fc1", "experts.fc2") if variant.startswith("qwen") else None
         results = pool4.run_ok(rank_lora_from_hf, layout, str(hf_dir), str(ckpt), targets)
         expected = next(r["logits"] for r in results if r is not None and r["logits"] is not None)
         exported = export_peft(ckpt, out, base_model=str(hf_dir))
         # Per layer: q, k, v, o, and gate, up, down of a dense MLP or the experts' gate_up_proj and down_proj.
-        per_layer = {"untied": [7] * 4, "biases": [7] * 4, "qwen3_moe": [6, 4, 6, 6], "mixtral": [6] * 4}[variant]
+        per_layer = {"untied": [7] * 4, "biases": [7] * 4, "qwen3_moe": [6, 4, 6, 6], "mixtral": [6] * 4}.get(
+            variant,
+            [6, 6, 6, 4],  # qwen2_moe: the shared experts are no LoRA target
+        )
         assert len(exported) == 2 * sum(per_layer), variant  # A and B
         config = json.loads((out / "adapter_config.json").read_text())
         assert config["base_model_name_or_path"] == str(hf_dir)
@@ -277,7 +299,7 @@ def test_export_peft_refuses_what_peft_would_misplace(
     hf_dir, _ = llama_dirs["qwen3_moe"]
     ckpt = tmp_path / "qwen-dense-mlp"
     pool4.run_ok(rank_lora_from_hf, "tp=1", str(hf_dir), str(ckpt), ("qkv", "fc1", "fc2"))
-    with pytest.raises(reshard.MismatchError, match=r"dense MLPs of a Qwen3-MoE \(decoder.layers.1.mlp.fc1"):
+    with pytest.raises(reshard.MismatchError, match=r"dense MLPs of a Qwen-MoE \(decoder.layers.1.mlp.fc1"):
         export_peft(ckpt, tmp_path / "out-qwen")
     demo = tmp_path / "demo-experts"
     pool4.run_ok(rank_lora_demo_model, "tp=1", str(demo))
@@ -325,9 +347,10 @@ def test_export_hf_of_an_untrained_model_is_bit_exact_with_the_original_files(
     """Hugging Face -> reshard (saved on TP=2 x PP=2, PP=4 when tied, EP and ETP layouts for MoE) -> reshard
     export-hf: the same tensor names and bits as the files save_pretrained wrote, and a config.json that
     rebuilds the same model."""
-    for variant in ("untied", "biases", "llama3_rope", "tied", "mixtral", "qwen3_moe"):
+    for variant in ("untied", "biases", "llama3_rope", "tied", "mixtral", "qwen2_moe", "qwen3_moe"):
         hf_dir, _ = llama_dirs[variant]
-        layout = {"tied": "pp=4", "mixtral": "tp=2,dp=2,ep=2", "qwen3_moe": "tp=2,etp=2"}.get(variant, "tp=2,pp=2")
+        layouts = {"tied": "pp=4", "mixtral": "tp=2,dp=2,ep=2", "qwen2_moe": "tp=2,pp=2", "qwen3_moe": "tp=2,etp=2"}
+        layout = layouts.get(variant, "tp=2,pp=2")
         ckpt, out = tmp_path / f"ckpt-{variant}", tmp_path / f"hf-{variant}"
         pool4.run_ok(rank_train_from_hf, layout, str(hf_dir), str(ckpt), 0)
         done = subprocess.run(
@@ -346,7 +369,11 @@ def test_export_hf_of_an_untrained_model_is_bit_exact_with_the_original_files(
         assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
         reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (variant, info)
-        names = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+        names = {
+            "mixtral": "MixtralForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
+        }
         assert type(reloaded).__name__ == names.get(variant, "LlamaForCausalLM")
         with torch.no_grad():
             torch.testing.assert_close(reloaded.eval()(TOKENS).logits, llama_dirs[variant][1], rtol=0, atol=1e-6)
@@ -361,7 +388,7 @@ def test_a_trained_model_exported_loads_in_transformers_with_its_logits(
     query/key norms, shared by the TP ranks, get their whole gradient on each)."""
     from reshard.models.hf_export import export_hf
 
-    for variant, layout in (("biases", "tp=2,pp=2"), ("qwen3_moe", "tp=2,dp=2,ep=2")):
+    for variant, layout in (("biases", "tp=2,pp=2"), ("qwen3_moe", "tp=2,dp=2,ep=2"), ("qwen2_moe", "tp=2,etp=2")):
         hf_dir, untrained = llama_dirs[variant]
         ckpt, out = tmp_path / f"ckpt-{variant}", tmp_path / f"hf-{variant}"
         results = pool4.run_ok(rank_train_from_hf, layout, str(hf_dir), str(ckpt), 2)
@@ -374,8 +401,8 @@ def test_a_trained_model_exported_loads_in_transformers_with_its_logits(
         assert set(written) == set(_hf_tensors(hf_dir)), variant  # the names save_pretrained writes
         with torch.no_grad():
             torch.testing.assert_close(model.eval()(TOKENS).logits, expected, rtol=0, atol=1e-5, msg=variant)
-        if variant == "qwen3_moe":
-            single = pool4.run_ok(rank_train_from_hf, "tp=1", str(hf_dir), str(tmp_path / "single"), 2)
+        if variant in MOE_VARIANTS:
+            single = pool4.run_ok(rank_train_from_hf, "tp=1", str(hf_dir), str(tmp_path / f"single-{variant}"), 2)
             torch.testing.assert_close(single[0]["logits"], expected, rtol=0, atol=1e-4)
 
 

@@ -275,10 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read the LoRA adapters of a demo-model checkpoint (adapter-only or full, any saving layout) "
         "whole, and write OUT/adapter_model.safetensors (PEFT key names, fused QKV and GLU linears split per "
         "projection) and OUT/adapter_config.json. The naming is reshard.models.peft.peft_tensors; the Python "
-        "API export_peft(..., name_map=) takes another. Expert adapters of a Mixtral or Qwen3-MoE go to PEFT's "
+        "API export_peft(..., name_map=) takes another. Expert adapters of a Mixtral or Qwen-MoE go to PEFT's "
         "target_parameters (the fused 3-D expert weights of transformers 5). Adapters PEFT would drop or misplace "
         "are refused, listing them: those of the demo's own (un-gated) experts, which are no Hugging Face "
-        "architecture, and those of a Qwen3-MoE's dense MLP layers.",
+        "architecture, and those of a Qwen-MoE's dense MLP layers.",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -296,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[storage],
         help="write a demo-model checkpoint as a Hugging Face model directory (config.json + safetensors)",
         description="Read the model of a reference-model checkpoint (any saving layout) and write OUT/config.json "
-        "(a LlamaForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM that computes what the model computes) and "
-        "its tensors under transformers' names (model.safetensors, or numbered shards and "
+        "(a LlamaForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM that computes what "
+        "the model computes) and its tensors under transformers' names (model.safetensors, or numbered shards and "
         "model.safetensors.index.json): fused QKV and GLU split back, no vocabulary padding, no optimizer, RNG or "
         "trainer state. Streamed in bounded memory, into a temporary directory renamed to OUT at the end: OUT "
         "appears complete or not at all. OUT must not exist. Refused: a model with the demo's own (un-gated) "

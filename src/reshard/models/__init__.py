@@ -1,5 +1,6 @@
-"""Reference models for reshard: a Megatron-style decoder that is exactly the Hugging Face Llama, Mixtral and
-Qwen3-MoE architectures, under TP, PP (with virtual stages), DP, CP, EP, ETP and ZeRO-1, on CPU with gloo.
+"""Reference models for reshard: a Megatron-style decoder that is exactly the Hugging Face Llama, Mixtral,
+Qwen2-MoE and Qwen3-MoE architectures, under TP, PP (with virtual stages), DP, CP, EP, ETP and ZeRO-1, on CPU
+with gloo.
 
 This package is not part of the checkpointing library: the core never imports it. It exists so that the
 library can be shown, tested and benchmarked on a real training state, loaded from and exported to real

@@ -40,9 +40,11 @@ class ModelConfig:
     embedding (``tie_word_embeddings``, on any number of pipeline stages).
     ``moe_layers`` are the global layer numbers that use experts.
     ``max_position_embeddings`` only travels with the model (to the ``config.json`` of an export). The experts
-    are un-gated MLPs (``fc2(gelu(fc1 x))``), or with ``expert_glu`` gated ones as in Mixtral and Qwen3-MoE
+    are un-gated MLPs (``fc2(gelu(fc1 x))``), or with ``expert_glu`` gated ones as in Mixtral and Qwen-MoE
     (``fc2(act(gate x) * fc1 x)``, ``act`` the ``hidden_act``), routed by a softmax over the experts and the
-    top ``moe_topk``, renormalised when ``moe_norm_topk`` (Mixtral always; Qwen3-MoE's ``norm_topk_prob``).
+    top ``moe_topk``, renormalised when ``moe_norm_topk`` (Mixtral always; Qwen-MoE's ``norm_topk_prob``).
+    ``qkv_bias`` puts biases on Q, K and V only, and ``shared_expert_ffn_hidden`` adds a shared expert (a gated
+    MLP every token goes through, scaled by a sigmoid gate), both as in Qwen2-MoE.
 
     ``architecture`` is the Hugging Face ``model_type`` the model reproduces, which fixes its tensors'
     Hugging Face names and its exported ``config.json``: ``"llama"`` (also the demo's own model with un-gated
@@ -77,6 +79,8 @@ class ModelConfig:
     expert_glu: bool = False
     qk_norm: bool = False
     moe_norm_topk: bool = True
+    qkv_bias: bool = False
+    shared_expert_ffn_hidden: int = 0
     architecture: str = "llama"
 
     def __post_init__(self) -> None:
@@ -93,8 +97,15 @@ class ModelConfig:
                 problems.append("gated experts (expert_glu) and query/key norms (qk_norm)")
             if self.mlp_bias:
                 problems.append("no MLP biases")
+        elif self.architecture == "qwen2_moe":
+            if not self.expert_glu or self.qk_norm or self.mlp_bias or self.attention_bias:
+                problems.append("gated experts (expert_glu), no query/key norms and biases on Q, K, V only (qkv_bias)")
         elif self.qk_norm:
             problems.append("no query/key norms (those are Qwen3's)")
+        if self.architecture != "qwen2_moe" and (self.qkv_bias or self.shared_expert_ffn_hidden):
+            problems.append("no shared experts and no biases on Q, K, V alone (those are Qwen2-MoE's)")
+        if self.qkv_bias and self.attention_bias:
+            problems.append("either attention_bias (Q, K, V and the output projection) or qkv_bias, not both")
         if problems:
             raise ValueError(f"architecture={self.architecture!r} needs " + " and ".join(problems))
         if self.hidden_act not in GATE_ACTIVATIONS:
@@ -129,6 +140,10 @@ class ModelConfig:
             problems.append(f"ffn_hidden={self.ffn_hidden} is not divisible by tp={parallel.tp}")
         if self.moe_layers and self.num_experts % parallel.ep:
             problems.append(f"num_experts={self.num_experts} is not divisible by ep={parallel.ep}")
+        if self.moe_layers and self.shared_expert_ffn_hidden % parallel.tp:
+            problems.append(
+                f"shared_expert_ffn_hidden={self.shared_expert_ffn_hidden} is not divisible by tp={parallel.tp}"
+            )
         if self.moe_layers and self.expert_ffn_hidden % parallel.etp:
             problems.append(f"expert_ffn_hidden={self.expert_ffn_hidden} is not divisible by etp={parallel.etp}")
         if problems:
@@ -169,7 +184,7 @@ class ModelConfig:
 GATE_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu": F.gelu}
 """The activations of the MLP's gate the model supports, by their Hugging Face names."""
 
-ARCHITECTURES = ("llama", "mixtral", "qwen3_moe")
+ARCHITECTURES = ("llama", "mixtral", "qwen2_moe", "qwen3_moe")
 """The Hugging Face ``model_type`` values the reference model reproduces."""
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -221,7 +236,7 @@ def hf_config_options(config: Any) -> dict[str, Any]:
             "expert_ffn_hidden": int(doc["intermediate_size"]),
             "expert_glu": True,
         }
-    elif model_type == "qwen3_moe":
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
         experts = int(doc.get("num_experts") or doc.get("num_local_experts") or 0)
         dense = {int(layer) for layer in doc.get("mlp_only_layers") or ()}
         step = int(doc.get("decoder_sparse_step", 1))
@@ -232,8 +247,16 @@ def hf_config_options(config: Any) -> dict[str, Any]:
             "expert_ffn_hidden": int(doc["moe_intermediate_size"]),
             "expert_glu": True,
             "moe_norm_topk": bool(doc.get("norm_topk_prob", False)),
-            "qk_norm": True,
+            "qk_norm": model_type == "qwen3_moe",
         }
+        if model_type == "qwen2_moe":
+            shared = int(doc.get("shared_expert_intermediate_size") or 0)
+            if shared < 1:
+                raise ValueError(
+                    "shared_expert_intermediate_size must be positive (Qwen2-MoE always has a shared expert)"
+                )
+            moe["shared_expert_ffn_hidden"] = shared
+            moe["qkv_bias"] = bool(doc.get("qkv_bias", True))
     return {
         "vocab_size": int(doc["vocab_size"]),
         "hidden": hidden,
@@ -246,7 +269,7 @@ def hf_config_options(config: Any) -> dict[str, Any]:
         "rms_norm_eps": float(doc.get("rms_norm_eps", 1e-6)),
         "rope_theta": theta,
         "rope_scaling": scaling,
-        "attention_bias": bool(doc.get("attention_bias", False)),
+        "attention_bias": bool(doc.get("attention_bias", False)) and model_type != "qwen2_moe",
         "mlp_bias": bool(doc.get("mlp_bias", False)),
         "hidden_act": str(doc.get("hidden_act", "silu")),
         "tie_word_embeddings": bool(doc.get("tie_word_embeddings", False)),
@@ -332,9 +355,9 @@ class LoraConfig:
 
 
 def hf_config_of(model: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The ``config.json`` of the Hugging Face model (``LlamaForCausalLM``, ``MixtralForCausalLM`` or
-    ``Qwen3MoeForCausalLM``, by ``model.architecture``) that computes what ``model`` computes: the inverse of
-    :meth:`ModelConfig.from_hf`.
+    """The ``config.json`` of the Hugging Face model (``LlamaForCausalLM``, ``MixtralForCausalLM``,
+    ``Qwen2MoeForCausalLM`` or ``Qwen3MoeForCausalLM``, by ``model.architecture``) that computes what ``model``
+    computes: the inverse of :meth:`ModelConfig.from_hf`.
 
     Raises:
         ValueError: ``model`` is a Llama with experts (the demo's own), which is not a Hugging Face
@@ -344,7 +367,7 @@ def hf_config_of(model: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
     if arch == "llama" and model.moe_layers:
         raise ValueError(
             f"the model has experts in layers {list(model.moe_layers)} but architecture='llama': only Mixtral's "
-            "and Qwen3-MoE's experts are a Hugging Face architecture, so this model has no Hugging Face config"
+            "and Qwen-MoE's experts are a Hugging Face architecture, so this model has no Hugging Face config"
         )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
     if model.rope_scaling is not None:
@@ -359,8 +382,13 @@ def hf_config_of(model: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
             "router_jitter_noise": 0.0,
             "output_router_logits": False,
         }
-    elif arch == "qwen3_moe":
+    elif arch in ("qwen2_moe", "qwen3_moe"):
         experts = {
+            **(
+                {"shared_expert_intermediate_size": model.shared_expert_ffn_hidden, "qkv_bias": model.qkv_bias}
+                if arch == "qwen2_moe"
+                else {}
+            ),
             "num_experts": model.num_experts,
             "num_experts_per_tok": model.moe_topk,
             "moe_intermediate_size": model.expert_ffn_hidden,
@@ -371,7 +399,12 @@ def hf_config_of(model: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
             "sliding_window": None,
             "output_router_logits": False,
         }
-    names = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+    names = {
+        "llama": "LlamaForCausalLM",
+        "mixtral": "MixtralForCausalLM",
+        "qwen2_moe": "Qwen2MoeForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+    }
     return {
         "architectures": [names[arch]],
         "model_type": arch,
@@ -387,8 +420,8 @@ def hf_config_of(model: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
         "max_position_embeddings": model.max_position_embeddings,
         "rms_norm_eps": model.rms_norm_eps,
         "rope_parameters": rope,
-        "attention_bias": model.attention_bias,
-        **({} if arch == "qwen3_moe" else {"mlp_bias": model.mlp_bias}),
+        **({} if arch == "qwen2_moe" else {"attention_bias": model.attention_bias}),
+        **({} if arch in ("qwen2_moe", "qwen3_moe") else {"mlp_bias": model.mlp_bias}),
         "attention_dropout": 0.0,
         "tie_word_embeddings": model.tie_word_embeddings,
         "dtype": str(dtype).removeprefix("torch."),

@@ -258,7 +258,6 @@ class GPTStage:
         per_group = cfg.num_heads // cfg.num_query_groups
         q_rows = cfg.num_heads * d
         kv_rows = cfg.num_query_groups * d
-        ffn_local = cfg.ffn_hidden // tp
         for chunk in self.chunks:
             for layer in chunk:
                 prefix = f"decoder.layers.{layer}"
@@ -277,7 +276,7 @@ class GPTStage:
                 )
                 heads_cols = groups_local * per_group * d
                 self._dense(f"{prefix}.self_attention.proj.weight", (h, q_rows), (h, heads_cols), (0, r * heads_cols))
-                if cfg.attention_bias:
+                if cfg.attention_bias or cfg.qkv_bias:
                     self._dense(
                         f"{prefix}.self_attention.qkv.bias",
                         (q_rows + 2 * kv_rows,),
@@ -286,6 +285,7 @@ class GPTStage:
                         segment_axis=0,
                         segments=tuple(segments),
                     )
+                if cfg.attention_bias:
                     self._dense(f"{prefix}.self_attention.proj.bias", (h,), (h,), (0,), tp_replicated=True)
                 if cfg.qk_norm:  # one weight over head_dim for every head: replicated on every TP rank
                     self._dense(f"{prefix}.self_attention.q_norm.weight", (d,), (d,), (0,), tp_replicated=True)
@@ -294,25 +294,7 @@ class GPTStage:
                 if layer in cfg.moe_layers:
                     self._build_moe_layouts(prefix)
                 else:
-                    self._dense(
-                        f"{prefix}.mlp.fc1.weight",
-                        (2 * cfg.ffn_hidden, h),
-                        (2 * ffn_local, h),
-                        (0, 0),
-                        segment_axis=0,
-                        segments=((r * ffn_local, ffn_local), (cfg.ffn_hidden + r * ffn_local, ffn_local)),
-                    )
-                    self._dense(f"{prefix}.mlp.fc2.weight", (h, cfg.ffn_hidden), (h, ffn_local), (0, r * ffn_local))
-                    if cfg.mlp_bias:
-                        self._dense(
-                            f"{prefix}.mlp.fc1.bias",
-                            (2 * cfg.ffn_hidden,),
-                            (2 * ffn_local,),
-                            (0,),
-                            segment_axis=0,
-                            segments=((r * ffn_local, ffn_local), (cfg.ffn_hidden + r * ffn_local, ffn_local)),
-                        )
-                        self._dense(f"{prefix}.mlp.fc2.bias", (h,), (h,), (0,), tp_replicated=True)
+                    self._build_glu_layouts(f"{prefix}.mlp", cfg.ffn_hidden, bias=cfg.mlp_bias)
         if self.has_output:
             self._dense("decoder.final_norm.weight", (h,), (h,), (0,), tp_replicated=True)
             if not cfg.tie_word_embeddings:  # tied: the output layer is the word embedding (or its copy, above)
@@ -324,6 +306,23 @@ class GPTStage:
                     logical_shape=(cfg.vocab_size, h),
                 )
 
+    def _build_glu_layouts(self, module: str, ffn_hidden: int, *, bias: bool) -> None:
+        """A tensor-parallel gated MLP at ``module``: ``fc1 [gate; up]`` column-parallel (2 segments per rank),
+        ``fc2`` row-parallel; the dense MLP of a layer, or a shared expert."""
+        h = self.config.hidden
+        tp, r = self.groups.config.tp, self.groups.coords.tp
+        ffn_local = ffn_hidden // tp
+        segments = ((r * ffn_local, ffn_local), (ffn_hidden + r * ffn_local, ffn_local))
+        self._dense(
+            f"{module}.fc1.weight", (2 * ffn_hidden, h), (2 * ffn_local, h), (0, 0), segment_axis=0, segments=segments
+        )
+        self._dense(f"{module}.fc2.weight", (h, ffn_hidden), (h, ffn_local), (0, r * ffn_local))
+        if bias:
+            self._dense(
+                f"{module}.fc1.bias", (2 * ffn_hidden,), (2 * ffn_local,), (0,), segment_axis=0, segments=segments
+            )
+            self._dense(f"{module}.fc2.bias", (h,), (h,), (0,), tp_replicated=True)
+
     def _build_moe_layouts(self, prefix: str) -> None:
         cfg = self.config
         parallel = self.groups.config
@@ -332,6 +331,9 @@ class GPTStage:
         self._dense(
             f"{prefix}.mlp.router.weight", (cfg.num_experts, h), (cfg.num_experts, h), (0, 0), tp_replicated=True
         )
+        if cfg.shared_expert_ffn_hidden:  # Qwen2-MoE: a tensor-parallel gated MLP for every token, sigmoid-gated
+            self._build_glu_layouts(f"{prefix}.mlp.shared_expert", cfg.shared_expert_ffn_hidden, bias=False)
+            self._dense(f"{prefix}.mlp.shared_expert_gate.weight", (1, h), (1, h), (0, 0), tp_replicated=True)
         experts = cfg.num_experts // parallel.ep
         ffn = cfg.expert_ffn_hidden // parallel.etp
         edp = (self.groups.edp_index,)
@@ -464,7 +466,7 @@ class GPTStage:
         normed = rms_norm(x, p[f"{prefix}.pre_mlp_norm.weight"], eps)
         if layer in self.config.moe_layers:
             return x + self._moe(prefix, normed)
-        return x + self._mlp(prefix, normed)
+        return x + self._mlp(f"{prefix}.mlp", normed)
 
     def _attention(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -501,11 +503,12 @@ class GPTStage:
             tables = self._rope_cache[seq] = (angles.cos(), angles.sin())
         return tables
 
-    def _mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, module: str, x: torch.Tensor) -> torch.Tensor:
+        """``x`` through the tensor-parallel gated MLP at ``module`` (a layer's ``mlp`` or a shared expert)."""
         tp = self.groups.tp
-        gate_up = self._column(f"{prefix}.mlp.fc1.weight", x, tp)
+        gate_up = self._column(f"{module}.fc1.weight", x, tp)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self._row(f"{prefix}.mlp.fc2.weight", GATE_ACTIVATIONS[self.config.hidden_act](gate) * up, tp)
+        return self._row(f"{module}.fc2.weight", GATE_ACTIVATIONS[self.config.hidden_act](gate) * up, tp)
 
     def _moe(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -554,7 +557,11 @@ class GPTStage:
                 update = self._lora_scale * (low_rank @ b[local].t()) * ep_weights[rows, slots].unsqueeze(-1)
                 replicated = replicated.index_add(0, rows, update)
         partial = reduce_from_group(partial, g.etp) + replicated  # expert tensor parallelism: sum the slices
-        return reduce_then_slice_tokens(partial, g.ep).reshape(shape)
+        routed = reduce_then_slice_tokens(partial, g.ep).reshape(shape)
+        if not cfg.shared_expert_ffn_hidden:
+            return routed
+        gate_weight = self.params[f"{prefix}.mlp.shared_expert_gate.weight"]
+        return routed + torch.sigmoid(x @ gate_weight.t()) * self._mlp(f"{prefix}.mlp.shared_expert", x)
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         """Logits over the logical vocabulary (padding columns removed)."""

@@ -16,7 +16,10 @@ The demo model's modules map to Hugging Face's like this (``L`` a layer, ``e`` a
     decoder.layers.L.mlp.router.weight          model.layers.L.mlp.gate.weight   (Mixtral: block_sparse_moe.gate)
     decoder.layers.L.mlp.experts.gate.weight    Stack(model.layers.L.block_sparse_moe.experts.e.w1.weight, ...)
                                                 (Mixtral, expert_glu; fc1 is then Stack(w3), fc2 Stack(w2))
-    decoder.layers.L.mlp.experts.gate.weight    Stack(model.layers.L.mlp.experts.e.gate_proj.weight, ...) (Qwen3-MoE)
+    decoder.layers.L.mlp.experts.gate.weight    Stack(model.layers.L.mlp.experts.e.gate_proj.weight, ...) (Qwen-MoE)
+    decoder.layers.L.mlp.shared_expert.fc1.weight Concat(gate_proj, up_proj) (model.layers.L.mlp.shared_expert.*)
+    decoder.layers.L.mlp.shared_expert.fc2.weight model.layers.L.mlp.shared_expert.down_proj.weight
+    decoder.layers.L.mlp.shared_expert_gate.weight model.layers.L.mlp.shared_expert_gate.weight (Qwen2-MoE)
     decoder.layers.L.mlp.experts.fc1.weight     Stack(model.layers.L.mlp.experts.e.up_proj.weight, e = 0..E-1)
     decoder.layers.L.mlp.experts.fc2.weight     Stack(model.layers.L.mlp.experts.e.down_proj.weight, ...)
     decoder.final_norm.weight                   model.norm.weight
@@ -61,10 +64,11 @@ def hf_key_map(model: ModelConfig) -> dict[str, Source]:
             f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"
         )
         key_map[f"{ours}.self_attention.proj.weight"] = f"{attn}.o_proj.weight"
-        if model.attention_bias:
+        if model.attention_bias or model.qkv_bias:
             key_map[f"{ours}.self_attention.qkv.bias"] = Concat(
                 f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"
             )
+        if model.attention_bias:
             key_map[f"{ours}.self_attention.proj.bias"] = f"{attn}.o_proj.bias"
         key_map[f"{ours}.pre_mlp_norm.weight"] = f"{theirs}.post_attention_layernorm.weight"
         if model.qk_norm:
@@ -86,6 +90,13 @@ def hf_key_map(model: ModelConfig) -> dict[str, Source]:
                 )
             key_map[f"{ours}.mlp.experts.fc1.weight"] = Stack(*(f"{mlp}.experts.{e}.up_proj.weight" for e in experts))
             key_map[f"{ours}.mlp.experts.fc2.weight"] = Stack(*(f"{mlp}.experts.{e}.down_proj.weight" for e in experts))
+            if model.shared_expert_ffn_hidden:
+                shared = f"{mlp}.shared_expert"
+                key_map[f"{ours}.mlp.shared_expert.fc1.weight"] = Concat(
+                    f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"
+                )
+                key_map[f"{ours}.mlp.shared_expert.fc2.weight"] = f"{shared}.down_proj.weight"
+                key_map[f"{ours}.mlp.shared_expert_gate.weight"] = f"{mlp}.shared_expert_gate.weight"
         else:
             key_map[f"{ours}.mlp.fc1.weight"] = Concat(f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight")
             key_map[f"{ours}.mlp.fc2.weight"] = f"{mlp}.down_proj.weight"
@@ -100,6 +111,8 @@ def _fused_rows(key: str, model: ModelConfig) -> list[int]:
     if ".self_attention.qkv." in key:
         kv_rows = model.num_query_groups * model.head_dim
         return [model.num_heads * model.head_dim, kv_rows, kv_rows]
+    if ".mlp.shared_expert." in key:
+        return [model.shared_expert_ffn_hidden, model.shared_expert_ffn_hidden]
     return [model.ffn_hidden, model.ffn_hidden]
 
 

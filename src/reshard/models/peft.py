@@ -6,7 +6,7 @@ PEFT's key names, ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight
 
 The names come from a *name map*, a function ``(key, tensor, model, lora) -> [(name, tensor), ...]``: the
 default, :func:`peft_tensors`, names the demo model's modules as :mod:`reshard.models.hf` does (like a
-Hugging Face Llama, Mixtral or Qwen3-MoE model) and splits its fused linears, which PEFT adapts one
+Hugging Face Llama, Mixtral or Qwen-MoE model) and splits its fused linears, which PEFT adapts one
 projection at a time:
 
 ====================================================  ================================================
@@ -17,7 +17,7 @@ reshard key (``decoder.layers.L.`` ...)                PEFT module (``base_model
 ``mlp.fc1`` (fused GLU ``[gate; up]``)                 ``mlp.gate_proj``, ``mlp.up_proj``
 ``mlp.fc2``                                           ``mlp.down_proj``
 ``mlp.experts.fc1`` / ``fc2`` (stacked ``[E, ...]``)   ``mlp.experts`` parameters ``gate_up_proj`` /
-                                                      ``down_proj`` (Mixtral, Qwen3-MoE)
+                                                      ``down_proj`` (Mixtral, Qwen-MoE)
 ====================================================  ================================================
 
 A fused linear ``W = [W_1; W_2; ...]`` with adapter ``B A`` becomes one adapter per part with the same
@@ -52,7 +52,7 @@ NameMap = Callable[[str, torch.Tensor, ModelConfig, LoraConfig], list[tuple[str,
 """(reshard adapter key, its full tensor, the model's sizes, the adapters' options) -> PEFT (name, tensor)
 pairs."""
 
-HF_EXPERT_ARCHITECTURES = ("mixtral", "qwen3_moe")
+HF_EXPERT_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 """The architectures whose experts transformers holds as fused 3-D parameters that PEFT adapts
 (``target_parameters``): ``mlp.experts.gate_up_proj [E, 2 * ffn, h]`` and ``mlp.experts.down_proj [E, h, ffn]``."""
 
@@ -127,7 +127,7 @@ def export_peft(
     Raises:
         MismatchError: the checkpoint holds no LoRA adapters, or (with the default name map) adapters of the
             demo's own experts, which are no Hugging Face architecture (PEFT would drop them without a word), or
-            adapters of a Qwen3-MoE's dense MLP layers (PEFT would put them on the experts), or the name map
+            adapters of a Qwen-MoE's dense MLP layers (PEFT would put them on the experts), or the name map
             rejects a key.
         CheckpointError: ``out`` already holds an adapter (the export never overwrites).
     """
@@ -144,12 +144,12 @@ def export_peft(
             f"{len(untargeted)} adapters of the checkpoint have no PEFT target: they adapt the demo's own experts "
             f"(architecture={model.architecture!r}), which are no Hugging Face architecture, and PEFT would drop "
             f"them when loading ({', '.join(untargeted[:6])}{' ...' if len(untargeted) > 6 else ''}); train LoRA "
-            "without the expert targets, or on a Mixtral or Qwen3-MoE, to export it"
+            "without the expert targets, or on a Mixtral or Qwen-MoE, to export it"
         )
     dense_mlp = [k for k in keys if ".mlp.fc" in k]
-    if dense_mlp and name_map is peft_tensors and model.architecture == "qwen3_moe":
+    if dense_mlp and name_map is peft_tensors and model.architecture in ("qwen2_moe", "qwen3_moe"):
         raise MismatchError(
-            f"{len(dense_mlp)} adapters of the checkpoint adapt the dense MLPs of a Qwen3-MoE "
+            f"{len(dense_mlp)} adapters of the checkpoint adapt the dense MLPs of a Qwen-MoE "
             f"({', '.join(dense_mlp[:4])}{' ...' if len(dense_mlp) > 4 else ''}): PEFT reads the targets gate_proj, "
             "up_proj and down_proj of a Qwen-MoE model as the experts' projections, so it would put them on the "
             "experts; train LoRA without the targets fc1 and fc2 to export it"
