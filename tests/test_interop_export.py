@@ -125,6 +125,9 @@ def test_export_cli_with_key_map_file_and_prefix(tmp_path: Path, capsys: pytest.
     prefixed, _ = _load_export(tmp_path / "hf2")
     assert set(prefixed) == {"weight", "bias"} and prefixed["weight"].dtype == torch.float16
     assert "in 1 safetensors files" in out and "left out by the key map: 1 tensors" in out
+    # A prefix no key starts with would export nothing: an error (exit 3) naming the keys' first parts.
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf4"), "--prefix", "model."]) == 3
+    assert "would write no tensors" in capsys.readouterr().err and not (tmp_path / "hf4").exists()
     key_map.write_text("[1, 2]")
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf3"), "--key-map", str(key_map)]) == 2
     assert "must be a JSON object" in capsys.readouterr().err

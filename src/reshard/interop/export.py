@@ -203,7 +203,8 @@ def export_safetensors(
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError: ``checkpoint`` is not
             a loadable checkpoint.
-        MismatchError, StateDictError: a bad key map, or a dtype safetensors cannot hold (complex128).
+        MismatchError, StateDictError: a bad key map (one that leaves out every tensor, too), or a dtype
+            safetensors cannot hold (complex128).
         CheckpointExistsError: ``out`` holds an export and ``overwrite`` is off.
         StorageError: writing failed (the shards written so far are removed).
     """
@@ -211,6 +212,13 @@ def export_safetensors(
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     with CheckpointReader(checkpoint, storage_options=storage_options) as reader:
         pairs, left_out = _output_names(reader, key_map)
+        if not pairs:
+            firsts = sorted({key.split(".")[0] + "." for key in reader.metadata.tensors})
+            raise MismatchError(
+                f"the key map leaves out all {len(left_out)} tensors of {reader.describe()}: the export would write "
+                f"no tensors (the checkpoint's keys start with {', '.join(firsts[:8])}"
+                f"{' ...' if len(firsts) > 8 else ''})"
+            )
         items = []
         for key, name in sorted(pairs, key=lambda pair: pair[1]):
             saved = reader.metadata.tensors[key]
