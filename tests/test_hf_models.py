@@ -138,6 +138,8 @@ def test_hf_logits_equal_transformers_on_every_layout(
 ) -> None:
     directory, expected = llama_dirs[variant]
     layouts = list(LAYOUTS)
+    if variant == "untied":  # virtual pipeline stages (interleaved chunks) and context-parallel replicas
+        layouts += ["pp=2,vpp=2", "tp=2,cp=2"]
     if variant == "tied":  # the output layer on the last stage is a copy of the first stage's embedding
         layouts += ["pp=4"]
     if variant in MOE_VARIANTS:
