@@ -132,3 +132,55 @@ def test_megatron_load_at_another_layout_is_bit_exact_and_strict(
         for rank, r in enumerate(results):
             assert r["rng"]["random"] == (3, (1, 2, 3), None)
             assert torch.equal(r["rng"]["torch"], torch.arange(4, dtype=torch.uint8) + rank % 2)
+
+
+# ---- the direct route: reshard.save / reshard.load of Megatron's sharded state dicts --------------------------
+
+
+def rank_direct_save(ctx: RankContext, layout: str, path: str) -> list[Any]:
+    """reshard.save(to_reshard(state)) of the model and optimizer on ``layout``; the saved pieces."""
+    import reshard
+    from reshard.megatron import to_reshard
+    from tests.megatron_models import build_gpt, build_optimizer, perturb, sharded_pieces
+
+    model = build_gpt(MegatronLayout.parse(layout))
+    perturb(model)
+    optimizer = build_optimizer(model, filled=True)
+    state = _state(model, optimizer, loading=False, iteration=3, rng=False)
+    pieces = sharded_pieces(state)
+    reshard.save(to_reshard(state), path)
+    return pieces
+
+
+def rank_direct_load(ctx: RankContext, layout: str, path: str) -> dict[str, Any]:
+    """reshard.load(to_reshard(template)) on ``layout``, from_reshard, then model.load_state_dict and the
+    optimizer's load_state_dict (strict); the pieces they then hold."""
+    import reshard
+    from reshard.megatron import from_reshard, to_reshard
+    from tests.megatron_models import build_gpt, build_optimizer, sharded_pieces
+
+    model = build_gpt(MegatronLayout.parse(layout), seed=99)
+    optimizer = build_optimizer(model)
+    template = _state(model, optimizer, loading=True, iteration=0, rng=False)
+    loaded = from_reshard(reshard.load(to_reshard(template), path), template)
+    model.load_state_dict(loaded["model"], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+    after = _state(model, optimizer, loading=False, iteration=loaded["iteration"], rng=False)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optimizer.param_groups]
+    return {"pieces": sharded_pieces(after), "iteration": loaded["iteration"], "groups": groups}
+
+
+def test_direct_route_reshards_into_model_and_optimizer_load_state_dict(pool4: RankPool, tmp_path: Path) -> None:
+    """reshard.save(to_reshard(...)) on EP=2 x TP=2, loaded on PP=4 and on TP=1 x EP=4 through from_reshard:
+    model.load_state_dict (strict) and the optimizer's load_state_dict take the result as it is (factories
+    merged back, no prepended axes, the optimizer's parameter groups from the loading layout), every tensor
+    equal to the saved one."""
+    path = tmp_path / "direct"
+    full = assemble(pool4.run_ok(rank_direct_save, "tp=2,ep=2", str(path), timeout_s=240))
+    for layout in ("pp=4", "ep=4"):
+        results = pool4.run_ok(rank_direct_load, layout, str(path), timeout_s=240)
+        problems = check_pieces(full, [r["pieces"] for r in results])
+        assert not problems, (layout, problems[:10])
+        for r in results:
+            assert r["iteration"] == 3
+            assert [g["is_expert_parallel"] for g in r["groups"]] == [False, True]

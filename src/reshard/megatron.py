@@ -57,6 +57,8 @@ from reshard.storage import storage_for
 
 __all__ = [
     "BACKEND",
+    "COMMON_ENTRY",
+    "COMMON_KEY",
     "RESHARD_SUBDIR",
     "VERSION",
     "ReshardLoadStrategy",
@@ -74,46 +76,77 @@ RESHARD_SUBDIR = "reshard"
 _BYTES_IO = "__reshard_bytes_io__"
 
 
-def to_reshard(sharded_state_dict: Any, *, stored: Metadata | None = None) -> Any:
-    """A Megatron-Core sharded state dict as a reshard state dict of the same nesting (not collective).
+def to_reshard(sharded_state_dict: dict[str, Any], *, stored: Metadata | None = None) -> dict[str, Any]:
+    """A Megatron-Core sharded state dict as a reshard state dict (not collective; the input is not modified).
 
     ShardedTensors become reshard ShardedTensors over the same data (a view with the ``prepend_axis_num``
-    axes in front, no copy); ShardedObjects become reshard ShardedObjects (an ``io.BytesIO`` value, as TE's
-    ``_extra_state``, travels as its bytes); a ShardedTensorFactory is replaced by the sub-state-dict it
-    builds (Megatron's GLU and expert layouts); LocalNonpersistentObjects are left out (they are restored
-    from the template by :func:`from_reshard`); other values stay, as common values. The input is not
-    modified.
+    axes in front, no copy), at the same place in the nesting; ShardedObjects become reshard ShardedObjects
+    (an ``io.BytesIO`` value, as TE's ``_extra_state``, travels as its bytes); a ShardedTensorFactory is
+    replaced by the sub-state-dict it builds (Megatron's GLU and expert layouts); LocalNonpersistentObjects
+    are left out (:func:`from_reshard` restores them from the template). The other values, Megatron's
+    *common* state (what its own save pickles into ``common.pt``), are gathered into one ShardedObject,
+    :data:`COMMON_KEY`, under the top-level entry :data:`COMMON_ENTRY` (rank 0's copy is saved, without
+    pickle): a load gets the checkpoint's common state whatever the template holds, as Megatron's load does
+    (an optimizer's ``common_step``, absent from a template built before any step, comes back).
 
     ``stored``, the metadata of the checkpoint to load from, is needed when a ShardedTensor has
-    ``allow_shape_mismatch``: its box is then clipped to the stored global shape, so that a load reads
-    the overlap and leaves the rest of the local tensor alone. A ShardedTensor with ``data=None`` (a
-    template of ``load_tensors_metadata``) gets an empty CPU tensor.
+    ``allow_shape_mismatch``: its box is then clipped to the stored global shape, so that a load reads the
+    overlap and leaves the rest of the local tensor alone. A ShardedTensor with ``data=None`` (a template of
+    ``load_tensors_metadata``) gets an empty CPU tensor.
 
     Raises:
-        StateDictError: a ShardedTensor with ``flattened_range`` (not expressible in megatron-core 0.16.1).
+        StateDictError: the state dict is not a dict, or holds a ShardedTensor with ``flattened_range`` (not
+            expressible in megatron-core 0.16.1).
     """
-    return _convert(sharded_state_dict, (), stored)
+    if not isinstance(sharded_state_dict, dict):
+        raise StateDictError(f"a Megatron sharded state dict is a dict, got {type(sharded_state_dict).__name__}")
+    sharded, common = _split(sharded_state_dict, stored)
+    out = dict(sharded) if sharded is not _ABSENT else {}
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    out[COMMON_ENTRY] = reshard.ShardedObject(COMMON_KEY, common if common is not _ABSENT else {}, (1,), (0,), rank)
+    return out
 
 
-def _convert(value: Any, path: tuple[Any, ...], stored: Metadata | None) -> Any:
+COMMON_ENTRY = "__megatron_common__"
+"""The top-level entry of :func:`to_reshard`'s result that holds Megatron's common state."""
+COMMON_KEY = "megatron.common"
+"""The key of the ShardedObject that holds Megatron's common state in a checkpoint of the direct route."""
+
+_ABSENT: Any = object()
+
+
+def _split(value: Any, stored: Metadata | None) -> tuple[Any, Any]:
+    """(the sharded part of ``value`` in reshard's terms, its common part), each ``_ABSENT`` when empty."""
+    if isinstance(value, LocalNonpersistentObject):
+        return _ABSENT, _ABSENT
     if isinstance(value, ShardedTensorFactory):
-        return _convert(value.build(), path, stored)
+        return _split(value.build(), stored)
     if isinstance(value, McoreShardedTensor):
-        return _tensor(value, stored)
+        return _tensor(value, stored), _ABSENT
     if isinstance(value, McoreShardedObject):
         data = value.data
         if isinstance(data, io.BytesIO):
             data = {_BYTES_IO: data.getvalue()}
-        return reshard.ShardedObject(value.key, data, value.global_shape, value.global_offset, value.replica_id)
-    if isinstance(value, dict):
-        return {
-            k: _convert(v, (*path, k), stored) for k, v in value.items() if not isinstance(v, LocalNonpersistentObject)
-        }
-    if isinstance(value, list):
-        return [
-            _convert(v, (*path, i), stored) for i, v in enumerate(value) if not isinstance(v, LocalNonpersistentObject)
-        ]
-    return value
+        return reshard.ShardedObject(
+            value.key, data, value.global_shape, value.global_offset, value.replica_id
+        ), _ABSENT
+    if isinstance(value, dict) and value:
+        sharded, common = {}, {}
+        for key, child in value.items():
+            child_sharded, child_common = _split(child, stored)
+            if child_sharded is not _ABSENT:
+                sharded[key] = child_sharded
+            if child_common is not _ABSENT:
+                common[key] = child_common
+        return sharded or _ABSENT, common or _ABSENT
+    if isinstance(value, list) and value:
+        parts = [_split(child, stored) for child in value]
+        if all(part[0] is _ABSENT for part in parts):
+            return _ABSENT, [c if c is not _ABSENT else None for _, c in parts]
+        # A list with sharded entries stays whole on the sharded side (positions matter): its common entries
+        # become reshard common values, its non-persistent ones None.
+        return [s if s is not _ABSENT else (c if c is not _ABSENT else None) for s, c in parts], _ABSENT
+    return _ABSENT, value
 
 
 def _tensor(sharded: McoreShardedTensor, stored: Metadata | None) -> reshard.ShardedTensor:
@@ -140,42 +173,70 @@ def _tensor(sharded: McoreShardedTensor, stored: Metadata | None) -> reshard.Sha
     return reshard.ShardedTensor(sharded.key, data, global_shape, offset, sharded.replica_id)
 
 
-def from_reshard(loaded: Any, sharded_state_dict: Any) -> Any:
-    """The plain state dict Megatron's ``load`` would return: ``loaded`` (what ``reshard.load`` returned for
-    ``to_reshard(sharded_state_dict)``) with each ShardedTensor's local tensor in its local shape,
-    each ShardedObject's value (an ``io.BytesIO`` again where it was one), each factory's sub-state-dict
-    merged back by its ``merge_fn``, and each LocalNonpersistentObject unwrapped from the template (not
-    collective). It is what ``model.load_state_dict`` and a Megatron optimizer's ``load_state_dict``
-    take."""
-    if isinstance(sharded_state_dict, LocalNonpersistentObject):
-        return sharded_state_dict.unwrap()
-    if isinstance(sharded_state_dict, ShardedTensorFactory):
-        return sharded_state_dict.merge_fn(from_reshard(loaded, sharded_state_dict.build()))
-    if isinstance(sharded_state_dict, McoreShardedTensor):
-        if sharded_state_dict.data is not None:
-            return sharded_state_dict.data  # filled in place through the view to_reshard made
-        return loaded.reshape(tuple(sharded_state_dict.local_shape))
-    if isinstance(sharded_state_dict, McoreShardedObject):
+def from_reshard(loaded: dict[str, Any], sharded_state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The plain state dict Megatron's ``load`` would return (not collective): from ``loaded``, what
+    ``reshard.load`` returned for ``to_reshard(sharded_state_dict)``, each ShardedTensor's local tensor in its
+    local shape, each ShardedObject's value (an ``io.BytesIO`` again where it was one), each factory's
+    sub-state-dict merged back by its ``merge_fn``, each LocalNonpersistentObject unwrapped from the template,
+    and the checkpoint's common state as the base (a common value the template lacks is added; one the
+    checkpoint lacks is left out, as Megatron's load does). It is what ``model.load_state_dict`` and a
+    Megatron optimizer's ``load_state_dict`` take."""
+    common = loaded.get(COMMON_ENTRY, {})
+    rest = {k: v for k, v in loaded.items() if k != COMMON_ENTRY}
+    result = _rebuild(rest, sharded_state_dict, common)
+    return result if result is not _ABSENT else {}
+
+
+def _rebuild(loaded: Any, template: Any, common: Any) -> Any:
+    if isinstance(template, LocalNonpersistentObject):
+        return template.unwrap()
+    if isinstance(template, ShardedTensorFactory):
+        return template.merge_fn(_rebuild(loaded, template.build(), _ABSENT))
+    if isinstance(template, McoreShardedTensor):
+        if template.data is not None:
+            return template.data  # filled in place through the view to_reshard made
+        return loaded.reshape(tuple(template.local_shape))
+    if isinstance(template, McoreShardedObject):
         if isinstance(loaded, dict) and set(loaded) == {_BYTES_IO}:
             return io.BytesIO(loaded[_BYTES_IO])
         return loaded
-    if isinstance(sharded_state_dict, dict):
-        return {k: _child(loaded, k, v) for k, v in sharded_state_dict.items()}
-    if isinstance(sharded_state_dict, list):
-        kept = iter(loaded if isinstance(loaded, list) else [])
-        return [
-            v.unwrap() if isinstance(v, LocalNonpersistentObject) else from_reshard(next(kept), v)
-            for v in sharded_state_dict
-        ]
-    return loaded
+    if isinstance(template, dict) and template:
+        out = {}
+        for key, child in template.items():
+            child_loaded = loaded.get(key, _ABSENT) if isinstance(loaded, dict) else _ABSENT
+            child_common = common.get(key, _ABSENT) if isinstance(common, dict) else _ABSENT
+            value = _rebuild(child_loaded, child, child_common)
+            if value is not _ABSENT:
+                out[key] = value
+        if isinstance(common, dict):
+            out.update({k: v for k, v in common.items() if k not in template})
+        return out
+    if isinstance(template, list) and template:
+        if isinstance(loaded, list):  # a list with sharded entries (see _split)
+            return [
+                item if _is_plain(child) else _rebuild(item, child, _ABSENT)
+                for item, child in zip(loaded, template, strict=True)
+            ]
+        if isinstance(common, list) and len(common) != len(template):
+            # Megatron merges lists by position: another length (an optimizer's parameter groups on another
+            # expert layout) would pair the wrong entries.
+            raise MismatchError(
+                f"the checkpoint's list has {len(common)} entries where the state dict has {len(template)} "
+                "(an optimizer with other parameter groups?): lists are merged by position, so this cannot load"
+            )
+        commons = common if isinstance(common, list) else [_ABSENT] * len(template)
+        items = [_rebuild(_ABSENT, child, c) for child, c in zip(template, commons, strict=True)]
+        if all(item is _ABSENT for item in items):
+            return _ABSENT
+        return [None if item is _ABSENT else item for item in items]
+    if common is not _ABSENT:
+        return common
+    return _ABSENT
 
 
-def _child(loaded: Any, key: Any, template: Any) -> Any:
-    if isinstance(template, LocalNonpersistentObject):
-        return template.unwrap()
-    if not isinstance(loaded, dict) or key not in loaded:
-        raise MismatchError(f"the loaded state has no entry {key!r} that the template holds")
-    return from_reshard(loaded[key], template)
+def _is_plain(value: Any) -> bool:
+    """Whether ``value`` holds nothing sharded (a common value of a list kept on the sharded side)."""
+    return _split(value, None)[0] is _ABSENT and not isinstance(value, LocalNonpersistentObject)
 
 
 # ---- the strategies ---------------------------------------------------------------------------------------
@@ -226,7 +287,9 @@ class ReshardSaveStrategy(SaveShardedStrategy):  # type: ignore[misc]  # megatro
     def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
         """Collective over the default group: every rank calls it (Megatron's ``dist_checkpointing.save``
         does)."""
-        reshard.save(to_reshard(sharded_state_dict), _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
+        sharded, _ = _split(sharded_state_dict, None)  # Megatron keeps the common state in its common.pt
+        state = sharded if sharded is not _ABSENT else {}
+        reshard.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
 
 
 class ReshardLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]  # megatron-core is untyped
@@ -252,9 +315,12 @@ class ReshardLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]  # megatro
         """Collective over the default group. Returns the state dict of ``sharded_state_dict``'s nesting with
         tensors and objects loaded (the ShardedTensors' own tensors, filled in place)."""
         stored = _stored_metadata(checkpoint_dir)
-        template = to_reshard(sharded_state_dict, stored=stored)
-        loaded = reshard.load(template, _reshard_dir(checkpoint_dir), options=self.options)
-        return from_reshard(loaded, sharded_state_dict)
+        sharded, _ = _split(sharded_state_dict, stored)
+        loaded = reshard.load(
+            sharded if sharded is not _ABSENT else {}, _reshard_dir(checkpoint_dir), options=self.options
+        )
+        result = _rebuild(loaded, sharded_state_dict, _ABSENT)
+        return result if result is not _ABSENT else {}
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict[str, McoreShardedTensor]:
         """Every stored tensor as a data-less Megatron ShardedTensor of its global shape and dtype, by key."""
