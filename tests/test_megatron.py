@@ -5,6 +5,7 @@ own optimizer, saved on one layout and loaded on others (4 gloo ranks; only the 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -184,3 +185,148 @@ def test_direct_route_reshards_into_model_and_optimizer_load_state_dict(pool4: R
         for r in results:
             assert r["iteration"] == 3
             assert [g["is_expert_parallel"] for g in r["groups"]] == [False, True]
+
+
+# ---- Megatron's metadata entry points, vocabulary padding, TE's _extra_state bytes -----------------------------
+
+
+def rank_megatron_metadata(ctx: RankContext, path: str) -> dict[str, Any]:
+    """load_tensors_metadata, load_sharded_metadata, load_plain_tensors and load_common_state_dict."""
+    import reshard.megatron  # noqa: F401
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+
+    tensors = dist_checkpointing.load_tensors_metadata(path)
+    sharded = serialization.load_sharded_metadata(path)
+    plain = dist_checkpointing.load_plain_tensors(path)
+    common = dist_checkpointing.load_common_state_dict(path)
+    return {
+        "tensors": {k: (tuple(v.global_shape), v.dtype, v.data is None) for k, v in tensors.items()},
+        "objects": sorted(k for k, v in sharded.items() if type(v).__name__ == "ShardedObject"),
+        "plain": plain if ctx.rank == 0 else None,
+        "iteration": common["iteration"],
+    }
+
+
+def test_megatron_metadata_entry_points(pool4: RankPool, megatron_checkpoint: tuple[Path, dict[str, Any]]) -> None:
+    path, full = megatron_checkpoint
+    results = pool4.run_ok(rank_megatron_metadata, str(path), timeout_s=240)
+    for r in results:
+        assert r["tensors"] == {k: (tuple(t.shape), t.dtype, True) for k, t in full.items()}
+        rng = [k for k in r["objects"] if k.startswith("rng_state/")]
+        assert rng == [f"rng_state/shard_{pp}.{tp}_2.2" for pp in range(2) for tp in range(2)]
+        # and the _extra_state objects of every layer (and expert) of Megatron's modules
+        assert "decoder.layers.self_attention.linear_qkv._extra_state/shard_3_4" in r["objects"]
+        assert r["iteration"] == 3
+    plain = results[0]["plain"]
+    # (Megatron's load merges its common.pt into the result too: the iteration, the optimizer's common step)
+    assert set(full) <= set(plain) and all(torch.equal(plain[k], full[k]) for k in full)
+
+
+def rank_padded_save(ctx: RankContext, path: str, vocab: int) -> None:
+    """A vocabulary-parallel embedding of ``vocab`` padded rows over 4 TP ranks (allow_shape_mismatch, as
+    Megatron's) and a TE-like ``_extra_state`` of bytes per rank, through dist_checkpointing.save."""
+    import reshard.megatron  # noqa: F401
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    rows = vocab // 4
+    data = torch.arange(vocab * 3, dtype=torch.float32).view(vocab, 3)[ctx.rank * rows : (ctx.rank + 1) * rows]
+    state = {
+        "emb": ShardedTensor.from_rank_offsets("emb", data.clone(), (0, ctx.rank, 4), allow_shape_mismatch=True),
+        "extra": ShardedObject("linear._extra_state", io.BytesIO(b"te-state-" + bytes([ctx.rank])), (4,), (ctx.rank,)),
+    }
+    dist_checkpointing.save(state, path, sharded_strategy=("reshard", 1))
+
+
+def rank_padded_load(ctx: RankContext, path: str, vocab: int, tp: int) -> dict[str, Any] | None:
+    """The embedding with ``vocab`` padded rows over ``tp`` ranks (the others load nothing), filled with -1
+    before the load, and the ``_extra_state`` object of this rank's cell."""
+    import reshard.megatron  # noqa: F401
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    rows = vocab // tp
+    state: dict[str, Any] = {
+        "extra": ShardedObject("linear._extra_state", io.BytesIO(), (4,), (ctx.rank,)),
+    }
+    if ctx.rank < tp:
+        local = torch.full((rows, 3), -1.0)
+        state["emb"] = ShardedTensor.from_rank_offsets("emb", local, (0, ctx.rank, tp), allow_shape_mismatch=True)
+    loaded = dist_checkpointing.load(state, path)
+    return {"emb": loaded.get("emb"), "extra": loaded["extra"]}
+
+
+def test_megatron_vocabulary_padding_both_ways_and_extra_state_bytes(pool4: RankPool, tmp_path: Path) -> None:
+    """allow_shape_mismatch as Megatron has it: a vocabulary padded to 72 rows loads into 64 rows (the first
+    64) and into 80 (the first 72; the 8 rows past the stored tensor keep their values), from any TP size;
+    TE's io.BytesIO _extra_state comes back as io.BytesIO with its bytes."""
+    path = tmp_path / "padded"
+    path.mkdir()
+    pool4.run_ok(rank_padded_save, str(path), 72)
+    saved = torch.arange(72 * 3, dtype=torch.float32).view(72, 3)
+    for vocab, tp in ((64, 2), (80, 4), (72, 1)):
+        results = pool4.run_ok(rank_padded_load, str(path), vocab, tp)
+        rows = vocab // tp
+        for rank, r in enumerate(results):
+            assert isinstance(r["extra"], io.BytesIO) and r["extra"].getvalue() == b"te-state-" + bytes([rank])
+            if rank >= tp:
+                continue
+            expected = torch.full((rows, 3), -1.0)
+            start = rank * rows
+            overlap = max(0, min(start + rows, 72) - start)
+            expected[:overlap] = saved[start : start + overlap]
+            assert torch.equal(r["emb"], expected), (vocab, tp, rank)
+
+
+UNEVEN_SAVE = (3, 5, 2, 6)
+UNEVEN_LOAD = (6, 2, 5, 3)
+
+
+def _uneven(key: str, sizes: tuple[int, ...], rank: int, fill: float | None) -> Any:
+    """Rows ``sizes[rank]`` of a (16, 2) tensor on each rank: an uneven 1-D split (no regular grid)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    start, rows = sum(sizes[:rank]), sizes[rank]
+    full = torch.arange(32, dtype=torch.float64).view(16, 2)
+    data = full[start : start + rows].clone() if fill is None else torch.full((rows, 2), fill, dtype=torch.float64)
+    return ShardedTensor(key, data, data.dtype, (rows, 2), (16, 2), (start, 0), None)
+
+
+def rank_replicas_and_uneven_save(ctx: RankContext, path: str) -> None:
+    """Four tensors replicated on every rank (replica_id = rank) and one split unevenly, through
+    dist_checkpointing.save with the reshard strategy."""
+    import reshard.megatron  # noqa: F401
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    state: dict[str, Any] = {"uneven": _uneven("uneven", UNEVEN_SAVE, ctx.rank, None)}
+    for i in range(4):
+        value = torch.full((256,), float(i))
+        state[f"replicated{i}"] = ShardedTensor.from_rank_offsets(f"replicated{i}", value, replica_id=ctx.rank)
+    dist_checkpointing.save(state, path, sharded_strategy=("reshard", 1))
+
+
+def rank_uneven_load(ctx: RankContext, path: str) -> torch.Tensor:
+    import reshard.megatron  # noqa: F401
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load({"uneven": _uneven("uneven", UNEVEN_LOAD, ctx.rank, -1.0)}, path)["uneven"]
+
+
+def test_megatron_uneven_splits_and_save_distributed_over_replicas(pool4: RankPool, tmp_path: Path) -> None:
+    """As in Megatron's own tests: a tensor split unevenly (3, 5, 2, 6 rows) loads into another uneven split,
+    and tensors replicated on every rank are written once each, by different ranks (the writes are spread
+    over the replicas, not all left to rank 0)."""
+    import reshard
+
+    path = tmp_path / "uneven"
+    path.mkdir()
+    pool4.run_ok(rank_replicas_and_uneven_save, str(path))
+    metadata = reshard.read_metadata(path / "reshard")
+    writers = {metadata.tensors[f"replicated{i}"].boxes[0].file for i in range(4)}
+    assert len(writers) == 4 and len(metadata.files) == 4
+    full = torch.arange(32, dtype=torch.float64).view(16, 2)
+    for rank, got in enumerate(pool4.run_ok(rank_uneven_load, str(path))):
+        start = sum(UNEVEN_LOAD[:rank])
+        assert torch.equal(got, full[start : start + UNEVEN_LOAD[rank]])
