@@ -330,3 +330,38 @@ def test_megatron_uneven_splits_and_save_distributed_over_replicas(pool4: RankPo
     for rank, got in enumerate(pool4.run_ok(rank_uneven_load, str(path))):
         start = sum(UNEVEN_LOAD[:rank])
         assert torch.equal(got, full[start : start + UNEVEN_LOAD[rank]])
+
+
+def rank_megatron_async_save(ctx: RankContext, layout: str, path: str) -> dict[str, Any]:
+    """dist_checkpointing.save(..., async_sharded_save=True) with the reshard strategy: the parameters change
+    right after the call returns (training goes on), then the request is finalised as Megatron does it
+    (``execute_sync``: its writer process has nothing to run; the finalize functions wait for reshard's
+    commit, then write Megatron's metadata.json)."""
+    import reshard.megatron  # noqa: F401
+    from megatron.core import dist_checkpointing
+
+    from tests.megatron_models import build_gpt, build_optimizer, perturb, sharded_pieces
+
+    model = build_gpt(MegatronLayout.parse(layout))
+    perturb(model)
+    optimizer = build_optimizer(model, filled=True)
+    state = _state(model, optimizer, loading=False, iteration=3, rng=False)
+    pieces = sharded_pieces(state)
+    request = dist_checkpointing.save(state, path, sharded_strategy=("reshard", 1), async_sharded_save=True)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1000.0)
+    before_finalize = (Path(path) / "metadata.json").exists()
+    request.execute_sync()
+    return {"pieces": pieces, "before_finalize": before_finalize}
+
+
+def test_megatron_async_save_through_its_async_request(pool4: RankPool, tmp_path: Path) -> None:
+    path = tmp_path / "async"
+    path.mkdir()
+    results = pool4.run_ok(rank_megatron_async_save, "tp=2,pp=2", str(path), timeout_s=240)
+    assert not any(r["before_finalize"] for r in results)  # Megatron's metadata.json only after the commit
+    full = assemble([r["pieces"] for r in results])
+    loaded = pool4.run_ok(rank_megatron_load, "tp=1", str(path), timeout_s=240)
+    problems = check_pieces(full, [r["pieces"] for r in loaded])
+    assert not problems, problems[:10]  # the snapshot, not the values changed after the call

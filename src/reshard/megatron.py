@@ -41,9 +41,10 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensorFactory
 from megatron.core.dist_checkpointing.mapping import ShardedObject as McoreShardedObject
 from megatron.core.dist_checkpointing.mapping import ShardedTensor as McoreShardedTensor
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (
+    AsyncSaveShardedStrategy,
     LoadShardedStrategy,
-    SaveShardedStrategy,
     StrategyAction,
     register_default_strategy,
 )
@@ -268,8 +269,10 @@ def _stored_metadata(checkpoint_dir: str | Path) -> Metadata:
     return Metadata.from_json_bytes(holder[0], where=where)
 
 
-class ReshardSaveStrategy(SaveShardedStrategy):  # type: ignore[misc]  # megatron-core is untyped
-    """Megatron's sharded save as a reshard save into ``checkpoint_dir/reshard`` (see the module docstring).
+class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # megatron-core is untyped
+    """Megatron's sharded save as a reshard save into ``checkpoint_dir/reshard`` (see the module docstring),
+    synchronous (:meth:`save`) or asynchronous (:meth:`async_save`, for ``dist_checkpointing.save(...,
+    async_sharded_save=True)``).
 
     ``options`` are reshard's :class:`~reshard.SaveOptions` (checksums, workers, memory budget). An earlier
     reshard checkpoint in the same directory is replaced atomically (Megatron overwrites its own files in
@@ -279,6 +282,7 @@ class ReshardSaveStrategy(SaveShardedStrategy):  # type: ignore[misc]  # megatro
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, options: SaveOptions | None = None) -> None:
         super().__init__(backend, version)
         self.options = options
+        self._checkpointer: reshard.AsyncCheckpointer | None = None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -290,6 +294,24 @@ class ReshardSaveStrategy(SaveShardedStrategy):  # type: ignore[misc]  # megatro
         sharded, _ = _split(sharded_state_dict, None)  # Megatron keeps the common state in its common.pt
         state = sharded if sharded is not _ABSENT else {}
         reshard.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
+
+    def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
+        """Snapshot the tensors into host buffers (reused from one save to the next) and write them in a
+        background thread of this process; returns Megatron's ``AsyncRequest`` with nothing to run in
+        Megatron's writer process and a finalize function that waits for reshard's commit, so that the
+        ``metadata.json`` Megatron writes after it never names an uncommitted checkpoint. Collective over
+        the default group, like the background save's own agreement, which runs over a gloo group of its
+        own (created at the first call) so that it never meets the training's collectives."""
+        if self._checkpointer is None:
+            self._checkpointer = reshard.AsyncCheckpointer(group=dist.new_group(backend="gloo"))
+        sharded, _ = _split(sharded_state_dict, None)
+        state = sharded if sharded is not _ABSENT else {}
+        handle = self._checkpointer.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
+
+        def finalize() -> None:
+            handle.wait()
+
+        return AsyncRequest(async_fn=None, async_fn_args=(), finalize_fns=[finalize])
 
 
 class ReshardLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]  # megatron-core is untyped
