@@ -192,9 +192,10 @@ def test_direct_route_reshards_into_model_and_optimizer_load_state_dict(pool4: R
 
 def rank_megatron_metadata(ctx: RankContext, path: str) -> dict[str, Any]:
     """load_tensors_metadata, load_sharded_metadata, load_plain_tensors and load_common_state_dict."""
-    import reshard.megatron  # noqa: F401
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import serialization
+
+    import reshard.megatron  # noqa: F401
 
     tensors = dist_checkpointing.load_tensors_metadata(path)
     sharded = serialization.load_sharded_metadata(path)
@@ -226,9 +227,10 @@ def test_megatron_metadata_entry_points(pool4: RankPool, megatron_checkpoint: tu
 def rank_padded_save(ctx: RankContext, path: str, vocab: int) -> None:
     """A vocabulary-parallel embedding of ``vocab`` padded rows over 4 TP ranks (allow_shape_mismatch, as
     Megatron's) and a TE-like ``_extra_state`` of bytes per rank, through dist_checkpointing.save."""
-    import reshard.megatron  # noqa: F401
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    import reshard.megatron  # noqa: F401
 
     rows = vocab // 4
     data = torch.arange(vocab * 3, dtype=torch.float32).view(vocab, 3)[ctx.rank * rows : (ctx.rank + 1) * rows]
@@ -242,9 +244,10 @@ def rank_padded_save(ctx: RankContext, path: str, vocab: int) -> None:
 def rank_padded_load(ctx: RankContext, path: str, vocab: int, tp: int) -> dict[str, Any] | None:
     """The embedding with ``vocab`` padded rows over ``tp`` ranks (the others load nothing), filled with -1
     before the load, and the ``_extra_state`` object of this rank's cell."""
-    import reshard.megatron  # noqa: F401
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    import reshard.megatron  # noqa: F401
 
     rows = vocab // tp
     state: dict[str, Any] = {
@@ -296,9 +299,10 @@ def _uneven(key: str, sizes: tuple[int, ...], rank: int, fill: float | None) -> 
 def rank_replicas_and_uneven_save(ctx: RankContext, path: str) -> None:
     """Four tensors replicated on every rank (replica_id = rank) and one split unevenly, through
     dist_checkpointing.save with the reshard strategy."""
-    import reshard.megatron  # noqa: F401
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
+
+    import reshard.megatron  # noqa: F401
 
     state: dict[str, Any] = {"uneven": _uneven("uneven", UNEVEN_SAVE, ctx.rank, None)}
     for i in range(4):
@@ -308,8 +312,9 @@ def rank_replicas_and_uneven_save(ctx: RankContext, path: str) -> None:
 
 
 def rank_uneven_load(ctx: RankContext, path: str) -> torch.Tensor:
-    import reshard.megatron  # noqa: F401
     from megatron.core import dist_checkpointing
+
+    import reshard.megatron  # noqa: F401
 
     return dist_checkpointing.load({"uneven": _uneven("uneven", UNEVEN_LOAD, ctx.rank, -1.0)}, path)["uneven"]
 
@@ -337,9 +342,9 @@ def rank_megatron_async_save(ctx: RankContext, layout: str, path: str) -> dict[s
     right after the call returns (training goes on), then the request is finalised as Megatron does it
     (``execute_sync``: its writer process has nothing to run; the finalize functions wait for reshard's
     commit, then write Megatron's metadata.json)."""
-    import reshard.megatron  # noqa: F401
     from megatron.core import dist_checkpointing
 
+    import reshard.megatron  # noqa: F401
     from tests.megatron_models import build_gpt, build_optimizer, perturb, sharded_pieces
 
     model = build_gpt(MegatronLayout.parse(layout))
