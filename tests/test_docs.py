@@ -201,10 +201,16 @@ def test_megatron_torch_dist_checkpoint_imports_with_import_dcp(pool4: RankPool,
     assert sorted(result.metadata.tensors) == ["decoder.w"] and not result.left_out
     loaded = reshard.load({"decoder.w": torch.empty(4, 6)}, tmp_path / "converted")
     assert torch.equal(loaded["decoder.w"], MEGATRON_WEIGHT)
-    common = result.metadata.common
-    # ShardedObject cells arrive as common values under Megatron's unique keys; common.pt is not read.
-    assert sorted(k.split(".")[0] for k in common) == ["rng/shard_0_2", "rng/shard_1_2"]
-    assert sorted(common.values()) == [10, 11] and "iteration" not in common
+    # ShardedObject cells arrive as reshard ShardedObjects, common.pt as the megatron.common object.
+    assert sorted(result.metadata.objects) == ["megatron.common", "rng"] and not result.metadata.common
+    loaded = reshard.load(
+        {
+            "rng": reshard.ShardedObject("rng", None, (2,), (1,)),
+            "c": reshard.ShardedObject("megatron.common", None, (1,), (0,)),
+        },
+        tmp_path / "converted",
+    )
+    assert loaded["rng"] == {"seed": 11} and loaded["c"] == {"iteration": 1000}
 
 
 LAYERS = {

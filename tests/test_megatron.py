@@ -168,7 +168,8 @@ def rank_direct_load(ctx: RankContext, layout: str, path: str) -> dict[str, Any]
     optimizer.load_state_dict(loaded["optimizer"])
     after = _state(model, optimizer, loading=False, iteration=loaded["iteration"], rng=False)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optimizer.param_groups]
-    return {"pieces": sharded_pieces(after), "iteration": loaded["iteration"], "groups": groups}
+    steps = sorted({state["step"].item() for state in optimizer.optimizer.state.values()})
+    return {"pieces": sharded_pieces(after), "iteration": loaded["iteration"], "groups": groups, "steps": steps}
 
 
 def test_direct_route_reshards_into_model_and_optimizer_load_state_dict(pool4: RankPool, tmp_path: Path) -> None:
@@ -183,7 +184,7 @@ def test_direct_route_reshards_into_model_and_optimizer_load_state_dict(pool4: R
         problems = check_pieces(full, [r["pieces"] for r in results])
         assert not problems, (layout, problems[:10])
         for r in results:
-            assert r["iteration"] == 3
+            assert r["iteration"] == 3 and r["steps"] == [3.0]  # Adam's common step, from the common state
             assert [g["is_expert_parallel"] for g in r["groups"]] == [False, True]
 
 
@@ -370,3 +371,51 @@ def test_megatron_async_save_through_its_async_request(pool4: RankPool, tmp_path
     loaded = pool4.run_ok(rank_megatron_load, "tp=1", str(path), timeout_s=240)
     problems = check_pieces(full, [r["pieces"] for r in loaded])
     assert not problems, problems[:10]  # the snapshot, not the values changed after the call
+
+
+# ---- reshard import-dcp of a Megatron torch_dist checkpoint -------------------------------------------------
+
+
+def rank_megatron_torch_dist_save(ctx: RankContext, layout: str, path: str) -> list[Any]:
+    """Megatron's own torch_dist save of the model, optimizer and RNG objects (with the CPU variant of its
+    strategy, see benchmarks/compare.py); the saved pieces."""
+    import warnings
+
+    from benchmarks.compare import _megatron_cpu_save_strategy
+    from megatron.core import dist_checkpointing
+
+    from tests.megatron_models import build_gpt, build_optimizer, perturb, sharded_pieces
+
+    model = build_gpt(MegatronLayout.parse(layout))
+    perturb(model)
+    optimizer = build_optimizer(model, filled=True)
+    state = _state(model, optimizer, loading=False, iteration=3)
+    pieces = sharded_pieces(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist_checkpointing.save(state, path, sharded_strategy=_megatron_cpu_save_strategy())
+    return pieces
+
+
+def test_import_dcp_converts_a_megatron_torch_dist_checkpoint_completely(pool4: RankPool, tmp_path: Path) -> None:
+    """reshard import-dcp of Megatron's own torch_dist checkpoint (TP=2 x PP=2): tensors, every ShardedObject
+    cell (as a reshard ShardedObject) and common.pt (as the megatron.common object), nothing left out; the
+    direct route then loads it on TP=1 and on EP=2 into model.load_state_dict and the optimizer's
+    load_state_dict, every tensor equal to the saved one, the iteration and Adam's step back."""
+    import reshard
+    from reshard.interop import import_dcp
+
+    source, converted = tmp_path / "megatron", tmp_path / "converted"
+    source.mkdir()
+    full = assemble(pool4.run_ok(rank_megatron_torch_dist_save, "tp=2,pp=2", str(source), timeout_s=240))
+    result = import_dcp(source, converted, trust_pickle=True, strict=True)
+    assert not result.left_out
+    metadata = reshard.read_metadata(converted)
+    assert set(metadata.tensors) == set(full)
+    assert metadata.objects["rng_state"].global_shape == (2, 2) and len(metadata.objects["rng_state"].entries) == 4
+    assert "megatron.common" in metadata.objects
+    for layout in ("tp=1", "ep=2"):
+        results = pool4.run_ok(rank_direct_load, layout, str(converted), timeout_s=240)
+        problems = check_pieces(full, [r["pieces"] for r in results])
+        assert not problems, (layout, problems[:10])
+        assert all(r["iteration"] == 3 and r["steps"] == [3.0] for r in results)

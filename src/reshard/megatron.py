@@ -51,6 +51,7 @@ from megatron.core.dist_checkpointing.strategies.base import (
 
 import reshard
 from reshard.errors import MismatchError, StateDictError
+from reshard.interop.dcp import MEGATRON_COMMON_KEY
 from reshard.metadata import Metadata
 from reshard.options import LoadOptions, SaveOptions
 from reshard.sources import read_metadata_bytes
@@ -110,8 +111,9 @@ def to_reshard(sharded_state_dict: dict[str, Any], *, stored: Metadata | None = 
 
 COMMON_ENTRY = "__megatron_common__"
 """The top-level entry of :func:`to_reshard`'s result that holds Megatron's common state."""
-COMMON_KEY = "megatron.common"
-"""The key of the ShardedObject that holds Megatron's common state in a checkpoint of the direct route."""
+COMMON_KEY = MEGATRON_COMMON_KEY
+"""The key of the ShardedObject that holds Megatron's common state in a checkpoint of the direct route (and
+of a Megatron ``torch_dist`` checkpoint converted by ``reshard import-dcp``)."""
 
 _ABSENT: Any = object()
 

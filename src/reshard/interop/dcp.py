@@ -15,11 +15,22 @@ scalars, bytes, tensors, dicts, lists and tuples is stored the way :func:`reshar
 value in a state dict: scalars and bytes as common values at their dotted paths, tensors as tensors
 keyed by their dotted paths. Any other value (an arbitrary object, a set, an ``io.BytesIO``) is left
 out with a warning, or, with ``strict``, makes the import fail.
+
+A **Megatron-Core** ``torch_dist`` checkpoint (a DCP directory with Megatron's ``metadata.json`` and
+``common.pt`` beside it) is converted completely, into what :mod:`reshard.megatron`'s direct route writes:
+its ShardedTensors under Megatron's keys; each ShardedObject cell (stored by Megatron under its unique key
+``<key>/shard_<offset>_<grid>``) as a cell of reshard ShardedObject ``<key>``; and ``common.pt`` (read with
+``torch.load(weights_only=True)``, ``argparse.Namespace`` allowed and stored as a dict, for Megatron-LM's
+``args``) as the ShardedObject :data:`MEGATRON_COMMON_KEY`, so that
+``from_reshard(reshard.load(to_reshard(template), ckpt), template)`` loads it on any layout. Entries of
+``common.pt`` that cannot be stored are left out by name, never silently.
 """
 
 from __future__ import annotations
 
+import argparse
 import io
+import json
 import math
 import os
 import pickle
@@ -37,6 +48,7 @@ from torch.distributed.checkpoint.metadata import Metadata as DcpMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from reshard.codec import encode_object_blob
 from reshard.dtypes import DTYPE_BY_NAME, dtype_name
 from reshard.errors import (
     CheckpointError,
@@ -49,7 +61,12 @@ from reshard.interop.progress import Progress, reporting
 from reshard.metadata import Metadata
 from reshard.storage import CheckpointLocation
 
-__all__ = ["ImportResult", "import_dcp"]
+__all__ = ["MEGATRON_COMMON_KEY", "ImportResult", "import_dcp"]
+
+MEGATRON_COMMON_KEY = "megatron.common"
+"""The ShardedObject (grid ``(1,)``) that holds a Megatron checkpoint's common state (its ``common.pt``)."""
+
+_MEGATRON_OBJECT = re.compile(r"^(?P<key>.+)/shard_(?P<offset>\d+(?:\.\d+)*)_(?P<grid>\d+(?:\.\d+)*)$")
 
 _PICKLE_WARNING = (
     "a torch.distributed.checkpoint directory keeps its metadata as a pickle, and loading it can execute "
@@ -148,7 +165,17 @@ def import_dcp(
             byte_keys.append(fqn)
         else:
             raise CorruptCheckpointError(f"{src}: entry {fqn!r} is a {type(item).__name__}, which is not known")
+    megatron = _is_megatron(os.fspath(src))
+    object_keys = [k for k in byte_keys if megatron and _MEGATRON_OBJECT.match(k)]
+    byte_keys = [k for k in byte_keys if k not in set(object_keys)]
     values, left_out = _read_values(reader, byte_keys, strict=strict)
+    objects, objects_left_out = _read_megatron_objects(reader, object_keys, os.fspath(src)) if megatron else ({}, {})
+    left_out.update(objects_left_out)
+    if strict and objects_left_out:
+        details = "; ".join(f"{k!r}: {v}" for k, v in objects_left_out.items())
+        raise StateDictError(
+            f"{len(objects_left_out)} Megatron values cannot be stored in a reshard checkpoint: {details}"
+        )
     clashes = sorted(set(values) & set(tensors))
     if clashes:
         raise StateDictError(f"{src}: values flatten onto the names of tensors: {', '.join(clashes[:20])}")
@@ -170,7 +197,98 @@ def import_dcp(
                 writer.write_tensor(path, value.dtype, tuple(value.shape), [value])
             else:
                 writer.set_common(path, value)
+        for (key, grid, offset), blob in objects.items():
+            writer.write_object_blob(key, grid, offset, blob)
         return ImportResult(metadata=writer.commit(), left_out=left_out)
+
+
+def _is_megatron(src: str) -> bool:
+    """Whether ``src`` is a Megatron-Core ``torch_dist`` checkpoint (Megatron's ``metadata.json`` names its
+    sharded backend)."""
+    config = os.path.join(src, "metadata.json")
+    if not os.path.isfile(config):
+        return False
+    try:
+        with open(config, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and "sharded_backend" in doc
+
+
+def _read_megatron_objects(
+    reader: _MetadataOnceReader, keys: list[str], src: str
+) -> tuple[dict[tuple[str, tuple[int, ...], tuple[int, ...]], bytes], dict[str, str]]:
+    """Megatron's ShardedObject cells and its ``common.pt``, as encoded object blobs by (key, grid, cell);
+    and what is left out, with the reason."""
+    blobs: dict[tuple[str, tuple[int, ...], tuple[int, ...]], bytes] = {}
+    left_out: dict[str, str] = {}
+    raw: dict[str, bytes] = {}
+    if keys:
+        _load(reader, dict.fromkeys(keys), planner=_CapturingPlanner(raw))
+    for unique_key in keys:
+        match = _MEGATRON_OBJECT.match(unique_key)
+        assert match is not None
+        offset = tuple(int(i) for i in match["offset"].split("."))
+        grid = tuple(int(i) for i in match["grid"].split("."))
+        if len(grid) != len(offset):
+            left_out[unique_key] = "a ShardedObject of an old Megatron format (its grid has fewer axes than its offset)"
+            continue
+        try:
+            stored = _plain_load(raw[unique_key])  # Megatron saves [data] under each unique key
+            if not isinstance(stored, list) or len(stored) != 1:
+                left_out[unique_key] = (
+                    f"not the one-element list Megatron writes for a ShardedObject ({type(stored).__name__})"
+                )
+                continue
+            blobs[(match["key"], grid, offset)] = encode_object_blob(stored[0], where=f"Megatron object {unique_key!r}")
+        except (StateDictError, pickle.UnpicklingError, RuntimeError, ValueError, TypeError, AttributeError) as exc:
+            left_out[unique_key] = f"not plain data ({exc})"
+    common_path = os.path.join(src, "common.pt")
+    if os.path.isfile(common_path):
+        with open(common_path, "rb") as f:
+            data = f.read()
+        try:
+            common = _plain_load(data)
+        except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, AttributeError, EOFError) as exc:
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+            left_out["common.pt"] = "not plain data (torch.load(weights_only=True) refused it" + (
+                f": it holds a {found.group(1)})" if found else ")"
+            )
+            common = None
+        if isinstance(common, dict):
+            kept = {}
+            for name, value in common.items():
+                try:
+                    encode_object_blob(value, where=f"common.pt entry {name!r}")
+                except StateDictError as exc:
+                    left_out[f"common.pt:{name}"] = str(exc)
+                    continue
+                kept[name] = value
+            blobs[(MEGATRON_COMMON_KEY, (1,), (0,))] = encode_object_blob(kept, where="common.pt")
+        elif common is not None:
+            left_out["common.pt"] = f"a {type(common).__name__}, not a dict"
+    return blobs, left_out
+
+
+def _plain_load(data: bytes) -> Any:
+    """``torch.load(weights_only=True)`` of ``data``, ``argparse.Namespace`` allowed (Megatron-LM's ``args``)
+    and turned into a dict."""
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        value = torch.load(io.BytesIO(data), weights_only=True)
+    return _namespaces_as_dicts(value)
+
+
+def _namespaces_as_dicts(value: Any) -> Any:
+    if isinstance(value, argparse.Namespace):
+        return {k: _namespaces_as_dicts(v) for k, v in vars(value).items()}
+    if isinstance(value, dict):
+        return {k: _namespaces_as_dicts(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_namespaces_as_dicts(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_namespaces_as_dicts(v) for v in value)
+    return value
 
 
 def _read_values(
