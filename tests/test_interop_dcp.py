@@ -120,3 +120,96 @@ def test_import_dcp_cli(dcp_checkpoint: Path, tmp_path: Path, capsys: pytest.Cap
     assert main(["import-dcp", str(dcp_checkpoint), str(tmp_path / "strict"), "--trust-pickle", "--strict"]) == 3
     assert "cannot be stored in a reshard checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "strict").exists()
+
+
+# ---- a checkpoint as torchtitan writes one -----------------------------------------------------------------
+
+TITAN_PARAMS = {"tok_embeddings.weight": (8, 4), "layers.0.attention.wq.weight": (4, 4), "norm.weight": (4,)}
+
+
+def _titan_state(mesh: Any, rank: int, placement: Any) -> dict[str, Any]:
+    """The entries torchtitan's CheckpointManager hands to dcp.save: the model's FSDP-sharded parameters, the
+    optimizer state flattened by ``get_optimizer_state_dict(flatten_optimizer_state_dict=True)`` (DTensor
+    moments, a step tensor, per-parameter group values), the LR scheduler's state_dict, the dataloader's
+    (a pickled state per data-parallel rank, as bytes, and the world size) and the train state (tensors)."""
+    model = {
+        name: distribute_tensor(_full(name, shape, torch.float32), mesh, [placement])
+        for name, shape in TITAN_PARAMS.items()
+    }
+    optimizer: dict[str, Any] = {}
+    for name, shape in TITAN_PARAMS.items():
+        optimizer[f"state.{name}.exp_avg"] = distribute_tensor(
+            _full(name + "m", shape, torch.float32), mesh, [placement]
+        )
+        optimizer[f"state.{name}.exp_avg_sq"] = distribute_tensor(
+            _full(name + "v", shape, torch.float32), mesh, [placement]
+        )
+        optimizer[f"state.{name}.step"] = torch.tensor(10.0)
+        optimizer[f"param_groups.{name}.lr"] = 0.0008
+        optimizer[f"param_groups.{name}.betas"] = (0.9, 0.95)
+        optimizer[f"param_groups.{name}.weight_decay"] = 0.1
+    lr_scheduler = {
+        "base_lrs": [0.001],
+        "last_epoch": 10,
+        "_step_count": 11,
+        "_get_lr_called_within_step": False,
+        "_last_lr": [0.0008],
+        "lr_lambdas": [None],
+    }
+    dataloader = {f"dp_rank_{rank}": b"\x80\x04pickled-loader-state-" + bytes([rank]), "world_size": 4}
+    train_state = {"step": torch.tensor(10, dtype=torch.int32), "ntokens_seen": torch.tensor(40960)}
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "lr_scheduler": lr_scheduler,
+        "dataloader": dataloader,
+        "train_state": train_state,
+    }
+
+
+def rank_titan_save(ctx: RankContext, path: str) -> None:
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    dcp.save(_titan_state(mesh, ctx.rank, Shard(0)), checkpoint_id=path)
+    dist.barrier()
+
+
+def rank_titan_strict_load(ctx: RankContext, path: str) -> bool:
+    """A strict reshard load of every entry on another layout (columns instead of rows), each rank with its
+    own dataloader entry; True when every value equals what was saved."""
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    expected = _titan_state(mesh, ctx.rank, Shard(0))
+    template = _titan_state(mesh, ctx.rank, Replicate())
+    for part in ("model", "optimizer"):
+        for name, value in list(template[part].items()):
+            if isinstance(value, torch.Tensor) and value.dim() == 2:
+                template[part][name] = distribute_tensor(torch.zeros(value.shape), mesh, [Shard(1)])
+            elif isinstance(value, torch.Tensor):
+                template[part][name] = torch.zeros_like(value.full_tensor() if hasattr(value, "full_tensor") else value)
+    loaded = reshard.load(template, path, strict=True)
+    ok = True
+    for part in ("model", "optimizer"):
+        for name, value in expected[part].items():
+            got = loaded[part][name]
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            want = value.full_tensor() if hasattr(value, "full_tensor") else value
+            ok &= bool(torch.equal(got, want)) if isinstance(want, torch.Tensor) else got == want
+    ok &= loaded["lr_scheduler"] == expected["lr_scheduler"] and loaded["dataloader"] == expected["dataloader"]
+    ok &= all(torch.equal(loaded["train_state"][k], v) for k, v in expected["train_state"].items())
+    return ok
+
+
+def test_import_dcp_of_a_torchtitan_checkpoint_loads_strictly_on_another_layout(
+    pool4: RankPool, tmp_path: Path
+) -> None:
+    """Model, optimizer, LR scheduler, dataloader and train state entries, as torchtitan saves them on four
+    FSDP ranks: import-dcp converts every one (nothing left out), and a strict reshard load with the same
+    entries on another sharding gets them all back (the dataloader's per-rank pickles as the bytes torchtitan
+    wrote: reshard stores them, never unpickles them)."""
+    source, converted = tmp_path / "titan", tmp_path / "converted"
+    pool4.run_ok(rank_titan_save, str(source))
+    result = import_dcp(source, converted, trust_pickle=True, strict=True)
+    assert not result.left_out
+    metadata = reshard.read_metadata(converted)
+    assert {k.split(".")[0] for k in metadata.tensors} == {"model", "optimizer", "train_state"}
+    assert metadata.common["dataloader.dp_rank_3"] == b"\x80\x04pickled-loader-state-\x03"
+    assert pool4.run_ok(rank_titan_strict_load, str(converted)) == [True] * 4
