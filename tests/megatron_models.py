@@ -40,23 +40,78 @@ class MegatronLayout:
 
 
 _current: list[MegatronLayout | None] = [None]
+_snapshots: dict[MegatronLayout, dict[str, Any]] = {}
+"""Megatron's parallel state (the globals of ``parallel_state``) of each layout this rank process has used:
+switching back restores them instead of creating the process groups again. Each gloo group keeps threads
+polling its connections, so groups created per test would pile up in the pool's processes and slow the whole
+suite down."""
+
+
+def _state_names() -> list[str]:
+    from megatron.core import parallel_state
+
+    return [name for name in vars(parallel_state) if name.startswith("_") and name[1:2].isupper()]
 
 
 def use_layout(layout: MegatronLayout) -> None:
-    """Megatron's parallel state for ``layout`` over the pool's default group (re-initialised when the layout
-    changes). Collective over the default group."""
+    """Megatron's parallel state for ``layout`` over the pool's default group. The first use of a layout in a
+    rank process is collective over the default group (it creates the groups)."""
     from megatron.core import parallel_state
 
     if _current[0] == layout:
         return
+    if _current[0] is not None:
+        _snapshots[_current[0]] = {name: getattr(parallel_state, name) for name in _state_names()}
+    snapshot = _snapshots.get(layout)
+    if snapshot is not None:
+        for name, value in snapshot.items():
+            setattr(parallel_state, name, value)
+    else:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            expert_model_parallel_size=layout.ep,
+            create_gloo_process_groups=False,
+        )
+    _current[0] = layout
+
+
+def release_layouts() -> int:
+    """Destroy every process group Megatron created in this rank process (all layouts) and forget them;
+    returns how many. Not collective (destroying a group is local)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if _current[0] is not None:
+        _snapshots[_current[0]] = {name: getattr(parallel_state, name) for name in _state_names()}
+    groups: dict[int, Any] = {}
+
+    def collect(value: Any) -> None:
+        if isinstance(value, dist.ProcessGroup):
+            groups[id(value)] = value
+        elif isinstance(value, list | tuple):
+            for item in value:
+                collect(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                collect(item)
+
+    for snapshot in _snapshots.values():
+        for value in snapshot.values():
+            collect(value)
+    world = dist.group.WORLD
+    released = 0
+    for group in groups.values():
+        if group is not world:
+            dist.destroy_process_group(group)
+            released += 1
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep,
-    )
-    _current[0] = layout
+    _snapshots.clear()
+    _current[0] = None
+    return released
 
 
 def build_gpt(layout: MegatronLayout, *, vocab: int = VOCAB, seed: int = 7) -> Any:
