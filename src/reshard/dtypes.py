@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-__all__ = ["DTYPE_BY_NAME", "byte_view", "dtype_name", "itemsize"]
+__all__ = ["DTYPE_BY_NAME", "byte_view", "dtype_name", "is_lossy_cast", "itemsize"]
 
 DTYPE_BY_NAME: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -52,3 +52,23 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if sys.byteorder != "little":  # the format is little-endian; byte-swapping is not implemented
         raise NotImplementedError("reshard reads and writes tensor bytes on little-endian hosts only")
     return tensor.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")
+
+
+def is_lossy_cast(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether converting ``source`` elements to ``target`` can change values beyond rounding: floating or
+    complex to integer or bool (truncation), complex to real (the imaginary part), integer to an integer type
+    that does not hold every value of the source (int64 -> int32, int8 -> uint8), anything to bool. Floating
+    precision changes (fp32 <-> bf16, fp64 -> fp16) and integer to floating are rounding, not lossy here."""
+    if source == target:
+        return False
+    if target == torch.bool:
+        return True
+    if source.is_complex and not target.is_complex:
+        return True
+    target_integral = not (target.is_floating_point or target.is_complex)
+    if (source.is_floating_point or source.is_complex) and target_integral:
+        return True
+    if source != torch.bool and not (source.is_floating_point or source.is_complex) and target_integral:
+        wide, narrow = torch.iinfo(source), torch.iinfo(target)
+        return narrow.min > wide.min or narrow.max < wide.max
+    return False

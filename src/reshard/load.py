@@ -26,11 +26,12 @@ import torch
 from reshard.codec import decode_object_blob
 from reshard.collector import collector_paused
 from reshard.comm import Communicator
-from reshard.dtypes import dtype_name
+from reshard.dtypes import dtype_name, is_lossy_cast
 from reshard.errors import (
     CheckpointError,
     CorruptCheckpointError,
     MismatchError,
+    StateDictError,
 )
 from reshard.fingerprint import fingerprint
 from reshard.io.reader import ReadBudget, ReadExecutor
@@ -207,7 +208,7 @@ def _load_from(
 
     def plan() -> list[str] | None:
         template = flatten_state_dict(state_dict, rank=comm.rank, dedup=False)
-        missing.extend(_check_template(template, metadata, strict=strict, allow_dtype_cast=options.allow_dtype_cast))
+        missing.extend(_check_template(template, metadata, strict=strict, options=options))
         flat.tensors, flat.objects = template.tensors, template.objects
         targets = []
         for tensor in flat.tensors:
@@ -378,13 +379,22 @@ def _verify_fingerprints(comm: Communicator, metadata: Metadata, tensors: list[S
         )
 
 
-def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool, allow_dtype_cast: bool) -> list[str]:
+def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool, options: LoadOptions) -> list[str]:
     """Compare the template with the checkpoint. Return the missing entries (when not strict) and drop
     them from ``flat.tensors`` and ``flat.objects``, so that only present entries are planned and read.
 
     Raises:
-        MismatchError: a global shape or dtype differs (always), or entries are missing (with ``strict``).
+        StateDictError: template tensors on the meta device (they have no memory to load into).
+        MismatchError: a global shape differs, a dtype differs and ``options`` do not allow the cast, or
+            entries are missing (with ``strict``).
     """
+    meta = [st.key for st in flat.tensors if st.data.device.type == "meta"]
+    if meta:
+        raise StateDictError(
+            f"{len(meta)} template tensors are on the meta device, which holds no data to load into: "
+            f"{', '.join(repr(k) for k in meta[:10])}{' ...' if len(meta) > 10 else ''}; allocate them first "
+            "(module.to_empty(device='cpu'), torch.empty_like(t, device=...))"
+        )
     missing: list[str] = []
     mismatches: list[str] = []
     present = []
@@ -399,10 +409,15 @@ def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool, al
                 f"tensor {st.key!r}: saved global shape {list(saved.global_shape)}, requested {kind} "
                 f"{list(st.saved_shape)}"
             )
-        elif saved.dtype != dtype_name(st.data.dtype) and not allow_dtype_cast:
+        elif saved.dtype != dtype_name(st.data.dtype) and not options.allow_dtype_cast:
             mismatches.append(
                 f"tensor {st.key!r}: saved dtype {saved.dtype}, requested {dtype_name(st.data.dtype)} "
                 "(allow_dtype_cast=False)"
+            )
+        elif is_lossy_cast(saved.torch_dtype, st.data.dtype) and not options.allow_lossy_cast:
+            mismatches.append(
+                f"tensor {st.key!r}: saved dtype {saved.dtype}, requested {dtype_name(st.data.dtype)}: a lossy "
+                "conversion (LoadOptions(allow_lossy_cast=True) allows it)"
             )
         present.append(st)
     present_objects = []

@@ -256,26 +256,44 @@ class CheckpointManager:
 
     # ---- load (collective) -----------------------------------------------------------------------
 
-    def load_latest_with_state(self, state_dict: Any, **load_kwargs: Any) -> tuple[int, Any] | None:
+    def load_latest_with_state(
+        self, state_dict: Any, *, skipped: list[tuple[int, str]] | None = None, **load_kwargs: Any
+    ) -> tuple[int, Any] | None:
         """Load the newest complete checkpoint into ``state_dict``; return its step and the loaded state
-        dict (see :func:`reshard.load`), or None when there is none. Checkpoints that turn out incomplete
-        or corrupt are skipped with a warning naming them. Called by all ranks of the group."""
+        dict (see :func:`reshard.load`), or None when there is none. Called by all ranks of the group.
+
+        Every step directory newer than the one loaded is accounted for: one whose ``metadata.json`` is
+        missing (a save interrupted, or still writing), does not parse or fails its checks, or whose data
+        fails to load, is skipped with a warning naming it and the reason, and appended to ``skipped`` as
+        ``(step, reason)`` when a list is given, so that a job never resumes from an older step without
+        saying so."""
         comm = Communicator(self.group, timeout=self.timeout)
 
-        def candidates() -> list[int] | None:
-            return sorted(self.steps(), reverse=True) if comm.is_coordinator else None
+        def candidates() -> list[list[Any]] | None:
+            if not comm.is_coordinator:
+                return None
+            return [[s.step, s.status, s.problem] for s in reversed(scan_root(self.root))]
 
-        def coordinators(values: list[list[int] | None]) -> list[int]:
+        def coordinators(values: list[list[list[Any]] | None]) -> list[list[Any]]:
             return values[0] or []
 
         listed = comm.step("listing checkpoints", candidates, coordinators)
-        for step in listed:
+
+        def skip(step: int, reason: str) -> None:
+            warnings.warn(f"reshard: skipping checkpoint {self.root.describe(step_name(step))}: {reason}", stacklevel=3)
+            if skipped is not None:
+                skipped.append((step, reason))
+
+        for step, status, problem in listed:
+            if status != "complete":
+                skip(
+                    step, problem or "it has no metadata.json (a save interrupted before its commit, or still writing)"
+                )
+                continue
             try:
                 loaded = load(state_dict, self.path_of(step), group=self.group, timeout=self.timeout, **load_kwargs)
             except (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError) as exc:
-                warnings.warn(
-                    f"reshard: skipping checkpoint {self.root.describe(step_name(step))}: {exc}", stacklevel=2
-                )
+                skip(step, str(exc))
                 continue
             return step, loaded
         return None

@@ -87,7 +87,13 @@ class LoadOptions:
 
     Attributes:
         allow_dtype_cast: convert saved elements to the template's dtype while copying (bf16 <-> fp32,
-            fp16 -> fp32, ...); when False a dtype difference raises :class:`~reshard.MismatchError`.
+            fp16 -> fp32, int32 -> int64, ...); when False a dtype difference raises
+            :class:`~reshard.MismatchError`.
+        allow_lossy_cast: also allow the conversions that change values beyond rounding
+            (:func:`reshard.dtypes.is_lossy_cast`: floating to integer, which truncates; an integer to a
+            narrower one; complex to real; anything to bool); by default they raise
+            :class:`~reshard.MismatchError`, since a float checkpoint loaded into an integer template is
+            almost always a mistake.
         max_read_amplification: bytes read / bytes needed allowed when merging strided runs into larger
             reads (at least 1.0).
         memory_budget_bytes: the most host memory this rank's load holds at once for its own buffers
@@ -108,6 +114,7 @@ class LoadOptions:
     """
 
     allow_dtype_cast: bool = True
+    allow_lossy_cast: bool = False
     max_read_amplification: float = DEFAULT_MAX_READ_AMPLIFICATION
     memory_budget_bytes: int = DEFAULT_LOAD_MEMORY_BUDGET
     verify: bool = False

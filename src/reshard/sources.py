@@ -21,6 +21,7 @@ from reshard.errors import (
     IncompleteCheckpointError,
     StorageError,
 )
+from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.locking import read_lock
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
 from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
@@ -96,7 +97,8 @@ def read_metadata_bytes(storage: Storage) -> bytes:
     try:
         exists = storage.root_exists()
         holder = read_lock(storage) if exists else None
-        has_data = exists and (bool(storage.list_files(DATA_DIR)) or storage.exists(DATA_DIR))
+        # Only files named as a save names them: a project's own data/ directory is not an interrupted save.
+        has_data = exists and any(DATA_FILE_PATTERN.match(name) for name in storage.list_files(DATA_DIR))
         safetensors = exists and not has_data and any(storage.exists(n) for n in _SAFETENSORS_NAMES)
     except OSError as exc:
         raise StorageError(f"{where} has no {METADATA_FILE}, and looking for its data failed: {exc}") from exc

@@ -1,0 +1,107 @@
+"""What a newcomer trips on, each an error or a warning instead of a silent outcome: a project directory
+mistaken for an interrupted save (and gc deleting its files), meta-device templates, lossy dtype casts, and a
+manager that resumes from an older step without saying why."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import reshard
+from reshard.cli import main
+from reshard.dtypes import is_lossy_cast
+from reshard.errors import CheckpointNotFoundError, IncompleteCheckpointError, MismatchError, StateDictError
+from reshard.maintenance import collect_garbage
+
+
+def _old(path: Path) -> None:
+    os.utime(path, (1_000_000_000, 1_000_000_000))
+
+
+def test_a_directory_with_its_own_data_folder_is_not_an_interrupted_save(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A project directory with ``data/train.csv`` is "not a reshard checkpoint", not an interrupted save, and
+    ``reshard gc --incomplete`` refuses it (exit 3) and deletes nothing."""
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    csv = project / "data" / "train.csv"
+    csv.write_text("a,b\n1,2\n")
+    _old(csv)
+    with pytest.raises(CheckpointNotFoundError, match="is not a reshard checkpoint"):
+        reshard.read_metadata(project)
+    with pytest.raises(CheckpointNotFoundError):
+        collect_garbage(project, include_incomplete=True, min_age_s=0)
+    assert main(["gc", str(project), "--incomplete", "--min-age", "0"]) == 3
+    assert "not a reshard checkpoint" in capsys.readouterr().err
+    assert csv.read_text() == "a,b\n1,2\n"
+
+
+def test_gc_of_an_interrupted_save_removes_only_the_files_a_save_names(tmp_path: Path) -> None:
+    """An interrupted save (a data file named as a save names it, no metadata.json) is incomplete; gc
+    --incomplete removes that file and leaves a file a person put beside it."""
+    ckpt = tmp_path / "ckpt"
+    reshard.save({"w": torch.ones(4)}, ckpt)
+    (ckpt / "metadata.json").unlink()  # as if the save died before its commit
+    foreign = ckpt / "data" / "notes.txt"
+    foreign.write_text("mine")
+    for name in (ckpt / "data").iterdir():
+        _old(name)
+    with pytest.raises(IncompleteCheckpointError):
+        reshard.read_metadata(ckpt)
+    removed = collect_garbage(ckpt, include_incomplete=True, min_age_s=0)
+    assert removed and all(name.startswith("data/") and name.endswith(".bin") for name in removed)
+    assert sorted(p.name for p in (ckpt / "data").iterdir()) == ["notes.txt"]
+
+
+def test_a_meta_device_template_is_an_error_not_a_silent_no_op(tmp_path: Path) -> None:
+    reshard.save({"w": torch.arange(6.0), "b": torch.ones(2)}, tmp_path / "ckpt")
+    stats = reshard.LoadStats()
+    template = {"w": torch.empty(6, device="meta"), "b": torch.zeros(2)}
+    with pytest.raises(StateDictError, match=r"meta device.*'w'"):
+        reshard.load(template, tmp_path / "ckpt", stats=stats)
+    assert stats.bytes_read == 0
+
+
+def test_lossy_dtype_casts_need_an_opt_in(tmp_path: Path) -> None:
+    """float -> int (truncation) and int64 -> int32 are MismatchErrors unless allow_lossy_cast; precision
+    changes of floats and widening integer casts load as before."""
+    values = torch.tensor([1.75, -2.5, 3.25])
+    reshard.save({"f": values, "i": torch.tensor([1, 2**40, 3])}, tmp_path / "ckpt")
+    with pytest.raises(MismatchError, match=r"'f': saved dtype float32, requested int64: a lossy conversion"):
+        reshard.load({"f": torch.zeros(3, dtype=torch.int64)}, tmp_path / "ckpt")
+    with pytest.raises(MismatchError, match=r"'i': saved dtype int64, requested int32"):
+        reshard.load({"i": torch.zeros(3, dtype=torch.int32)}, tmp_path / "ckpt")
+    lossy = reshard.LoadOptions(allow_lossy_cast=True)
+    truncated = reshard.load({"f": torch.zeros(3, dtype=torch.int64)}, tmp_path / "ckpt", options=lossy)
+    assert truncated["f"].tolist() == [1, -2, 3]
+    fine = reshard.load({"f": torch.zeros(3, dtype=torch.bfloat16)}, tmp_path / "ckpt")
+    assert torch.equal(fine["f"], values.to(torch.bfloat16))
+    assert is_lossy_cast(torch.float32, torch.int64) and is_lossy_cast(torch.int64, torch.int32)
+    assert is_lossy_cast(torch.int8, torch.uint8) and is_lossy_cast(torch.complex64, torch.float32)
+    assert is_lossy_cast(torch.int32, torch.bool)
+    assert not is_lossy_cast(torch.int32, torch.int64) and not is_lossy_cast(torch.float32, torch.bfloat16)
+    assert not is_lossy_cast(torch.int64, torch.float32) and not is_lossy_cast(torch.uint8, torch.int16)
+
+
+def test_the_manager_says_which_newer_steps_it_skipped(tmp_path: Path) -> None:
+    """Step 3's metadata.json does not parse and step 4 was interrupted: load_latest_with_state resumes step 2,
+    warning about both and listing them in ``skipped``, newest first."""
+    manager = reshard.CheckpointManager(tmp_path / "run")
+    for step in (1, 2, 3, 4):
+        manager.save(step, {"w": torch.full((2,), float(step))})
+    (tmp_path / "run" / "step_000000003" / "metadata.json").write_text("{ not json")
+    (tmp_path / "run" / "step_000000004" / "metadata.json").unlink()
+    skipped: list[tuple[int, str]] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = manager.load_latest_with_state({"w": torch.zeros(2)}, skipped=skipped)
+    assert found is not None and found[0] == 2 and torch.equal(found[1]["w"], torch.full((2,), 2.0))
+    assert [step for step, _ in skipped] == [4, 3]
+    assert "no metadata.json" in skipped[0][1] and "metadata.json" in skipped[1][1]
+    messages = [str(w.message) for w in caught if "skipping checkpoint" in str(w.message)]
+    assert len(messages) == 2 and "step_000000004" in messages[0] and "step_000000003" in messages[1]
