@@ -105,3 +105,27 @@ def test_the_manager_says_which_newer_steps_it_skipped(tmp_path: Path) -> None:
     assert "no metadata.json" in skipped[0][1] and "metadata.json" in skipped[1][1]
     messages = [str(w.message) for w in caught if "skipping checkpoint" in str(w.message)]
     assert len(messages) == 2 and "step_000000004" in messages[0] and "step_000000003" in messages[1]
+
+
+def test_ranks_started_by_a_launcher_without_a_process_group_are_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torchrun (WORLD_SIZE=2) without init_process_group, each rank would save alone as "rank 0":
+    instead every collective call says what is missing."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(reshard.CheckpointError, match=r"WORLD_SIZE=2 .*torch.distributed is not initialised"):
+        reshard.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    reshard.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+
+
+def test_a_collective_timeout_says_every_rank_must_call(tmp_path: Path) -> None:
+    """Only rank 0 of a group of two calls save: it fails after the timeout, saying that every rank must
+    make the same call."""
+    from reshard.transports import ThreadGroup
+
+    group = ThreadGroup(2, timeout=0.5)
+    with pytest.raises(reshard.CheckpointError, match="every rank of the group must make the same reshard call"):
+        reshard.save({"w": torch.ones(2)}, tmp_path / "ckpt", group=group.member(0), timeout=0.5)
+    assert not (tmp_path / "ckpt" / "metadata.json").exists()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import struct
 import traceback
 from collections.abc import Callable
@@ -133,6 +134,18 @@ def _failure_error(phase: str, failures: dict[int, StepFailure]) -> CheckpointEr
     return cls(message, failures={r: f.message for r, f in failures.items()})
 
 
+def _check_not_launched_alone() -> None:
+    """Raise when a launcher (torchrun, ``torch.distributed.run``) started several ranks but this one has not
+    initialised torch.distributed: each would otherwise save or load alone, as rank 0 of a group of one."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        raise CheckpointError(
+            f"WORLD_SIZE={world} (set by torchrun or another launcher) but torch.distributed is not initialised: "
+            "call torch.distributed.init_process_group() on every rank before reshard's collective calls, or "
+            "unset WORLD_SIZE to save or load in this process alone"
+        )
+
+
 class Communicator:
     """Collectives of one checkpoint operation over one group, and agreement on every phase's outcome.
 
@@ -165,6 +178,7 @@ class Communicator:
         elif group is not None:
             raise CheckpointError("a process group was given but torch.distributed is not initialised")
         else:
+            _check_not_launched_alone()
             self.transport = SingleProcess(timeout)
         self.rank = self.transport.rank
         self.size = self.transport.size

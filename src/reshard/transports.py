@@ -28,7 +28,16 @@ import torch.distributed as dist
 
 from reshard.errors import CheckpointError, CommunicationError
 
-__all__ = ["Group", "SingleProcess", "ThreadGroup", "ThreadTransport", "TorchTransport", "Transport", "padded_size"]
+__all__ = [
+    "EVERY_RANK_HINT",
+    "Group",
+    "SingleProcess",
+    "ThreadGroup",
+    "ThreadTransport",
+    "TorchTransport",
+    "Transport",
+    "padded_size",
+]
 
 _LENGTH = struct.Struct("<Q")
 
@@ -37,6 +46,13 @@ def padded_size(lengths: list[int]) -> int:
     """Bytes each rank sends in a gather (or receives in a scatter) of payloads of these lengths over a
     :class:`TorchTransport`: every payload travels padded to the longest, behind its 8-byte length."""
     return _LENGTH.size + max(lengths, default=0)
+
+
+EVERY_RANK_HINT = (
+    "every rank of the group must make the same reshard call (save, load, a manager's save...) at the same "
+    "point; a rank that never made it, made another, or died leaves the others waiting"
+)
+"""The reminder in every collective timeout: the usual cause is a rank that did not call at all."""
 
 
 class Transport(ABC):
@@ -115,7 +131,7 @@ class TorchTransport(Transport):
         except RuntimeError as exc:
             raise CommunicationError(
                 f"collective {what} on rank {self.rank} did not complete within "
-                f"{self.timeout.total_seconds():.0f} s or a peer failed: {exc}"
+                f"{self.timeout.total_seconds():.0f} s or a peer failed ({EVERY_RANK_HINT}): {exc}"
             ) from exc
 
     def _longest(self, length: int) -> int:
@@ -256,7 +272,7 @@ class ThreadTransport(Transport):
         except threading.BrokenBarrierError:
             raise CommunicationError(
                 f"collective {what} on rank {self.rank} did not complete within "
-                f"{self.timeout.total_seconds():.0f} s or a peer failed"
+                f"{self.timeout.total_seconds():.0f} s or a peer failed ({EVERY_RANK_HINT})"
             ) from None
 
     def gather_bytes(self, payload: bytes) -> list[bytes] | None:
