@@ -4,9 +4,11 @@ manager that resumes from an older step without saying why."""
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -129,3 +131,26 @@ def test_a_collective_timeout_says_every_rank_must_call(tmp_path: Path) -> None:
     with pytest.raises(reshard.CheckpointError, match="every rank of the group must make the same reshard call"):
         reshard.save({"w": torch.ones(2)}, tmp_path / "ckpt", group=group.member(0), timeout=0.5)
     assert not (tmp_path / "ckpt" / "metadata.json").exists()
+
+
+def test_a_missing_bucket_or_root_is_one_line_naming_it(
+    object_store: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bucket that does not exist: CheckpointNotFoundError naming it, from the API and the manager, and one
+    line with exit 3 from the commands; a missing local root for ``ls`` and a missing path for ``validate``
+    are exit 3 too, not "0 step directories" or a list of problems."""
+    url = f"{object_store.protocol}://no-such-bucket-for-reshard/ckpt"
+    options = object_store.storage_options
+    with pytest.raises(CheckpointNotFoundError, match="the bucket 'no-such-bucket-for-reshard' does not exist"):
+        reshard.read_metadata(url, storage_options=options)
+    with pytest.raises(CheckpointNotFoundError, match="no-such-bucket-for-reshard"):
+        reshard.CheckpointManager(url, storage_options=options).steps()
+    flags = [f"--storage-option={key}={json.dumps(value)}" for key, value in options.items()]
+    for command in (["inspect", url], ["ls", url], ["validate", url]):
+        assert main([*command, *flags]) == 3, command
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "no-such-bucket-for-reshard" in err[0], (command, err)
+    assert main(["ls", str(tmp_path / "nowhere")]) == 3
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["validate", str(tmp_path / "nowhere")]) == 3
+    assert "checked" not in capsys.readouterr().out

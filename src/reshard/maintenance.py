@@ -88,11 +88,16 @@ def validate_checkpoint(
 
     Checks completeness (``metadata.json`` present and valid), that every data file exists with the size
     the metadata says, and, unless ``quick``, every checksum of every stored box and object. Not collective.
+
+    Raises:
+        CheckpointNotFoundError: there is no checkpoint at ``path`` (nothing to validate).
     """
     storage = storage_for(path, storage_options)
     try:
         try:
             metadata = Metadata.from_json_bytes(read_metadata_bytes(storage), where=storage.describe(METADATA_FILE))
+        except CheckpointNotFoundError:  # no checkpoint to validate: not a problem of one
+            raise
         except CheckpointError as exc:
             return [str(exc)]
         problems: list[str] = []

@@ -97,9 +97,15 @@ def read_metadata_bytes(storage: Storage) -> bytes:
     try:
         exists = storage.root_exists()
         holder = read_lock(storage) if exists else None
-        # Only files named as a save names them: a project's own data/ directory is not an interrupted save.
-        has_data = exists and any(DATA_FILE_PATTERN.match(name) for name in storage.list_files(DATA_DIR))
+        # Files named as a save names them, or the empty data/ a save creates first: a project's own data/
+        # directory, holding other files, is not an interrupted save.
+        data_files = storage.list_files(DATA_DIR) if exists else []
+        has_data = any(DATA_FILE_PATTERN.match(name) for name in data_files) or (
+            exists and not data_files and storage.exists(DATA_DIR)
+        )
         safetensors = exists and not has_data and any(storage.exists(n) for n in _SAFETENSORS_NAMES)
+    except CheckpointNotFoundError:  # a missing bucket, named by the storage
+        raise
     except OSError as exc:
         raise StorageError(f"{where} has no {METADATA_FILE}, and looking for its data failed: {exc}") from exc
     if not exists:

@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
-from reshard.cli.text import human_bytes, inspect_summary, print_inspect
-from reshard.errors import CheckpointError
+from reshard.cli.text import counted, human_bytes, inspect_summary, print_inspect
+from reshard.errors import CheckpointError, CheckpointNotFoundError
 from reshard.load import read_metadata
 
 __all__ = [
@@ -83,7 +83,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         sys.stdout.write(f"PROBLEM: {problem}\n")
     kind = "presence and sizes" if args.quick else "presence, sizes and every checksum"
     if problems:
-        sys.stdout.write(f"{args.path}: {len(problems)} problems ({kind} checked)\n")
+        sys.stdout.write(f"{args.path}: {counted(len(problems), 'problem')} ({kind} checked)\n")
         return 1
     sys.stdout.write(f"{args.path}: OK ({kind} checked)\n")
     return 0
@@ -94,6 +94,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     manager = CheckpointManager(args.root, storage_options=storage_options_of(args))
     try:
+        if not manager.root.root_exists():
+            raise CheckpointNotFoundError(f"no checkpoint root at {manager.root.describe()}: the path does not exist")
         infos = scan_root(manager.root)
         latest = manager.latest_pointer()
     finally:

@@ -8,7 +8,12 @@ from typing import Any
 from reshard.codec import encode_tagged
 from reshard.metadata import FORMAT_NAME, Metadata
 
-__all__ = ["SafeText", "human_bytes", "inspect_summary", "print_inspect", "printable"]
+__all__ = ["SafeText", "counted", "human_bytes", "inspect_summary", "print_inspect", "printable"]
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``1 problem``, ``3 problems``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def printable(text: str) -> str:

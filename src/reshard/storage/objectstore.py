@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from reshard.errors import StorageError
+from reshard.errors import CheckpointNotFoundError, StorageError
 from reshard.storage.base import FileTooLargeError, FileWriter, RangeReadError, ReadRequest, Storage
 from reshard.storage.protocols import protocol_for
 
@@ -279,7 +279,13 @@ class ObjectStorage(Storage):
     def list_files(self, prefix: str = "") -> list[str]:
         path = self.object_path(prefix)
         self.fs.invalidate_cache()
-        found = self.call("listing", prefix, lambda: self.fs.find(path))
+        try:
+            found = self.call("listing", prefix, lambda: self.fs.find(path))
+        except FileNotFoundError as exc:  # a listing of a missing prefix is empty: the bucket is missing
+            bucket = self.root.split("/", 1)[0]
+            raise CheckpointNotFoundError(
+                f"listing {self.describe(prefix)} failed: the bucket {bucket!r} does not exist ({exc})"
+            ) from exc
         start = len(self.root) + 1
         return sorted(p[start:] for p in found if p.startswith(self.root + "/"))
 
