@@ -154,3 +154,28 @@ def test_a_missing_bucket_or_root_is_one_line_naming_it(
     assert "does not exist" in capsys.readouterr().err
     assert main(["validate", str(tmp_path / "nowhere")]) == 3
     assert "checked" not in capsys.readouterr().out
+
+
+def test_strided_loads_from_object_stores_make_few_large_gets(object_store: Any, tmp_path: Path) -> None:
+    """A column slice of a row-major tensor is 2048 strided runs. From an object store the default merges
+    them into a few large ranged GETs (the gaps cost less than requests); an explicit
+    max_read_amplification=1.0 still reads exact runs, one request each; a local file keeps exact reads."""
+    full = torch.arange(2048 * 64, dtype=torch.float32).view(2048, 64)
+    url = f"{object_store.protocol}://{object_store.new_bucket()}/ckpt"
+    options = object_store.storage_options
+    reshard.save({"w": full}, url, storage_options=options)
+    reshard.save({"w": full}, tmp_path / "local")
+
+    def load(source: Any, **kwargs: Any) -> reshard.LoadStats:
+        stats = reshard.LoadStats()
+        template = {"w": reshard.ShardedTensor("w", torch.empty(2048, 16), (2048, 64), (0, 16))}
+        loaded = reshard.load(template, source, stats=stats, **kwargs)
+        assert torch.equal(loaded["w"], full[:, 16:32])
+        return stats
+
+    merged = load(url, storage_options=options)
+    assert merged.read_requests <= 4, merged.read_requests
+    exact = load(url, storage_options=options, options=reshard.LoadOptions(max_read_amplification=1.0))
+    assert exact.read_requests >= 2048 and exact.bytes_read == exact.bytes_needed
+    local = load(tmp_path / "local")
+    assert local.bytes_read <= 1.1 * local.bytes_needed

@@ -37,7 +37,7 @@ from reshard.fingerprint import fingerprint
 from reshard.io.reader import ReadBudget, ReadExecutor
 from reshard.metadata import METADATA_FILE, Metadata, SavedObject
 from reshard.options import LoadOptions
-from reshard.planning.load_plan import LoadPlan, TargetPiece, plan_load
+from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan, TargetPiece, plan_load
 from reshard.sharding import LocalPiece, ShardedObject, ShardedTensor
 from reshard.sources import CheckpointSource, as_source, read_metadata_bytes
 from reshard.staging import StagedFiles, stage_files
@@ -215,12 +215,18 @@ def _load_from(
             for piece in tensor.pieces():
                 pieces.append(piece)
                 targets.append(TargetPiece(key=tensor.key, box=piece.box))
+        # Staged loads read local copies; otherwise the storage says what a request costs.
+        request_cost = 0 if options.staging is not None else storage.request_cost_bytes
+        amplification = options.max_read_amplification
+        if amplification is None and request_cost == 0:
+            amplification = DEFAULT_MAX_READ_AMPLIFICATION
         plan_holder.append(
             plan_load(
                 metadata,
                 targets,
-                max_read_amplification=options.max_read_amplification,
+                max_read_amplification=amplification,
                 max_read_bytes=ReadBudget.of(options.memory_budget_bytes).max_read_bytes,
+                request_cost_bytes=request_cost,
             )
         )
         # Sources that refuse unused entries (safetensors) need every rank's keys: a rank holds one stage.

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from reshard.io.datafile import DEFAULT_SAVE_MEMORY_BUDGET, MIN_SAVE_MEMORY_BUDGET
 from reshard.io.reader import DEFAULT_LOAD_MEMORY_BUDGET, MIN_LOAD_MEMORY_BUDGET
-from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -95,7 +94,10 @@ class LoadOptions:
             :class:`~reshard.MismatchError`, since a float checkpoint loaded into an integer template is
             almost always a mistake.
         max_read_amplification: bytes read / bytes needed allowed when merging strided runs into larger
-            reads (at least 1.0).
+            reads (at least 1.0); None (the default) leaves it to the storage: local files merge within 1.1,
+            object stores merge wherever a gap is cheaper to read than another ranged GET
+            (``Storage.request_cost_bytes``), so a strided resharded load makes a few large GETs, not one per
+            row.
         memory_budget_bytes: the most host memory this rank's load holds at once for its own buffers
             (default 32 MiB): the staging buffer of reads that cannot land directly in their destination
             (strided overlaps, dtype conversions, the parts of checksum chunks outside a read), and the
@@ -115,13 +117,13 @@ class LoadOptions:
 
     allow_dtype_cast: bool = True
     allow_lossy_cast: bool = False
-    max_read_amplification: float = DEFAULT_MAX_READ_AMPLIFICATION
+    max_read_amplification: float | None = None
     memory_budget_bytes: int = DEFAULT_LOAD_MEMORY_BUDGET
     verify: bool = False
     staging: StagingOptions | None = None
 
     def __post_init__(self) -> None:
-        if not self.max_read_amplification >= 1.0:
+        if self.max_read_amplification is not None and not self.max_read_amplification >= 1.0:
             raise ValueError(f"max_read_amplification must be at least 1.0, got {self.max_read_amplification}")
         if self.memory_budget_bytes < MIN_LOAD_MEMORY_BUDGET:
             raise ValueError(

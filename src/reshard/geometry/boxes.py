@@ -109,14 +109,17 @@ class ReadPattern:
         return starts
 
 
-def read_pattern(stored: Box, sub: Box, *, max_amplification: float) -> ReadPattern:
+def read_pattern(stored: Box, sub: Box, *, max_amplification: float | None, request_cost: int = 0) -> ReadPattern:
     """Plan the reads of ``sub`` (inside ``stored``) from ``stored``'s row-major bytes.
 
     Reads are whole slabs: for each index of the first ``L`` axes of ``sub``, one read spans from the first
-    to the last needed element of the remaining axes. ``L`` is chosen as small as possible (fewest reads)
-    such that elements read / elements needed stays at most ``max_amplification``; the largest ``L``
-    considered reads exactly the needed elements (runs over the trailing axes that ``sub`` covers whole),
-    so the result always respects the bound when ``max_amplification >= 1``.
+    to the last needed element of the remaining axes. With ``max_amplification``, ``L`` is chosen as small as
+    possible (fewest reads) such that elements read / elements needed stays at most ``max_amplification``;
+    the largest ``L`` considered reads exactly the needed elements (runs over the trailing axes that ``sub``
+    covers whole), so the result always respects the bound when ``max_amplification >= 1``. With
+    ``max_amplification=None`` the storage decides: ``L`` minimises ``reads * request_cost + elements read``
+    (``request_cost`` in elements: what one request costs in elements that could be read instead), so that
+    an object store reads few large ranges and a local file (cost 0) exactly the needed runs.
     """
     if sub.intersect(stored) != sub and sub.volume > 0:
         raise ValueError(f"sub-box {sub} is not inside stored box {stored}")
@@ -131,12 +134,20 @@ def read_pattern(stored: Box, sub: Box, *, max_amplification: float) -> ReadPatt
     while exact > 0 and sub.shape[exact - 1] == stored.shape[exact - 1]:
         exact -= 1
     exact = max(exact - 1, 0)
+    chosen = exact
+    if max_amplification is None:
+        costs = []
+        for level in range(exact + 1):
+            span = 1 + sum((n - 1) * st for n, st in zip(sub.shape[level:], strides[level:], strict=True))
+            costs.append((math.prod(sub.shape[:level]) * (request_cost + span), level))
+        chosen = min(costs)[1] if needed else exact
     for level in range(exact + 1):
         inner_shape = sub.shape[level:]
         inner_strides = strides[level:]
         span = 1 + sum((n - 1) * st for n, st in zip(inner_shape, inner_strides, strict=True)) if needed else 0
         count = math.prod(sub.shape[:level])
-        if level == exact or count * span <= max_amplification * needed:
+        fits = max_amplification is not None and count * span <= max_amplification * needed
+        if level == chosen if max_amplification is None else (level == exact or fits):
             return ReadPattern(
                 first=first,
                 span=span,

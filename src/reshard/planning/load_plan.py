@@ -94,7 +94,13 @@ staging memory of a load (and makes reads of object stores concurrent)."""
 
 
 def _split_overlap(
-    saved: Box, overlap: Box, itemsize: int, max_amplification: float, max_bytes: int, chunk_bytes: int = 0
+    saved: Box,
+    overlap: Box,
+    itemsize: int,
+    max_amplification: float | None,
+    max_bytes: int,
+    chunk_bytes: int = 0,
+    request_cost_bytes: int = 0,
 ) -> list[tuple[Box, ReadPattern]]:
     """Cut ``overlap`` into consecutive slabs along its first axes so that each slab's read is at most
     ``max_bytes`` (a slab of one element is never cut further).
@@ -103,7 +109,9 @@ def _split_overlap(
     spans (what a memory-mapped copy touches) and, with checksum chunks of ``chunk_bytes`` that fit twice
     in ``max_bytes``, that range widened to whole chunks (a read verifies every chunk it touches, whole).
     """
-    pattern = read_pattern(saved, overlap, max_amplification=max_amplification)
+    pattern = read_pattern(
+        saved, overlap, max_amplification=max_amplification, request_cost=request_cost_bytes // itemsize
+    )
     strides = row_major_strides(saved.shape)
     extent_elements = 1 + sum((n - 1) * st for n, st in zip(overlap.shape, strides, strict=True))
     need = max(pattern.read_elements, extent_elements) * itemsize
@@ -133,7 +141,11 @@ def _split_overlap(
         size = min(step, extent - start)
         offset = tuple(o + start if a == axis else o for a, o in enumerate(overlap.offset))
         shape = tuple(size if a == axis else n for a, n in enumerate(overlap.shape))
-        out.extend(_split_overlap(saved, Box(offset, shape), itemsize, max_amplification, max_bytes, chunk_bytes))
+        out.extend(
+            _split_overlap(
+                saved, Box(offset, shape), itemsize, max_amplification, max_bytes, chunk_bytes, request_cost_bytes
+            )
+        )
     return out
 
 
@@ -141,10 +153,14 @@ def plan_load(
     metadata: Metadata,
     targets: list[TargetPiece],
     *,
-    max_read_amplification: float = DEFAULT_MAX_READ_AMPLIFICATION,
+    max_read_amplification: float | None = DEFAULT_MAX_READ_AMPLIFICATION,
     max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
+    request_cost_bytes: int = 0,
 ) -> LoadPlan:
     """The reads that fill every target piece from the checkpoint.
+
+    Strided runs are merged into larger reads within ``max_read_amplification``, or, when it is None, where
+    a gap costs less to read than a request does (``request_cost_bytes``, the storage's).
 
     The caller has checked that every target's key exists with a matching global shape; saved boxes
     tile their tensor (validated when the metadata was parsed), so every target element is covered by
@@ -170,7 +186,13 @@ def plan_load(
                 continue
             file, byte_offset = int(saved.file[saved_index]), int(saved.byte_offset[saved_index])
             for overlap, pattern in _split_overlap(
-                saved_box, whole, itemsize, max_read_amplification, max_read_bytes, metadata.checksum_chunk_bytes
+                saved_box,
+                whole,
+                itemsize,
+                max_read_amplification,
+                max_read_bytes,
+                metadata.checksum_chunk_bytes,
+                request_cost_bytes,
             ):
                 items.append(
                     ReadItem(

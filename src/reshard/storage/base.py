@@ -89,9 +89,14 @@ class Storage(ABC):
     - ``concurrent_reads``: :meth:`read_ranges` serves the requests of one call concurrently (object
       stores), so the reader batches them; where False (local files), it issues small reads and verifies
       each as soon as it lands.
+    - ``request_cost_bytes``: what one read request costs, in bytes that could be read in the same time
+      (first-byte latency x bandwidth). 0 for local files, where reading exactly the needed runs is best;
+      an object store's ranged GET costs megabytes, so a load merges strided runs into few large GETs when
+      :class:`~reshard.LoadOptions` leaves ``max_read_amplification`` to the backend.
     """
 
     supports_conditional_create: bool = True
+    request_cost_bytes: int = 0
     supports_mapping: bool = False
     supports_ranged_reads: bool = True
     concurrent_reads: bool = True
