@@ -179,3 +179,17 @@ def test_strided_loads_from_object_stores_make_few_large_gets(object_store: Any,
     assert exact.read_requests >= 2048 and exact.bytes_read == exact.bytes_needed
     local = load(tmp_path / "local")
     assert local.bytes_read <= 1.1 * local.bytes_needed
+
+
+def test_usage_mistakes_are_one_line_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A malformed --storage-option and a demo layout the model cannot run are usage errors (exit 2, one
+    line, before anything starts); an existing destination names the command-line flag."""
+    reshard.save({"w": torch.ones(2)}, tmp_path / "ckpt")
+    assert main(["inspect", str(tmp_path / "ckpt"), "--storage-option", "novalue"]) == 2
+    assert "--storage-option expects KEY=VALUE" in capsys.readouterr().err
+    assert main(["demo", "--layout-a", "tp=3", "--out", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tp=3" in err[0] and not (tmp_path / "demo").exists()
+    reshard.save({"w": torch.ones(2)}, tmp_path / "other")
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "other")]) == 3
+    assert "--overwrite" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from reshard.cli.text import counted, human_bytes, inspect_summary, print_inspect
-from reshard.errors import CheckpointError, CheckpointNotFoundError
+from reshard.errors import CheckpointNotFoundError
 from reshard.load import read_metadata
 
 __all__ = [
@@ -39,7 +39,7 @@ def storage_options_of(args: argparse.Namespace) -> dict[str, Any] | None:
     for item in getattr(args, "storage_option", None) or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise CheckpointError(f"--storage-option expects KEY=VALUE, got {item!r}")
+            raise UsageError(f"--storage-option expects KEY=VALUE, got {item!r}")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:

@@ -327,6 +327,15 @@ def main(args: argparse.Namespace) -> int:
         lora_rank=args.lora,
         from_hf=args.from_hf,
     )
+    try:  # a layout the model cannot run is a usage error: one line, exit 2, before any rank starts
+        from reshard.models.parallel import ParallelConfig
+
+        model = options.model_config()
+        for layout in (options.layout_a, options.layout_b):
+            model.check(ParallelConfig.parse(layout))
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"reshard demo: {exc}", file=sys.stderr)
+        return 2
     a, b = run_demo(options)
     if args.json:
         json.dump({"phase_a": a.__dict__, "phase_b": b.__dict__}, sys.stdout, indent=2)

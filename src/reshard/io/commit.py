@@ -104,7 +104,8 @@ class SaveCommit:
         if exists and not self.overwrite:
             self.release_lock()
             raise CheckpointExistsError(
-                f"{self.storage.describe()} already holds a complete checkpoint; pass overwrite=True to replace it"
+                f"{self.storage.describe()} already holds a complete checkpoint; pass overwrite=True (--overwrite on "
+                "the command line) to replace it"
             )
 
     def release_lock(self) -> None:
