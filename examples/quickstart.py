@@ -25,7 +25,7 @@ def save_on_4(rank: int, path: str, port: int) -> None:
         "bias": torch.ones(6),  # a plain tensor: replicated on every rank, written once
         "step": 100,  # common state, written once by rank 0
     }
-    reshard.save(state, path)
+    reshard.save(state, path, overwrite=True)  # a second run replaces the first run's checkpoint, atomically
     dist.destroy_process_group()
 
 
