@@ -79,7 +79,8 @@ _BYTES_IO = "__reshard_bytes_io__"
 
 
 def to_reshard(sharded_state_dict: dict[str, Any], *, stored: Metadata | None = None) -> dict[str, Any]:
-    """A Megatron-Core sharded state dict as a reshard state dict (not collective; the input is not modified).
+    """A Megatron-Core sharded state dict as a reshard state dict (not collective). The input keeps its
+    structure; only a data-less ShardedTensor is given its (empty CPU) tensor, which the load then fills.
 
     ShardedTensors become reshard ShardedTensors over the same data (a view with the ``prepend_axis_num``
     axes in front, no copy), at the same place in the nesting; ShardedObjects become reshard ShardedObjects
