@@ -193,3 +193,53 @@ def test_usage_mistakes_are_one_line_with_exit_2(tmp_path: Path, capsys: pytest.
     reshard.save({"w": torch.ones(2)}, tmp_path / "other")
     assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "other")]) == 3
     assert "--overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["demo", "--help"], ["gc", "--help"]])
+def test_the_command_line_answers_help_and_version_without_importing_torch(argv: list[str]) -> None:
+    """``reshard --help`` and ``--version`` must not pay the seconds of importing torch: the package's
+    public names and each subcommand's work are imported on first use. A fresh interpreter proves it."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from reshard.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "heavy = sorted(m for m in ('torch', 'numpy', 'reshard.load', 'reshard.save') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "reshard" in done.stdout
+
+
+def test_the_package_imports_its_public_names_on_first_use() -> None:
+    """``import reshard`` stays light, and the three functions named like their modules (``save``, ``load``,
+    ``async_save``) stay functions even when their module was imported first (as every internal import does)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, types\n"
+        "import reshard\n"
+        "assert 'torch' not in sys.modules\n"
+        "import reshard.save, reshard.load, reshard.async_save, reshard.manager\n"
+        "for name in ('save', 'load', 'async_save'):\n"
+        "    assert not isinstance(getattr(reshard, name), types.ModuleType), name\n"
+        "    assert callable(getattr(reshard, name)), name\n"
+        "for name in reshard.__all__:\n"
+        "    assert getattr(reshard, name) is not None, name\n"
+        "assert set(reshard.__all__) <= set(dir(reshard))\n"
+        "try:\n"
+        "    reshard.no_such_name\n"
+        "except AttributeError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('no AttributeError')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr

@@ -9,7 +9,6 @@ from typing import Any
 
 from reshard.cli.text import counted, human_bytes, inspect_summary, print_inspect
 from reshard.errors import CheckpointNotFoundError
-from reshard.load import read_metadata
 
 __all__ = [
     "EXIT_CHECKPOINT",
@@ -48,6 +47,8 @@ def storage_options_of(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from reshard.load import read_metadata
+
     metadata = read_metadata(args.path, storage_options=storage_options_of(args))
     summary = inspect_summary(metadata, args.path)
     if args.json:
@@ -214,6 +215,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from reshard.interop.convert import convert_checkpoint
+    from reshard.load import read_metadata
 
     if (args.dst is None) == (args.to is None):
         raise UsageError("give the destination either as DST or as --to URL (exactly one)")

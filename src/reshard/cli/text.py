@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from reshard.codec import encode_tagged
-from reshard.metadata import FORMAT_NAME, Metadata
+if TYPE_CHECKING:
+    from reshard.metadata import Metadata
 
 __all__ = ["SafeText", "counted", "human_bytes", "inspect_summary", "print_inspect", "printable"]
 
@@ -63,6 +63,9 @@ def human_bytes(n: int) -> str:
 
 def inspect_summary(metadata: Metadata, path: str) -> dict[str, Any]:
     """The facts ``reshard inspect`` shows, as JSON-able data."""
+    from reshard.codec import encode_tagged
+    from reshard.metadata import FORMAT_NAME
+
     tensors = []
     for key, tensor in sorted(metadata.tensors.items()):
         grid = [len({b.offset[axis] for b in tensor.boxes}) for axis in range(len(tensor.global_shape))]

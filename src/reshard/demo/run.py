@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from reshard.models.config import ModelConfig
 
 __all__ = ["DemoOptions", "PhaseResult", "main", "run_demo"]
@@ -70,6 +70,8 @@ class PhaseResult:
 
 def state_digest(full: dict[str, torch.Tensor]) -> str:
     """SHA-256 over every full tensor's key and bytes, in key order."""
+    import torch
+
     h = hashlib.sha256()
     for key in sorted(full):
         h.update(key.encode())
@@ -85,6 +87,7 @@ def _free_port() -> int:
 
 def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any) -> None:
     """One rank of one phase (spawned)."""
+    import torch
     import torch.distributed as dist
 
     import reshard
