@@ -214,7 +214,7 @@ def test_megatron_torch_dist_checkpoint_imports_with_import_dcp(pool4: RankPool,
 
 
 LAYERS = {
-    **dict.fromkeys(["_version", "errors", "dtypes", "geometry", "collector"], 1),
+    **dict.fromkeys(["_version", "errors", "dtypes", "geometry", "collector", "progress"], 1),
     **dict.fromkeys(["codec", "sharding", "fingerprint", "metadata", "storage", "transports"], 2),
     **dict.fromkeys(["statedict", "dtensor", "planning", "locking", "comm"], 3),
     **dict.fromkeys(["io", "sources", "staging"], 4),

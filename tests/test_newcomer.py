@@ -243,3 +243,73 @@ def test_the_package_imports_its_public_names_on_first_use() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
+
+
+class _RecordedProgress:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def start(self, total_bytes: int, description: str) -> None:
+        self.calls.append((f"start {description}", total_bytes))
+
+    def advance(self, nbytes: int) -> None:
+        self.calls.append(("advance", nbytes))
+
+    def finish(self) -> None:
+        self.calls.append(("finish", 0))
+
+
+def test_diff_compares_bytes_first_and_values_where_bytes_differ(tmp_path: Path) -> None:
+    """``diff`` compares same-dtype slabs byte for byte and converts only those that differ: values that are
+    equal with different bytes (-0.0 and 0.0, NaNs with different payloads) stay equal, and a difference in
+    one slab among equal ones is counted exactly."""
+    from reshard.interop.diff import diff_checkpoints
+
+    base = torch.arange(4096, dtype=torch.float32)
+    changed = base.clone()
+    changed[3000] += 0.5  # one element in the third 1 KiB slab (128 float64 per slab)
+    changed[3001] -= 2.0
+    zeros = torch.zeros(256)
+    negative_zeros = -torch.zeros(256)
+    nan_a = torch.full((64,), float("nan"))
+    nan_b = nan_a.view(torch.int32).bitwise_or(1).view(torch.float32)  # another NaN payload
+    assert torch.isnan(nan_b).all() and not torch.equal(nan_a.view(torch.int32), nan_b.view(torch.int32))
+    reshard.save({"w": base, "z": zeros, "n": nan_a}, tmp_path / "a")
+    reshard.save({"w": changed, "z": negative_zeros, "n": nan_b}, tmp_path / "b")
+    progress = _RecordedProgress()
+    report = diff_checkpoints(tmp_path / "b", tmp_path / "a", slab_bytes=1024, progress=progress)
+    tensors = {t.key: t for t in report.tensors}
+    assert tensors["w"].mismatched == 2 and tensors["w"].max_abs == 2.0
+    assert tensors["w"].max_rel == pytest.approx(2.0 / 3001)
+    assert tensors["z"].problem is None and tensors["z"].max_abs == 0.0
+    assert tensors["n"].problem is None and tensors["n"].max_abs == 0.0
+    assert progress.calls[0] == ("start diff", 2 * 4 * (4096 + 256 + 64))
+    assert sum(n for what, n in progress.calls if what == "advance") == progress.calls[0][1]
+    assert progress.calls[-1][0] == "finish"
+    assert diff_checkpoints(tmp_path / "a", tmp_path / "a", slab_bytes=1024).ok
+
+
+def test_validate_reports_progress_and_is_quiet_on_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``validate`` tells a progress object the bytes it checks (the command line draws the bar on a
+    terminal); ``-q`` leaves only problems on stdout, and the exit code says the outcome."""
+    from reshard.maintenance import validate_checkpoint
+
+    reshard.save({"w": torch.randn(64, 64), "b": torch.randn(64)}, tmp_path / "ckpt")
+    metadata = reshard.read_metadata(tmp_path / "ckpt")
+    stored = sum(box.byte_length for tensor in metadata.tensors.values() for box in tensor.boxes)
+    progress = _RecordedProgress()
+    assert validate_checkpoint(tmp_path / "ckpt", progress=progress) == []
+    assert progress.calls[0] == ("start validate", stored)
+    assert sum(n for what, n in progress.calls if what == "advance") == stored
+    assert progress.calls[-1][0] == "finish"
+    assert main(["validate", str(tmp_path / "ckpt"), "-q"]) == 0
+    assert capsys.readouterr().out == ""
+    data = next((tmp_path / "ckpt" / "data").iterdir())
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert main(["validate", str(tmp_path / "ckpt"), "-q"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("PROBLEM: ") and out.count("\n") == 1

@@ -18,6 +18,7 @@ from reshard.errors import CheckpointError, CheckpointNotFoundError, IncompleteC
 from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.io.reader import ReadExecutor
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
+from reshard.progress import Progress, reporting
 from reshard.sources import read_metadata_bytes
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
@@ -82,12 +83,17 @@ def collect_garbage(
 
 
 def validate_checkpoint(
-    path: CheckpointLocation, *, quick: bool = False, storage_options: dict[str, Any] | None = None
+    path: CheckpointLocation,
+    *,
+    quick: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
 ) -> list[str]:
     """Every problem of the checkpoint at ``path``, as one line each (empty: the checkpoint is good).
 
     Checks completeness (``metadata.json`` present and valid), that every data file exists with the size
-    the metadata says, and, unless ``quick``, every checksum of every stored box and object. Not collective.
+    the metadata says, and, unless ``quick``, every checksum of every stored box and object (``progress``,
+    if given, is told the bytes checked). Not collective.
 
     Raises:
         CheckpointNotFoundError: there is no checkpoint at ``path`` (nothing to validate).
@@ -118,14 +124,16 @@ def validate_checkpoint(
                 continue
             good_files.add(index)
         if not quick:
-            problems += _check_all_chunks(storage, metadata, good_files)
+            problems += _check_all_chunks(storage, metadata, good_files, progress)
         return problems
     finally:
         if storage is not path:
             storage.close()
 
 
-def _check_all_chunks(storage: Storage, metadata: Metadata, files: set[int]) -> list[str]:
+def _check_all_chunks(
+    storage: Storage, metadata: Metadata, files: set[int], progress: Progress | None
+) -> list[str]:
     """Every chunk of every stored box and blob in ``files``, through the read executor of loads (bounded
     memory whatever the declared chunk size); one problem per damaged box or blob."""
     entries: list[tuple[str, int, int, int, tuple[int, ...]]] = []
@@ -147,15 +155,16 @@ def _check_all_chunks(storage: Storage, metadata: Metadata, files: set[int]) -> 
             )
     executor = ReadExecutor(storage, metadata, memory_budget_bytes=16 * 1024 * 1024)
     executor.checked_files.update(files)  # sizes were checked by the caller
+    entries = [entry for entry in entries if entry[1] in files]
     problems = []
     try:
-        for what, file, offset, length, checksums in entries:
-            if file not in files:
-                continue
-            try:
-                executor.verify_stored(checksums, length, file, offset, what)
-            except CheckpointError as exc:
-                problems.append(str(exc))
+        with reporting(progress, sum(entry[3] for entry in entries), "validate") as advance:
+            for what, file, offset, length, checksums in entries:
+                try:
+                    executor.verify_stored(checksums, length, file, offset, what)
+                except CheckpointError as exc:
+                    problems.append(str(exc))
+                advance(length)
     finally:
         executor.close()
     return problems

@@ -200,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="an option for the object-store client (repeatable), e.g. endpoint_url=http://127.0.0.1:9000; "
         "credentials otherwise come from the client's usual environment and configuration files",
     )
+    quiet = argparse.ArgumentParser(add_help=False)
+    quiet.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress bar and no summary (the bar is drawn only when stderr is a terminal anyway)",
+    )
     inspect = sub.add_parser(
         "inspect",
         parents=[storage],
@@ -213,11 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=cmd_inspect)
     validate = sub.add_parser(
         "validate",
-        parents=[storage],
+        parents=[storage, quiet],
         help="check a checkpoint: completeness, file sizes and every checksum",
         description="Check that PATH is a complete checkpoint (metadata.json present and valid), that every data "
-        "file exists with its recorded size, and (unless --quick) every CRC-32C of every stored box and object. "
-        "Prints each problem; exits 1 if there is any.",
+        "file exists with its recorded size, and (unless --quick) every CRC-32C of every stored box and object, "
+        "with a progress bar on a terminal. Prints each problem and a summary line; exits 1 if there is any "
+        "problem.",
     )
     validate.add_argument("path", help="checkpoint directory or URL")
     validate.add_argument("--quick", action="store_true", help="check presence and sizes only, not checksums")
@@ -252,13 +260,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="also clean a path with data but no metadata.json (an interrupted save): remove all its data files",
     )
     gc.set_defaults(func=cmd_gc)
-    quiet = argparse.ArgumentParser(add_help=False)
-    quiet.add_argument(
-        "-q",
-        "--quiet",
-        action="store_true",
-        help="no progress bar and no summary (the bar is drawn only when stderr is a terminal anyway)",
-    )
     dtype = argparse.ArgumentParser(add_help=False)
     dtype.add_argument(
         "--dtype",

@@ -79,14 +79,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from reshard.maintenance import validate_checkpoint
 
-    problems = validate_checkpoint(args.path, quick=args.quick, storage_options=storage_options_of(args))
+    problems = validate_checkpoint(
+        args.path, quick=args.quick, storage_options=storage_options_of(args), progress=progress_of(args)
+    )
     for problem in problems:
         sys.stdout.write(f"PROBLEM: {problem}\n")
     kind = "presence and sizes" if args.quick else "presence, sizes and every checksum"
     if problems:
-        sys.stdout.write(f"{args.path}: {counted(len(problems), 'problem')} ({kind} checked)\n")
+        say(args, f"{args.path}: {counted(len(problems), 'problem')} ({kind} checked)")
         return 1
-    sys.stdout.write(f"{args.path}: OK ({kind} checked)\n")
+    say(args, f"{args.path}: OK ({kind} checked)")
     return 0
 
 

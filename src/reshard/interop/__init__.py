@@ -20,7 +20,7 @@ from reshard.interop.diff import DiffReport, EntryDiff, TensorDiff, diff_checkpo
 from reshard.interop.export import ExportResult, KeyMap, export_safetensors
 from reshard.interop.hf_source import Concat, HuggingFaceSource, Stack
 from reshard.interop.offline import CheckpointReader, CheckpointWriter
-from reshard.interop.progress import Progress
+from reshard.progress import Progress
 
 if TYPE_CHECKING:
     from reshard.interop.dcp import ImportResult, import_dcp

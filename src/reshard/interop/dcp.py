@@ -57,8 +57,8 @@ from reshard.errors import (
     StateDictError,
 )
 from reshard.interop.offline import CheckpointWriter
-from reshard.interop.progress import Progress, reporting
 from reshard.metadata import Metadata
+from reshard.progress import Progress, reporting
 from reshard.storage import CheckpointLocation
 
 __all__ = ["MEGATRON_COMMON_KEY", "ImportResult", "import_dcp"]

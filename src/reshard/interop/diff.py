@@ -25,8 +25,8 @@ import torch
 
 from reshard.codec import encode_tagged
 from reshard.interop.offline import CheckpointReader
-from reshard.interop.progress import Progress, reporting
 from reshard.metadata import TensorMetadata
+from reshard.progress import Progress, reporting
 from reshard.storage import CheckpointLocation
 
 __all__ = ["DEFAULT_DIFF_SLAB_BYTES", "DiffReport", "EntryDiff", "TensorDiff", "diff_checkpoints"]
@@ -224,14 +224,22 @@ def _diff_tensor(
     work = torch.complex128 if complex_values else torch.float64
     total = math.prod(sa.global_shape)
     per = max(1, slab_bytes // work.itemsize)
-    buffer_a = left.slab_buffer(min(per, total) * work.itemsize).view(work)
-    buffer_b = right.slab_buffer(min(per, total) * work.itemsize).view(work)
     accumulator = _Accumulator(atol, rtol)
+    # With one dtype, slabs are read as stored and compared byte for byte first: equal bytes are equal
+    # values (NaNs included), so only slabs that differ pay for the float64 arithmetic.
+    same_dtype = sa.dtype == sb.dtype
+    read_as = sa.torch_dtype if same_dtype else work
+    buffer_a = left.slab_buffer(min(per, total) * read_as.itemsize).view(read_as)
+    buffer_b = right.slab_buffer(min(per, total) * read_as.itemsize).view(read_as)
     for start in range(0, total, per):
         count = min(per, total - start)
-        left.read_flat(key, start, buffer_a[:count])
-        right.read_flat(key, start, buffer_b[:count])
-        accumulator.add(buffer_a[:count], buffer_b[:count])
+        slab_a, slab_b = buffer_a[:count], buffer_b[:count]
+        left.read_flat(key, start, slab_a)
+        right.read_flat(key, start, slab_b)
+        if not same_dtype:
+            accumulator.add(slab_a, slab_b)
+        elif not torch.equal(slab_a.view(torch.uint8), slab_b.view(torch.uint8)):
+            accumulator.add(slab_a.to(work), slab_b.to(work))
         advance(count * (sa.torch_dtype.itemsize + sb.torch_dtype.itemsize))
     problems = []
     if sa.dtype != sb.dtype and not ignore_dtypes:

@@ -1,5 +1,6 @@
-"""How the long operations of :mod:`reshard.interop` report progress: a small protocol the caller
-implements (the command line draws a tqdm bar with it), so that the library itself prints nothing."""
+"""How long operations (validation, the offline tools of :mod:`reshard.interop`) report progress: a small
+protocol the caller implements (the command line draws a tqdm bar with it), so that the library itself
+prints nothing."""
 
 from __future__ import annotations
 
