@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint typecheck venv clean
+.PHONY: demo test lint typecheck venv dist clean
 
 venv: $(STAMP)
 
@@ -30,5 +30,12 @@ test: lint typecheck
 demo: $(STAMP)
 	$(BIN)/reshard demo --plot demo-loss.png
 
+# The wheel to install into an existing training environment (README.md, "Install"); built from a clean
+# build/ so that no module removed from src/ lingers in it.
+dist: $(STAMP)
+	rm -rf build dist
+	$(BIN)/python -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation -w dist .
+	@ls dist/*.whl
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo-checkpoint demo-loss.png
+	rm -rf build dist $(VENV) .pytest_cache .mypy_cache .ruff_cache demo-checkpoint demo-loss.png

@@ -299,7 +299,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "straight into layout A",
     )
     parser.add_argument(
-        "--plot", default=None, help="write the loss curve to this PNG (needs matplotlib: pip install 'reshard[demo]')"
+        "--plot", default=None, help="write the loss curve to this PNG (needs matplotlib: the demo extra of reshard)"
     )
     parser.add_argument(
         "--lora",

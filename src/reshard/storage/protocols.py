@@ -34,7 +34,7 @@ class ObjectProtocol(ABC):
     """The strategy of one object-store protocol (see the module doc). Stateless; shared."""
 
     extra: str = ""
-    """The reshard extra that installs the client (``pip install 'reshard[s3]'``)."""
+    """The reshard extra that installs the client (``pip install '/path/to/reshard[s3]'``)."""
     conditional_create: bool = False
     """Whether a create-only put is atomic: exactly one of two racing creators succeeds."""
 
