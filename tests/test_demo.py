@@ -178,6 +178,11 @@ def test_demo_entry_point_end_to_end(tmp_path: Path) -> None:
     assert a["digest_saved"] == b["digest_loaded"] != ""
     assert len(a["losses"]) == 2 and len(b["losses"]) == 2
     assert b["first_step"] == 2
+    # The saved state's loss on step 3's batch, forward only on layout A, and phase B's first step on layout
+    # B: the same state on the same batch, so equal up to the summation order of another layout, and not
+    # the loss of another step (which differs by a training step's progress).
+    assert b["losses"][0] == pytest.approx(a["loss_after"], rel=1e-5, abs=0)
+    assert abs(a["losses"][-1] - a["loss_after"]) > 1e-4
     assert (out / "metadata.json").is_file()
     table = subprocess.run(
         [
@@ -204,6 +209,8 @@ def test_demo_entry_point_end_to_end(tmp_path: Path) -> None:
     )
     assert table.returncode == 0, table.stderr[-3000:]
     assert "resumed state == saved state" in table.stdout and "yes (bit-exact)" in table.stdout
+    assert "loss of the saved state, step 2's batch" in table.stdout
+    assert "(its first step; " in table.stdout
 
 
 def test_demo_writes_the_loss_curve_png(tmp_path: Path) -> None:

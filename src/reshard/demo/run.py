@@ -65,6 +65,9 @@ class PhaseResult:
     bytes_read: list[int] = field(default_factory=list)
     bytes_needed: list[int] = field(default_factory=list)
     digest_saved: str = ""
+    loss_after: float | None = None
+    """Phase A: the saved state's loss on the next step's batch (forward only); phase B's first step
+    computes the same loss from the resumed state."""
     digest_loaded: str = ""
 
 
@@ -124,6 +127,7 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
         out["first_step"] = trainer.step
         out["losses"] = [trainer.train_step() for _ in range(task["steps"])]
         if task.get("save_to"):
+            out["loss_after"] = trainer.loss(trainer.step)
             out["digest_saved"] = state_digest(trainer.full_state())
             save = trainer.save_adapter if lora else trainer.save
             result, out["seconds_save"] = timed(save, task["save_to"], overwrite=True)
@@ -175,6 +179,7 @@ def run_phase(task: dict[str, Any], world: int, timeout_s: float) -> PhaseResult
         bytes_needed=[reports[r].get("bytes_needed", 0) for r in range(world)],
         digest_saved=first.get("digest_saved", ""),
         digest_loaded=first.get("digest_loaded", ""),
+        loss_after=first.get("loss_after"),
     )
 
 
@@ -223,9 +228,9 @@ def _table(options: DemoOptions, a: PhaseResult, b: PhaseResult) -> str:
             f"{b.losses[0]:.4f} -> {b.losses[-1]:.4f}" if b.losses else "-",
         ),
         (
-            "loss before save / after resume",
-            f"{a.losses[-1]:.4f}" if a.losses else "-",
-            f"{b.losses[0]:.4f}" if b.losses else "-",
+            f"loss of the saved state, step {a.first_step + len(a.losses) + 1}'s batch",
+            f"{a.loss_after:.6f} (forward only)" if a.loss_after is not None else "-",
+            _resumed_loss(a, b),
         ),
         ("checkpoint bytes" + (" (adapters)" if options.lora_rank else ""), f"{a.checkpoint_bytes:,}", ""),
         ("save / load seconds", f"{a.seconds_save:.3f}", f"{b.seconds_load:.3f}"),
@@ -237,6 +242,15 @@ def _table(options: DemoOptions, a: PhaseResult, b: PhaseResult) -> str:
     lines = [f"reshard demo: checkpoint at {options.out}"]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def _resumed_loss(a: PhaseResult, b: PhaseResult) -> str:
+    """Phase B's first loss, and how far it is from phase A's loss of the same state on the same batch:
+    zero or a float rounding of the other layout's summation order, never a training step."""
+    if not b.losses or a.loss_after is None:
+        return "-"
+    gap = abs(b.losses[0] - a.loss_after)
+    return f"{b.losses[0]:.6f} (its first step; " + ("equal)" if gap == 0 else f"differs by {gap:.1e}: sum order)")
 
 
 def _plot(path: str, a: PhaseResult, b: PhaseResult) -> str | None:

@@ -110,6 +110,21 @@ class Trainer:
         return float(total) / holders
 
     @torch.no_grad()
+    def loss(self, step: int) -> float:
+        """The global mean loss of the current state on the batch of ``step``, forward only (the state is
+        unchanged). Called by every rank of the layout; every rank returns it. ``train_step`` at that step
+        reports the same loss (up to the order of float additions) before it updates."""
+        g = self.groups
+        tokens = global_batch(step, self.model_config, self.training)
+        logits = self.logits(tokens[:, :-1])
+        total = torch.zeros(())
+        if logits is not None:
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        dist.all_reduce(total, group=g.layout.process_group)
+        parallel = g.config
+        return float(total) / (parallel.tp * parallel.cp * parallel.dp)
+
+    @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The model's logits ``[batch, seq, vocab]`` for ``tokens`` ``[batch, seq]`` (positions 0 .. seq-1),
         through every pipeline stage. Called by every rank of the layout with the same tokens; the ranks of
