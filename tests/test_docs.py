@@ -26,40 +26,14 @@ import torch
 import reshard
 import reshard.interop
 import reshard.storage
+from tests.doc_blocks import DOCS, ROOT, marked_blocks
 from tests.rankpool import RankContext, RankPool
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN_MARK = re.compile(r"<!-- example: run(?: needs=([\w.]+))? -->")
 SIGNATURE_MARK = re.compile(r"<!-- signature: ([\w.]+) -->")
 
 
-def _fenced_after(lines: list[str], index: int, where: str) -> str:
-    """The body of the fenced block that starts on the line after ``index``."""
-    fence = lines[index + 1] if index + 1 < len(lines) else ""
-    if not fence.startswith("```"):
-        raise AssertionError(f"{where}: the marker must be followed by a fenced block")
-    body = []
-    for line in lines[index + 2 :]:
-        if line.startswith("```"):
-            return "\n".join(body) + "\n"
-        body.append(line)
-    raise AssertionError(f"{where}: the fenced block is not closed")
-
-
-def _marked_blocks(pattern: re.Pattern[str]) -> list[Any]:
-    """``(where, the marker's argument, the block)`` of every block marked by ``pattern``."""
-    found = []
-    for path in DOCS:
-        lines = path.read_text(encoding="utf-8").splitlines()
-        for index, line in enumerate(lines):
-            where = f"{path.relative_to(ROOT)}:{index + 1}"
-            if (match := pattern.fullmatch(line.strip())) is not None:
-                found.append(pytest.param(where, match.group(1), _fenced_after(lines, index, where), id=where))
-    return found
-
-
-@pytest.mark.parametrize(("where", "needs", "code"), _marked_blocks(RUN_MARK))
+@pytest.mark.parametrize(("where", "needs", "code"), marked_blocks(RUN_MARK))
 def test_example_runs(
     where: str, needs: str | None, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -119,7 +93,7 @@ def render_signature(dotted: str) -> str:
     return f"{dotted}(\n" + "".join(f"    {p},\n" for p in params) + f"){returns}"
 
 
-@pytest.mark.parametrize(("where", "name", "text"), _marked_blocks(SIGNATURE_MARK))
+@pytest.mark.parametrize(("where", "name", "text"), marked_blocks(SIGNATURE_MARK))
 def test_signature_matches_code(where: str, name: str, text: str) -> None:
     expected = render_signature(name)
     assert text.strip() == expected, f"{where}: the signature of {name} changed; the code has:\n{expected}"

@@ -17,7 +17,7 @@ def test_quickstart_example_runs(tmp_path: Path) -> None:
 
     reshard.save({"old": torch.zeros(3)}, tmp_path / "ckpt")
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "quickstart.py"), str(tmp_path / "ckpt")],
+        [sys.executable, str(ROOT / "examples" / "quickstart.py"), "ckpt"],
         capture_output=True,
         text=True,
         timeout=240,
@@ -25,6 +25,9 @@ def test_quickstart_example_runs(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "saved on 4 ranks, loaded on 2" in done.stdout
-    assert "rank 1: loaded columns 3..5, read 120 of 120 needed bytes" in done.stdout
+    # README.md shows this run's output (the ranks' lines in either order).
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    shown = readme.split("$ python examples/quickstart.py ckpt\n", 1)[1].split("```", 1)[0].splitlines()
+    assert len(shown) == 3
+    assert sorted(done.stdout.splitlines()) == sorted(shown)
     assert sorted(reshard.read_metadata(tmp_path / "ckpt").tensors) == ["bias", "layer.weight"]

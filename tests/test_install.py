@@ -23,9 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(*argv: str | Path, cwd: Path | None = None) -> str:
-    done = subprocess.run(
-        [str(a) for a in argv], capture_output=True, text=True, timeout=300, check=False, cwd=cwd
-    )
+    done = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=300, check=False, cwd=cwd)
     assert done.returncode == 0, f"{argv}: exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done.stdout
 

@@ -111,7 +111,7 @@ def print_inspect(summary: dict[str, Any]) -> None:
     out(f"  format {summary['format']} v{summary['version']}, save {summary['save_id']}, by {summary['created_by']}\n")
     layout = summary["layout"]
     out(
-        f"  saved by {layout['world_size']} ranks ({layout['writers']} wrote data files); "
+        f"  saved by {counted(layout['world_size'], 'rank')} ({layout['writers']} wrote data files); "
         f"{human_bytes(summary['tensor_bytes'])} of tensors in {human_bytes(summary['file_bytes'])} of files\n\n"
     )
     rows = [("key", "dtype", "global shape", "boxes", "grid", "bytes")]
@@ -128,6 +128,6 @@ def print_inspect(summary: dict[str, Any]) -> None:
     if summary["common"]:
         out(f"\n  common values: {', '.join(summary['common'])}\n")
     out(
-        f"\n  total: {len(summary['tensors'])} tensors, {human_bytes(summary['tensor_bytes'])}; "
-        f"{len(summary['objects'])} objects; {len(summary['common'])} common values\n"
+        f"\n  total: {counted(len(summary['tensors']), 'tensor')}, {human_bytes(summary['tensor_bytes'])}; "
+        f"{counted(len(summary['objects']), 'object')}; {counted(len(summary['common']), 'common value')}\n"
     )
