@@ -37,7 +37,8 @@ def test_inspect_table_and_json(tmp_path: Path) -> None:
     lines = table.stdout.splitlines()
     row = next(line for line in lines if line.strip().startswith("w "))
     assert row.split()[:4] == ["w", "float32", "[4,", "6]"]
-    assert "saved by 1 ranks" in table.stdout
+    assert "saved by 1 rank (" in table.stdout
+    assert "1 entry " in table.stdout
     assert "total: 2 tensors" in table.stdout
     as_json = run_cli("inspect", str(tmp_path / "ckpt"), "--json")
     assert as_json.returncode == 0, as_json.stderr

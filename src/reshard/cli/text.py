@@ -12,8 +12,10 @@ __all__ = ["SafeText", "counted", "human_bytes", "inspect_summary", "print_inspe
 
 
 def counted(n: int, noun: str) -> str:
-    """``n`` and ``noun``, plural unless ``n`` is 1: ``1 problem``, ``3 problems``."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+    """``n`` and ``noun``, plural unless ``n`` is 1: ``1 problem``, ``3 problems``, ``2 entries``."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun[:-1]}ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else f"{n} {noun}s"
 
 
 def printable(text: str) -> str:
@@ -124,7 +126,8 @@ def print_inspect(summary: dict[str, Any]) -> None:
     if summary["objects"]:
         out("\n  objects:\n")
         for o in summary["objects"]:
-            out(f"    {o['key']}  grid {o['global_shape']}  {o['entries']} entries  {human_bytes(o['bytes'])}\n")
+            cells = counted(o["entries"], "entry")
+            out(f"    {o['key']}  grid {o['global_shape']}  {cells}  {human_bytes(o['bytes'])}\n")
     if summary["common"]:
         out(f"\n  common values: {', '.join(summary['common'])}\n")
     out(
