@@ -33,7 +33,6 @@ import shlex
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ import torch
 import reshard
 from reshard.cli import build_parser, main
 from tests.doc_blocks import ROOT, fenced_blocks, marked_blocks
+from tests.threads import on_threads
 
 SH_MARK = re.compile(r"<!-- example: sh(?: setup=([\w,]+))? -->")
 TRANSCRIPT_MARK = re.compile(r"<!-- example: transcript(?: setup=([\w,]+))? -->")
@@ -91,25 +91,6 @@ class Session:
         for old, new in self.replacements.items():
             line = line.replace(old, new)
         return line
-
-
-def on_threads(ranks: int, run: Callable[[int], object]) -> None:
-    """``run(rank)`` on one thread per rank of a ThreadGroup; the first error of any rank is raised."""
-    errors: list[BaseException] = []
-
-    def rank(r: int) -> None:
-        try:
-            run(r)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def _quickstart() -> Any:

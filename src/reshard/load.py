@@ -9,11 +9,16 @@ Flow (each phase ends in agreement):
    overlap is one contiguous run of the same dtype, otherwise through a reused buffer (or a mapping of a
    local file) and one strided copy; every checksum chunk a read touches is read whole and verified on the
    bytes used, so no byte a load returns is unverified.
+
+With ``LoadOptions(read_once=...)`` in effect, step 2 gathers every rank's target boxes on the coordinator,
+which schedules who reads which part (:mod:`reshard.exchange`); after step 3 agreed that every rank's reads
+succeeded, a fourth step sends the bytes several ranks need from their reader to the others.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import math
 import time
@@ -33,7 +38,17 @@ from reshard.errors import (
     MismatchError,
     StateDictError,
 )
+from reshard.exchange import (
+    MIN_SLAB_BYTES,
+    ExchangeCounters,
+    RankSchedule,
+    cell_view,
+    describe_need,
+    run_exchange,
+    schedule_reads,
+)
 from reshard.fingerprint import fingerprint
+from reshard.geometry.boxes import Box
 from reshard.io.reader import ReadBudget, ReadExecutor
 from reshard.metadata import METADATA_FILE, Metadata, SavedObject
 from reshard.options import LoadOptions
@@ -63,6 +78,10 @@ class LoadStats:
         bytes_verify_extra: bytes read (or, for mapped local files, checksummed) beyond the planned reads,
             to verify the whole chunks that the reads touch (not counted in ``bytes_read``).
         bytes_direct: bytes read straight into their destination tensor (no intermediate copy).
+        bytes_from_peers, bytes_to_peers: with ``LoadOptions(read_once=...)`` in effect, the bytes this rank
+            received from the ranks that read them, and sent to the ranks that needed what it read (its own
+            reads are in ``bytes_read``; over all ranks, storage sees each needed byte once).
+        exchange_rounds: the rounds that exchange took (the same on every rank; 0 without one).
         files_downloaded, bytes_downloaded: with staging, the whole data files this rank downloaded for its
             node (each file needed by a node is downloaded by exactly one of its ranks).
         files_reused: with staging, complete files found in the staging directory and reused.
@@ -83,6 +102,9 @@ class LoadStats:
     bytes_verified: int = 0
     bytes_verify_extra: int = 0
     bytes_direct: int = 0
+    bytes_from_peers: int = 0
+    bytes_to_peers: int = 0
+    exchange_rounds: int = 0
     files_downloaded: int = 0
     bytes_downloaded: int = 0
     files_reused: int = 0
@@ -205,16 +227,13 @@ def _load_from(
     plan_holder: list[LoadPlan] = []
     missing: list[str] = []
     pieces: list[LocalPiece] = []
+    keys: list[str] = []  # the key of each piece
+    # Read once per replica group: the reads are planned after the coordinator's schedule says who reads what.
+    read_once = _read_once_wanted(options, comm, storage.request_cost_bytes)
+    read_views: list[torch.Tensor] = []
+    read_boxes: list[Box] = []
 
-    def plan() -> list[str] | None:
-        template = flatten_state_dict(state_dict, rank=comm.rank, dedup=False)
-        missing.extend(_check_template(template, metadata, strict=strict, options=options))
-        flat.tensors, flat.objects = template.tensors, template.objects
-        targets = []
-        for tensor in flat.tensors:
-            for piece in tensor.pieces():
-                pieces.append(piece)
-                targets.append(TargetPiece(key=tensor.key, box=piece.box))
+    def plan_reads(targets: list[TargetPiece]) -> None:
         # Staged loads read local copies; otherwise the storage says what a request costs.
         request_cost = 0 if options.staging is not None else storage.request_cost_bytes
         amplification = options.max_read_amplification
@@ -229,8 +248,27 @@ def _load_from(
                 request_cost_bytes=request_cost,
             )
         )
+
+    def flatten() -> None:
+        template = flatten_state_dict(state_dict, rank=comm.rank, dedup=False)
+        missing.extend(_check_template(template, metadata, strict=strict, options=options))
+        flat.tensors, flat.objects = template.tensors, template.objects
+        for tensor in flat.tensors:
+            for piece in tensor.pieces():
+                pieces.append(piece)
+                keys.append(tensor.key)
+
+    def plan_own_pieces() -> None:
+        """Every piece read by this rank itself, as a plain load reads it."""
+        read_views.extend(p.view for p in pieces)
+        read_boxes.extend(p.box for p in pieces)
+        plan_reads([TargetPiece(key=key, box=piece.box) for key, piece in zip(keys, pieces, strict=True)])
+
+    def plan() -> list[str] | None:
+        flatten()
+        plan_own_pieces()
         # Sources that refuse unused entries (safetensors) need every rank's keys: a rank holds one stage.
-        return sorted({t.key for t in flat.tensors}) if source.refuses_unused else None
+        return sorted(set(keys)) if source.refuses_unused else None
 
     def check_unused(keys_per_rank: list[list[str] | None]) -> None:
         """On the coordinator: the source's entries no rank's template uses, an error where it refuses them."""
@@ -245,8 +283,40 @@ def _load_from(
                 "pass allow_unused=True to the source to load a part of it)"
             )
 
+    schedule: RankSchedule | None = None
     with clock.exchange():
-        comm.step("load planning", clock.timed("plan", plan), check_unused)
+        if not read_once:
+            comm.step("load planning", clock.timed("plan", plan), check_unused)
+        else:
+
+            def needs() -> bytes:
+                flatten()
+                described = [describe_need(key, piece) for key, piece in zip(keys, pieces, strict=True)]
+                return json.dumps({"keys": sorted(set(keys)), "needs": described}).encode()
+
+            def schedule_all(payloads: list[bytes]) -> tuple[bool, list[bytes]]:
+                docs = [json.loads(p) for p in payloads]
+                check_unused([d["keys"] if source.refuses_unused else None for d in docs])
+                schedules = schedule_reads(
+                    [d["needs"] for d in docs],
+                    round_bytes=_round_bytes(options),
+                    min_slab_bytes=max(MIN_SLAB_BYTES, metadata.checksum_chunk_bytes),
+                )
+                return any(s.shared for s in schedules), [json.dumps(s.to_json()).encode() for s in schedules]
+
+            shared, reply = comm.step_scatter("load planning", clock.timed("plan", needs), schedule_all)
+            schedule = RankSchedule.from_json(json.loads(reply)) if shared else None
+            with clock.phase("plan"):
+                if schedule is None:  # nothing is needed by more than one rank
+                    plan_own_pieces()
+                else:
+                    targets = []
+                    for ref in schedule.reads:
+                        box = Box(tuple(ref[1]), tuple(ref[2]))
+                        targets.append(TargetPiece(key=keys[ref[0]], box=box))
+                        read_views.append(cell_view(pieces, ref))
+                        read_boxes.append(box)
+                    plan_reads(targets)
     if missing:
         warnings.warn(
             f"reshard.load(strict=False): {len(missing)} entries are not in the checkpoint and were left as "
@@ -273,7 +343,7 @@ def _load_from(
                 if piece.padded_view is not None:
                     piece.padded_view.zero_()
         try:
-            executor.run(load_plan, [p.view for p in pieces], [p.box for p in pieces])
+            executor.run(load_plan, read_views, read_boxes)
             for obj in flat.objects:
                 loaded_objects[(obj.key, obj.global_offset)] = _read_object(executor, metadata, obj)
         finally:
@@ -286,6 +356,15 @@ def _load_from(
         # Every rank of every node is done reading (or failed) once the step returns or raises.
         if staged is not None and staging is not None and not staging.keep:
             staged.remove()
+    exchanged = ExchangeCounters()
+    if schedule is not None:
+        with clock.exchange():
+            exchange = schedule
+
+            def send_and_receive() -> None:
+                run_exchange(comm.transport, exchange, pieces, exchanged)
+
+            comm.step("exchanging data", clock.timed("read", send_and_receive))
     if options.verify:
         with clock.phase("verify"):
             _verify_fingerprints(comm, metadata, flat.tensors)
@@ -301,7 +380,14 @@ def _load_from(
 
     result = map_leaves(state_dict, result_leaf)
     if stats is not None:
-        stats.bytes_needed = load_plan.bytes_needed
+        stats.bytes_needed = (
+            load_plan.bytes_needed
+            if schedule is None
+            else sum(p.box.volume * metadata.tensors[k].torch_dtype.itemsize for k, p in zip(keys, pieces, strict=True))
+        )
+        stats.bytes_from_peers = exchanged.bytes_received
+        stats.bytes_to_peers = exchanged.bytes_sent
+        stats.exchange_rounds = len(schedule.rounds) if schedule is not None else 0
         stats.bytes_read = load_plan.bytes_read
         stats.read_requests = load_plan.requests
         stats.bytes_verified = executor.bytes_verified
@@ -331,6 +417,21 @@ def _load_from(
         load_plan.bytes_read / seconds / 1e6 if seconds > 0 else 0.0,
     )
     return result
+
+
+def _read_once_wanted(options: LoadOptions, comm: Communicator, request_cost_bytes: int) -> bool:
+    """Whether this load reads once per replica group: on request, or by default where a storage request is
+    costly (object stores) and several ranks load together; never with node-local staging, which already
+    downloads each file once per node."""
+    if comm.size == 1 or options.staging is not None or options.read_once is False:
+        return False
+    return options.read_once is True or request_cost_bytes > 0
+
+
+def _round_bytes(options: LoadOptions) -> int:
+    """The most bytes a rank sends (or receives) in one round of the exchange: half the memory budget,
+    since the send and the receive buffer live together (the read buffers are released by then)."""
+    return max(4096, options.memory_budget_bytes // 2)
 
 
 def _verify_fingerprints(comm: Communicator, metadata: Metadata, tensors: list[ShardedTensor]) -> None:

@@ -110,9 +110,18 @@ class LoadOptions:
             raises CorruptCheckpointError naming the tensor, on every rank. Tensors the template does not
             cover whole, or loads with a dtype conversion, cannot be checked (a warning names them).
         staging: load through node-local staging (:class:`StagingOptions`); None reads directly.
+        read_once: whether the ranks that need the same saved bytes (data- and context-parallel replicas,
+            any overlap of several ranks' boxes) read them from storage once between them, each reader
+            verifying what it read, and send them to the others over the group (:mod:`reshard.exchange`):
+            True, False, or None (the default) for where it wins: on when several ranks load from an object
+            store (a request is costly and the network between nodes is faster than the store), off for a
+            local path (replicas on one node share its page cache; pass True for a network file system).
+            The exchange's buffers come out of ``memory_budget_bytes`` (half for sending, half for
+            receiving, at least 4 KiB each), after the reads released theirs.
 
     Raises (on construction):
-        ValueError: ``max_read_amplification`` below 1.0, or ``memory_budget_bytes`` below 16.
+        ValueError: ``max_read_amplification`` below 1.0, ``memory_budget_bytes`` below 16, or
+            ``read_once=True`` with ``staging`` (staging already downloads each file once per node).
     """
 
     allow_dtype_cast: bool = True
@@ -121,8 +130,11 @@ class LoadOptions:
     memory_budget_bytes: int = DEFAULT_LOAD_MEMORY_BUDGET
     verify: bool = False
     staging: StagingOptions | None = None
+    read_once: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.read_once and self.staging is not None:
+            raise ValueError("read_once=True and staging exclude each other: staging downloads each file once per node")
         if self.max_read_amplification is not None and not self.max_read_amplification >= 1.0:
             raise ValueError(f"max_read_amplification must be at least 1.0, got {self.max_read_amplification}")
         if self.memory_budget_bytes < MIN_LOAD_MEMORY_BUDGET:

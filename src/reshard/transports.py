@@ -1,7 +1,8 @@
 """How the ranks of a checkpoint operation exchange bytes: the transports under :class:`~reshard.comm.Communicator`.
 
 A :class:`Transport` moves byte payloads among the ranks of one group: a gather to the coordinator (rank
-0), a broadcast from it, a scatter from it. Three implementations:
+0), a broadcast from it, a scatter from it; and tensor data between pairs of ranks (:meth:`Transport.exchange`,
+the data plane of :mod:`reshard.exchange`). Three implementations:
 
 - :class:`TorchTransport`: a ``torch.distributed`` process group (gloo or NCCL). Payloads travel in uint8
   tensors (nothing is pickled), every collective is issued asynchronously and waited on with the timeout,
@@ -61,6 +62,8 @@ class Transport(ABC):
     rank: int
     size: int
     timeout: datetime.timedelta
+    device: torch.device = torch.device("cpu")
+    """Where the tensors of :meth:`exchange` live (the GPU of this rank for NCCL)."""
 
     def __init__(self) -> None:
         self.bytes_sent = 0
@@ -75,6 +78,13 @@ class Transport(ABC):
     @abstractmethod
     def scatter_bytes(self, payloads: list[bytes] | None) -> bytes:
         """``payloads[r]`` (given by the coordinator; None elsewhere) to rank ``r``; this rank's payload."""
+
+    @abstractmethod
+    def exchange(self, sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]]) -> None:
+        """One round of point-to-point traffic: send each ``(peer, data)`` of ``sends`` and fill each
+        ``(peer, buffer)`` of ``receives`` with what that peer sends this rank in the same round (one message
+        per pair and direction; contiguous uint8 tensors on :attr:`device`, sized alike on both sides).
+        Called by every rank of the group for every round, with or without traffic of its own."""
 
     @abstractmethod
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
@@ -100,6 +110,10 @@ class SingleProcess(Transport):
         if payloads is None or len(payloads) != 1:
             raise CheckpointError("scatter_bytes on the coordinator needs one payload per rank")
         return payloads[0]
+
+    def exchange(self, sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]]) -> None:
+        if sends or receives:
+            raise CheckpointError("a group of one process has no peer to exchange data with")
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
         return payload or b""
@@ -205,6 +219,14 @@ class TorchTransport(Transport):
             self.bytes_received += longest.nbytes + size
         return self._unframed(mine)
 
+    def exchange(self, sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]]) -> None:
+        """Point-to-point sends and receives of this rank only (a rank without traffic returns at once);
+        all are posted before any is waited on, so no order of the pairs can deadlock."""
+        works = [dist.isend(data, self.global_ranks[peer], group=self.group) for peer, data in sends]
+        works += [dist.irecv(buffer, self.global_ranks[peer], group=self.group) for peer, buffer in receives]
+        for work in works:
+            self._wait(work, "exchange (send/receive)")
+
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
         """Send the coordinator's ``payload`` to every rank; others pass None."""
         if self.size == 1:
@@ -248,6 +270,7 @@ class ThreadGroup:
         self.barrier = threading.Barrier(size)
         self.slots: list[bytes] = [b""] * size
         self.shared = b""
+        self.mailbox: dict[tuple[int, int], torch.Tensor] = {}
 
     def member(self, rank: int) -> ThreadTransport:
         """The transport of rank ``rank`` (use it from that rank's thread only)."""
@@ -295,6 +318,14 @@ class ThreadTransport(Transport):
         self._sync("scatter")
         self.bytes_received += len(mine)
         return mine
+
+    def exchange(self, sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]]) -> None:
+        for peer, data in sends:
+            self.group.mailbox[(self.rank, peer)] = data.clone()
+        self._sync("exchange")
+        for peer, buffer in receives:
+            buffer.copy_(self.group.mailbox.pop((peer, self.rank)))
+        self._sync("exchange")
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
         if self.rank == 0:

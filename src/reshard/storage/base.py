@@ -136,6 +136,10 @@ class Storage(ABC):
         """The whole content of a small file; ``FileTooLargeError`` when it has more than ``max_bytes``
         bytes (checked before the content is read where the backend can)."""
 
+    range_bytes_read: int = 0
+    """Bytes this object has read through :meth:`read_ranges` and mapped through :meth:`map_range`: the
+    tensor data and object blobs of loads (metadata and other small files are not counted)."""
+
     @abstractmethod
     def read_ranges(self, requests: list[ReadRequest], *, max_buffered_bytes: int | None = None) -> list[int]:
         """Fill every request's buffer; return the bytes read for each (fewer only at the end of a file).

@@ -242,6 +242,7 @@ class LocalStorage(Storage):
                     fd = _open_regular(self.root, request.name)
                     fds[request.name] = fd
                 out.append(_read_fully(fd, request.offset, request.buffer))
+                self.range_bytes_read += out[-1]
             return out
         finally:
             for fd in fds.values():
@@ -258,6 +259,7 @@ class LocalStorage(Storage):
             mapping = mmap.mmap(fd, length + offset - start, access=mmap.ACCESS_COPY, offset=start)
         finally:
             os.close(fd)
+        self.range_bytes_read += length
         return _LocalMapping(mapping, offset - start, length)
 
     def prepare_root(self) -> None:

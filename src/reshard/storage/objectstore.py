@@ -363,6 +363,7 @@ class ObjectStorage(Storage):
         if len(gets) <= 1 or in_flight == 1:
             for index, get in gets:
                 counts[index] += self._read_one(get)
+            self.range_bytes_read += sum(counts)
             return counts
         pool = self.pool()
         running: dict[concurrent.futures.Future[int], int] = {}
@@ -379,6 +380,7 @@ class ObjectStorage(Storage):
             for future in running:  # after an error: let the others finish before the buffers are released
                 future.cancel()
             concurrent.futures.wait(running)
+        self.range_bytes_read += sum(counts)
         return counts
 
     def prepare_root(self) -> None:

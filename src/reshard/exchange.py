@@ -1,0 +1,358 @@
+"""Read once, then exchange: a load in which each saved byte that several ranks need is read from storage
+by one of them and sent to the others over the process group.
+
+Data-parallel and context-parallel replicas need the same boxes, so a plain load reads every unique byte
+once per replica. With ``LoadOptions(read_once=...)`` the coordinator gathers what every rank needs
+(:func:`describe_need`) and :func:`schedule_reads` cuts it into *cells*: the regions of a global tensor
+that the same set of ranks (with the same destination dtype) needs. A cell needed by one rank is read by
+it, as in a plain load. A cell needed by several is cut into up to one slab per needer along its first
+axis that has room, each slab read by the needer with the fewest bytes to read so far (so readers are
+balanced), and sent to the other needers. Every read goes through the verifying reader of loads, so a
+sent byte has had its checksum checked; nothing is re-read, and storage sees each needed byte once.
+
+Memory stays bounded: the sends and receives are cut into rounds in which no rank sends, nor receives,
+more than ``round_bytes`` (the messages of a round are one buffer per direction, reused from round to
+round), and a cell larger than that travels in slabs. Received bytes are copied into the destination
+tensors as they were read: bit-exact with reading them.
+
+Who calls what: the coordinator runs :func:`schedule_reads` inside a collective step; each rank then runs
+:func:`run_exchange` with its part of the schedule, which every rank of the group calls once the reads of
+every rank have succeeded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from reshard.geometry.boxes import Box
+from reshard.sharding import LocalPiece
+from reshard.transports import Transport
+
+__all__ = [
+    "DEFAULT_ROUND_BYTES",
+    "MAX_CELLS_PER_KEY",
+    "MIN_SLAB_BYTES",
+    "ExchangeCounters",
+    "RankSchedule",
+    "describe_need",
+    "run_exchange",
+    "schedule_reads",
+]
+
+DEFAULT_ROUND_BYTES = 16 * 1024 * 1024
+"""The most bytes a rank sends (and, apart, receives) in one round of the exchange."""
+
+MIN_SLAB_BYTES = 64 * 1024
+"""A shared cell is split among its needers only into slabs of at least this size (fewer, larger reads)."""
+
+MAX_CELLS_PER_KEY = 4096
+"""Beyond this many cells for one tensor (boxes that overlap in many different ways), its pieces are read
+by their own ranks: sharing would cost more planning than it saves."""
+
+Need = tuple[str, tuple[int, ...], tuple[int, ...], str, int]
+"""One target piece as the coordinator sees it: key, offset, shape, destination dtype name, itemsize."""
+
+CellRef = list[Any]
+"""``[piece, offset, shape]``: a box of a rank's own piece number ``piece`` (JSON-able)."""
+
+
+def describe_need(key: str, piece: LocalPiece) -> list[Any]:
+    """One target piece as the coordinator's :func:`schedule_reads` takes it (JSON):
+    ``[key, offset, shape, destination dtype, itemsize]``."""
+    view = piece.view
+    return [key, list(piece.box.offset), list(piece.box.shape), str(view.dtype), view.element_size()]
+
+
+@dataclass(frozen=True, slots=True)
+class _Holder:
+    rank: int
+    piece: int
+    box: Box
+
+
+@dataclass(slots=True)
+class _Transfer:
+    src: int
+    src_piece: int
+    dst: int
+    dst_piece: int
+    box: Box
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankSchedule:
+    """One rank's part of the schedule.
+
+    Attributes:
+        reads: the cells this rank reads from storage into its own pieces.
+        copies: ``(from, to)`` cells this rank copies between two of its own pieces (a key it holds twice).
+        rounds: per round, the cells it sends to each peer and receives from each peer, in message order
+            (every rank has the same number of rounds).
+        shared: whether any byte travels between ranks (False: a plain load).
+    """
+
+    reads: list[CellRef]
+    copies: list[list[CellRef]]
+    rounds: list[dict[str, list[list[Any]]]]
+    shared: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reads": self.reads, "copies": self.copies, "rounds": self.rounds, "shared": self.shared}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> RankSchedule:
+        return cls(reads=doc["reads"], copies=doc["copies"], rounds=doc["rounds"], shared=doc["shared"])
+
+
+def _ref(piece: int, box: Box) -> CellRef:
+    return [piece, list(box.offset), list(box.shape)]
+
+
+def _cells(boxes: list[Box]) -> list[Box] | None:
+    """The grid cells that the boundaries of ``boxes`` cut their union into, inside each box (each cell
+    once); None when there would be more than :data:`MAX_CELLS_PER_KEY`."""
+    ndim = boxes[0].ndim
+    cuts = [sorted({b.offset[a] for b in boxes} | {b.end[a] for b in boxes}) for a in range(ndim)]
+    cells: set[Box] = set()
+    for box in boxes:
+        spans = []
+        for axis in range(ndim):
+            points = [p for p in cuts[axis] if box.offset[axis] <= p <= box.end[axis]]
+            spans.append(list(itertools.pairwise(points)))
+        count = math.prod(len(s) for s in spans)
+        if len(cells) + count > MAX_CELLS_PER_KEY:
+            return None
+        for corner in itertools.product(*spans):
+            cells.add(Box(tuple(lo for lo, _ in corner), tuple(hi - lo for lo, hi in corner)))
+    return sorted(cells, key=lambda b: (b.offset, b.shape))
+
+
+def _slabs(box: Box, parts: int) -> list[Box]:
+    """``box`` cut into up to ``parts`` near-equal slabs along its first axis of extent > 1."""
+    axis = next((a for a, n in enumerate(box.shape) if n > 1), None)
+    if axis is None or parts <= 1:
+        return [box]
+    parts = min(parts, box.shape[axis])
+    out = []
+    for i in range(parts):
+        lo = box.shape[axis] * i // parts
+        hi = box.shape[axis] * (i + 1) // parts
+        offset = list(box.offset)
+        shape = list(box.shape)
+        offset[axis] += lo
+        shape[axis] = hi - lo
+        out.append(Box(tuple(offset), tuple(shape)))
+    return out
+
+
+def _pieces_of(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
+    """``box`` cut into boxes of at most ``max_bytes`` (at least one element each), along the first axes."""
+    if box.volume * itemsize <= max_bytes or box.volume <= 1:
+        return [box]
+    axis = next(a for a, n in enumerate(box.shape) if n > 1)
+    per_slice = box.volume // box.shape[axis] * itemsize
+    step = max(1, max_bytes // per_slice)
+    out = []
+    for lo in range(0, box.shape[axis], step):
+        offset = list(box.offset)
+        shape = list(box.shape)
+        offset[axis] += lo
+        shape[axis] = min(step, box.shape[axis] - lo)
+        out.extend(_pieces_of(Box(tuple(offset), tuple(shape)), itemsize, max_bytes))
+    return out
+
+
+def schedule_reads(
+    needs: list[list[list[Any]]], *, round_bytes: int = DEFAULT_ROUND_BYTES, min_slab_bytes: int = MIN_SLAB_BYTES
+) -> list[RankSchedule]:
+    """On the coordinator: who reads which cell and who sends it to whom, for every rank.
+
+    A shared cell is split into slabs of at least ``min_slab_bytes`` (a load passes the checkpoint's
+    checksum chunk size when larger: a reader verifies whole chunks, so a chunk cut by a slab boundary is
+    read by both readers, and slabs of at least a chunk keep that waste small).
+
+    ``needs[r]`` lists rank ``r``'s target pieces (:func:`describe_need`), in the order the schedule's piece
+    numbers refer to. Pure and deterministic.
+    """
+    size = len(needs)
+    holders: dict[tuple[str, str, int], list[_Holder]] = {}
+    for rank, rank_needs in enumerate(needs):
+        for piece, (key, offset, shape, dtype, itemsize) in enumerate(rank_needs):
+            box = Box(tuple(offset), tuple(shape))
+            if box.volume:
+                holders.setdefault((key, dtype, int(itemsize)), []).append(_Holder(rank, piece, box))
+    reads: list[list[CellRef]] = [[] for _ in range(size)]
+    copies: list[list[list[CellRef]]] = [[] for _ in range(size)]
+    transfers: list[_Transfer] = []
+    load = [0] * size  # bytes each rank reads so far
+    for (_key, _dtype, itemsize), group in sorted(holders.items()):
+        distinct = sorted({h.box for h in group}, key=lambda b: (b.offset, b.shape))
+        overlapping = any(a.intersect(b) is not None for a, b in itertools.combinations(distinct, 2))
+        cells = _cells(distinct) if overlapping else distinct
+        if cells is None:  # too many cells: every piece read by its own rank
+            for h in group:
+                reads[h.rank].append(_ref(h.piece, h.box))
+                load[h.rank] += h.box.volume * itemsize
+            continue
+        for cell in cells:
+            needers = [h for h in group if cell.intersect(h.box) == cell]
+            if len(needers) == 1:
+                (only,) = needers
+                reads[only.rank].append(_ref(only.piece, cell))
+                load[only.rank] += cell.volume * itemsize
+                continue
+            by_rank: dict[int, list[_Holder]] = {}
+            for h in needers:
+                by_rank.setdefault(h.rank, []).append(h)
+            ranks = sorted(by_rank)
+            parts = min(len(ranks), max(1, cell.volume * itemsize // min_slab_bytes))
+            for slab in _slabs(cell, parts):
+                reader = min(ranks, key=lambda r: (load[r], r))
+                load[reader] += slab.volume * itemsize
+                first = by_rank[reader][0]
+                reads[reader].append(_ref(first.piece, slab))
+                for other in by_rank[reader][1:]:
+                    copies[reader].append([_ref(first.piece, slab), _ref(other.piece, slab)])
+                for rank in ranks:
+                    if rank == reader:
+                        continue
+                    for h in by_rank[rank]:
+                        for part in _pieces_of(slab, itemsize, round_bytes):
+                            nbytes = part.volume * itemsize
+                            transfers.append(_Transfer(reader, first.piece, rank, h.piece, part, nbytes))
+    rounds = _rounds(transfers, size, round_bytes)
+    return [
+        RankSchedule(reads=reads[r], copies=copies[r], rounds=[rnd[r] for rnd in rounds], shared=bool(transfers))
+        for r in range(size)
+    ]
+
+
+def _rounds(transfers: list[_Transfer], size: int, round_bytes: int) -> list[list[dict[str, list[list[Any]]]]]:
+    """Transfers packed into rounds (first fit) so that no rank sends or receives more than
+    ``round_bytes`` in one; per round and rank, ``{"send": [[peer, [cells]]...], "recv": [...]}``."""
+    sent: list[list[int]] = []
+    received: list[list[int]] = []
+    placed: list[list[_Transfer]] = []
+    for t in transfers:
+        for index in range(len(placed)):
+            if sent[index][t.src] + t.nbytes <= round_bytes and received[index][t.dst] + t.nbytes <= round_bytes:
+                break
+        else:
+            index = len(placed)
+            placed.append([])
+            sent.append([0] * size)
+            received.append([0] * size)
+        placed[index].append(t)
+        sent[index][t.src] += t.nbytes
+        received[index][t.dst] += t.nbytes
+    out = []
+    for batch in placed:
+        outgoing: list[dict[int, list[CellRef]]] = [{} for _ in range(size)]
+        incoming: list[dict[int, list[CellRef]]] = [{} for _ in range(size)]
+        for t in batch:
+            outgoing[t.src].setdefault(t.dst, []).append(_ref(t.src_piece, t.box))
+            incoming[t.dst].setdefault(t.src, []).append(_ref(t.dst_piece, t.box))
+        out.append(
+            [
+                {
+                    "send": [[peer, cells] for peer, cells in sorted(outgoing[r].items())],
+                    "recv": [[peer, cells] for peer, cells in sorted(incoming[r].items())],
+                }
+                for r in range(size)
+            ]
+        )
+    return out
+
+
+@dataclass(slots=True)
+class ExchangeCounters:
+    """Bytes this rank sent to and received from its peers in :func:`run_exchange`."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+_ALIGN = 16
+"""Each cell starts at a multiple of this in a message, so that it can be viewed as its dtype."""
+
+
+def cell_view(pieces: Sequence[LocalPiece], ref: CellRef) -> torch.Tensor:
+    """The part of this rank's piece ``ref[0]`` that holds the box ``ref[1:]``."""
+    piece = pieces[ref[0]]
+    box = Box(tuple(ref[1]), tuple(ref[2]))
+    view = piece.view.detach()
+    return view[box.relative_to(piece.box)] if view.ndim else view
+
+
+def _layout(
+    pieces: Sequence[LocalPiece], cells: list[CellRef], start: int
+) -> tuple[list[tuple[torch.Tensor, int]], int, int]:
+    """One message of ``cells`` placed in a buffer at the first aligned offset from ``start``: each cell's
+    view and offset, the message's first and end offsets. Sender and receiver place it alike (aligned
+    start, same cells), so the padding between cells is the same on both sides."""
+    out = []
+    begin = at = -(-start // _ALIGN) * _ALIGN
+    for ref in cells:
+        at = -(-at // _ALIGN) * _ALIGN
+        view = cell_view(pieces, ref)
+        out.append((view, at))
+        at += view.numel() * view.element_size()
+    return out, begin, at
+
+
+def _round_sizes(pieces: Sequence[LocalPiece], rnd: dict[str, list[list[Any]]]) -> tuple[int, int]:
+    sent = received = 0
+    for _, cells in rnd["send"]:
+        sent = _layout(pieces, cells, sent)[2]
+    for _, cells in rnd["recv"]:
+        received = _layout(pieces, cells, received)[2]
+    return sent, received
+
+
+def _as_dtype(buffer: torch.Tensor, at: int, like: torch.Tensor) -> torch.Tensor:
+    nbytes = like.numel() * like.element_size()
+    return buffer[at : at + nbytes].view(like.dtype).view(like.shape)
+
+
+def run_exchange(
+    transport: Transport, schedule: RankSchedule, pieces: Sequence[LocalPiece], counters: ExchangeCounters
+) -> None:
+    """This rank's part of the exchange, after every rank's reads succeeded: copies between its own pieces,
+    then every round of sends and receives. Called by every rank of the group (each with its own part of
+    the same schedule), once per load."""
+    for source, target in schedule.copies:
+        cell_view(pieces, target).copy_(cell_view(pieces, source))
+    if not schedule.rounds:
+        return
+    sizes = [_round_sizes(pieces, rnd) for rnd in schedule.rounds]
+    send_buffer = torch.empty(max(s for s, _ in sizes), dtype=torch.uint8, device=transport.device)
+    recv_buffer = torch.empty(max(r for _, r in sizes), dtype=torch.uint8, device=transport.device)
+    for rnd in schedule.rounds:
+        sends: list[tuple[int, torch.Tensor]] = []
+        at = 0
+        for peer, cells in rnd["send"]:
+            placed, begin, end = _layout(pieces, cells, at)
+            for view, start in placed:
+                _as_dtype(send_buffer, start, view).copy_(view)
+                counters.bytes_sent += view.numel() * view.element_size()
+            sends.append((peer, send_buffer[begin:end]))
+            at = end
+        receives: list[tuple[int, torch.Tensor]] = []
+        unpack: list[tuple[torch.Tensor, int]] = []
+        at = 0
+        for peer, cells in rnd["recv"]:
+            placed, begin, end = _layout(pieces, cells, at)
+            receives.append((peer, recv_buffer[begin:end]))
+            unpack.extend(placed)
+            at = end
+        transport.exchange(sends, receives)
+        for view, start in unpack:
+            view.copy_(_as_dtype(recv_buffer, start, view))
+            counters.bytes_received += view.numel() * view.element_size()
