@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from reshard.sharding import ShardedObject, ShardedTensor
     from reshard.statedict import filter_state_dict
     from reshard.stats import SaveStats
+    from reshard.transfer import TransferStats, transfer
 
 # The public names are imported on first use (PEP 562), so that ``import reshard`` and the command line's
 # ``--help`` and ``--version`` do not pay for importing torch.
@@ -66,12 +67,14 @@ _PUBLIC_MODULE = {
     "StagingOptions": "reshard.options",
     "StateDictError": "reshard.errors",
     "StorageError": "reshard.errors",
+    "TransferStats": "reshard.transfer",
     "UnconfirmedCommitError": "reshard.errors",
     "async_save": "reshard.async_save",
     "filter_state_dict": "reshard.statedict",
     "load": "reshard.load",
     "read_metadata": "reshard.load",
     "save": "reshard.save",
+    "transfer": "reshard.transfer",
 }
 
 
@@ -89,9 +92,10 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """The package object: keeps ``reshard.save``, ``reshard.load`` and ``reshard.async_save`` the functions.
+    """The package object: keeps ``reshard.save``, ``reshard.load``, ``reshard.async_save`` and
+    ``reshard.transfer`` the functions.
 
-    Importing a submodule sets the package's attribute of that name to the submodule; three public
+    Importing a submodule sets the package's attribute of that name to the submodule; these public
     functions share their module's name, so a submodule imported before the function was asked for would
     otherwise shadow it.
     """
@@ -131,6 +135,7 @@ __all__ = [
     "StagingOptions",
     "StateDictError",
     "StorageError",
+    "TransferStats",
     "UnconfirmedCommitError",
     "__version__",
     "async_save",
@@ -138,4 +143,5 @@ __all__ = [
     "load",
     "read_metadata",
     "save",
+    "transfer",
 ]

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from reshard.dtypes import DTYPE_BY_NAME, dtype_name
 from reshard.geometry.boxes import Box
 from reshard.sharding import LocalPiece
 from reshard.transports import Transport
@@ -43,6 +44,7 @@ __all__ = [
     "describe_need",
     "run_exchange",
     "schedule_reads",
+    "schedule_transfer",
 ]
 
 DEFAULT_ROUND_BYTES = 16 * 1024 * 1024
@@ -66,7 +68,7 @@ def describe_need(key: str, piece: LocalPiece) -> list[Any]:
     """One target piece as the coordinator's :func:`schedule_reads` takes it (JSON):
     ``[key, offset, shape, destination dtype, itemsize]``."""
     view = piece.view
-    return [key, list(piece.box.offset), list(piece.box.shape), str(view.dtype), view.element_size()]
+    return [key, list(piece.box.offset), list(piece.box.shape), dtype_name(view.dtype), view.element_size()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,8 @@ class _Transfer:
     dst_piece: int
     box: Box
     nbytes: int
+    wire: str | None = None
+    """The dtype the bytes travel in when it is not the receiver's (a transfer with a cast)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -258,7 +262,7 @@ def _rounds(transfers: list[_Transfer], size: int, round_bytes: int) -> list[lis
         incoming: list[dict[int, list[CellRef]]] = [{} for _ in range(size)]
         for t in batch:
             outgoing[t.src].setdefault(t.dst, []).append(_ref(t.src_piece, t.box))
-            incoming[t.dst].setdefault(t.src, []).append(_ref(t.dst_piece, t.box))
+            incoming[t.dst].setdefault(t.src, []).append(_ref(t.dst_piece, t.box) + ([t.wire] if t.wire else []))
         out.append(
             [
                 {
@@ -269,6 +273,69 @@ def _rounds(transfers: list[_Transfer], size: int, round_bytes: int) -> list[lis
             ]
         )
     return out
+
+
+def schedule_transfer(
+    holdings: list[list[list[Any]]], needs: list[list[list[Any]]], *, round_bytes: int = DEFAULT_ROUND_BYTES
+) -> tuple[list[RankSchedule], list[str]]:
+    """On the coordinator: where every rank's target pieces get their bytes from the pieces ranks hold.
+
+    ``holdings[r]`` and ``needs[r]`` list rank ``r``'s source and target pieces (:func:`describe_need`,
+    with the source's key). Each target piece is cut by the boundaries of the source pieces it overlaps;
+    each cell is copied locally when its rank holds it, otherwise sent by the holder that has sent the
+    least so far (so replicas share the sending). The bytes travel in the holder's dtype and are converted
+    on arrival. Returns every rank's schedule and the parts of targets that no rank holds (one line each:
+    the transfer cannot fill them). Pure and deterministic.
+    """
+    size = len(needs)
+    held: dict[str, list[tuple[int, int, Box, str, int]]] = {}
+    for rank, rank_holdings in enumerate(holdings):
+        for piece, (key, offset, shape, dtype, itemsize) in enumerate(rank_holdings):
+            box = Box(tuple(offset), tuple(shape))
+            if box.volume:
+                held.setdefault(key, []).append((rank, piece, box, dtype, int(itemsize)))
+    copies: list[list[list[CellRef]]] = [[] for _ in range(size)]
+    transfers: list[_Transfer] = []
+    sent = [0] * size
+    problems: list[str] = []
+    for rank, rank_needs in enumerate(needs):
+        for piece, (key, offset, shape, dtype, _itemsize) in enumerate(rank_needs):
+            box = Box(tuple(offset), tuple(shape))
+            if not box.volume:
+                continue
+            sources = [h for h in held.get(key, []) if h[2].intersect(box) is not None]
+            overlaps = [o for h in sources if (o := h[2].intersect(box)) is not None]
+            cells = _cells([box, *overlaps]) if sources else [box]
+            if cells is None:
+                problems.append(f"{key!r}: the source boxes cut the target box at {list(box.offset)} too finely")
+                continue
+            for cell in cells:
+                if cell.intersect(box) != cell:  # a cell of an overlap only: inside box already listed
+                    continue
+                holders = [h for h in sources if cell.intersect(h[2]) == cell]
+                if not holders:
+                    problems.append(f"{key!r} box at {list(cell.offset)} of shape {list(cell.shape)} (rank {rank})")
+                    continue
+                own = next((h for h in holders if h[0] == rank), None)
+                if own is not None:
+                    copies[rank].append([_ref(own[1], cell), _ref(piece, cell)])
+                    continue
+                # A large cell held by several ranks comes in slabs, one from each (as a shared read does).
+                ranks = len({h[0] for h in holders})
+                for slab in _slabs(cell, min(ranks, max(1, cell.volume * holders[0][4] // MIN_SLAB_BYTES))):
+                    src, src_piece, _, src_dtype, src_itemsize = min(holders, key=lambda h: (sent[h[0]], h[0]))
+                    sent[src] += slab.volume * src_itemsize
+                    wire = src_dtype if src_dtype != dtype else None
+                    for part in _pieces_of(slab, src_itemsize, round_bytes):
+                        transfers.append(
+                            _Transfer(src, src_piece, rank, piece, part, part.volume * src_itemsize, wire)
+                        )
+    rounds = _rounds(transfers, size, round_bytes)
+    schedules = [
+        RankSchedule(reads=[], copies=copies[r], rounds=[rnd[r] for rnd in rounds], shared=bool(transfers))
+        for r in range(size)
+    ]
+    return schedules, problems
 
 
 @dataclass(slots=True)
@@ -293,7 +360,7 @@ def cell_view(pieces: Sequence[LocalPiece], ref: CellRef) -> torch.Tensor:
 
 def _layout(
     pieces: Sequence[LocalPiece], cells: list[CellRef], start: int
-) -> tuple[list[tuple[torch.Tensor, int]], int, int]:
+) -> tuple[list[tuple[torch.Tensor, torch.dtype, int]], int, int]:
     """One message of ``cells`` placed in a buffer at the first aligned offset from ``start``: each cell's
     view and offset, the message's first and end offsets. Sender and receiver place it alike (aligned
     start, same cells), so the padding between cells is the same on both sides."""
@@ -302,36 +369,48 @@ def _layout(
     for ref in cells:
         at = -(-at // _ALIGN) * _ALIGN
         view = cell_view(pieces, ref)
-        out.append((view, at))
-        at += view.numel() * view.element_size()
+        wire = DTYPE_BY_NAME[ref[3]] if len(ref) > 3 else view.dtype
+        out.append((view, wire, at))
+        at += view.numel() * wire.itemsize
     return out, begin, at
 
 
-def _round_sizes(pieces: Sequence[LocalPiece], rnd: dict[str, list[list[Any]]]) -> tuple[int, int]:
+def _round_sizes(
+    sources: Sequence[LocalPiece], targets: Sequence[LocalPiece], rnd: dict[str, list[list[Any]]]
+) -> tuple[int, int]:
     sent = received = 0
     for _, cells in rnd["send"]:
-        sent = _layout(pieces, cells, sent)[2]
+        sent = _layout(sources, cells, sent)[2]
     for _, cells in rnd["recv"]:
-        received = _layout(pieces, cells, received)[2]
+        received = _layout(targets, cells, received)[2]
     return sent, received
 
 
-def _as_dtype(buffer: torch.Tensor, at: int, like: torch.Tensor) -> torch.Tensor:
-    nbytes = like.numel() * like.element_size()
-    return buffer[at : at + nbytes].view(like.dtype).view(like.shape)
+def _as_dtype(buffer: torch.Tensor, at: int, like: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    nbytes = like.numel() * wire.itemsize
+    return buffer[at : at + nbytes].view(wire).view(like.shape)
 
 
 def run_exchange(
-    transport: Transport, schedule: RankSchedule, pieces: Sequence[LocalPiece], counters: ExchangeCounters
+    transport: Transport,
+    schedule: RankSchedule,
+    pieces: Sequence[LocalPiece],
+    counters: ExchangeCounters,
+    *,
+    targets: Sequence[LocalPiece] | None = None,
 ) -> None:
-    """This rank's part of the exchange, after every rank's reads succeeded: copies between its own pieces,
-    then every round of sends and receives. Called by every rank of the group (each with its own part of
-    the same schedule), once per load."""
+    """This rank's part of the exchange: copies from its own pieces, then every round of sends and
+    receives. Sends and copies read ``pieces``; receives and copies write ``targets`` (by default the same
+    pieces: a load's reads land in its targets). A received cell in another dtype than its target (a
+    transfer with a cast) is converted as it is copied into place. Called by every rank of the group (each
+    with its own part of the same schedule), once per load or transfer, after every rank's reads (if any)
+    succeeded."""
+    targets = pieces if targets is None else targets
     for source, target in schedule.copies:
-        cell_view(pieces, target).copy_(cell_view(pieces, source))
+        cell_view(targets, target).copy_(cell_view(pieces, source))
     if not schedule.rounds:
         return
-    sizes = [_round_sizes(pieces, rnd) for rnd in schedule.rounds]
+    sizes = [_round_sizes(pieces, targets, rnd) for rnd in schedule.rounds]
     send_buffer = torch.empty(max(s for s, _ in sizes), dtype=torch.uint8, device=transport.device)
     recv_buffer = torch.empty(max(r for _, r in sizes), dtype=torch.uint8, device=transport.device)
     for rnd in schedule.rounds:
@@ -339,20 +418,20 @@ def run_exchange(
         at = 0
         for peer, cells in rnd["send"]:
             placed, begin, end = _layout(pieces, cells, at)
-            for view, start in placed:
-                _as_dtype(send_buffer, start, view).copy_(view)
-                counters.bytes_sent += view.numel() * view.element_size()
+            for view, wire, start in placed:
+                _as_dtype(send_buffer, start, view, wire).copy_(view)
+                counters.bytes_sent += view.numel() * wire.itemsize
             sends.append((peer, send_buffer[begin:end]))
             at = end
         receives: list[tuple[int, torch.Tensor]] = []
-        unpack: list[tuple[torch.Tensor, int]] = []
+        unpack: list[tuple[torch.Tensor, torch.dtype, int]] = []
         at = 0
         for peer, cells in rnd["recv"]:
-            placed, begin, end = _layout(pieces, cells, at)
+            placed, begin, end = _layout(targets, cells, at)
             receives.append((peer, recv_buffer[begin:end]))
             unpack.extend(placed)
             at = end
         transport.exchange(sends, receives)
-        for view, start in unpack:
-            view.copy_(_as_dtype(recv_buffer, start, view))
-            counters.bytes_received += view.numel() * view.element_size()
+        for view, wire, start in unpack:
+            view.copy_(_as_dtype(recv_buffer, start, view, wire))
+            counters.bytes_received += view.numel() * wire.itemsize

@@ -1,0 +1,206 @@
+"""``reshard.transfer``: move tensors from the layout that holds them to another layout, rank to rank,
+with no storage in between.
+
+The ranks of a training layout hold the source (its ShardedTensors, DTensors, plain tensors); the ranks of
+an inference layout hold the target (a template, as for :func:`reshard.load`); all are in one process
+group, and a rank may hold both. Every target piece is cut into the cells the source pieces cover; each
+cell is copied locally where its rank holds it and otherwise sent by a holder, replicas taking turns
+(:func:`reshard.exchange.schedule_transfer`), in rounds of bounded size. Dtypes convert on arrival (the
+rules of a load: lossy conversions need ``allow_lossy_cast``), segments (fused QKV), ZeRO flat ranges and
+padding work as in a load, and ``key_map`` renames (a Hugging Face naming on the inference side).
+
+This is the weight sync of reinforcement-learning loops (trainer to rollout engines) and of any reshard
+that needs no checkpoint: it reads and writes nothing but the tensors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from reshard.comm import Communicator
+from reshard.dtypes import DTYPE_BY_NAME, dtype_name, is_lossy_cast
+from reshard.errors import MismatchError, StateDictError
+from reshard.exchange import (
+    DEFAULT_ROUND_BYTES,
+    ExchangeCounters,
+    RankSchedule,
+    describe_need,
+    run_exchange,
+    schedule_transfer,
+)
+from reshard.sharding import LocalPiece, ShardedTensor
+from reshard.statedict import flatten_state_dict, is_empty_container, map_leaves
+from reshard.transports import Group
+
+__all__ = ["TransferStats", "transfer"]
+
+
+@dataclass
+class TransferStats:
+    """What one rank's :func:`transfer` did, filled in when passed as ``stats=``.
+
+    Attributes:
+        bytes_sent, bytes_received: tensor bytes this rank sent to and received from other ranks.
+        bytes_copied: tensor bytes copied from this rank's own source pieces into its targets.
+        rounds: rounds of point-to-point traffic (the same on every rank).
+        seconds: wall time of the transfer on this rank.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied: int = 0
+    rounds: int = 0
+    seconds: float = 0.0
+
+
+def transfer(
+    source: Any,
+    target: Any,
+    *,
+    group: Group = None,
+    key_map: Mapping[str, str] | Callable[[str], str] | None = None,
+    allow_lossy_cast: bool = False,
+    round_bytes: int = DEFAULT_ROUND_BYTES,
+    timeout: datetime.timedelta | float | None = None,
+    stats: TransferStats | None = None,
+) -> Any:
+    """Fill ``target`` on every rank from the ``source`` pieces that the ranks of ``group`` hold. Called by
+    every rank of ``group``; a rank with nothing to give passes ``{}`` as ``source``, one with nothing to
+    receive ``{}`` as ``target``.
+
+    Args:
+        source: what this rank holds: a state dict of ShardedTensors (any layout), DTensors or plain
+            tensors (a plain tensor is the whole tensor of its key). Non-tensor values are not sent.
+        target: what this rank needs: a template as for :func:`reshard.load` (ShardedTensors, DTensors,
+            plain tensors), filled in place. It may hold tensors only.
+        group: the ranks of both layouts (a process group, ``None`` for the default one, or a
+            :class:`~reshard.transports.ThreadGroup` member).
+        key_map: the source key of each target key (a mapping, or a function), for keys that differ
+            (a Hugging Face naming on the inference side); unlisted keys are their own.
+        allow_lossy_cast: allow conversions that change values beyond rounding (float to int, ...), as
+            ``LoadOptions(allow_lossy_cast=True)``.
+        round_bytes: the most bytes a rank sends, and receives, in one round (its two buffers).
+        timeout: how long each collective and each round may wait for the slowest rank.
+        stats: if given, filled with this rank's traffic.
+
+    Returns:
+        ``target``'s structure with each ShardedTensor replaced by its filled local tensor.
+
+    Raises:
+        StateDictError: the target holds ShardedObjects or non-tensor values.
+        MismatchError: a target key that no source holds, a global shape or a lossy dtype conversion
+            that differs, or parts of target tensors that no rank holds (named), on every rank.
+    """
+    started = time.perf_counter()
+    comm = Communicator(group, timeout=timeout)
+    held = flatten_state_dict(source, rank=comm.rank, dedup=False)
+    wanted = flatten_state_dict(target, rank=comm.rank, dedup=False)
+    extra = [o.key for o in wanted.objects] + [p for p, v in wanted.common.items() if not is_empty_container(v)]
+    if extra:
+        raise StateDictError(
+            f"transfer moves tensors; the target holds {len(extra)} other entries: {', '.join(extra[:10])}"
+        )
+    rename = _renamer(key_map)
+    sources: list[LocalPiece] = []
+    targets: list[LocalPiece] = []
+    holdings: list[list[Any]] = []
+    needs: list[list[Any]] = []
+    shapes: dict[str, list[Any]] = {}
+    for tensor in held.tensors:
+        shapes[tensor.key] = [list(tensor.saved_shape), dtype_name(tensor.data.dtype)]
+        for piece in tensor.pieces():
+            sources.append(piece)
+            holdings.append(describe_need(tensor.key, piece))
+    wanted_shapes: dict[str, list[Any]] = {}
+    for tensor in wanted.tensors:
+        key = rename(tensor.key)
+        wanted_shapes[key] = [list(tensor.saved_shape), dtype_name(tensor.data.dtype), tensor.key]
+        for piece in tensor.pieces():
+            with torch.no_grad():
+                if piece.padded_view is not None:
+                    piece.padded_view.zero_()
+            targets.append(piece)
+            needs.append(describe_need(key, piece))
+
+    def local() -> bytes:
+        return json.dumps({"holdings": holdings, "needs": needs, "held": shapes, "wanted": wanted_shapes}).encode()
+
+    def combine(payloads: list[bytes]) -> tuple[int, list[bytes]]:
+        docs = [json.loads(p) for p in payloads]
+        _check(docs, allow_lossy_cast)
+        schedules, problems = schedule_transfer(
+            [d["holdings"] for d in docs], [d["needs"] for d in docs], round_bytes=round_bytes
+        )
+        if problems:
+            raise MismatchError(
+                f"transfer: {len(problems)} parts of target tensors are held by no rank of the group: "
+                + "; ".join(problems[:20])
+                + (" ..." if len(problems) > 20 else "")
+            )
+        return len(schedules[0].rounds), [json.dumps(s.to_json()).encode() for s in schedules]
+
+    _rounds, reply = comm.step_scatter("transfer planning", local, combine)
+    schedule = RankSchedule.from_json(json.loads(reply))
+    counters = ExchangeCounters()
+
+    def send_and_receive() -> None:
+        with torch.no_grad():
+            run_exchange(comm.transport, schedule, sources, counters, targets=targets)
+
+    comm.step("transferring", send_and_receive)
+
+    def result_leaf(path: str, leaf: Any) -> Any:
+        return leaf.data if isinstance(leaf, ShardedTensor) else leaf
+
+    if stats is not None:
+        stats.bytes_sent = counters.bytes_sent
+        stats.bytes_received = counters.bytes_received
+        stats.bytes_copied = sum(_volume(ref) * targets[ref[0]].view.element_size() for _, ref in schedule.copies)
+        stats.rounds = len(schedule.rounds)
+        stats.seconds = time.perf_counter() - started
+    return map_leaves(target, result_leaf)
+
+
+def _volume(ref: list[Any]) -> int:
+    volume = 1
+    for n in ref[2]:
+        volume *= n
+    return volume
+
+
+def _renamer(key_map: Mapping[str, str] | Callable[[str], str] | None) -> Callable[[str], str]:
+    if key_map is None:
+        return lambda key: key
+    if callable(key_map):
+        return key_map
+    mapping = dict(key_map)
+    return lambda key: mapping.get(key, key)
+
+
+def _check(docs: list[dict[str, Any]], allow_lossy_cast: bool) -> None:
+    """On the coordinator: every wanted key is held, with the same (logical) global shape, and a dtype it
+    may be converted to."""
+    held: dict[str, list[Any]] = {}
+    for doc in docs:
+        held.update(doc["held"])
+    problems = []
+    for doc in docs:
+        for key, (shape, dtype, name) in sorted(doc["wanted"].items()):
+            what = f"{name!r}" + (f" (source {key!r})" if name != key else "")
+            if key not in held:
+                problems.append(f"{what}: no rank holds it")
+            elif held[key][0] != shape:
+                problems.append(f"{what}: held with global shape {held[key][0]}, wanted {shape}")
+            elif is_lossy_cast(DTYPE_BY_NAME[held[key][1]], DTYPE_BY_NAME[dtype]) and not allow_lossy_cast:
+                conversion = f"held as {held[key][1]}, wanted {dtype}"
+                problems.append(f"{what}: {conversion}: a lossy conversion (allow_lossy_cast=True allows it)")
+    if problems:
+        unique = sorted(set(problems))
+        raise MismatchError(f"transfer: the sources do not fit the targets: {'; '.join(unique[:20])}")
