@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         CheckpointNotFoundError,
         CommunicationError,
         CorruptCheckpointError,
+        DataUnavailableError,
         IncompleteCheckpointError,
         MismatchError,
         ShardingError,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from reshard.manager import CheckpointManager
     from reshard.metadata import Metadata
     from reshard.options import LoadOptions, SaveOptions, StagingOptions
+    from reshard.peer import PeerMemoryCheckpoint, PeerSaveResult
     from reshard.save import SaveResult, save
     from reshard.sharding import ShardedObject, ShardedTensor
     from reshard.statedict import filter_state_dict
@@ -52,11 +54,14 @@ _PUBLIC_MODULE = {
     "CheckpointNotFoundError": "reshard.errors",
     "CommunicationError": "reshard.errors",
     "CorruptCheckpointError": "reshard.errors",
+    "DataUnavailableError": "reshard.errors",
     "IncompleteCheckpointError": "reshard.errors",
     "LoadOptions": "reshard.options",
     "LoadStats": "reshard.load",
     "Metadata": "reshard.metadata",
     "MismatchError": "reshard.errors",
+    "PeerMemoryCheckpoint": "reshard.peer",
+    "PeerSaveResult": "reshard.peer",
     "SaveHandle": "reshard.async_save",
     "SaveOptions": "reshard.options",
     "SaveResult": "reshard.save",
@@ -120,11 +125,14 @@ __all__ = [
     "CheckpointNotFoundError",
     "CommunicationError",
     "CorruptCheckpointError",
+    "DataUnavailableError",
     "IncompleteCheckpointError",
     "LoadOptions",
     "LoadStats",
     "Metadata",
     "MismatchError",
+    "PeerMemoryCheckpoint",
+    "PeerSaveResult",
     "SaveHandle",
     "SaveOptions",
     "SaveResult",

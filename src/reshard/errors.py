@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CommunicationError",
     "CorruptCheckpointError",
+    "DataUnavailableError",
     "IncompleteCheckpointError",
     "MismatchError",
     "ShardingError",
@@ -66,6 +67,11 @@ class MismatchError(CheckpointError, ValueError):
     """The load template does not match the checkpoint: missing keys, other global shapes or dtypes."""
 
 
+class DataUnavailableError(MismatchError):
+    """Parts of the requested tensors are held by no rank of the group: a transfer from ranks that lack
+    them, or a peer-memory restore after more failures than its copies survive. The message names them."""
+
+
 class StateDictError(CheckpointError, TypeError):
     """The state dict holds a value reshard cannot save (an unsupported type, clashing keys)."""
 
@@ -111,6 +117,7 @@ ERROR_CLASSES: dict[str, type[CheckpointError]] = {
         CorruptCheckpointError,
         ShardingError,
         MismatchError,
+        DataUnavailableError,
         StateDictError,
         StorageError,
         CommunicationError,

@@ -26,7 +26,7 @@ import torch
 
 from reshard.comm import Communicator
 from reshard.dtypes import DTYPE_BY_NAME, dtype_name, is_lossy_cast
-from reshard.errors import MismatchError, StateDictError
+from reshard.errors import DataUnavailableError, MismatchError, StateDictError
 from reshard.exchange import (
     DEFAULT_ROUND_BYTES,
     ExchangeCounters,
@@ -95,8 +95,9 @@ def transfer(
 
     Raises:
         StateDictError: the target holds ShardedObjects or non-tensor values.
-        MismatchError: a target key that no source holds, a global shape or a lossy dtype conversion
-            that differs, or parts of target tensors that no rank holds (named), on every rank.
+        MismatchError: a global shape or a lossy dtype conversion that differs, on every rank.
+        DataUnavailableError: a target key that no rank holds, or parts of target tensors that no rank
+            holds (named), on every rank (a MismatchError too).
     """
     started = time.perf_counter()
     comm = Communicator(group, timeout=timeout)
@@ -139,7 +140,7 @@ def transfer(
             [d["holdings"] for d in docs], [d["needs"] for d in docs], round_bytes=round_bytes
         )
         if problems:
-            raise MismatchError(
+            raise DataUnavailableError(
                 f"transfer: {len(problems)} parts of target tensors are held by no rank of the group: "
                 + "; ".join(problems[:20])
                 + (" ..." if len(problems) > 20 else "")
@@ -191,11 +192,12 @@ def _check(docs: list[dict[str, Any]], allow_lossy_cast: bool) -> None:
     for doc in docs:
         held.update(doc["held"])
     problems = []
+    unavailable = []
     for doc in docs:
         for key, (shape, dtype, name) in sorted(doc["wanted"].items()):
             what = f"{name!r}" + (f" (source {key!r})" if name != key else "")
             if key not in held:
-                problems.append(f"{what}: no rank holds it")
+                unavailable.append(f"{what}: no rank holds it")
             elif held[key][0] != shape:
                 problems.append(f"{what}: held with global shape {held[key][0]}, wanted {shape}")
             elif is_lossy_cast(DTYPE_BY_NAME[held[key][1]], DTYPE_BY_NAME[dtype]) and not allow_lossy_cast:
@@ -204,3 +206,7 @@ def _check(docs: list[dict[str, Any]], allow_lossy_cast: bool) -> None:
     if problems:
         unique = sorted(set(problems))
         raise MismatchError(f"transfer: the sources do not fit the targets: {'; '.join(unique[:20])}")
+    if unavailable:
+        unique = sorted(set(unavailable))
+        shown = "; ".join(unique[:20])
+        raise DataUnavailableError(f"transfer: {len(unique)} target tensors are held by no rank: {shown}")

@@ -1,0 +1,168 @@
+"""The peer-memory tier (``reshard.PeerMemoryCheckpoint``), with real process deaths.
+
+Six gloo ranks (three "nodes" of two) at TP=2 x DP=3 save a durable checkpoint and a peer-memory one
+(one copy of every primary box on the next node). Then node 0, which holds every primary box, is killed
+with SIGKILL; the four survivors form a new process group on a new port and restore at TP=4, with no
+storage to fall back on: bit-exact. Then node 1, which held the copies, is killed too: the last two ranks
+cannot restore from memory, are told which boxes were lost, and fall back to the durable checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import signal
+import socket
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import reshard
+
+W = torch.arange(12 * 4, dtype=torch.float32).reshape(12, 4)
+EMB = torch.arange(6 * 8, dtype=torch.float64).reshape(6, 8) / 3
+BIAS = torch.arange(5, dtype=torch.bfloat16)
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _training_state(rank: int) -> dict[str, Any]:
+    """TP=2 x DP=3: ``w`` split on rows, ``emb`` on columns, by TP; DP ranks are replicas."""
+    tp, dp = rank % 2, rank // 2
+    return {
+        "w": reshard.ShardedTensor.from_rank_offsets("w", W[tp * 6 : tp * 6 + 6].clone(), (0, tp, 2), replica_id=dp),
+        "emb": reshard.ShardedTensor.from_rank_offsets(
+            "emb", EMB[:, tp * 4 : tp * 4 + 4].clone(), (1, tp, 2), replica_id=dp
+        ),
+        "bias": BIAS.clone(),
+        "step": 7,
+    }
+
+
+def _template(rank: int, world: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """TP=``world`` on the other axes than the training layout; and what each tensor must hold."""
+    rows, cols = 12 // world, 8 // world
+    template = {
+        "w": reshard.ShardedTensor.from_rank_offsets("w", torch.empty(rows, 4), (0, rank, world)),
+        "emb": reshard.ShardedTensor.from_rank_offsets(
+            "emb", torch.empty(6, cols, dtype=torch.float64), (1, rank, world)
+        ),
+        "bias": torch.empty(5, dtype=torch.bfloat16),
+        "step": 0,
+    }
+    expected = {"w": W[rank * rows : (rank + 1) * rows], "emb": EMB[:, rank * cols : (rank + 1) * cols], "bias": BIAS}
+    return template, expected
+
+
+def peer_rank(rank: int, port: int, root: str, commands: Any, results: Any) -> None:
+    """One rank: save both tiers, then restore whenever told to (in a new group), until told to exit."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=6, timeout=TIMEOUT)
+    state = _training_state(rank)
+    manager = reshard.CheckpointManager(Path(root) / "durable", timeout=60)
+    manager.save(7, state)
+    manager.close()
+    tier = reshard.PeerMemoryCheckpoint(replicas=1, node_size=2, timeout=60)
+    saved = tier.save(state)
+    results.put(("saved", rank, saved.own_bytes, saved.copy_bytes))
+    while True:
+        command = commands.get(timeout=240)
+        if command[0] == "exit":
+            return
+        _, new_rank, world, new_port, with_fallback = command
+        dist.destroy_process_group()
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{new_port}", rank=new_rank, world_size=world, timeout=TIMEOUT
+        )
+        template, expected = _template(new_rank, world)
+        stats = reshard.TransferStats()
+        fallback = reshard.CheckpointManager(Path(root) / "durable", timeout=60) if with_fallback else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                restored = tier.restore(template, fallback=fallback, stats=stats)
+            except reshard.DataUnavailableError as exc:
+                results.put(("unavailable", rank, str(exc)))
+                continue
+        exact = all(torch.equal(restored[k], v) for k, v in expected.items()) and restored["step"] == 7
+        lost = [str(w.message) for w in caught if "peer-memory restore impossible" in str(w.message)]
+        results.put(("restored", rank, exact, stats.bytes_received + stats.bytes_copied, lost))
+
+
+def _collect(results: Any, count: int, kind: str) -> list[tuple[Any, ...]]:
+    out = []
+    for _ in range(count):
+        try:
+            message = results.get(timeout=180)
+        except queue.Empty:
+            pytest.fail(f"ranks did not report {kind} within 180 s")
+        assert message[0] in (kind, "unavailable"), message
+        out.append(message)
+    return sorted(out, key=lambda m: m[1])
+
+
+def test_restore_from_peer_memory_into_another_layout_after_sigkill(tmp_path: Path) -> None:
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    commands = [context.Queue() for _ in range(6)]
+    port = _free_port()
+    processes = [
+        context.Process(target=peer_rank, args=(r, port, str(tmp_path), commands[r], results)) for r in range(6)
+    ]
+    for p in processes:
+        p.start()
+    try:
+        saved = _collect(results, 6, "saved")
+        # Only DP rank 0 (node 0) holds primaries, 6 rows of w, 4 columns of emb each; node 0's copies are on node 1.
+        primary = 6 * 4 * 4 + 6 * 4 * 8
+        assert [s[2] for s in saved] == [primary + 5 * 2, primary, 0, 0, 0, 0]  # rank 0 also the plain bias
+        assert [s[3] for s in saved] == [0, 0, primary + 5 * 2, primary, 0, 0]
+        for r in (0, 1):  # node 0 dies: every primary box is gone from its owner
+            os.kill(processes[r].pid, signal.SIGKILL)
+            processes[r].join(timeout=30)
+        port = _free_port()
+        for new_rank, old in enumerate((2, 3, 4, 5)):
+            commands[old].put(("restore", new_rank, 4, port, False))
+        restored = _collect(results, 4, "restored")
+        assert all(m[0] == "restored" and m[2] for m in restored), restored  # bit-exact, no storage
+        needed = (12 // 4) * 4 * 4 + 6 * (8 // 4) * 8 + 5 * 2
+        assert [m[3] for m in restored] == [needed] * 4
+        assert all(not m[4] for m in restored)
+        for r in (2, 3):  # node 1 dies too: the copies of node 0's boxes are gone as well
+            os.kill(processes[r].pid, signal.SIGKILL)
+            processes[r].join(timeout=30)
+        port = _free_port()
+        for new_rank, old in enumerate((4, 5)):
+            commands[old].put(("restore", new_rank, 2, port, False))
+        refused = _collect(results, 2, "unavailable")
+        assert all(m[0] == "unavailable" and "held by no rank" in m[2] for m in refused), refused
+        port = _free_port()
+        for new_rank, old in enumerate((4, 5)):
+            commands[old].put(("restore", new_rank, 2, port, True))
+        fallen_back = _collect(results, 2, "restored")
+        assert all(m[2] for m in fallen_back), fallen_back  # bit-exact, from the durable checkpoint
+        assert all(m[4] and "held by no rank" in m[4][0] for m in fallen_back)
+    finally:
+        for r, p in enumerate(processes):
+            if p.is_alive():
+                commands[r].put(("exit",))
+        for p in processes:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def test_too_few_nodes_for_the_copies_is_an_error() -> None:
+    with pytest.raises(ValueError, match="too few"):
+        reshard.PeerMemoryCheckpoint(replicas=1, node_size=1).save({"w": torch.ones(2)})
