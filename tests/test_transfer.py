@@ -207,3 +207,36 @@ def test_uncovered_parts_and_lossy_casts_are_refused() -> None:
         reshard.transfer({"w": torch.ones(3)}, {"w": torch.empty(3, dtype=torch.int64)})
     with pytest.raises(StateDictError, match="tensors"):
         reshard.transfer({"w": torch.ones(3)}, {"w": torch.empty(3), "step": 0})
+
+
+def test_a_session_sends_only_what_changed() -> None:
+    """A TransferSession plans once; with delta (the default) each later transfer sends only the cells
+    whose content changed since they were last sent; delta=False, or target tensors at another address,
+    send everything again."""
+    group = ThreadGroup(2)
+    held = {"a": torch.arange(64.0), "b": torch.ones(8, 8), "c": torch.zeros(16, dtype=torch.int32)}
+    targets = [{}, {k: torch.empty_like(v) for k, v in held.items()}]
+    sessions = [reshard.TransferSession(group=group.member(r)) for r in range(2)]
+    received: list[int] = []
+
+    def sync(*, delta: bool = True) -> None:
+        stats = [reshard.TransferStats(), reshard.TransferStats()]
+
+        def rank(r: int) -> None:
+            sessions[r].transfer(held if r == 0 else {}, targets[r], delta=delta, stats=stats[r])
+
+        on_threads(2, rank)
+        assert stats[0].bytes_sent == stats[1].bytes_received
+        received.append(stats[1].bytes_received)
+        for key, value in held.items():
+            assert torch.equal(targets[1][key], value), key
+
+    everything = sum(v.numel() * v.element_size() for v in held.values())
+    sync()
+    held["b"].mul_(3)  # a training step changed one tensor, in place
+    sync()
+    sync()  # nothing changed
+    sync(delta=False)
+    targets[1]["c"] = torch.empty(16, dtype=torch.int32)  # the receiver reallocated a tensor: a new plan
+    sync()
+    assert received == [everything, 8 * 8 * 4, 0, everything, everything]

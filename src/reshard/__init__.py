@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from reshard.sharding import ShardedObject, ShardedTensor
     from reshard.statedict import filter_state_dict
     from reshard.stats import SaveStats
-    from reshard.transfer import TransferStats, transfer
+    from reshard.transfer import TransferSession, TransferStats, transfer
 
 # The public names are imported on first use (PEP 562), so that ``import reshard`` and the command line's
 # ``--help`` and ``--version`` do not pay for importing torch.
@@ -72,6 +72,7 @@ _PUBLIC_MODULE = {
     "StagingOptions": "reshard.options",
     "StateDictError": "reshard.errors",
     "StorageError": "reshard.errors",
+    "TransferSession": "reshard.transfer",
     "TransferStats": "reshard.transfer",
     "UnconfirmedCommitError": "reshard.errors",
     "async_save": "reshard.async_save",
@@ -143,6 +144,7 @@ __all__ = [
     "StagingOptions",
     "StateDictError",
     "StorageError",
+    "TransferSession",
     "TransferStats",
     "UnconfirmedCommitError",
     "__version__",

@@ -41,6 +41,7 @@ __all__ = [
     "MIN_SLAB_BYTES",
     "ExchangeCounters",
     "RankSchedule",
+    "TransferPlan",
     "describe_need",
     "run_exchange",
     "schedule_reads",
@@ -88,6 +89,8 @@ class _Transfer:
     nbytes: int
     wire: str | None = None
     """The dtype the bytes travel in when it is not the receiver's (a transfer with a cast)."""
+    ident: int = 0
+    """Its number in its schedule (the same on sender and receiver): how a delta transfer names it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,7 +233,8 @@ def schedule_reads(
                     for h in by_rank[rank]:
                         for part in _pieces_of(slab, itemsize, round_bytes):
                             nbytes = part.volume * itemsize
-                            transfers.append(_Transfer(reader, first.piece, rank, h.piece, part, nbytes))
+                            ident = len(transfers)
+                            transfers.append(_Transfer(reader, first.piece, rank, h.piece, part, nbytes, None, ident))
     rounds = _rounds(transfers, size, round_bytes)
     return [
         RankSchedule(reads=reads[r], copies=copies[r], rounds=[rnd[r] for rnd in rounds], shared=bool(transfers))
@@ -261,8 +265,8 @@ def _rounds(transfers: list[_Transfer], size: int, round_bytes: int) -> list[lis
         outgoing: list[dict[int, list[CellRef]]] = [{} for _ in range(size)]
         incoming: list[dict[int, list[CellRef]]] = [{} for _ in range(size)]
         for t in batch:
-            outgoing[t.src].setdefault(t.dst, []).append(_ref(t.src_piece, t.box))
-            incoming[t.dst].setdefault(t.src, []).append(_ref(t.dst_piece, t.box) + ([t.wire] if t.wire else []))
+            outgoing[t.src].setdefault(t.dst, []).append([*_ref(t.src_piece, t.box), None, t.ident])
+            incoming[t.dst].setdefault(t.src, []).append([*_ref(t.dst_piece, t.box), t.wire, t.ident])
         out.append(
             [
                 {
@@ -275,17 +279,38 @@ def _rounds(transfers: list[_Transfer], size: int, round_bytes: int) -> list[lis
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """Every rank's part of a transfer, kept on the coordinator so that a later transfer between the same
+    pieces can send only some of its cells (:meth:`schedules`)."""
+
+    size: int
+    round_bytes: int
+    copies: list[list[list[CellRef]]]
+    transfers: list[_Transfer]
+
+    def schedules(self, only: set[int] | None = None) -> list[RankSchedule]:
+        """Every rank's schedule: all cells, or only the sent cells numbered in ``only`` (local copies are
+        always made)."""
+        chosen = self.transfers if only is None else [t for t in self.transfers if t.ident in only]
+        rounds = _rounds(chosen, self.size, self.round_bytes)
+        return [
+            RankSchedule(reads=[], copies=self.copies[r], rounds=[rnd[r] for rnd in rounds], shared=bool(chosen))
+            for r in range(self.size)
+        ]
+
+
 def schedule_transfer(
     holdings: list[list[list[Any]]], needs: list[list[list[Any]]], *, round_bytes: int = DEFAULT_ROUND_BYTES
-) -> tuple[list[RankSchedule], list[str]]:
+) -> tuple[TransferPlan, list[str]]:
     """On the coordinator: where every rank's target pieces get their bytes from the pieces ranks hold.
 
     ``holdings[r]`` and ``needs[r]`` list rank ``r``'s source and target pieces (:func:`describe_need`,
     with the source's key). Each target piece is cut by the boundaries of the source pieces it overlaps;
     each cell is copied locally when its rank holds it, otherwise sent by the holder that has sent the
     least so far (so replicas share the sending). The bytes travel in the holder's dtype and are converted
-    on arrival. Returns every rank's schedule and the parts of targets that no rank holds (one line each:
-    the transfer cannot fill them). Pure and deterministic.
+    on arrival. Returns the plan (:meth:`TransferPlan.schedules` gives every rank's part) and the parts of
+    targets that no rank holds (one line each: the transfer cannot fill them). Pure and deterministic.
     """
     size = len(needs)
     held: dict[str, list[tuple[int, int, Box, str, int]]] = {}
@@ -327,15 +352,9 @@ def schedule_transfer(
                     sent[src] += slab.volume * src_itemsize
                     wire = src_dtype if src_dtype != dtype else None
                     for part in _pieces_of(slab, src_itemsize, round_bytes):
-                        transfers.append(
-                            _Transfer(src, src_piece, rank, piece, part, part.volume * src_itemsize, wire)
-                        )
-    rounds = _rounds(transfers, size, round_bytes)
-    schedules = [
-        RankSchedule(reads=[], copies=copies[r], rounds=[rnd[r] for rnd in rounds], shared=bool(transfers))
-        for r in range(size)
-    ]
-    return schedules, problems
+                        nbytes = part.volume * src_itemsize
+                        transfers.append(_Transfer(src, src_piece, rank, piece, part, nbytes, wire, len(transfers)))
+    return TransferPlan(size, round_bytes, copies, transfers), problems
 
 
 @dataclass(slots=True)
@@ -369,7 +388,7 @@ def _layout(
     for ref in cells:
         at = -(-at // _ALIGN) * _ALIGN
         view = cell_view(pieces, ref)
-        wire = DTYPE_BY_NAME[ref[3]] if len(ref) > 3 else view.dtype
+        wire = DTYPE_BY_NAME[ref[3]] if len(ref) > 3 and ref[3] else view.dtype
         out.append((view, wire, at))
         at += view.numel() * wire.itemsize
     return out, begin, at

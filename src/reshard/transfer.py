@@ -16,6 +16,7 @@ that needs no checkpoint: it reads and writes nothing but the tensors.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +32,8 @@ from reshard.exchange import (
     DEFAULT_ROUND_BYTES,
     ExchangeCounters,
     RankSchedule,
+    TransferPlan,
+    cell_view,
     describe_need,
     run_exchange,
     schedule_transfer,
@@ -39,7 +42,7 @@ from reshard.sharding import LocalPiece, ShardedTensor
 from reshard.statedict import flatten_state_dict, is_empty_container, map_leaves
 from reshard.transports import Group
 
-__all__ = ["TransferStats", "transfer"]
+__all__ = ["TransferSession", "TransferStats", "transfer"]
 
 
 @dataclass
@@ -73,7 +76,7 @@ def transfer(
 ) -> Any:
     """Fill ``target`` on every rank from the ``source`` pieces that the ranks of ``group`` hold. Called by
     every rank of ``group``; a rank with nothing to give passes ``{}`` as ``source``, one with nothing to
-    receive ``{}`` as ``target``.
+    receive ``{}`` as ``target``. A :class:`TransferSession` repeats it and sends only what changed.
 
     Args:
         source: what this rank holds: a state dict of ShardedTensors (any layout), DTensors or plain
@@ -99,45 +102,125 @@ def transfer(
         DataUnavailableError: a target key that no rank holds, or parts of target tensors that no rank
             holds (named), on every rank (a MismatchError too).
     """
-    started = time.perf_counter()
-    comm = Communicator(group, timeout=timeout)
-    held = flatten_state_dict(source, rank=comm.rank, dedup=False)
-    wanted = flatten_state_dict(target, rank=comm.rank, dedup=False)
-    extra = [o.key for o in wanted.objects] + [p for p, v in wanted.common.items() if not is_empty_container(v)]
-    if extra:
-        raise StateDictError(
-            f"transfer moves tensors; the target holds {len(extra)} other entries: {', '.join(extra[:10])}"
-        )
-    rename = _renamer(key_map)
-    sources: list[LocalPiece] = []
-    targets: list[LocalPiece] = []
-    holdings: list[list[Any]] = []
-    needs: list[list[Any]] = []
-    shapes: dict[str, list[Any]] = {}
-    for tensor in held.tensors:
-        shapes[tensor.key] = [list(tensor.saved_shape), dtype_name(tensor.data.dtype)]
-        for piece in tensor.pieces():
-            sources.append(piece)
-            holdings.append(describe_need(tensor.key, piece))
-    wanted_shapes: dict[str, list[Any]] = {}
-    for tensor in wanted.tensors:
-        key = rename(tensor.key)
-        wanted_shapes[key] = [list(tensor.saved_shape), dtype_name(tensor.data.dtype), tensor.key]
-        for piece in tensor.pieces():
+    session = TransferSession(
+        group=group, key_map=key_map, allow_lossy_cast=allow_lossy_cast, round_bytes=round_bytes, timeout=timeout
+    )
+    return session.transfer(source, target, delta=False, stats=stats)
+
+
+class TransferSession:
+    """:func:`transfer` repeated between the same layouts (a weight sync after every training step): the
+    plan is made once, and with ``delta=True`` only the cells whose content changed since they were last
+    sent travel (each sender compares a BLAKE2b digest of every cell it sends with the digest of what it
+    sent last time; the receivers' tensors keep the rest). Create one per rank with the same arguments;
+    :meth:`transfer` is collective over ``group``. The plan is made again whenever any rank's pieces
+    change (other boxes, dtypes, keys, or target tensors at another address), and then everything is sent.
+
+    Args: as for :func:`transfer`.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: Group = None,
+        key_map: Mapping[str, str] | Callable[[str], str] | None = None,
+        allow_lossy_cast: bool = False,
+        round_bytes: int = DEFAULT_ROUND_BYTES,
+        timeout: datetime.timedelta | float | None = None,
+    ) -> None:
+        self.group = group
+        self.rename = _renamer(key_map)
+        self.allow_lossy_cast = allow_lossy_cast
+        self.round_bytes = round_bytes
+        self.timeout = timeout
+        self._signature = ""
+        self._plan: TransferPlan | None = None  # on the coordinator
+        self._full: RankSchedule | None = None  # this rank's part of the whole plan
+        self._sent: dict[int, bytes] = {}  # digest of each cell this rank sent, by its number
+
+    def transfer(self, source: Any, target: Any, *, delta: bool = True, stats: TransferStats | None = None) -> Any:
+        """Fill ``target`` from the ``source`` pieces of the group's ranks; with ``delta``, send only the
+        cells whose content changed since this session last sent them. Collective over the group."""
+        started = time.perf_counter()
+        comm = Communicator(self.group, timeout=self.timeout)
+        sources, targets, description = self._describe(comm.rank, source, target)
+        signature = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+        same_plan = delta and signature == self._signature and self._full is not None
+        changed = self._changed(sources) if same_plan else None
+
+        def local() -> bytes:
+            return json.dumps({"description": description, "same": same_plan, "changed": changed}).encode()
+
+        def combine(payloads: list[bytes]) -> tuple[bool, list[bytes]]:
+            docs = [json.loads(p) for p in payloads]
+            if all(d["same"] for d in docs) and self._plan is not None:
+                only = {i for d in docs for i in d["changed"]}
+                return False, [json.dumps(s.to_json()).encode() for s in self._plan.schedules(only)]
+            plan = self._make_plan([d["description"] for d in docs])
+            self._plan = plan
+            return True, [json.dumps(s.to_json()).encode() for s in plan.schedules()]
+
+        replanned, reply = comm.step_scatter("transfer planning", local, combine)
+        schedule = RankSchedule.from_json(json.loads(reply))
+        if replanned:
+            self._full, self._signature, self._sent = schedule, signature, {}
+        counters = ExchangeCounters()
+
+        def send_and_receive() -> None:
             with torch.no_grad():
-                if piece.padded_view is not None:
-                    piece.padded_view.zero_()
-            targets.append(piece)
-            needs.append(describe_need(key, piece))
+                run_exchange(comm.transport, schedule, sources, counters, targets=targets)
 
-    def local() -> bytes:
-        return json.dumps({"holdings": holdings, "needs": needs, "held": shapes, "wanted": wanted_shapes}).encode()
+        comm.step("transferring", send_and_receive)
+        self._sent.update(self._digests(sources, schedule))
+        if stats is not None:
+            stats.bytes_sent = counters.bytes_sent
+            stats.bytes_received = counters.bytes_received
+            stats.bytes_copied = sum(_volume(ref) * targets[ref[0]].view.element_size() for _, ref in schedule.copies)
+            stats.rounds = len(schedule.rounds)
+            stats.seconds = time.perf_counter() - started
+        return map_leaves(target, lambda _path, leaf: leaf.data if isinstance(leaf, ShardedTensor) else leaf)
 
-    def combine(payloads: list[bytes]) -> tuple[int, list[bytes]]:
-        docs = [json.loads(p) for p in payloads]
-        _check(docs, allow_lossy_cast)
-        schedules, problems = schedule_transfer(
-            [d["holdings"] for d in docs], [d["needs"] for d in docs], round_bytes=round_bytes
+    def _describe(self, rank: int, source: Any, target: Any) -> tuple[list[LocalPiece], list[LocalPiece], Any]:
+        """This rank's source and target pieces, and their description for the coordinator."""
+        held = flatten_state_dict(source, rank=rank, dedup=False)
+        wanted = flatten_state_dict(target, rank=rank, dedup=False)
+        extra = [o.key for o in wanted.objects] + [p for p, v in wanted.common.items() if not is_empty_container(v)]
+        if extra:
+            raise StateDictError(
+                f"transfer moves tensors; the target holds {len(extra)} other entries: {', '.join(extra[:10])}"
+            )
+        sources: list[LocalPiece] = []
+        targets: list[LocalPiece] = []
+        holdings: list[list[Any]] = []
+        needs: list[list[Any]] = []
+        shapes: dict[str, list[Any]] = {}
+        wanted_shapes: dict[str, list[Any]] = {}
+        addresses = []
+        for tensor in held.tensors:
+            shapes[tensor.key] = [list(tensor.saved_shape), dtype_name(tensor.data.dtype)]
+            for piece in tensor.pieces():
+                sources.append(piece)
+                holdings.append(describe_need(tensor.key, piece))
+        for tensor in wanted.tensors:
+            key = self.rename(tensor.key)
+            wanted_shapes[key] = [list(tensor.saved_shape), dtype_name(tensor.data.dtype), tensor.key]
+            addresses.append(tensor.data.data_ptr())
+            for piece in tensor.pieces():
+                with torch.no_grad():
+                    if piece.padded_view is not None:
+                        piece.padded_view.zero_()
+                targets.append(piece)
+                needs.append(describe_need(key, piece))
+        description = {
+            "holdings": holdings, "needs": needs, "held": shapes, "wanted": wanted_shapes, "at": addresses
+        }
+        return sources, targets, description
+
+    def _make_plan(self, descriptions: list[dict[str, Any]]) -> TransferPlan:
+        """On the coordinator: check the pieces against each other and plan the whole transfer."""
+        _check(descriptions, self.allow_lossy_cast)
+        plan, problems = schedule_transfer(
+            [d["holdings"] for d in descriptions], [d["needs"] for d in descriptions], round_bytes=self.round_bytes
         )
         if problems:
             raise DataUnavailableError(
@@ -145,28 +228,23 @@ def transfer(
                 + "; ".join(problems[:20])
                 + (" ..." if len(problems) > 20 else "")
             )
-        return len(schedules[0].rounds), [json.dumps(s.to_json()).encode() for s in schedules]
+        return plan
 
-    _rounds, reply = comm.step_scatter("transfer planning", local, combine)
-    schedule = RankSchedule.from_json(json.loads(reply))
-    counters = ExchangeCounters()
+    def _changed(self, sources: list[LocalPiece]) -> list[int]:
+        """The numbers of the cells this rank sends whose content differs from what it last sent."""
+        assert self._full is not None
+        return [i for i, digest in self._digests(sources, self._full).items() if self._sent.get(i) != digest]
 
-    def send_and_receive() -> None:
-        with torch.no_grad():
-            run_exchange(comm.transport, schedule, sources, counters, targets=targets)
-
-    comm.step("transferring", send_and_receive)
-
-    def result_leaf(path: str, leaf: Any) -> Any:
-        return leaf.data if isinstance(leaf, ShardedTensor) else leaf
-
-    if stats is not None:
-        stats.bytes_sent = counters.bytes_sent
-        stats.bytes_received = counters.bytes_received
-        stats.bytes_copied = sum(_volume(ref) * targets[ref[0]].view.element_size() for _, ref in schedule.copies)
-        stats.rounds = len(schedule.rounds)
-        stats.seconds = time.perf_counter() - started
-    return map_leaves(target, result_leaf)
+    @staticmethod
+    def _digests(sources: list[LocalPiece], schedule: RankSchedule) -> dict[int, bytes]:
+        """A BLAKE2b digest of every cell this rank sends in ``schedule``, by the cell's number."""
+        out = {}
+        for rnd in schedule.rounds:
+            for _peer, cells in rnd["send"]:
+                for ref in cells:
+                    raw = cell_view(sources, ref).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                    out[ref[4]] = hashlib.blake2b(raw.numpy().data, digest_size=16).digest()
+        return out
 
 
 def _volume(ref: list[Any]) -> int:
