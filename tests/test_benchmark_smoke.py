@@ -220,3 +220,21 @@ def test_chaos_long_mode_runs_at_a_tiny_size(tmp_path: Path) -> None:
     assert total["tried"] == 14 and total["lost"] == total["silent"] == total["violations"] == 0
     assert report["corruptions"]["corruptions"] == 5 and report["corruptions"]["silent"] == 0
     assert "total: 14 kill points" in done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_replicas_benchmark_runs_at_a_tiny_size(tmp_path: Path) -> None:
+    """benchmarks/replicas.py at 1 MiB, DP=2, one repetition: its table, and storage bytes counted once
+    with read_once, twice without (and by DCP)."""
+    out = tmp_path / "replicas.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "replicas.py"), "--size-mib", "1", "--repeat", "1"]
+    command += ["--dp", "2", "--dir", str(tmp_path), "--json", str(out)]
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    report = json.loads(out.read_text())
+    figures = report["dp"]["2"]
+    unique = report["unique_bytes"]
+    assert figures["read_once"]["storage_bytes"] == unique
+    assert figures["reshard"]["storage_bytes"] == 2 * unique
+    assert figures["dcp"]["storage_bytes"] >= 2 * unique
+    assert all(figures[name]["seconds"] > 0 for name in ("reshard", "read_once", "dcp", "peer_save", "peer_restore"))

@@ -43,7 +43,7 @@ import torch
 
 import reshard
 from reshard.cli import build_parser, main
-from tests.doc_blocks import ROOT, fenced_blocks, marked_blocks
+from tests.doc_blocks import MARKED_DOCS, ROOT, fenced_blocks, marked_blocks
 from tests.threads import on_threads
 
 SH_MARK = re.compile(r"<!-- example: sh(?: setup=([\w,]+))? -->")
@@ -278,7 +278,7 @@ def _reshard_options() -> dict[str, set[str]]:
     return found
 
 
-@pytest.mark.parametrize(("where", "unused", "block"), marked_blocks(OPTIONS_MARK))
+@pytest.mark.parametrize(("where", "unused", "block"), marked_blocks(OPTIONS_MARK, MARKED_DOCS))
 def test_synopsis_names_only_real_options(where: str, unused: str | None, block: str) -> None:
     known = _reshard_options()
     script_help: dict[str, str] = {}
