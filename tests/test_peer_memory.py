@@ -2,9 +2,10 @@
 
 Six gloo ranks (three "nodes" of two) at TP=2 x DP=3 save a durable checkpoint and a peer-memory one
 (one copy of every primary box on the next node). Then node 0, which holds every primary box, is killed
-with SIGKILL; the four survivors form a new process group on a new port and restore at TP=4, with no
-storage to fall back on: bit-exact. Then node 1, which held the copies, is killed too: the last two ranks
-cannot restore from memory, are told which boxes were lost, and fall back to the durable checkpoint.
+with SIGKILL; the four survivors and two new ranks (fresh processes, holding nothing) form a new process
+group on a new port and restore at TP=6, with no storage to fall back on: bit-exact. Then node 1, which
+held the copies, is killed too: the last two ranks cannot restore from memory, are told which boxes were
+lost, and fall back to the durable checkpoint.
 """
 
 from __future__ import annotations
@@ -51,18 +52,57 @@ def _training_state(rank: int) -> dict[str, Any]:
 
 
 def _template(rank: int, world: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """TP=``world`` on the other axes than the training layout; and what each tensor must hold."""
-    rows, cols = 12 // world, 8 // world
+    """TP=``world``: ``w`` on rows, ``emb`` on rows (world 6, unlike the training layout) or columns; and
+    what each tensor must hold."""
+    rows = 12 // world
+    if 6 % world == 0 and world > 2:
+        emb_rows = 6 // world
+        emb = reshard.ShardedTensor.from_rank_offsets(
+            "emb", torch.empty(emb_rows, 8, dtype=torch.float64), (0, rank, world)
+        )
+        emb_expected = EMB[rank * emb_rows : (rank + 1) * emb_rows]
+    else:
+        cols = 8 // world
+        emb = reshard.ShardedTensor.from_rank_offsets(
+            "emb", torch.empty(6, cols, dtype=torch.float64), (1, rank, world)
+        )
+        emb_expected = EMB[:, rank * cols : (rank + 1) * cols]
     template = {
         "w": reshard.ShardedTensor.from_rank_offsets("w", torch.empty(rows, 4), (0, rank, world)),
-        "emb": reshard.ShardedTensor.from_rank_offsets(
-            "emb", torch.empty(6, cols, dtype=torch.float64), (1, rank, world)
-        ),
+        "emb": emb,
         "bias": torch.empty(5, dtype=torch.bfloat16),
         "step": 0,
     }
-    expected = {"w": W[rank * rows : (rank + 1) * rows], "emb": EMB[:, rank * cols : (rank + 1) * cols], "bias": BIAS}
-    return template, expected
+    return template, {"w": W[rank * rows : (rank + 1) * rows], "emb": emb_expected, "bias": BIAS}
+
+
+def _check_restore(
+    tier: Any, new_rank: int, world: int, root: str, with_fallback: bool, rank: int
+) -> tuple[Any, ...]:
+    """Restore this rank's part of the new layout; what to report."""
+    template, expected = _template(new_rank, world)
+    stats = reshard.TransferStats()
+    fallback = reshard.CheckpointManager(Path(root) / "durable", timeout=60) if with_fallback else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            restored = tier.restore(template, fallback=fallback, stats=stats)
+        except reshard.DataUnavailableError as exc:
+            return ("unavailable", rank, str(exc))
+    exact = all(torch.equal(restored[k], v) for k, v in expected.items()) and restored["step"] == 7
+    lost = [str(w.message) for w in caught if "peer-memory restore impossible" in str(w.message)]
+    return ("restored", rank, exact, stats.bytes_received + stats.bytes_copied, lost)
+
+
+def late_rank(rank: int, new_rank: int, world: int, port: int, root: str, results: Any) -> None:
+    """A rank started after the failure: it holds nothing, joins the new group and restores."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=new_rank, world_size=world, timeout=TIMEOUT
+    )
+    tier = reshard.PeerMemoryCheckpoint(replicas=1, node_size=2, timeout=60)
+    results.put(_check_restore(tier, new_rank, world, root, False, rank))
+    dist.destroy_process_group()
 
 
 def peer_rank(rank: int, port: int, root: str, commands: Any, results: Any) -> None:
@@ -85,19 +125,7 @@ def peer_rank(rank: int, port: int, root: str, commands: Any, results: Any) -> N
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{new_port}", rank=new_rank, world_size=world, timeout=TIMEOUT
         )
-        template, expected = _template(new_rank, world)
-        stats = reshard.TransferStats()
-        fallback = reshard.CheckpointManager(Path(root) / "durable", timeout=60) if with_fallback else None
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                restored = tier.restore(template, fallback=fallback, stats=stats)
-            except reshard.DataUnavailableError as exc:
-                results.put(("unavailable", rank, str(exc)))
-                continue
-        exact = all(torch.equal(restored[k], v) for k, v in expected.items()) and restored["step"] == 7
-        lost = [str(w.message) for w in caught if "peer-memory restore impossible" in str(w.message)]
-        results.put(("restored", rank, exact, stats.bytes_received + stats.bytes_copied, lost))
+        results.put(_check_restore(tier, new_rank, world, root, with_fallback, rank))
 
 
 def _collect(results: Any, count: int, kind: str) -> list[tuple[Any, ...]]:
@@ -132,29 +160,35 @@ def test_restore_from_peer_memory_into_another_layout_after_sigkill(tmp_path: Pa
             os.kill(processes[r].pid, signal.SIGKILL)
             processes[r].join(timeout=30)
         port = _free_port()
-        for new_rank, old in enumerate((2, 3, 4, 5)):
-            commands[old].put(("restore", new_rank, 4, port, False))
-        restored = _collect(results, 4, "restored")
+        for new_rank_number, old in enumerate((2, 3, 4, 5)):
+            commands[old].put(("restore", new_rank_number, 6, port, False))
+        joined = [
+            context.Process(target=late_rank, args=(6 + i, 4 + i, 6, port, str(tmp_path), results)) for i in range(2)
+        ]
+        for p in joined:
+            p.start()
+        processes.extend(joined)
+        restored = _collect(results, 6, "restored")
         assert all(m[0] == "restored" and m[2] for m in restored), restored  # bit-exact, no storage
-        needed = (12 // 4) * 4 * 4 + 6 * (8 // 4) * 8 + 5 * 2
-        assert [m[3] for m in restored] == [needed] * 4
+        needed = (12 // 6) * 4 * 4 + (6 // 6) * 8 * 8 + 5 * 2
+        assert [m[3] for m in restored] == [needed] * 6
         assert all(not m[4] for m in restored)
         for r in (2, 3):  # node 1 dies too: the copies of node 0's boxes are gone as well
             os.kill(processes[r].pid, signal.SIGKILL)
             processes[r].join(timeout=30)
         port = _free_port()
-        for new_rank, old in enumerate((4, 5)):
-            commands[old].put(("restore", new_rank, 2, port, False))
+        for new_rank_number, old in enumerate((4, 5)):
+            commands[old].put(("restore", new_rank_number, 2, port, False))
         refused = _collect(results, 2, "unavailable")
         assert all(m[0] == "unavailable" and "held by no rank" in m[2] for m in refused), refused
         port = _free_port()
-        for new_rank, old in enumerate((4, 5)):
-            commands[old].put(("restore", new_rank, 2, port, True))
+        for new_rank_number, old in enumerate((4, 5)):
+            commands[old].put(("restore", new_rank_number, 2, port, True))
         fallen_back = _collect(results, 2, "restored")
         assert all(m[2] for m in fallen_back), fallen_back  # bit-exact, from the durable checkpoint
         assert all(m[4] and "held by no rank" in m[4][0] for m in fallen_back)
     finally:
-        for r, p in enumerate(processes):
+        for r, p in enumerate(processes[:6]):
             if p.is_alive():
                 commands[r].put(("exit",))
         for p in processes:

@@ -208,8 +208,12 @@ def schedule_reads(
                 reads[h.rank].append(_ref(h.piece, h.box))
                 load[h.rank] += h.box.volume * itemsize
             continue
+        by_box: dict[Box, list[_Holder]] = {}
+        for h in group:
+            by_box.setdefault(h.box, []).append(h)
         for cell in cells:
-            needers = [h for h in group if cell.intersect(h.box) == cell]
+            # Boxes that only repeat each other (replicas) are their own cells: their needers at a lookup.
+            needers = [h for h in group if cell.intersect(h.box) == cell] if overlapping else by_box[cell]
             if len(needers) == 1:
                 (only,) = needers
                 reads[only.rank].append(_ref(only.piece, cell))
