@@ -1,14 +1,19 @@
-"""Read once, then exchange: a load in which each saved byte that several ranks need is read from storage
-by one of them and sent to the others over the process group.
+"""Boxes over the network: the schedule of who reads or holds which part of the global tensors and who
+sends it to whom, and the rounds of point-to-point traffic that carry it. One module for three modes.
 
-Data-parallel and context-parallel replicas need the same boxes, so a plain load reads every unique byte
-once per replica. With ``LoadOptions(read_once=...)`` the coordinator gathers what every rank needs
-(:func:`describe_need`) and :func:`schedule_reads` cuts it into *cells*: the regions of a global tensor
-that the same set of ranks (with the same destination dtype) needs. A cell needed by one rank is read by
-it, as in a plain load. A cell needed by several is cut into up to one slab per needer along its first
-axis that has room, each slab read by the needer with the fewest bytes to read so far (so readers are
-balanced), and sent to the other needers. Every read goes through the verifying reader of loads, so a
-sent byte has had its checksum checked; nothing is re-read, and storage sees each needed byte once.
+Read once (``LoadOptions(read_once=...)``): data-parallel and context-parallel replicas need the same
+boxes, so a plain load reads every unique byte once per replica. Instead the coordinator gathers what
+every rank needs (:func:`describe_need`) and :func:`schedule_reads` cuts it into *cells*: the regions of a
+global tensor that the same set of ranks (with the same destination dtype) needs. A cell needed by one
+rank is read by it, as in a plain load. A cell needed by several is cut into up to one slab per needer (at
+most :data:`MAX_READERS_PER_CELL`) along its first axis that has room, each slab read by the needer with
+the fewest bytes to read so far (so readers are balanced), and sent to the other needers. Every read goes
+through the verifying reader of loads, so a sent byte has had its checksum checked; nothing is re-read,
+and storage sees each needed byte once.
+
+Transfers (:func:`reshard.transfer`, the peer-memory tier): :func:`schedule_transfer` fills target pieces
+from pieces that ranks hold in memory instead of from storage, cell by cell, a rank's own cells by a local
+copy.
 
 Memory stays bounded: the sends and receives are cut into rounds in which no rank sends, nor receives,
 more than ``round_bytes`` (the messages of a round are one buffer per direction, reused from round to
@@ -38,6 +43,7 @@ from reshard.transports import Transport
 __all__ = [
     "DEFAULT_ROUND_BYTES",
     "MAX_CELLS_PER_KEY",
+    "MAX_READERS_PER_CELL",
     "MIN_SLAB_BYTES",
     "ExchangeCounters",
     "RankSchedule",
@@ -53,6 +59,11 @@ DEFAULT_ROUND_BYTES = 16 * 1024 * 1024
 
 MIN_SLAB_BYTES = 64 * 1024
 """A shared cell is split among its needers only into slabs of at least this size (fewer, larger reads)."""
+
+MAX_READERS_PER_CELL = 8
+"""A shared cell is read by at most this many of its needers (one slab each), each sending its slab to every
+other needer: enough to spread the reading, while the transfers (readers x needers per cell) and so the
+coordinator's planning stay small with many replicas."""
 
 MAX_CELLS_PER_KEY = 4096
 """Beyond this many cells for one tensor (boxes that overlap in many different ways), its pieces are read
@@ -223,7 +234,7 @@ def schedule_reads(
             for h in needers:
                 by_rank.setdefault(h.rank, []).append(h)
             ranks = sorted(by_rank)
-            parts = min(len(ranks), max(1, cell.volume * itemsize // min_slab_bytes))
+            parts = min(len(ranks), MAX_READERS_PER_CELL, max(1, cell.volume * itemsize // min_slab_bytes))
             for slab in _slabs(cell, parts):
                 reader = min(ranks, key=lambda r: (load[r], r))
                 load[reader] += slab.volume * itemsize
@@ -247,23 +258,34 @@ def schedule_reads(
 
 
 def _rounds(transfers: list[_Transfer], size: int, round_bytes: int) -> list[list[dict[str, list[list[Any]]]]]:
-    """Transfers packed into rounds (first fit) so that no rank sends or receives more than
-    ``round_bytes`` in one; per round and rank, ``{"send": [[peer, [cells]]...], "recv": [...]}``."""
+    """Transfers packed into rounds so that no rank sends or receives more than ``round_bytes`` in one;
+    per round and rank, ``{"send": [[peer, [cells]]...], "recv": [...]}``.
+
+    First fit from each rank's first round with room: a rank whose sends (or receives) filled a round never
+    looks at it again, so packing stays about linear in the number of transfers (replicas make many: a
+    cell shared by n ranks is n slabs sent to n - 1 ranks each)."""
     sent: list[list[int]] = []
     received: list[list[int]] = []
     placed: list[list[_Transfer]] = []
+    send_floor = [0] * size  # every round before it is full for the rank's sends
+    recv_floor = [0] * size
     for t in transfers:
-        for index in range(len(placed)):
-            if sent[index][t.src] + t.nbytes <= round_bytes and received[index][t.dst] + t.nbytes <= round_bytes:
-                break
-        else:
-            index = len(placed)
+        index = max(send_floor[t.src], recv_floor[t.dst])
+        while index < len(placed) and (
+            sent[index][t.src] + t.nbytes > round_bytes or received[index][t.dst] + t.nbytes > round_bytes
+        ):
+            index += 1
+        if index == len(placed):
             placed.append([])
             sent.append([0] * size)
             received.append([0] * size)
         placed[index].append(t)
         sent[index][t.src] += t.nbytes
         received[index][t.dst] += t.nbytes
+        while send_floor[t.src] < len(placed) and sent[send_floor[t.src]][t.src] >= round_bytes:
+            send_floor[t.src] += 1
+        while recv_floor[t.dst] < len(placed) and received[recv_floor[t.dst]][t.dst] >= round_bytes:
+            recv_floor[t.dst] += 1
     out = []
     for batch in placed:
         outgoing: list[dict[int, list[CellRef]]] = [{} for _ in range(size)]
