@@ -373,7 +373,8 @@ def schedule_transfer(
                     continue
                 # A large cell held by several ranks comes in slabs, one from each (as a shared read does).
                 ranks = len({h[0] for h in holders})
-                for slab in _slabs(cell, min(ranks, max(1, cell.volume * holders[0][4] // MIN_SLAB_BYTES))):
+                parts = min(ranks, MAX_READERS_PER_CELL, max(1, cell.volume * holders[0][4] // MIN_SLAB_BYTES))
+                for slab in _slabs(cell, parts):
                     src, src_piece, _, src_dtype, src_itemsize = min(holders, key=lambda h: (sent[h[0]], h[0]))
                     sent[src] += slab.volume * src_itemsize
                     wire = src_dtype if src_dtype != dtype else None
