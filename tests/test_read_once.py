@@ -204,3 +204,28 @@ def test_schedule_balances_readers_and_bounds_rounds() -> None:
 def test_read_once_and_node_staging_exclude_each_other(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="read_once"):
         reshard.LoadOptions(read_once=True, staging=reshard.StagingOptions(directory=str(tmp_path)))
+
+
+def test_a_key_held_twice_by_a_rank_and_a_rank_with_nothing_to_load(tmp_path: Path) -> None:
+    """Tied weights: a rank's template holds the same key twice (both filled, the second by a local copy of
+    what it read or received); and a rank that loads nothing still takes part in the exchange."""
+    reshard.save({"emb": FULL["emb"]}, tmp_path / "ckpt", options=SMALL_CHUNKS)
+    group = ThreadGroup(3)
+    out: list[Any] = [None] * 3
+    stats = [reshard.LoadStats() for _ in range(3)]
+
+    def rank(r: int) -> None:
+        template: dict[str, Any] = {}
+        if r < 2:
+            template = {
+                "embedding": reshard.ShardedTensor("emb", torch.empty(10, 4, dtype=torch.float64), (10, 4), (0, 0)),
+                "output": reshard.ShardedTensor("emb", torch.zeros(10, 4, dtype=torch.float64), (10, 4), (0, 0)),
+            }
+        options = reshard.LoadOptions(read_once=True)
+        out[r] = reshard.load(template, tmp_path / "ckpt", group=group.member(r), options=options, stats=stats[r])
+
+    on_threads(3, rank)
+    for r in range(2):
+        assert torch.equal(out[r]["embedding"], FULL["emb"]) and torch.equal(out[r]["output"], FULL["emb"])
+    assert out[2] == {}
+    assert sum(s.bytes_read for s in stats) == FULL["emb"].numel() * 8
