@@ -199,9 +199,6 @@ def test_usage_mistakes_are_one_line_with_exit_2(tmp_path: Path, capsys: pytest.
 def test_the_command_line_answers_help_and_version_without_importing_torch(argv: list[str]) -> None:
     """``reshard --help`` and ``--version`` must not pay the seconds of importing torch: the package's
     public names and each subcommand's work are imported on first use. A fresh interpreter proves it."""
-    import subprocess
-    import sys
-
     probe = (
         "import sys\n"
         "from reshard.cli import main\n"
@@ -212,23 +209,19 @@ def test_the_command_line_answers_help_and_version_without_importing_torch(argv:
         "heavy = sorted(m for m in ('torch', 'numpy', 'reshard.load', 'reshard.save') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr
-    assert "reshard" in done.stdout
+    assert "reshard" in _in_a_fresh_interpreter(probe)
 
 
 def test_the_package_imports_its_public_names_on_first_use() -> None:
-    """``import reshard`` stays light, and the three functions named like their modules (``save``, ``load``,
-    ``async_save``) stay functions even when their module was imported first (as every internal import does)."""
-    import subprocess
-    import sys
-
+    """``import reshard`` stays light, and the functions named like their modules (``save``, ``load``,
+    ``async_save``, ``transfer``) stay functions even when their module was imported first (as every internal
+    import does)."""
     probe = (
         "import sys, types\n"
         "import reshard\n"
         "assert 'torch' not in sys.modules\n"
-        "import reshard.save, reshard.load, reshard.async_save, reshard.manager\n"
-        "for name in ('save', 'load', 'async_save'):\n"
+        "import reshard.save, reshard.load, reshard.async_save, reshard.transfer, reshard.manager\n"
+        "for name in ('save', 'load', 'async_save', 'transfer'):\n"
         "    assert not isinstance(getattr(reshard, name), types.ModuleType), name\n"
         "    assert callable(getattr(reshard, name)), name\n"
         "for name in reshard.__all__:\n"
@@ -241,8 +234,17 @@ def test_the_package_imports_its_public_names_on_first_use() -> None:
         "else:\n"
         "    raise AssertionError('no AttributeError')\n"
     )
+    _in_a_fresh_interpreter(probe)
+
+
+def _in_a_fresh_interpreter(probe: str) -> str:
+    """Run ``probe`` in a new Python process (nothing imported yet); its stdout. Fails on a failed probe."""
+    import subprocess
+    import sys
+
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 class _RecordedProgress:

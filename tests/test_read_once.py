@@ -189,7 +189,7 @@ def test_schedule_balances_readers_and_bounds_rounds() -> None:
     no round sends or receives more than its bound."""
     nbytes = 64 * MIN_SLAB_BYTES
     rows = nbytes // (4 * 1024)
-    need = ["t", [0, 0], [rows, 1024], "torch.float32", 4]
+    need = ["t", [0, 0], [rows, 1024], "float32"]
     schedules = schedule_reads([[need] for _ in range(4)], round_bytes=nbytes // 8)
     read = [sum(ref[2][0] for ref in s.reads) * 1024 * 4 for s in schedules]
     assert sum(read) == nbytes and max(read) == min(read) == nbytes // 4

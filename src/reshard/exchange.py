@@ -69,18 +69,14 @@ MAX_CELLS_PER_KEY = 4096
 """Beyond this many cells for one tensor (boxes that overlap in many different ways), its pieces are read
 by their own ranks: sharing would cost more planning than it saves."""
 
-Need = tuple[str, tuple[int, ...], tuple[int, ...], str, int]
-"""One target piece as the coordinator sees it: key, offset, shape, destination dtype name, itemsize."""
-
 CellRef = list[Any]
 """``[piece, offset, shape]``: a box of a rank's own piece number ``piece`` (JSON-able)."""
 
 
 def describe_need(key: str, piece: LocalPiece) -> list[Any]:
     """One target piece as the coordinator's :func:`schedule_reads` takes it (JSON):
-    ``[key, offset, shape, destination dtype, itemsize]``."""
-    view = piece.view
-    return [key, list(piece.box.offset), list(piece.box.shape), dtype_name(view.dtype), view.element_size()]
+    ``[key, offset, shape, dtype name]`` (the dtype of the piece's data)."""
+    return [key, list(piece.box.offset), list(piece.box.shape), dtype_name(piece.view.dtype)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,22 +148,27 @@ def _cells(boxes: list[Box]) -> list[Box] | None:
     return sorted(cells, key=lambda b: (b.offset, b.shape))
 
 
+def _narrowed(box: Box, axis: int, lo: int, length: int) -> Box:
+    """Elements ``[lo, lo + length)`` of ``box`` along ``axis`` (relative to its offset)."""
+    offset, shape = list(box.offset), list(box.shape)
+    offset[axis] += lo
+    shape[axis] = length
+    return Box(tuple(offset), tuple(shape))
+
+
+def _slab_count(ranks: int, nbytes: int, min_slab_bytes: int) -> int:
+    """How many slabs a cell of ``nbytes`` that ``ranks`` ranks share is read or sent in."""
+    return min(ranks, MAX_READERS_PER_CELL, max(1, nbytes // min_slab_bytes))
+
+
 def _slabs(box: Box, parts: int) -> list[Box]:
     """``box`` cut into up to ``parts`` near-equal slabs along its first axis of extent > 1."""
     axis = next((a for a, n in enumerate(box.shape) if n > 1), None)
     if axis is None or parts <= 1:
         return [box]
-    parts = min(parts, box.shape[axis])
-    out = []
-    for i in range(parts):
-        lo = box.shape[axis] * i // parts
-        hi = box.shape[axis] * (i + 1) // parts
-        offset = list(box.offset)
-        shape = list(box.shape)
-        offset[axis] += lo
-        shape[axis] = hi - lo
-        out.append(Box(tuple(offset), tuple(shape)))
-    return out
+    n = box.shape[axis]
+    parts = min(parts, n)
+    return [_narrowed(box, axis, n * i // parts, n * (i + 1) // parts - n * i // parts) for i in range(parts)]
 
 
 def _pieces_of(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
@@ -175,16 +176,10 @@ def _pieces_of(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
     if box.volume * itemsize <= max_bytes or box.volume <= 1:
         return [box]
     axis = next(a for a, n in enumerate(box.shape) if n > 1)
-    per_slice = box.volume // box.shape[axis] * itemsize
-    step = max(1, max_bytes // per_slice)
-    out = []
-    for lo in range(0, box.shape[axis], step):
-        offset = list(box.offset)
-        shape = list(box.shape)
-        offset[axis] += lo
-        shape[axis] = min(step, box.shape[axis] - lo)
-        out.extend(_pieces_of(Box(tuple(offset), tuple(shape)), itemsize, max_bytes))
-    return out
+    n = box.shape[axis]
+    step = max(1, max_bytes // (box.volume // n * itemsize))
+    slices = [_narrowed(box, axis, lo, min(step, n - lo)) for lo in range(0, n, step)]
+    return [part for piece in slices for part in _pieces_of(piece, itemsize, max_bytes)]
 
 
 def schedule_reads(
@@ -200,17 +195,18 @@ def schedule_reads(
     numbers refer to. Pure and deterministic.
     """
     size = len(needs)
-    holders: dict[tuple[str, str, int], list[_Holder]] = {}
+    holders: dict[tuple[str, str], list[_Holder]] = {}
     for rank, rank_needs in enumerate(needs):
-        for piece, (key, offset, shape, dtype, itemsize) in enumerate(rank_needs):
+        for piece, (key, offset, shape, dtype) in enumerate(rank_needs):
             box = Box(tuple(offset), tuple(shape))
             if box.volume:
-                holders.setdefault((key, dtype, int(itemsize)), []).append(_Holder(rank, piece, box))
+                holders.setdefault((key, dtype), []).append(_Holder(rank, piece, box))
     reads: list[list[CellRef]] = [[] for _ in range(size)]
     copies: list[list[list[CellRef]]] = [[] for _ in range(size)]
     transfers: list[_Transfer] = []
     load = [0] * size  # bytes each rank reads so far
-    for (_key, _dtype, itemsize), group in sorted(holders.items()):
+    for (_key, dtype), group in sorted(holders.items()):
+        itemsize = DTYPE_BY_NAME[dtype].itemsize
         distinct = sorted({h.box for h in group}, key=lambda b: (b.offset, b.shape))
         overlapping = any(a.intersect(b) is not None for a, b in itertools.combinations(distinct, 2))
         cells = _cells(distinct) if overlapping else distinct
@@ -234,8 +230,7 @@ def schedule_reads(
             for h in needers:
                 by_rank.setdefault(h.rank, []).append(h)
             ranks = sorted(by_rank)
-            parts = min(len(ranks), MAX_READERS_PER_CELL, max(1, cell.volume * itemsize // min_slab_bytes))
-            for slab in _slabs(cell, parts):
+            for slab in _slabs(cell, _slab_count(len(ranks), cell.volume * itemsize, min_slab_bytes)):
                 reader = min(ranks, key=lambda r: (load[r], r))
                 load[reader] += slab.volume * itemsize
                 first = by_rank[reader][0]
@@ -250,11 +245,7 @@ def schedule_reads(
                             nbytes = part.volume * itemsize
                             ident = len(transfers)
                             transfers.append(_Transfer(reader, first.piece, rank, h.piece, part, nbytes, None, ident))
-    rounds = _rounds(transfers, size, round_bytes)
-    return [
-        RankSchedule(reads=reads[r], copies=copies[r], rounds=[rnd[r] for rnd in rounds], shared=bool(transfers))
-        for r in range(size)
-    ]
+    return TransferPlan(size, round_bytes, copies, transfers, reads).schedules()
 
 
 def _rounds(transfers: list[_Transfer], size: int, round_bytes: int) -> list[list[dict[str, list[list[Any]]]]]:
@@ -307,13 +298,16 @@ def _rounds(transfers: list[_Transfer], size: int, round_bytes: int) -> list[lis
 
 @dataclass(frozen=True, slots=True)
 class TransferPlan:
-    """Every rank's part of a transfer, kept on the coordinator so that a later transfer between the same
-    pieces can send only some of its cells (:meth:`schedules`)."""
+    """Every rank's part of an exchange (reads from storage, local copies, cells sent), kept on the
+    coordinator so that a later transfer between the same pieces can send only some of its cells
+    (:meth:`schedules`)."""
 
     size: int
     round_bytes: int
     copies: list[list[list[CellRef]]]
     transfers: list[_Transfer]
+    reads: list[list[CellRef]] | None = None
+    """Per rank, the cells it reads from storage (a read-once load; None for a transfer)."""
 
     def schedules(self, only: set[int] | None = None) -> list[RankSchedule]:
         """Every rank's schedule: all cells, or only the sent cells numbered in ``only`` (local copies are
@@ -321,7 +315,12 @@ class TransferPlan:
         chosen = self.transfers if only is None else [t for t in self.transfers if t.ident in only]
         rounds = _rounds(chosen, self.size, self.round_bytes)
         return [
-            RankSchedule(reads=[], copies=self.copies[r], rounds=[rnd[r] for rnd in rounds], shared=bool(chosen))
+            RankSchedule(
+                reads=self.reads[r] if self.reads is not None else [],
+                copies=self.copies[r],
+                rounds=[rnd[r] for rnd in rounds],
+                shared=bool(chosen),
+            )
             for r in range(self.size)
         ]
 
@@ -339,30 +338,29 @@ def schedule_transfer(
     targets that no rank holds (one line each: the transfer cannot fill them). Pure and deterministic.
     """
     size = len(needs)
-    held: dict[str, list[tuple[int, int, Box, str, int]]] = {}
+    held: dict[str, list[tuple[int, int, Box, str]]] = {}
     for rank, rank_holdings in enumerate(holdings):
-        for piece, (key, offset, shape, dtype, itemsize) in enumerate(rank_holdings):
+        for piece, (key, offset, shape, dtype) in enumerate(rank_holdings):
             box = Box(tuple(offset), tuple(shape))
             if box.volume:
-                held.setdefault(key, []).append((rank, piece, box, dtype, int(itemsize)))
+                held.setdefault(key, []).append((rank, piece, box, dtype))
     copies: list[list[list[CellRef]]] = [[] for _ in range(size)]
     transfers: list[_Transfer] = []
     sent = [0] * size
     problems: list[str] = []
     for rank, rank_needs in enumerate(needs):
-        for piece, (key, offset, shape, dtype, _itemsize) in enumerate(rank_needs):
+        for piece, (key, offset, shape, dtype) in enumerate(rank_needs):
             box = Box(tuple(offset), tuple(shape))
             if not box.volume:
                 continue
-            sources = [h for h in held.get(key, []) if h[2].intersect(box) is not None]
-            overlaps = [o for h in sources if (o := h[2].intersect(box)) is not None]
-            cells = _cells([box, *overlaps]) if sources else [box]
+            overlapping = [(h, o) for h in held.get(key, []) if (o := h[2].intersect(box)) is not None]
+            sources = [h for h, _ in overlapping]
+            # The cells of the target box (the overlaps lie inside it, so they only add boundaries).
+            cells = _cells([box, *(o for _, o in overlapping)])
             if cells is None:
                 problems.append(f"{key!r}: the source boxes cut the target box at {list(box.offset)} too finely")
                 continue
             for cell in cells:
-                if cell.intersect(box) != cell:  # a cell of an overlap only: inside box already listed
-                    continue
                 holders = [h for h in sources if cell.intersect(h[2]) == cell]
                 if not holders:
                     problems.append(f"{key!r} box at {list(cell.offset)} of shape {list(cell.shape)} (rank {rank})")
@@ -373,9 +371,10 @@ def schedule_transfer(
                     continue
                 # A large cell held by several ranks comes in slabs, one from each (as a shared read does).
                 ranks = len({h[0] for h in holders})
-                parts = min(ranks, MAX_READERS_PER_CELL, max(1, cell.volume * holders[0][4] // MIN_SLAB_BYTES))
-                for slab in _slabs(cell, parts):
-                    src, src_piece, _, src_dtype, src_itemsize = min(holders, key=lambda h: (sent[h[0]], h[0]))
+                wire_itemsize = DTYPE_BY_NAME[holders[0][3]].itemsize
+                for slab in _slabs(cell, _slab_count(ranks, cell.volume * wire_itemsize, MIN_SLAB_BYTES)):
+                    src, src_piece, _, src_dtype = min(holders, key=lambda h: (sent[h[0]], h[0]))
+                    src_itemsize = DTYPE_BY_NAME[src_dtype].itemsize
                     sent[src] += slab.volume * src_itemsize
                     wire = src_dtype if src_dtype != dtype else None
                     for part in _pieces_of(slab, src_itemsize, round_bytes):
@@ -421,15 +420,18 @@ def _layout(
     return out, begin, at
 
 
-def _round_sizes(
-    sources: Sequence[LocalPiece], targets: Sequence[LocalPiece], rnd: dict[str, list[list[Any]]]
-) -> tuple[int, int]:
-    sent = received = 0
-    for _, cells in rnd["send"]:
-        sent = _layout(sources, cells, sent)[2]
-    for _, cells in rnd["recv"]:
-        received = _layout(targets, cells, received)[2]
-    return sent, received
+Placed = list[tuple[int, list[tuple[torch.Tensor, torch.dtype, int]], int, int]]
+"""The messages of one direction of a round: peer, cells placed (view, wire dtype, offset), first, end."""
+
+
+def _messages(pieces: Sequence[LocalPiece], messages: list[list[Any]]) -> Placed:
+    """Every ``[peer, cells]`` message of a round's direction laid out one after the other in a buffer."""
+    out: Placed = []
+    at = 0
+    for peer, cells in messages:
+        placed, begin, at = _layout(pieces, cells, at)
+        out.append((peer, placed, begin, at))
+    return out
 
 
 def _as_dtype(buffer: torch.Tensor, at: int, like: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
@@ -456,28 +458,21 @@ def run_exchange(
         cell_view(targets, target).copy_(cell_view(pieces, source))
     if not schedule.rounds:
         return
-    sizes = [_round_sizes(pieces, targets, rnd) for rnd in schedule.rounds]
-    send_buffer = torch.empty(max(s for s, _ in sizes), dtype=torch.uint8, device=transport.device)
-    recv_buffer = torch.empty(max(r for _, r in sizes), dtype=torch.uint8, device=transport.device)
-    for rnd in schedule.rounds:
-        sends: list[tuple[int, torch.Tensor]] = []
-        at = 0
-        for peer, cells in rnd["send"]:
-            placed, begin, end = _layout(pieces, cells, at)
+    rounds = [(_messages(pieces, rnd["send"]), _messages(targets, rnd["recv"])) for rnd in schedule.rounds]
+    send_bytes = max((m[-1][3] for m, _ in rounds if m), default=0)
+    recv_bytes = max((m[-1][3] for _, m in rounds if m), default=0)
+    send_buffer = torch.empty(send_bytes, dtype=torch.uint8, device=transport.device)
+    recv_buffer = torch.empty(recv_bytes, dtype=torch.uint8, device=transport.device)
+    for outgoing, incoming in rounds:
+        for _, placed, _, _ in outgoing:
             for view, wire, start in placed:
                 _as_dtype(send_buffer, start, view, wire).copy_(view)
                 counters.bytes_sent += view.numel() * wire.itemsize
-            sends.append((peer, send_buffer[begin:end]))
-            at = end
-        receives: list[tuple[int, torch.Tensor]] = []
-        unpack: list[tuple[torch.Tensor, torch.dtype, int]] = []
-        at = 0
-        for peer, cells in rnd["recv"]:
-            placed, begin, end = _layout(targets, cells, at)
-            receives.append((peer, recv_buffer[begin:end]))
-            unpack.extend(placed)
-            at = end
-        transport.exchange(sends, receives)
-        for view, wire, start in unpack:
-            view.copy_(_as_dtype(recv_buffer, start, view, wire))
-            counters.bytes_received += view.numel() * wire.itemsize
+        transport.exchange(
+            [(peer, send_buffer[begin:end]) for peer, _, begin, end in outgoing],
+            [(peer, recv_buffer[begin:end]) for peer, _, begin, end in incoming],
+        )
+        for _, placed, _, _ in incoming:
+            for view, wire, start in placed:
+                view.copy_(_as_dtype(recv_buffer, start, view, wire))
+                counters.bytes_received += view.numel() * wire.itemsize

@@ -81,11 +81,6 @@ class PeerMemoryCheckpoint:
         self._held: dict[str, ShardedTensor] = {}
         self._common: str | None = None  # the encoded common values of the last save
 
-    @property
-    def held_bytes(self) -> int:
-        """Host memory this rank holds for the tier (its own boxes and its peers' copies)."""
-        return sum(t.data.numel() * t.data.element_size() for t in self._held.values())
-
     def save(self, state_dict: Any, *, group: Group = None) -> PeerSaveResult:
         """Keep this rank's primary boxes in host memory and copy them to ``replicas`` peers on other nodes.
         Called by every rank of ``group``; replaces the previous save (its memory is released first).
@@ -136,10 +131,7 @@ class PeerMemoryCheckpoint:
             copies[f"copy/{len(copies)}"] = ShardedTensor(key, data, tuple(shape), tuple(offset))
         transfer(own, copies, group=comm.transport, timeout=self.timeout)
         self._held = {**own, **copies}
-        return PeerSaveResult(
-            own_bytes=sum(t.data.numel() * t.data.element_size() for t in own.values()),
-            copy_bytes=sum(t.data.numel() * t.data.element_size() for t in copies.values()),
-        )
+        return PeerSaveResult(own_bytes=_nbytes(own), copy_bytes=_nbytes(copies))
 
     def restore(
         self,
@@ -201,6 +193,10 @@ class PeerMemoryCheckpoint:
             return common.get(path, leaf)
 
         return map_leaves(template, result_leaf)
+
+
+def _nbytes(tensors: dict[str, ShardedTensor]) -> int:
+    return sum(t.data.numel() * t.data.element_size() for t in tensors.values())
 
 
 def _is_tensor(leaf: Any) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -146,7 +147,9 @@ class TransferSession:
         sources, targets, description = self._describe(comm.rank, source, target)
         signature = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
         same_plan = delta and signature == self._signature and self._full is not None
-        changed = self._changed(sources) if same_plan else None
+        # With the same plan, the digests of every cell this rank sends say which changed since last sent.
+        current = self._digests(sources, self._full) if same_plan and self._full is not None else None
+        changed = [i for i, digest in current.items() if self._sent.get(i) != digest] if current is not None else None
 
         def local() -> bytes:
             return json.dumps({"description": description, "same": same_plan, "changed": changed}).encode()
@@ -163,7 +166,7 @@ class TransferSession:
         replanned, reply = comm.step_scatter("transfer planning", local, combine)
         schedule = RankSchedule.from_json(json.loads(reply))
         if replanned:
-            self._full, self._signature, self._sent = schedule, signature, {}
+            self._full, self._signature = schedule, signature
         counters = ExchangeCounters()
 
         def send_and_receive() -> None:
@@ -171,11 +174,13 @@ class TransferSession:
                 run_exchange(comm.transport, schedule, sources, counters, targets=targets)
 
         comm.step("transferring", send_and_receive)
-        self._sent.update(self._digests(sources, schedule))
+        # What this rank's receivers now hold: every cell of its plan (unchanged ones were held already).
+        self._sent = current if current is not None and not replanned else self._digests(sources, schedule)
         if stats is not None:
             stats.bytes_sent = counters.bytes_sent
             stats.bytes_received = counters.bytes_received
-            stats.bytes_copied = sum(_volume(ref) * targets[ref[0]].view.element_size() for _, ref in schedule.copies)
+            copied = schedule.copies
+            stats.bytes_copied = sum(math.prod(ref[2]) * targets[ref[0]].view.element_size() for _, ref in copied)
             stats.rounds = len(schedule.rounds)
             stats.seconds = time.perf_counter() - started
         return map_leaves(target, lambda _path, leaf: leaf.data if isinstance(leaf, ShardedTensor) else leaf)
@@ -230,11 +235,6 @@ class TransferSession:
             )
         return plan
 
-    def _changed(self, sources: list[LocalPiece]) -> list[int]:
-        """The numbers of the cells this rank sends whose content differs from what it last sent."""
-        assert self._full is not None
-        return [i for i, digest in self._digests(sources, self._full).items() if self._sent.get(i) != digest]
-
     @staticmethod
     def _digests(sources: list[LocalPiece], schedule: RankSchedule) -> dict[int, bytes]:
         """A BLAKE2b digest of every cell this rank sends in ``schedule``, by the cell's number."""
@@ -245,13 +245,6 @@ class TransferSession:
                     raw = cell_view(sources, ref).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
                     out[ref[4]] = hashlib.blake2b(raw.numpy().data, digest_size=16).digest()
         return out
-
-
-def _volume(ref: list[Any]) -> int:
-    volume = 1
-    for n in ref[2]:
-        volume *= n
-    return volume
 
 
 def _renamer(key_map: Mapping[str, str] | Callable[[str], str] | None) -> Callable[[str], str]:
