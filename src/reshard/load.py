@@ -333,7 +333,9 @@ def _load_from(
         with clock.phase("stage"):
             staged = stage_files(comm, storage, metadata, needed, staging.path, staging.node_group)
     executor = ReadExecutor(
-        staged.storage if staged is not None else storage, metadata, memory_budget_bytes=options.memory_budget_bytes
+        staged.storage if staged is not None else storage,
+        staged.metadata if staged is not None else metadata,
+        memory_budget_bytes=options.memory_budget_bytes,
     )
     loaded_objects: dict[tuple[str, tuple[int, ...]], object] = {}
 

@@ -5,8 +5,11 @@ its commit, or a losing racer leaves files that ``metadata.json`` does not list.
 :func:`collect_garbage` (``reshard gc PATH``) removes them. Only files under ``data/`` whose names are
 those a save writes (:data:`~reshard.io.datafile.DATA_FILE_PATTERN`) are candidates, and only those older
 than ``min_age_s``, so that the files of a save still writing to the same location, and anything a person
-put there, are left alone. Symbolic links are never followed: a ``data`` directory that is a link is
-refused, so that nothing outside the checkpoint can be deleted.
+put there, are left alone. Files that a live incremental checkpoint references (its marker is in
+``refs/``, :mod:`reshard.references`) are never candidates; a *retired* checkpoint (deleted while others
+referenced it) loses the files and markers no live referrer needs, and goes whole once none does.
+Symbolic links are never followed: a ``data`` directory that is a link is refused, so that nothing
+outside the checkpoint can be deleted.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.io.reader import ReadExecutor
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
 from reshard.progress import Progress, reporting
+from reshard.references import check_referenced_files, is_retired, protected_files, sweep_retired
 from reshard.sources import read_metadata_bytes
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
@@ -52,8 +56,15 @@ def collect_garbage(
     """
     storage = storage_for(path, storage_options)
     try:
+        if is_retired(storage) and not storage.exists(METADATA_FILE):
+            try:
+                return sweep_retired(storage, dry_run=dry_run)
+            except OSError as exc:
+                raise StorageError(f"collecting the garbage of retired {storage.describe()} failed: {exc}") from exc
         try:
-            referenced = {f.path for f in Metadata.from_json_bytes(read_metadata_bytes(storage)).files}
+            referenced = {
+                f.path for f in Metadata.from_json_bytes(read_metadata_bytes(storage)).files if f.checkpoint is None
+            }
         except IncompleteCheckpointError:
             if not include_incomplete:
                 raise
@@ -62,6 +73,8 @@ def collect_garbage(
             raise
         now = time.time()
         try:
+            protected, stale = protected_files(storage)
+            referenced |= protected
             garbage = [
                 name
                 for name in storage.list_files(DATA_DIR)
@@ -69,6 +82,7 @@ def collect_garbage(
                 and DATA_FILE_PATTERN.match(name)
                 and now - storage.modified_time(name) >= min_age_s
             ]
+            garbage += stale
             if not dry_run:
                 for name in garbage:
                     storage.delete(name)
@@ -92,8 +106,9 @@ def validate_checkpoint(
     """Every problem of the checkpoint at ``path``, as one line each (empty: the checkpoint is good).
 
     Checks completeness (``metadata.json`` present and valid), that every data file exists with the size
-    the metadata says, and, unless ``quick``, every checksum of every stored box and object (``progress``,
-    if given, is told the bytes checked). Not collective.
+    the metadata says (the files of other checkpoints that an incremental checkpoint references too, each
+    problem naming both checkpoints), and, unless ``quick``, every checksum of every stored box and object
+    (``progress``, if given, is told the bytes checked). Not collective.
 
     Raises:
         CheckpointNotFoundError: there is no checkpoint at ``path`` (nothing to validate).
@@ -106,9 +121,14 @@ def validate_checkpoint(
             raise
         except CheckpointError as exc:
             return [str(exc)]
-        problems: list[str] = []
+        referenced_problems = check_referenced_files(storage, metadata)
+        problems = list(referenced_problems.values())
         good_files = set()
         for index, entry in enumerate(metadata.files):
+            if entry.checkpoint is not None:
+                if index not in referenced_problems:
+                    good_files.add(index)
+                continue
             try:
                 size = storage.size(entry.path)
             except FileNotFoundError:
@@ -131,9 +151,7 @@ def validate_checkpoint(
             storage.close()
 
 
-def _check_all_chunks(
-    storage: Storage, metadata: Metadata, files: set[int], progress: Progress | None
-) -> list[str]:
+def _check_all_chunks(storage: Storage, metadata: Metadata, files: set[int], progress: Progress | None) -> list[str]:
     """Every chunk of every stored box and blob in ``files``, through the read executor of loads (bounded
     memory whatever the declared chunk size); one problem per damaged box or blob."""
     entries: list[tuple[str, int, int, int, tuple[int, ...]]] = []

@@ -18,10 +18,17 @@ Retention runs after each save, on the coordinator: it deletes complete checkpoi
 live writer holds, and removes leftovers of interrupted saves older than the newest complete checkpoint.
 A checkpoint is deleted ``metadata.json`` first, so a deletion cut short leaves an incomplete directory,
 never a corrupt-looking one.
+
+With ``incremental=True`` each save after the first is an incremental save against the newest complete
+checkpoint (:func:`reshard.save`'s ``base``): only the boxes whose content changed are written, the others
+are referenced where they lie. Retention then deletes through :func:`reshard.references.delete_checkpoint`:
+a checkpoint whose files a kept one references is *retired* (``retired.json``; status ``retired``), keeping
+exactly those files, and swept once no kept checkpoint needs them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -43,6 +50,7 @@ from reshard.load import load
 from reshard.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
 from reshard.metadata import METADATA_FILE, Metadata
 from reshard.options import SaveOptions
+from reshard.references import delete_checkpoint, is_retired, sweep_retired
 from reshard.save import SaveResult, save
 from reshard.sources import read_metadata_bytes
 from reshard.storage import CheckpointLocation, Storage, storage_for
@@ -65,7 +73,12 @@ def step_name(step: int) -> str:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepInfo:
     """One step directory of a root: ``status`` is ``complete``, ``incomplete`` (no metadata.json: an
-    interrupted save, or one running when ``locked``) or ``corrupt`` (metadata.json that does not parse)."""
+    interrupted save, or one running when ``locked``), ``corrupt`` (metadata.json that does not parse) or
+    ``retired`` (deleted, keeping the data files that other checkpoints reference).
+
+    ``tensor_bytes`` counts the tensor data of a complete checkpoint, of which ``referenced_bytes`` lie in
+    other checkpoints' files (an incremental save's references); ``content_hashes`` and
+    ``checksum_chunk_bytes`` say whether it can be an incremental save's base."""
 
     step: int
     name: str
@@ -74,6 +87,14 @@ class StepInfo:
     tensor_bytes: int
     world_size: int | None
     problem: str = ""
+    referenced_bytes: int = 0
+    content_hashes: bool = False
+    checksum_chunk_bytes: int | None = None
+
+    @property
+    def written_bytes(self) -> int:
+        """Tensor bytes stored in this checkpoint's own files."""
+        return self.tensor_bytes - self.referenced_bytes
 
 
 def scan_root(storage: Storage) -> list[StepInfo]:
@@ -90,10 +111,12 @@ def _inspect_step(storage: Storage, name: str, step: int) -> StepInfo:
     child = storage.child(name)
     try:
         locked = read_lock(child) is not None
-        status, problem, tensor_bytes, world_size = "complete", "", 0, None
+        if is_retired(child):
+            return StepInfo(step=step, name=name, status="retired", locked=locked, tensor_bytes=0, world_size=None)
+        status, problem = "complete", ""
+        metadata = None
         try:
             metadata = Metadata.from_json_bytes(read_metadata_bytes(child), where=child.describe(METADATA_FILE))
-            tensor_bytes, world_size = metadata.total_bytes, metadata.world_size
         except (IncompleteCheckpointError, CheckpointNotFoundError):
             status = "incomplete"
         except CorruptCheckpointError as exc:
@@ -103,9 +126,12 @@ def _inspect_step(storage: Storage, name: str, step: int) -> StepInfo:
             name=name,
             status=status,
             locked=locked,
-            tensor_bytes=tensor_bytes,
-            world_size=world_size,
+            tensor_bytes=metadata.total_bytes if metadata is not None else 0,
+            world_size=metadata.world_size if metadata is not None else None,
             problem=problem,
+            referenced_bytes=metadata.referenced_bytes if metadata is not None else 0,
+            content_hashes=metadata is not None and metadata.content_hashes,
+            checksum_chunk_bytes=metadata.checksum_chunk_bytes if metadata is not None else None,
         )
     finally:
         child.close()
@@ -118,6 +144,8 @@ class CheckpointManager:
         root: where the step checkpoints live.
         keep_last: keep this many newest complete checkpoints (None: keep all).
         keep_every: also keep every checkpoint whose step is a multiple of this.
+        incremental: save each step incrementally against the newest complete checkpoint (see the module
+            doc); every save records content hashes.
         group: the ranks that save and load together (collective methods say so).
         storage_options: for object-store roots.
         timeout: collective timeout.
@@ -129,6 +157,7 @@ class CheckpointManager:
         *,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        incremental: bool = False,
         group: Group = None,
         storage_options: dict[str, Any] | None = None,
         timeout: datetime.timedelta | float | None = None,
@@ -140,6 +169,7 @@ class CheckpointManager:
         self.root = storage_for(root, storage_options)
         self.keep_last = keep_last
         self.keep_every = keep_every
+        self.incremental = incremental
         self.group = group
         self.timeout = timeout
 
@@ -171,7 +201,8 @@ class CheckpointManager:
         """Save ``state_dict`` as step ``step`` (``options`` as for :func:`reshard.save`), then
         (coordinator) point ``latest`` at it and apply the retention policy. Called by all ranks of the
         group. Two managers saving to one root at the same time cannot interleave: the second gets
-        CheckpointLockedError.
+        CheckpointLockedError. With ``incremental``, the base is the newest complete checkpoint that records
+        content hashes with the same checksum chunk size (none: a full save).
 
         Raises:
             UnconfirmedCommitError: the step was committed and is complete (``latest`` points at it where the
@@ -183,13 +214,24 @@ class CheckpointManager:
         token = uuid.uuid4().hex
         held: list[Lock] = []
 
-        def lock() -> None:
-            if comm.is_coordinator:
-                held.append(acquire_lock(self.root, token, what="manager"))
-                held[0].start_renewing()
+        options = options if options is not None else SaveOptions()
+        if self.incremental:
+            options = dataclasses.replace(options, content_hash=True)
 
+        def lock() -> str | None:
+            if not comm.is_coordinator:
+                return None
+            held.append(acquire_lock(self.root, token, what="manager"))
+            held[0].start_renewing()
+            return self._base_for(step, options.checksum_chunk_bytes) if self.incremental else None
+
+        def coordinators(values: list[str | None]) -> str | None:
+            return values[0]
+
+        base: Storage | None = None
         try:
-            comm.step("manager lock", lock)
+            base_name = comm.step("manager lock", lock, coordinators)
+            base = self.root.child(base_name) if base_name is not None else None
             try:
                 result = save(
                     state_dict,
@@ -198,6 +240,7 @@ class CheckpointManager:
                     overwrite=overwrite,
                     options=options,
                     timeout=self.timeout,
+                    base=base,
                 )
             except UnconfirmedCommitError:
                 if comm.is_coordinator:
@@ -215,7 +258,19 @@ class CheckpointManager:
         finally:
             for lock_held in held:
                 lock_held.release()
+            if base is not None:
+                base.close()
         return result
+
+    def _base_for(self, step: int, chunk_bytes: int) -> str | None:
+        """On the coordinator: the base of an incremental save of ``step``, or None (a full save)."""
+        for info in reversed(scan_root(self.root)):
+            if info.status == "complete" and info.step != step:
+                if info.content_hashes and info.checksum_chunk_bytes == chunk_bytes:
+                    return info.name
+                logger.info("incremental save of step %d: %s cannot be its base, saving in full", step, info.name)
+                return None
+        return None
 
     def _point_latest_at(self, step: int) -> None:
         """On the coordinator, after step ``step`` committed: replace ``latest.json`` (atomically)."""
@@ -236,15 +291,28 @@ class CheckpointManager:
         if self.keep_every is not None:
             keep |= {s for s in complete if s % self.keep_every == 0}
         keep |= {newest, keep_step}
-        for info in infos:
+        # Newest first, so that a checkpoint referenced only by older ones being deleted too goes whole;
+        # then the retired ones, whose referrers may just have gone.
+        for info in sorted(infos, key=lambda i: -i.step):
             live = info.locked and self._lock_is_live(info.name)
             if info.status == "complete" and info.step not in keep and not live:
                 logger.info("retention: deleting %s", self.root.describe(info.name))
-                self.root.delete(f"{info.name}/{METADATA_FILE}")  # first: a cut-short deletion is incomplete
-                self.root.delete_prefix(info.name)
-            elif info.status != "complete" and info.step < newest and not live:
+                child = self.root.child(info.name)
+                try:
+                    if delete_checkpoint(child):  # metadata.json first: a cut-short deletion is incomplete
+                        logger.info("retention: %s keeps the data files newer checkpoints reference", info.name)
+                finally:
+                    child.close()
+            elif info.status not in ("complete", "retired") and info.step < newest and not live:
                 logger.info("retention: removing interrupted save %s", self.root.describe(info.name))
                 self.root.delete_prefix(info.name)
+        for info in infos:
+            if info.status == "retired":
+                child = self.root.child(info.name)
+                try:
+                    sweep_retired(child)
+                finally:
+                    child.close()
 
     def _lock_is_live(self, name: str) -> bool:
         child = self.root.child(name)
@@ -285,6 +353,9 @@ class CheckpointManager:
                 skipped.append((step, reason))
 
         for step, status, problem in listed:
+            if status == "retired":
+                skip(step, "it was deleted by retention and keeps only data files that newer checkpoints reference")
+                continue
             if status != "complete":
                 skip(
                     step, problem or "it has no metadata.json (a save interrupted before its commit, or still writing)"

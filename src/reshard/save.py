@@ -16,8 +16,13 @@ committed):
    coordinator's confirmation reaches it) is :class:`~reshard.UnconfirmedCommitError`, and the checkpoint
    stays. The other ranks get a summary (:class:`SaveResult`), never the whole metadata.
 
-The per-save arguments (path, ``overwrite``, ``fingerprint``, ``checksum_chunk_bytes``) travel with the
-descriptions and must agree across ranks, or nothing is written.
+The per-save arguments (path, ``overwrite``, ``fingerprint``, ``checksum_chunk_bytes``, ``content_hash``,
+``base``) travel with the descriptions and must agree across ranks, or nothing is written.
+
+An *incremental* save (``base=``) differs in two places: planning looks every assigned box up in the base
+(:mod:`reshard.planning.incremental`) and tells its writer the base's content hash, and a writer whose
+box hashes the same skips it; before the commit, the coordinator leaves reference markers in the
+checkpoints it references and checks that their files are still there (:mod:`reshard.references`).
 
 So what a rank other than the coordinator sends and receives does not grow with the number of ranks
 (docs/scale.md measures it, with the coordinator's planning time and memory, up to 8192 ranks).
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -40,7 +46,7 @@ from reshard.comm import Communicator
 from reshard.errors import CheckpointError, CommunicationError, StateDictError, StorageError, UnconfirmedCommitError
 from reshard.fingerprint import fingerprint
 from reshard.io.commit import CommitOutcome, SaveCommit
-from reshard.io.datafile import DataFileWriter, data_file_name, tensor_bytes
+from reshard.io.datafile import DataFileWriter, content_digest, data_file_name, tensor_bytes
 from reshard.locking import LockTiming
 from reshard.metadata import (
     MAX_METADATA_BYTES,
@@ -56,10 +62,13 @@ from reshard.planning.descriptions import (
     describe_state,
     encode_description,
 )
+from reshard.planning.incremental import ReferencedBox, match_base
 from reshard.planning.save_plan import plan_save_table
+from reshard.references import check_referenced_files, remove_markers, write_markers
+from reshard.sources import read_metadata_bytes
 from reshard.statedict import FlatStateDict, flatten_state_dict
 from reshard.stats import PhaseClock, SaveStats, fill_save_stats
-from reshard.storage import CheckpointLocation, Storage, storage_for
+from reshard.storage import CheckpointLocation, LocalStorage, Storage, storage_for
 from reshard.transports import Group
 
 __all__ = ["SaveResult", "save", "tensor_bytes"]
@@ -83,6 +92,12 @@ class _SaveState:
     """Every rank's description in columns; on the coordinator only."""
     commit: SaveCommit | None = None
     """The commit protocol; on the coordinator only, from planning on."""
+    references: dict[int, ReferencedBox] | None = None
+    """For an incremental save, the base's box of every table row that may be reused; on the coordinator."""
+    written: list[int] = field(default_factory=list)
+    """The indices (in ``views``) of the boxes this rank wrote (an incremental save reuses others)."""
+    marked: list[str] = field(default_factory=list)
+    """The checkpoints this save left reference markers in; on the coordinator."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,9 +108,11 @@ class SaveResult:
         path: the checkpoint, as its storage describes it.
         save_id: the id of this save (data file names contain it).
         world_size: ranks in the group that saved.
-        num_files: data files in the checkpoint (one per rank that wrote something).
-        file_bytes: bytes of all the data files together.
-        total_bytes: bytes of tensor data in the checkpoint (each box once).
+        num_files: data files this save wrote (one per rank that wrote something).
+        file_bytes: bytes of the data files this save wrote together.
+        total_bytes: bytes of tensor data in the checkpoint (each box once), written or referenced.
+        referenced_bytes: of those, the bytes an incremental save did not write because its base held them
+            (they stay in the files of the checkpoints that hold them).
         metadata: on the coordinator (rank 0 of the group), the committed metadata; None on the other ranks,
             which never receive the whole checkpoint's metadata (at ten thousand ranks that would be every
             rank holding everyone's plan): use :func:`reshard.read_metadata` where it is needed.
@@ -108,6 +125,7 @@ class SaveResult:
     file_bytes: int
     total_bytes: int
     metadata: Metadata | None
+    referenced_bytes: int = 0
 
 
 def save(
@@ -120,6 +138,7 @@ def save(
     storage_options: dict[str, Any] | None = None,
     timeout: datetime.timedelta | float | None = None,
     stats: SaveStats | None = None,
+    base: CheckpointLocation | None = None,
 ) -> SaveResult:
     """Save a (sharded) state dict as a checkpoint at ``path``. Called by all ranks of ``group``.
 
@@ -141,6 +160,10 @@ def save(
             as ``endpoint_url``); credentials otherwise come from the client's usual configuration.
         stats: if given, filled with this rank's bytes written and seconds per phase (see
             :class:`~reshard.SaveStats`) once the save has committed.
+        base: save incrementally against this earlier checkpoint, a sibling of ``path`` (same parent
+            directory or prefix) saved with content hashes: a box whose place and content hash equal the
+            base's is not written, and the metadata references the file that holds it (docs/format.md
+            section 15); the new checkpoint records content hashes too. Every rank passes the same.
 
     Returns:
         A :class:`SaveResult` on every rank: the checkpoint's id, size and files; on the coordinator also
@@ -150,6 +173,8 @@ def save(
         ShardingError: the ranks' boxes do not tile their tensors (same on every rank).
         CheckpointExistsError: ``path`` holds a complete checkpoint and ``overwrite`` is off.
         CheckpointLockedError: another save holds ``path``.
+        CheckpointError: ``base`` is not a sibling of ``path``, has no content hashes, or checksums in
+            chunks of another size; or a data file it references is missing (nothing is written then).
         StorageError: a file could not be written on some rank.
         UnconfirmedCommitError: the checkpoint was committed and is complete, but a failure after the commit
             (a rank died or lost contact) kept the save from ending in agreement; nothing is deleted.
@@ -160,6 +185,7 @@ def save(
     comm = Communicator(group, timeout=timeout)
     storage = storage_for(path, storage_options)
     try:
+        base_name = None if base is None else sibling_name(storage, base, storage_options)
         with collector_paused():
             return _save_to(
                 storage,
@@ -171,13 +197,50 @@ def save(
                 memory_budget_bytes=options.memory_budget_bytes,
                 started=started,
                 stats=stats,
+                content_hashes=options.content_hash or base_name is not None,
+                base_name=base_name,
             )
     finally:
         if storage is not path:
             storage.close()
 
 
-def _save_options(overwrite: bool, with_fingerprints: bool, checksum_chunk_bytes: int) -> dict[str, Any]:
+def sibling_name(storage: Storage, base: CheckpointLocation, storage_options: dict[str, Any] | None = None) -> str:
+    """The name of checkpoint ``base`` beside ``storage`` (an incremental save's base).
+
+    Raises:
+        CheckpointError: ``base`` is not a sibling of ``storage``, or is ``storage`` itself.
+    """
+    base_storage = storage_for(base, storage_options)
+    try:
+        name = base_storage.name
+        sibling = storage.sibling(name)
+        try:
+            same = _same_place(sibling, base_storage)
+        finally:
+            sibling.close()
+        if not same:
+            raise CheckpointError(
+                f"the base {base_storage.describe()} of an incremental save must be a sibling of {storage.describe()} "
+                "(in the same directory or prefix): references name sibling checkpoints only"
+            )
+        if _same_place(storage, base_storage):
+            raise CheckpointError(f"{storage.describe()} cannot be its own base")
+        return name
+    finally:
+        if base_storage is not base:
+            base_storage.close()
+
+
+def _same_place(a: Storage, b: Storage) -> bool:
+    if isinstance(a, LocalStorage) and isinstance(b, LocalStorage):
+        return os.path.abspath(a.root) == os.path.abspath(b.root)
+    return type(a) is type(b) and a.describe().rstrip("/") == b.describe().rstrip("/")
+
+
+def _save_options(
+    overwrite: bool, with_fingerprints: bool, checksum_chunk_bytes: int, content_hashes: bool, base_name: str | None
+) -> dict[str, Any]:
     """The per-save parameters every rank must pass alike (agreed in the first collective)."""
     if isinstance(checksum_chunk_bytes, bool) or not isinstance(checksum_chunk_bytes, int) or checksum_chunk_bytes < 1:
         raise CheckpointError(f"checksum_chunk_bytes must be a positive integer, got {checksum_chunk_bytes!r}")
@@ -185,13 +248,15 @@ def _save_options(overwrite: bool, with_fingerprints: bool, checksum_chunk_bytes
         "overwrite": bool(overwrite),
         "fingerprint": bool(with_fingerprints),
         "checksum_chunk_bytes": checksum_chunk_bytes,
+        "content_hash": bool(content_hashes),
+        "base": base_name,
     }
 
 
 def _check_agreement(contexts: list[Any]) -> None:
     """On the coordinator: every rank passed the same path and options (else nothing is written)."""
     problems = []
-    for what in ("path", "overwrite", "fingerprint", "checksum_chunk_bytes"):
+    for what in ("path", "overwrite", "fingerprint", "checksum_chunk_bytes", "content_hash", "base"):
         by_value: dict[Any, list[int]] = {}
         for rank, context in enumerate(contexts):
             value = context[what] if what == "path" else context["options"][what]
@@ -216,6 +281,8 @@ def _save_to(
     started: float,
     stats: SaveStats | None = None,
     lock_timing: LockTiming | None = None,
+    content_hashes: bool = False,
+    base_name: str | None = None,
 ) -> SaveResult:
     """The body of :func:`save` once the storage is open."""
     clock = PhaseClock("save", comm.rank, started)
@@ -223,7 +290,7 @@ def _save_to(
     state = _SaveState()
 
     def describe() -> bytes:
-        options = _save_options(overwrite, with_fingerprints, checksum_chunk_bytes)
+        options = _save_options(overwrite, with_fingerprints, checksum_chunk_bytes, content_hashes, base_name)
         description = _prepare_rank_state(state, state_dict, rank=comm.rank, is_coordinator=comm.is_coordinator)
         return encode_description(description, {"path": location, "options": options})
 
@@ -231,6 +298,16 @@ def _save_to(
         state.table, contexts = DescriptionTable.from_wire(payloads)
         _check_agreement(contexts)
         assignments = plan_save_table(state.table)
+        if base_name is not None:
+            base = _read_base(storage, base_name)
+            assignments, state.references = match_base(
+                state.table,
+                assignments,
+                base,
+                base_name=base_name,
+                target_name=storage.name,
+                chunk_bytes=checksum_chunk_bytes,
+            )
         save_id = uuid.uuid4().hex
         state.commit = SaveCommit(storage, save_id, overwrite=overwrite, lock_timing=lock_timing)
         try:
@@ -253,7 +330,15 @@ def _save_to(
 
     def write() -> dict[str, Any]:
         report = _write_assigned(
-            storage, state, assignment, save_id, comm.rank, checksum_chunk_bytes, with_fingerprints, memory_budget_bytes
+            storage,
+            state,
+            assignment,
+            save_id,
+            comm.rank,
+            checksum_chunk_bytes,
+            with_fingerprints,
+            memory_budget_bytes,
+            content_hashes,
         )
         return report.to_json()
 
@@ -271,7 +356,16 @@ def _save_to(
             world_size=comm.size,
             chunk_bytes=checksum_chunk_bytes,
             common=state.flat.common,
+            content_hashes=content_hashes,
+            references=state.references,
         )
+        if metadata.referenced_checkpoints:
+            # Markers first, so that from the commit on every holder knows of this referrer; then the files
+            # referenced must still be there (a base deleted meanwhile fails the save, not a later load).
+            state.marked = write_markers(storage, metadata)
+            problems = check_referenced_files(storage, metadata)
+            if problems:
+                raise CheckpointError(f"the incremental save cannot reference its base: {'; '.join(problems.values())}")
         # The commit point: before it the old checkpoint (if any) is intact, after it the new one is, and
         # nothing it references is deleted by this save whatever fails next.
         try:
@@ -294,6 +388,8 @@ def _save_to(
                     save_id=save_id,
                 ) from exc
             state.commit.discard()  # deletes this save's files only when it is known not to have committed
+            if state.commit.outcome is CommitOutcome.NOT_COMMITTED:
+                remove_markers(storage, save_id, state.marked)
         elif isinstance(exc, CommunicationError) and _committed_as(storage, save_id):
             raise UnconfirmedCommitError(
                 f"{location} was committed (save {save_id}) and is complete, but rank {comm.rank} lost contact "
@@ -310,12 +406,13 @@ def _save_to(
         file_bytes=summary["file_bytes"],
         total_bytes=summary["total_bytes"],
         metadata=committed[0] if committed else None,
+        referenced_bytes=summary["referenced_bytes"],
     )
     with clock.phase("commit"):
         if result.metadata is not None and state.commit is not None:
-            state.commit.remove_replaced({f.path for f in result.metadata.files})
+            state.commit.remove_replaced({f.path for f in result.metadata.files if f.checkpoint is None})
     stats = stats if stats is not None else SaveStats()
-    written = [state.views[i].nbytes for i in assignment.tensors]
+    written = [state.views[i].nbytes for i in state.written]
     fill_save_stats(stats, clock, file_bytes=state.file_bytes, checkpoint_bytes=result.total_bytes, written=written)
     logger.info(
         "[rank=%d] saved %s in %.3f s (%s): this rank wrote %d bytes (%.1f MB/s); the checkpoint holds %d bytes "
@@ -344,10 +441,12 @@ def _committed_as(storage: Storage, save_id: str) -> bool:
 
 def _summary(metadata: Metadata) -> dict[str, int]:
     """What every rank learns of the committed checkpoint (the coordinator keeps the metadata itself)."""
+    own = [f for f in metadata.files if f.checkpoint is None]
     return {
-        "files": len(metadata.files),
-        "file_bytes": sum(f.size for f in metadata.files),
+        "files": len(own),
+        "file_bytes": sum(f.size for f in own),
         "total_bytes": metadata.total_bytes,
+        "referenced_bytes": metadata.referenced_bytes,
     }
 
 
@@ -379,23 +478,45 @@ def _write_assigned(
     chunk_bytes: int,
     with_fingerprints: bool,
     memory_budget_bytes: int,
+    content_hashes: bool = False,
 ) -> WriteReport:
-    """Write this rank's assigned boxes and objects into its data file; where they went."""
-    if not assignment.tensors and not assignment.objects:
-        return WriteReport()
+    """Write this rank's assigned boxes and objects into its data file; where they went. A box whose
+    content hash equals the base's (an incremental save) is not written but reported as reused."""
+    reused: list[int] = []
+    reused_prints: list[int] = []
+    to_write: list[int] = []
+    for position, index in enumerate(assignment.tensors):
+        base_hash = assignment.base_hash(position)
+        if base_hash is not None and content_digest(state.views[index]) == base_hash:
+            reused.append(index)
+            if with_fingerprints:
+                piece = state.description.tensors[index]
+                reused_prints.append(fingerprint(state.views[index], piece.box, piece.global_shape))
+        else:
+            to_write.append(index)
+    state.written = to_write
+    if not to_write and not assignment.objects:
+        return WriteReport(
+            tensors=TensorReport.of(
+                (), (), (), (), reused=reused, reused_fingerprint=reused_prints if with_fingerprints else None
+            )
+        )
     name = data_file_name(save_id, rank)
-    writer = DataFileWriter(storage, name, chunk_bytes, memory_budget_bytes)
+    writer = DataFileWriter(storage, name, chunk_bytes, memory_budget_bytes, hash_content=content_hashes)
     offsets: list[int] = []
     lengths: list[int] = []
     checksums: list[int] = []
+    digests: list[bytes] = []
     prints: list[int] = []
     written_objects = []
     try:
-        for index in assignment.tensors:
+        for index in to_write:
             stored = writer.append_tensor(state.views[index])
             offsets.append(stored.byte_offset)
             lengths.append(stored.byte_length)
             checksums += stored.checksums
+            if stored.content_hash is not None:
+                digests.append(stored.content_hash)
             if with_fingerprints:
                 piece = state.description.tensors[index]
                 prints.append(fingerprint(state.views[index], piece.box, piece.global_shape))
@@ -414,5 +535,23 @@ def _write_assigned(
         raise
     size = writer.commit()
     state.file_bytes = size
-    report = TensorReport.of(assignment.tensors, offsets, lengths, checksums, prints if with_fingerprints else None)
+    report = TensorReport.of(
+        to_write,
+        offsets,
+        lengths,
+        checksums,
+        prints if with_fingerprints else None,
+        content_hash=b"".join(digests),
+        reused=reused,
+        reused_fingerprint=reused_prints if with_fingerprints else None,
+    )
     return WriteReport(file=name, size=size, tensors=report, objects=tuple(written_objects))
+
+
+def _read_base(storage: Storage, base_name: str) -> Metadata:
+    """On the coordinator of an incremental save: the base checkpoint's metadata, validated."""
+    base = storage.sibling(base_name)
+    try:
+        return Metadata.from_json_bytes(read_metadata_bytes(base), where=base.describe(METADATA_FILE))
+    finally:
+        base.close()

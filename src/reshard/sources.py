@@ -24,6 +24,7 @@ from reshard.errors import (
 from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.locking import read_lock
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
+from reshard.references import RETIRED_FILE, is_retired
 from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
 
 __all__ = ["CheckpointSource", "ReshardCheckpoint", "as_source", "read_metadata_bytes"]
@@ -76,7 +77,8 @@ def read_metadata_bytes(storage: Storage) -> bytes:
     """The raw ``metadata.json`` of a checkpoint, or the error that says why there is none.
 
     Raises:
-        CheckpointNotFoundError: the path does not exist, or is not a checkpoint.
+        CheckpointNotFoundError: the path does not exist, is not a checkpoint, or is a retired one (deleted
+            but keeping the data files that others reference).
         IncompleteCheckpointError: data files but no ``metadata.json`` (a save that never committed).
         CorruptCheckpointError: ``metadata.json`` is larger than :data:`~reshard.metadata.MAX_METADATA_BYTES`.
         StorageError: the file exists but cannot be read.
@@ -104,12 +106,18 @@ def read_metadata_bytes(storage: Storage) -> bytes:
             exists and not data_files and storage.exists(DATA_DIR)
         )
         safetensors = exists and not has_data and any(storage.exists(n) for n in _SAFETENSORS_NAMES)
+        retired = has_data and is_retired(storage)
     except CheckpointNotFoundError:  # a missing bucket, named by the storage
         raise
     except OSError as exc:
         raise StorageError(f"{where} has no {METADATA_FILE}, and looking for its data failed: {exc}") from exc
     if not exists:
         raise CheckpointNotFoundError(f"no checkpoint at {where}: the path does not exist")
+    if retired:
+        raise CheckpointNotFoundError(
+            f"{where} was deleted (retired): it has no {METADATA_FILE} and keeps only the data files that other "
+            f"checkpoints reference ({RETIRED_FILE}); load one of those"
+        )
     if holder is not None:
         raise IncompleteCheckpointError(
             f"{where} has no {METADATA_FILE}: a save is writing it or was interrupted "

@@ -19,6 +19,7 @@ Protocol (two agreement steps over the load's group):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import uuid
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from reshard.errors import CheckpointError, StorageError
 from reshard.io.reader import ReadExecutor
-from reshard.metadata import Metadata
+from reshard.metadata import DataFile, Metadata
 from reshard.storage import LocalStorage, Storage
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ class StagedFiles:
 
     storage: Storage
     directory: Path
+    metadata: Metadata
+    """The checkpoint's metadata with every file named as staged (:func:`staged_name`)."""
     downloaded: list[str] = field(default_factory=list)
     reused: list[str] = field(default_factory=list)
     bytes_downloaded: int = 0
@@ -58,6 +61,16 @@ class StagedFiles:
         for folder in sorted({(self.directory / n).parent for n in [*self.downloaded, *self.reused]}, reverse=True):
             with contextlib.suppress(OSError):
                 folder.rmdir()
+
+
+REFERENCED_DIR = "referenced"
+"""Where staging puts the files of other checkpoints that an incremental checkpoint references."""
+
+
+def staged_name(entry: DataFile) -> str:
+    """The name of a data file in the staging directory: its own path, or, for a file of another checkpoint,
+    ``referenced/<checkpoint>/<path>`` (the staged copy stays inside the staging directory)."""
+    return entry.path if entry.checkpoint is None else f"{REFERENCED_DIR}/{entry.checkpoint}/{entry.path}"
 
 
 def node_id(node_group: dist.ProcessGroup | None) -> str:
@@ -142,22 +155,26 @@ def stage_files(
         return {"node": node, "files": sorted(needed)}
 
     assignments: list[list[int]] = comm.step("staging plan", request, lambda requests: _assign(requests, metadata))
-    staged = StagedFiles(storage=LocalStorage(directory), directory=directory)
+    staged_metadata = dataclasses.replace(
+        metadata, files=tuple(DataFile(path=staged_name(f), size=f.size) for f in metadata.files)
+    )
+    staged = StagedFiles(storage=LocalStorage(directory), directory=directory, metadata=staged_metadata)
 
     def download() -> None:
         mine = assignments[comm.rank]
-        present = {file for file in mine if (directory / metadata.files[file].path).exists()}
+        present = {file for file in mine if (directory / staged_name(metadata.files[file])).exists()}
         ranges = stored_ranges(metadata, present) if present else {}
         for file in mine:
-            name = metadata.files[file].path
+            name = staged_name(metadata.files[file])
+            source = metadata.files[file].location
             final = directory / name
-            if file in present and file_is_complete(final, metadata, file, ranges):
+            if file in present and file_is_complete(final, staged_metadata, file, ranges):
                 staged.reused.append(name)
                 continue
             final.parent.mkdir(parents=True, exist_ok=True)
             temp = final.with_name(f".{final.name}.part-{uuid.uuid4().hex}")
             try:
-                storage.download(name, temp)
+                storage.download(source, temp)
                 size = os.stat(temp).st_size
             except BaseException:
                 temp.unlink(missing_ok=True)
@@ -165,7 +182,9 @@ def stage_files(
             if size != metadata.files[file].size:
                 temp.unlink(missing_ok=True)
                 expected = metadata.files[file].size
-                raise StorageError(f"downloading {storage.describe(name)} gave {size} bytes, metadata says {expected}")
+                raise StorageError(
+                    f"downloading {storage.describe(source)} gave {size} bytes, metadata says {expected}"
+                )
             os.replace(temp, final)
             staged.downloaded.append(name)
             staged.bytes_downloaded += metadata.files[file].size

@@ -216,9 +216,7 @@ class TransferSession:
                         piece.padded_view.zero_()
                 targets.append(piece)
                 needs.append(describe_need(key, piece))
-        description = {
-            "holdings": holdings, "needs": needs, "held": shapes, "wanted": wanted_shapes, "at": addresses
-        }
+        description = {"holdings": holdings, "needs": needs, "held": shapes, "wanted": wanted_shapes, "at": addresses}
         return sources, targets, description
 
     def _make_plan(self, descriptions: list[dict[str, Any]]) -> TransferPlan:

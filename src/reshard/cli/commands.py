@@ -115,6 +115,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         "status": i.status,
                         "locked": i.locked,
                         "tensor_bytes": i.tensor_bytes,
+                        "written_bytes": i.written_bytes,
+                        "referenced_bytes": i.referenced_bytes,
                         "world_size": i.world_size,
                         "problem": i.problem,
                     }
@@ -130,6 +132,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for info in infos:
         flags = (" (latest)" if info.step == latest else "") + (" (locked: being written)" if info.locked else "")
         size = human_bytes(info.tensor_bytes) if info.status == "complete" else "-"
+        if info.referenced_bytes:
+            written, referenced = human_bytes(info.written_bytes), human_bytes(info.referenced_bytes)
+            flags = f"  ({written} written, {referenced} referenced)" + flags
         sys.stdout.write(f"  {info.name}  {info.status:<10}  {size:>10}{flags}\n")
     return 0
 

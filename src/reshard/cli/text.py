@@ -68,6 +68,7 @@ def inspect_summary(metadata: Metadata, path: str) -> dict[str, Any]:
     from reshard.codec import encode_tagged
     from reshard.metadata import FORMAT_NAME
 
+    own = [f for f in metadata.files if f.checkpoint is None]
     tensors = []
     for key, tensor in sorted(metadata.tensors.items()):
         grid = [len({b.offset[axis] for b in tensor.boxes}) for axis in range(len(tensor.global_shape))]
@@ -96,11 +97,15 @@ def inspect_summary(metadata: Metadata, path: str) -> dict[str, Any]:
         "version": metadata.format_version,
         "save_id": metadata.save_id,
         "created_by": metadata.created_by,
-        "layout": {"world_size": metadata.world_size, "writers": len(metadata.files)},
+        "layout": {"world_size": metadata.world_size, "writers": len(own)},
         "checksum": {"algorithm": "crc32c", "chunk_bytes": metadata.checksum_chunk_bytes},
-        "files": len(metadata.files),
-        "file_bytes": sum(f.size for f in metadata.files),
+        "files": len(own),
+        "file_bytes": sum(f.size for f in own),
         "tensor_bytes": metadata.total_bytes,
+        "written_bytes": metadata.total_bytes - metadata.referenced_bytes,
+        "referenced_bytes": metadata.referenced_bytes,
+        "referenced_checkpoints": list(metadata.referenced_checkpoints),
+        "content_hashes": metadata.content_hashes,
         "tensors": tensors,
         "objects": objects,
         "common": {k: encode_tagged(v, where=k) for k, v in sorted(metadata.common.items())},
@@ -114,8 +119,14 @@ def print_inspect(summary: dict[str, Any]) -> None:
     layout = summary["layout"]
     out(
         f"  saved by {counted(layout['world_size'], 'rank')} ({layout['writers']} wrote data files); "
-        f"{human_bytes(summary['tensor_bytes'])} of tensors in {human_bytes(summary['file_bytes'])} of files\n\n"
+        f"{human_bytes(summary['tensor_bytes'])} of tensors in {human_bytes(summary['file_bytes'])} of files\n"
     )
+    if summary["referenced_checkpoints"]:
+        out(
+            f"  incremental: {human_bytes(summary['written_bytes'])} of tensors written, "
+            f"{human_bytes(summary['referenced_bytes'])} referenced in {', '.join(summary['referenced_checkpoints'])}\n"
+        )
+    out("\n")
     rows = [("key", "dtype", "global shape", "boxes", "grid", "bytes")]
     for t in summary["tensors"]:
         grid = "x".join(map(str, t["grid"])) or "-"

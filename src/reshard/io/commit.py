@@ -34,6 +34,7 @@ from reshard.errors import CheckpointError, CheckpointExistsError, CheckpointLoc
 from reshard.io.datafile import is_data_file_of
 from reshard.locking import Lock, LockTiming, acquire_lock
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
+from reshard.references import protected_files
 
 if TYPE_CHECKING:
     from reshard.storage import Storage
@@ -176,7 +177,7 @@ class SaveCommit:
         then its files stay, for ``reshard gc``)."""
         try:
             raw = self.storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
-            return {f.path for f in Metadata.from_json_bytes(raw).files}
+            return {f.path for f in Metadata.from_json_bytes(raw).files if f.checkpoint is None}
         except (OSError, CheckpointError):
             return set()
 
@@ -205,11 +206,17 @@ class SaveCommit:
 
     def remove_replaced(self, keep: set[str]) -> None:
         """After a committed overwrite: remove the replaced checkpoint's data files that the new one does
-        not name (``keep``). Only names under ``data/`` are touched; a failure is logged, never raised,
-        because the new checkpoint is already committed and complete."""
-        if self.outcome is not CommitOutcome.COMMITTED:
+        not name (``keep``) and that no other checkpoint references (:mod:`reshard.references`). Only names
+        under ``data/`` are touched; a failure is logged, never raised, because the new checkpoint is already
+        committed and complete."""
+        if self.outcome is not CommitOutcome.COMMITTED or not self.replaced - keep:
             return
-        for name in sorted(self.replaced - keep):
+        try:
+            referenced, _ = protected_files(self.storage)
+        except OSError as exc:
+            logger.warning("the replaced checkpoint's files are kept: its reference markers cannot be read: %s", exc)
+            return
+        for name in sorted(self.replaced - keep - referenced):
             if not name.startswith(f"{DATA_DIR}/"):
                 continue
             try:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import xxhash
 
 from reshard.dtypes import byte_view
 from reshard.errors import StorageError
@@ -29,6 +31,7 @@ __all__ = [
     "WRITE_PIECE_BYTES",
     "DataFileWriter",
     "StoredRange",
+    "content_digest",
     "data_file_name",
     "is_data_file_of",
     "tensor_bytes",
@@ -82,12 +85,29 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoredRange:
-    """Where one box or blob went: ``byte_length`` bytes at ``byte_offset`` of its data file, and the
-    checksum of each chunk of them."""
+    """Where one box or blob went: ``byte_length`` bytes at ``byte_offset`` of its data file, the
+    checksum of each chunk of them and, from a writer that hashes content, their XXH3-128 digest."""
 
     byte_offset: int
     byte_length: int
     checksums: tuple[int, ...]
+    content_hash: bytes | None = None
+
+
+def content_digest(tensor: torch.Tensor, staging_bytes: int = MAX_STAGING_BYTES) -> bytes:
+    """The XXH3-128 digest (16 bytes, big-endian as ``xxhash`` gives it) of ``tensor``'s elements in C order,
+    the bytes a data file stores for it: the content hash of format version 4. Memory that is not contiguous
+    CPU memory (a GPU tensor, a view) is copied a slab of at most ``staging_bytes`` at a time."""
+    data = tensor.detach()
+    if data.device.type == "cpu" and data.is_contiguous() and not data.is_conj() and not data.is_neg():
+        return xxhash.xxh3_128_digest(byte_view(data))
+    hasher = xxhash.xxh3_128()
+    staging = torch.empty(min(staging_bytes, data.nbytes), dtype=torch.uint8)
+    for slab in _slabs(data, staging_bytes):
+        staged = staging[: slab.nbytes].view(slab.dtype).view(slab.shape)
+        staged.copy_(slab)
+        hasher.update(byte_view(staged))
+    return hasher.digest()
 
 
 class DataFileWriter:
@@ -108,11 +128,19 @@ class DataFileWriter:
     """
 
     def __init__(
-        self, storage: Storage, name: str, chunk_bytes: int, memory_budget_bytes: int = DEFAULT_SAVE_MEMORY_BUDGET
+        self,
+        storage: Storage,
+        name: str,
+        chunk_bytes: int,
+        memory_budget_bytes: int = DEFAULT_SAVE_MEMORY_BUDGET,
+        *,
+        hash_content: bool = False,
     ) -> None:
         self.storage = storage
         self.name = name
         self.chunk_bytes = chunk_bytes
+        self.hash_content = hash_content
+        """Also compute every range's XXH3-128 digest (:attr:`StoredRange.content_hash`), in the same pass."""
         self.staging_bytes = max(1, min(MAX_STAGING_BYTES, memory_budget_bytes // 4))
         self._staging = torch.empty(0, dtype=torch.uint8)
         try:
@@ -121,7 +149,7 @@ class DataFileWriter:
             )
         except OSError as exc:
             raise StorageError(f"cannot create data file {storage.describe(name)}: {exc}") from exc
-        self._range: tuple[int, ChunkedChecksum] | None = None
+        self._range: tuple[int, ChunkedChecksum, Any] | None = None
 
     def tell(self) -> int:
         """Bytes written so far."""
@@ -139,7 +167,8 @@ class DataFileWriter:
         padding = -self._file.tell() % ALIGNMENT
         if padding:
             self._write(memoryview(bytes(padding)))
-        self._range = (self._file.tell(), ChunkedChecksum(self.chunk_bytes))
+        hasher = xxhash.xxh3_128() if self.hash_content else None
+        self._range = (self._file.tell(), ChunkedChecksum(self.chunk_bytes), hasher)
 
     def feed(self, data: memoryview) -> None:
         """Append the next bytes of the current range."""
@@ -147,15 +176,22 @@ class DataFileWriter:
             raise RuntimeError("no range is being written")
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         self._range[1].update(view)
+        if self._range[2] is not None:
+            self._range[2].update(view)
         self._write(view)
 
     def end(self) -> StoredRange:
         """Finish the current range; where it went."""
         if self._range is None:
             raise RuntimeError("no range is being written")
-        start, checksum = self._range
+        start, checksum, hasher = self._range
         self._range = None
-        return StoredRange(byte_offset=start, byte_length=self._file.tell() - start, checksums=checksum.finish())
+        return StoredRange(
+            byte_offset=start,
+            byte_length=self._file.tell() - start,
+            checksums=checksum.finish(),
+            content_hash=hasher.digest() if hasher is not None else None,
+        )
 
     def append(self, data: memoryview) -> StoredRange:
         """Write ``data`` as one range, in pieces of :data:`WRITE_PIECE_BYTES`."""

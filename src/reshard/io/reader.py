@@ -172,9 +172,11 @@ class ReadExecutor:
         if file in self.checked_files:
             return
         entry = self.metadata.files[file]
-        where = self.storage.describe(entry.path)
+        where = self.storage.describe(entry.location)
+        if entry.checkpoint is not None:
+            where += f" (of checkpoint {entry.checkpoint}, which {self.storage.describe()} references)"
         try:
-            size = self.storage.size(entry.path)
+            size = self.storage.size(entry.location)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"data file {where} is missing") from None
         except OSError as exc:
@@ -227,7 +229,7 @@ class ReadExecutor:
         data file ``file``: each chunk's checksum is computed over ``segments`` (ascending, together covering
         the ranges), the ones without a view being streamed from storage through a bounded buffer."""
         chunk = self.metadata.checksum_chunk_bytes
-        name = self.metadata.files[file].path
+        name = self.metadata.files[file].location
         at = 0
         for lo, hi in ranges:
             for chunk_lo in range(lo, hi, chunk):
@@ -384,7 +386,7 @@ class ReadExecutor:
         """Direct reads (see :meth:`_by_chunk`): for each touched chunk, its parts inside the run are read into
         their destinations and its parts outside the run into the staging buffer, then the chunk is verified."""
         saved, what = run.saved, run.what
-        name = self.metadata.files[saved.file].path
+        name = self.metadata.files[saved.file].location
         chunk = self.metadata.checksum_chunk_bytes
         lo, hi = run.lo, run.hi
         start, end = run.pieces[0][0], run.end
@@ -448,7 +450,7 @@ class ReadExecutor:
 
     def _requests(self, pending: _Pending, staging: memoryview) -> list[ReadRequest]:
         item, saved = pending.item, pending.saved
-        name = self.metadata.files[saved.file].path
+        name = self.metadata.files[saved.file].location
         itemsize = item.itemsize
         region = staging[pending.offset : pending.offset + pending.nbytes]
         if pending.kind == "direct":
@@ -547,7 +549,7 @@ class ReadExecutor:
         extent = (1 + sum((n - 1) * st for n, st in zip(item.overlap.shape, strides, strict=True))) * itemsize
         lo = first if oversized or not ranges else min(ranges[0][0], first)
         hi = first + extent if oversized or not ranges else max(ranges[-1][1], first + extent)
-        name = self.metadata.files[saved.file].path
+        name = self.metadata.files[saved.file].location
         try:
             mapped = self.storage.map_range(name, saved.byte_offset + lo, hi - lo)
         except OSError as exc:
@@ -589,7 +591,7 @@ class ReadExecutor:
         self.check_file(entry.file)
         blob = bytearray(entry.byte_length)
         view = memoryview(blob)
-        self.read([ReadRequest(self.metadata.files[entry.file].path, entry.byte_offset, view)], [what])
+        self.read([ReadRequest(self.metadata.files[entry.file].location, entry.byte_offset, view)], [what])
         ranges = [(0, entry.byte_length)] if entry.byte_length else []
         self.verify_chunks(
             entry.checksums,

@@ -10,23 +10,28 @@ tile it exactly, and byte ranges must lie inside their files, so that a hostile 
 :class:`~reshard.CorruptCheckpointError` before anything is read or allocated. ``docs/format.md``
 describes the same format in prose.
 
-Three versions: version 1 lists every box of every tensor as a JSON object. Version 2 adds a *packed*
+Four versions: version 1 lists every box of every tensor as a JSON object. Version 2 adds a *packed*
 encoding of a tensor's boxes (a grid rule, or packed integers, for the geometry; packed integers for
 files, offsets and checksums; see :mod:`reshard.geometry.grid`), which keeps the metadata of a checkpoint
 of ten thousand ranks in tens of megabytes and its decoding in numpy. Version 3 is version 2 plus a
 checksum of the document itself (its last member, ``metadata_crc32c``), so that damage which leaves valid
-JSON (a changed offset, shape or size) is detected before anything is read. A writer writes version 3,
-packing the tensors that have many boxes or checksums; readers read all three. In memory, packed boxes
-are a :class:`SavedBoxes`: a sequence of :class:`SavedBox` backed by columns.
+JSON (a changed offset, shape or size) is detected before anything is read. Version 4 is version 3 plus
+a content hash per box (XXH3-128) and data files of sibling checkpoints (``files[i].checkpoint``), which an
+incremental save references instead of rewriting unchanged boxes. A writer writes version 3, or 4 when
+the save hashes content, packing the tensors that have many boxes or checksums; readers read all four.
+In memory, packed boxes are a :class:`SavedBoxes`: a sequence of :class:`SavedBox` backed by columns.
 """
 
 from __future__ import annotations
 
 from reshard.metadata.columns import BoxColumns, SavedBox, SavedBoxes
 from reshard.metadata.model import (
+    CONTENT_HASH_ALGORITHM,
+    CONTENT_HASH_BYTES,
     DATA_DIR,
     FORMAT_NAME,
     FORMAT_VERSION,
+    HASHED_VERSION,
     MAX_METADATA_BYTES,
     METADATA_CHECKSUM_MEMBER,
     METADATA_FILE,
@@ -34,6 +39,7 @@ from reshard.metadata.model import (
     PACK_MIN_CHECKSUMS,
     READABLE_VERSIONS,
     SEALED_VERSION,
+    SIBLING_PREFIX,
     DataFile,
     Metadata,
     ObjectMetadata,
@@ -44,9 +50,12 @@ from reshard.metadata.parse import check_relative_path
 from reshard.metadata.wire import seal_document
 
 __all__ = [
+    "CONTENT_HASH_ALGORITHM",
+    "CONTENT_HASH_BYTES",
     "DATA_DIR",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "HASHED_VERSION",
     "MAX_METADATA_BYTES",
     "METADATA_CHECKSUM_MEMBER",
     "METADATA_FILE",
@@ -54,6 +63,7 @@ __all__ = [
     "PACK_MIN_CHECKSUMS",
     "READABLE_VERSIONS",
     "SEALED_VERSION",
+    "SIBLING_PREFIX",
     "BoxColumns",
     "DataFile",
     "Metadata",

@@ -29,7 +29,8 @@ class SavedBox:
     row-major in ``byte_length`` bytes at ``byte_offset`` of data file number ``file``.
 
     ``checksums`` holds the CRC-32C of each consecutive ``checksum_chunk_bytes`` piece of those bytes
-    (the last piece may be shorter).
+    (the last piece may be shorter); ``content_hash``, in a checkpoint with content hashes (version 4), the
+    16-byte XXH3-128 digest of all of them, which an incremental save compares to decide what to rewrite.
     """
 
     offset: tuple[int, ...]
@@ -38,6 +39,7 @@ class SavedBox:
     byte_offset: int
     byte_length: int
     checksums: tuple[int, ...]
+    content_hash: bytes | None = None
 
     @property
     def box(self) -> Box:
@@ -53,6 +55,7 @@ class BoxColumns:
         file, byte_offset, byte_length: ``(n,)``, as in :class:`SavedBox`.
         crc_start, crc_count: ``(n,)``: box ``i``'s checksums are ``crc[crc_start[i]:][:crc_count[i]]``.
         crc: every checksum (CRC-32C), ``uint32``.
+        content_hash: ``(n, 16)`` ``uint8``: every box's content hash, or None in a checkpoint without them.
     """
 
     offset: Int64Array
@@ -63,6 +66,7 @@ class BoxColumns:
     crc_start: Int64Array
     crc_count: Int64Array
     crc: npt.NDArray[np.uint32]
+    content_hash: npt.NDArray[np.uint8] | None = None
 
     @classmethod
     def of(cls, boxes: Sequence[SavedBox], ndim: int) -> BoxColumns:
@@ -71,6 +75,7 @@ class BoxColumns:
             return boxes.columns
         n = len(boxes)
         counts = np.array([len(b.checksums) for b in boxes], dtype=np.int64)
+        hashes = [b.content_hash for b in boxes if b.content_hash is not None]
         return cls(
             offset=np.array([b.offset for b in boxes], dtype=np.int64).reshape(n, ndim),
             shape=np.array([b.shape for b in boxes], dtype=np.int64).reshape(n, ndim),
@@ -80,6 +85,11 @@ class BoxColumns:
             crc_start=np.cumsum(counts) - counts,
             crc_count=counts,
             crc=np.array([c for b in boxes for c in b.checksums], dtype=np.uint32),
+            content_hash=(
+                np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(n, 16).copy()
+                if n and len(hashes) == n
+                else None
+            ),
         )
 
     def sorted(self) -> BoxColumns:
@@ -99,6 +109,7 @@ class BoxColumns:
             crc_start=self.crc_start[order],
             crc_count=self.crc_count[order],
             crc=self.crc,
+            content_hash=self.content_hash[order] if self.content_hash is not None else None,
         )
 
     def checksums_in_order(self) -> npt.NDArray[np.uint32]:
@@ -165,6 +176,7 @@ class SavedBoxes(Sequence[SavedBox]):
             byte_offset=int(c.byte_offset[i]),
             byte_length=int(c.byte_length[i]),
             checksums=tuple(c.crc[start : start + count].tolist()),
+            content_hash=c.content_hash[i].tobytes() if c.content_hash is not None else None,
         )
 
     def __iter__(self) -> Iterator[SavedBox]:

@@ -11,16 +11,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from reshard.dtypes import DTYPE_BY_NAME
-from reshard.metadata.columns import SavedBox, SavedBoxes
+from reshard.metadata.columns import BoxColumns, SavedBox, SavedBoxes
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
+    "CONTENT_HASH_ALGORITHM",
+    "CONTENT_HASH_BYTES",
     "DATA_DIR",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "HASHED_VERSION",
     "MAX_INTEGER",
     "MAX_METADATA_BYTES",
     "MAX_NDIM",
@@ -30,6 +34,7 @@ __all__ = [
     "PACK_MIN_CHECKSUMS",
     "READABLE_VERSIONS",
     "SEALED_VERSION",
+    "SIBLING_PREFIX",
     "DataFile",
     "Metadata",
     "ObjectMetadata",
@@ -39,8 +44,11 @@ __all__ = [
 
 FORMAT_NAME = "reshard"
 FORMAT_VERSION = 3
-"""The format version this reshard writes."""
-READABLE_VERSIONS = (1, 2, 3)
+"""The format version this reshard writes for a checkpoint without content hashes."""
+HASHED_VERSION = 4
+"""The format version of a checkpoint with content hashes (and, for an incremental save, references to the
+data files of other checkpoints): version 3 plus those (docs/format.md section 15)."""
+READABLE_VERSIONS = (1, 2, 3, 4)
 SEALED_VERSION = 3
 """From this version on, a document ends with its own checksum (:func:`seal_document`)."""
 METADATA_CHECKSUM_MEMBER = "metadata_crc32c"
@@ -54,16 +62,30 @@ PACK_MIN_CHECKSUMS = 256
 METADATA_FILE = "metadata.json"
 DATA_DIR = "data"
 CHECKSUM_ALGORITHM = "crc32c"
+SIBLING_PREFIX = "../"
+"""How a storage name addresses a file of a sibling checkpoint (:attr:`DataFile.location`)."""
+CONTENT_HASH_ALGORITHM = "xxh3_128"
+"""The content hash of every stored box in a version-4 checkpoint: XXH3's 128-bit variant (seed 0)."""
+CONTENT_HASH_BYTES = 16
 MAX_INTEGER = 2**62
 MAX_NDIM = 64
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DataFile:
-    """A data file of the checkpoint: ``path`` relative to the checkpoint root, ``size`` in bytes."""
+    """A data file of the checkpoint: ``path`` relative to the root of the checkpoint that holds it, ``size``
+    in bytes. ``checkpoint`` is None for the checkpoint's own files; for a file an incremental save
+    references, the name of the sibling checkpoint (same parent directory or prefix) that holds it."""
 
     path: str
     size: int
+    checkpoint: str | None = None
+
+    @property
+    def location(self) -> str:
+        """The file's name for this checkpoint's :class:`~reshard.storage.Storage`: ``path``, or
+        ``../<checkpoint>/<path>`` for a file of a sibling checkpoint (the storages resolve that form)."""
+        return self.path if self.checkpoint is None else f"{SIBLING_PREFIX}{self.checkpoint}/{self.path}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,6 +143,8 @@ class Metadata:
         tensors: by key.
         objects: by key.
         common: common (non-sharded) values by dotted state-dict path, decoded.
+        content_hashes: every stored box carries its content hash (:data:`CONTENT_HASH_ALGORITHM`), which
+            an incremental save compares with (version 4).
         format_version: the version of the document this was read from (:data:`FORMAT_VERSION` for
             metadata made in memory); not part of the comparison of two Metadata.
     """
@@ -133,11 +157,36 @@ class Metadata:
     tensors: dict[str, TensorMetadata] = field(default_factory=dict)
     objects: dict[str, ObjectMetadata] = field(default_factory=dict)
     common: dict[str, Any] = field(default_factory=dict)
+    content_hashes: bool = False
     format_version: int = field(default=FORMAT_VERSION, compare=False)
 
     @property
+    def writes_version(self) -> int:
+        """The version :meth:`to_json_bytes` writes: 4 with content hashes or references, else 3."""
+        if self.content_hashes or any(f.checkpoint is not None for f in self.files):
+            return HASHED_VERSION
+        return FORMAT_VERSION
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Bytes of tensor data stored in other checkpoints' files (referenced by an incremental save)."""
+        others = np.array([f.checkpoint is not None for f in self.files] + [False], dtype=bool)
+        if not others[:-1].any():
+            return 0
+        total = 0
+        for t in self.tensors.values():
+            columns = BoxColumns.of(t.boxes, len(t.global_shape))
+            total += int(columns.byte_length[others[columns.file]].sum())
+        return total
+
+    @property
+    def referenced_checkpoints(self) -> tuple[str, ...]:
+        """The sibling checkpoints whose files this one references, sorted."""
+        return tuple(sorted({f.checkpoint for f in self.files if f.checkpoint is not None}))
+
+    @property
     def total_bytes(self) -> int:
-        """Bytes of tensor data stored (each box once)."""
+        """Bytes of tensor data stored (each box once), in its own files and referenced ones alike."""
         return sum(
             t.boxes.total_bytes if isinstance(t.boxes, SavedBoxes) else sum(b.byte_length for b in t.boxes)
             for t in self.tensors.values()

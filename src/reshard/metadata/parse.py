@@ -27,7 +27,10 @@ from reshard.geometry.tiling import MAX_CORNER_NDIM, find_tiling_problem, untile
 from reshard.metadata.columns import BoxColumns, Int64Array, SavedBox, SavedBoxes
 from reshard.metadata.model import (
     CHECKSUM_ALGORITHM,
+    CONTENT_HASH_ALGORITHM,
+    CONTENT_HASH_BYTES,
     FORMAT_NAME,
+    HASHED_VERSION,
     MAX_INTEGER,
     MAX_NDIM,
     METADATA_CHECKSUM_MEMBER,
@@ -108,6 +111,7 @@ class _Parser:
         self.lazy = lazy
         self.sealed = sealed
         self.version = 1
+        self.hashed = False
 
     def fail(self, path: str, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{self.where}: {path}: {message}")
@@ -179,7 +183,14 @@ class _Parser:
         }
         if self.version >= SEALED_VERSION:
             members.add(METADATA_CHECKSUM_MEMBER)
+        if self.version >= HASHED_VERSION:
+            members.add("content_hash")
         top = self.obj(doc, "$", members)
+        if self.version >= HASHED_VERSION and top["content_hash"] is not None:
+            algorithm = self.obj(top["content_hash"], "content_hash", {"algorithm"})["algorithm"]
+            if algorithm != CONTENT_HASH_ALGORITHM:
+                raise self.fail("content_hash.algorithm", f"unsupported algorithm {algorithm!r}")
+            self.hashed = True
         checksum = self.obj(top["checksum"], "checksum", {"algorithm", "chunk_bytes"})
         if checksum["algorithm"] != CHECKSUM_ALGORITHM:
             raise self.fail("checksum.algorithm", f"unsupported algorithm {checksum['algorithm']!r}")
@@ -218,6 +229,7 @@ class _Parser:
             tensors=tensors,
             objects=objects,
             common=common,
+            content_hashes=self.hashed,
             format_version=self.version,
         )
 
@@ -225,18 +237,32 @@ class _Parser:
         if not isinstance(value, list):
             raise self.fail("files", "expected a list")
         out = []
-        seen: set[str] = set()
+        seen: set[tuple[str | None, str]] = set()
         for i, item in enumerate(value):
-            entry = self.obj(item, f"files[{i}]", {"path", "size"})
+            fields = {"path", "size"}
+            if self.version >= HASHED_VERSION and isinstance(item, dict) and "checkpoint" in item:
+                fields.add("checkpoint")
+            entry = self.obj(item, f"files[{i}]", fields)
             path = self.string(entry["path"], f"files[{i}].path")
             problem = check_relative_path(path)
             if problem:
                 raise self.fail(f"files[{i}].path", f"file name {path!r} {problem}")
-            if path == METADATA_FILE or path in seen:
+            checkpoint = None
+            if "checkpoint" in entry:
+                checkpoint = self.string(entry["checkpoint"], f"files[{i}].checkpoint")
+                problem = check_relative_path(checkpoint) or ("contains '/'" if "/" in checkpoint else None)
+                if problem:
+                    raise self.fail(f"files[{i}].checkpoint", f"checkpoint name {checkpoint!r} {problem}")
+            if path == METADATA_FILE or (checkpoint, path) in seen:
                 raise self.fail(f"files[{i}].path", f"file name {path!r} is repeated or reserved")
-            seen.add(path)
-            out.append(DataFile(path=path, size=self.integer(entry["size"], f"files[{i}].size")))
+            seen.add((checkpoint, path))
+            out.append(DataFile(path=path, size=self.integer(entry["size"], f"files[{i}].size"), checkpoint=checkpoint))
         return tuple(out)
+
+    def content_hash(self, value: object, path: str) -> bytes:
+        if not isinstance(value, str) or len(value) != 2 * CONTENT_HASH_BYTES or value.strip("0123456789abcdef"):
+            raise self.fail(path, f"expected {2 * CONTENT_HASH_BYTES} lowercase hex digits")
+        return bytes.fromhex(value)
 
     def byte_range(
         self, entry: dict[str, Any], path: str, files: tuple[DataFile, ...], chunk_bytes: int
@@ -298,7 +324,8 @@ class _Parser:
         saved = []
         for i, item in enumerate(doc["boxes"]):
             bpath = f"{path}.boxes[{i}]"
-            entry = self.obj(item, bpath, {"offset", "shape", "file", "byte_offset", "byte_length", "crc32c"})
+            box_fields = {"offset", "shape", "file", "byte_offset", "byte_length", "crc32c"}
+            entry = self.obj(item, bpath, box_fields | {"hash"} if self.hashed else box_fields)
             offset = self.int_list(entry["offset"], f"{bpath}.offset", max_len=MAX_NDIM)
             shape = self.int_list(entry["shape"], f"{bpath}.shape", max_len=MAX_NDIM)
             box = Box(offset, shape) if len(offset) == len(shape) else None
@@ -317,6 +344,7 @@ class _Parser:
                     byte_offset=byte_offset,
                     byte_length=byte_length,
                     checksums=checksums,
+                    content_hash=self.content_hash(entry["hash"], f"{bpath}.hash") if self.hashed else None,
                 )
             )
         problem = find_tiling_problem(global_shape, [b.box for b in saved])
@@ -377,6 +405,8 @@ class _PackedTensor:
         fields = {"boxes", "file", "byte_offset", "crc32c"} | (
             {"grid", "split", "starts"} if self.grid else {"explicit"}
         )
+        if parser.hashed:
+            fields.add("hash")
         self.doc = parser.obj(value, path, fields)
         self.count = parser.integer(self.doc["boxes"], f"{path}.boxes")
         for name in fields - {"boxes", "grid"}:
@@ -433,6 +463,12 @@ class _PackedTensor:
         counts = -(-byte_length // self.chunk_bytes)
         if int(counts.sum()) != len(crc):
             raise self.fail("crc32c", f"holds {len(crc)} checksums, the boxes need {int(counts.sum())}")
+        content_hash = None
+        if "hash" in self.doc:
+            digests = self.integers("hash", "u1", None)
+            if len(digests) != n * CONTENT_HASH_BYTES:
+                raise self.fail("hash", f"holds {len(digests)} bytes, expected a {CONTENT_HASH_BYTES}-byte hash per box")
+            content_hash = digests.astype(np.uint8).reshape(n, CONTENT_HASH_BYTES)
         return BoxColumns(
             offset=offset,
             shape=shape,
@@ -442,6 +478,7 @@ class _PackedTensor:
             crc_start=np.cumsum(counts) - counts,
             crc_count=counts,
             crc=crc,
+            content_hash=content_hash,
         ).sorted()
 
     def decode_grid(self, n: int, d: int) -> tuple[Int64Array, Int64Array]:

@@ -13,11 +13,12 @@ import numpy.typing as npt
 
 from reshard.codec import encode_tagged
 from reshard.geometry.grid import grid_rule
-from reshard.metadata.columns import BoxColumns, SavedBoxes
+from reshard.metadata.columns import BoxColumns, SavedBox, SavedBoxes
 from reshard.metadata.model import (
     CHECKSUM_ALGORITHM,
+    CONTENT_HASH_ALGORITHM,
     FORMAT_NAME,
-    FORMAT_VERSION,
+    HASHED_VERSION,
     METADATA_CHECKSUM_MEMBER,
     PACK_MIN_BOXES,
     PACK_MIN_CHECKSUMS,
@@ -31,34 +32,30 @@ __all__ = ["SEAL_LENGTH", "SEAL_PREFIX", "metadata_to_bytes", "metadata_to_json"
 
 def metadata_to_json(metadata: Metadata, *, packed: bool | None = None) -> dict[str, Any]:
     """See :meth:`Metadata.to_json_dict`."""
+    version = metadata.writes_version
+    hashed = metadata.content_hashes
     tensors: dict[str, Any] = {}
     for key, t in metadata.tensors.items():
         entry: dict[str, Any] = {"dtype": t.dtype, "global_shape": list(t.global_shape)}
         if t.fingerprint is not None:
             entry["fingerprint"] = f"{t.fingerprint:016x}"
         if _should_pack(t, packed):
-            entry["packed"] = _packed_json(t)
+            entry["packed"] = _packed_json(t, hashed)
         else:
-            entry["boxes"] = [
-                {
-                    "offset": list(b.offset),
-                    "shape": list(b.shape),
-                    "file": b.file,
-                    "byte_offset": b.byte_offset,
-                    "byte_length": b.byte_length,
-                    "crc32c": list(b.checksums),
-                }
-                for b in t.boxes
-            ]
+            entry["boxes"] = [_box_json(b, hashed) for b in t.boxes]
         tensors[key] = entry
-    return {
+    doc: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": version,
         "save_id": metadata.save_id,
         "created_by": metadata.created_by,
         "world_size": metadata.world_size,
         "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": metadata.checksum_chunk_bytes},
-        "files": [{"path": f.path, "size": f.size} for f in metadata.files],
+    }
+    if version >= HASHED_VERSION:
+        doc["content_hash"] = {"algorithm": CONTENT_HASH_ALGORITHM} if hashed else None
+    return doc | {
+        "files": [_file_json(f.path, f.size, f.checkpoint) for f in metadata.files],
         "tensors": tensors,
         "objects": {
             key: {
@@ -78,6 +75,29 @@ def metadata_to_json(metadata: Metadata, *, packed: bool | None = None) -> dict[
         },
         "common": {path: encode_tagged(value, where=path) for path, value in metadata.common.items()},
     }
+
+
+def _file_json(path: str, size: int, checkpoint: str | None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"path": path, "size": size}
+    if checkpoint is not None:
+        entry["checkpoint"] = checkpoint
+    return entry
+
+
+def _box_json(box: SavedBox, hashed: bool) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "offset": list(box.offset),
+        "shape": list(box.shape),
+        "file": box.file,
+        "byte_offset": box.byte_offset,
+        "byte_length": box.byte_length,
+        "crc32c": list(box.checksums),
+    }
+    if hashed:
+        if box.content_hash is None:
+            raise ValueError(f"a box at {list(box.offset)} has no content hash in a checkpoint with content hashes")
+        entry["hash"] = box.content_hash.hex()
+    return entry
 
 
 def metadata_to_bytes(metadata: Metadata, *, packed: bool | None = None) -> bytes:
@@ -124,9 +144,10 @@ def _should_pack(tensor: TensorMetadata, packed: bool | None) -> bool:
     return packed is True or len(boxes) >= PACK_MIN_BOXES or checksums >= PACK_MIN_CHECKSUMS
 
 
-def _packed_json(tensor: TensorMetadata) -> dict[str, Any]:
+def _packed_json(tensor: TensorMetadata, hashed: bool) -> dict[str, Any]:
     """The packed form of a tensor's boxes: the grid rule of their tiling when it has one, else every
-    box's offset and shape; then, in the same order, their files, byte offsets and checksums."""
+    box's offset and shape; then, in the same order, their files, byte offsets, checksums and (``hashed``)
+    content hashes."""
     columns = BoxColumns.of(tensor.boxes, len(tensor.global_shape))
     rule = grid_rule(columns.offset, columns.shape, tensor.global_shape)
     geometry: dict[str, Any]
@@ -139,10 +160,15 @@ def _packed_json(tensor: TensorMetadata) -> dict[str, Any]:
         }
     else:
         geometry = {"explicit": _b64(np.concatenate([columns.offset, columns.shape], axis=1), "<u8")}
-    return {
+    out = {
         "boxes": len(columns.file),
         **geometry,
         "file": _b64(columns.file, "<u4"),
         "byte_offset": _b64(columns.byte_offset, "<u8"),
         "crc32c": _b64(columns.checksums_in_order(), "<u4"),
     }
+    if hashed:
+        if columns.content_hash is None:
+            raise ValueError(f"tensor {tensor.key!r} has no content hashes in a checkpoint with content hashes")
+        out["hash"] = _b64(columns.content_hash, "u1")
+    return out

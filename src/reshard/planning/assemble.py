@@ -19,6 +19,7 @@ import numpy as np
 from reshard._version import __version__
 from reshard.fingerprint import combine
 from reshard.metadata import (
+    CONTENT_HASH_BYTES,
     BoxColumns,
     DataFile,
     Metadata,
@@ -28,6 +29,7 @@ from reshard.metadata import (
     TensorMetadata,
 )
 from reshard.planning.descriptions import DescriptionTable
+from reshard.planning.incremental import ReferencedBox
 
 __all__ = ["ObjectReport", "TensorReport", "WriteReport", "assemble_metadata"]
 
@@ -37,13 +39,18 @@ class TensorReport:
     """Where a rank's boxes went, in columns: ``index[i]`` is the box's index in the rank's description,
     stored at ``byte_offset[i]`` with ``byte_length[i]`` bytes; ``crc32c`` holds every box's chunk
     checksums one after the other, as little-endian uint32; ``fingerprint`` (when the save computes them)
-    each box's content fingerprint."""
+    each box's content fingerprint; ``content_hash`` (when the save hashes content) each box's 16-byte
+    digest, one after the other. ``reused``: the indices of the boxes an incremental save did not write
+    because the base holds the same bytes (with their fingerprints in ``reused_fingerprint``)."""
 
     index: tuple[int, ...] = ()
     byte_offset: tuple[int, ...] = ()
     byte_length: tuple[int, ...] = ()
     crc32c: bytes = b""
     fingerprint: tuple[int, ...] | None = None
+    content_hash: bytes = b""
+    reused: tuple[int, ...] = ()
+    reused_fingerprint: tuple[int, ...] | None = None
 
     @classmethod
     def of(
@@ -53,6 +60,10 @@ class TensorReport:
         byte_length: Sequence[int],
         checksums: Sequence[int],
         fingerprint: Sequence[int] | None = None,
+        *,
+        content_hash: bytes = b"",
+        reused: Sequence[int] = (),
+        reused_fingerprint: Sequence[int] | None = None,
     ) -> TensorReport:
         return cls(
             index=tuple(index),
@@ -60,6 +71,9 @@ class TensorReport:
             byte_length=tuple(byte_length),
             crc32c=np.asarray(checksums, dtype="<u4").tobytes(),
             fingerprint=tuple(fingerprint) if fingerprint is not None else None,
+            content_hash=content_hash,
+            reused=tuple(reused),
+            reused_fingerprint=tuple(reused_fingerprint) if reused_fingerprint is not None else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -69,17 +83,24 @@ class TensorReport:
             "byte_length": list(self.byte_length),
             "crc32c": base64.b64encode(self.crc32c).decode("ascii"),
             "fingerprint": list(self.fingerprint) if self.fingerprint is not None else None,
+            "content_hash": base64.b64encode(self.content_hash).decode("ascii"),
+            "reused": list(self.reused),
+            "reused_fingerprint": list(self.reused_fingerprint) if self.reused_fingerprint is not None else None,
         }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> TensorReport:
         prints = doc["fingerprint"]
+        reused_prints = doc["reused_fingerprint"]
         return cls(
             index=tuple(doc["index"]),
             byte_offset=tuple(doc["byte_offset"]),
             byte_length=tuple(doc["byte_length"]),
             crc32c=base64.b64decode(doc["crc32c"]),
             fingerprint=tuple(prints) if prints is not None else None,
+            content_hash=base64.b64decode(doc["content_hash"]),
+            reused=tuple(doc["reused"]),
+            reused_fingerprint=tuple(reused_prints) if reused_prints is not None else None,
         )
 
 
@@ -130,15 +151,22 @@ def assemble_metadata(
     world_size: int,
     chunk_bytes: int,
     common: Mapping[str, Any],
+    content_hashes: bool = False,
+    references: Mapping[int, ReferencedBox] | None = None,
 ) -> Metadata:
     """On the coordinator: every rank's description (``table``) and write report (``reports``, in rank order)
     combined into the checkpoint's metadata. Pure: no I/O, no collectives.
+
+    ``content_hashes``: the reports carry every written box's content hash, recorded in the metadata.
+    ``references``: for an incremental save, the base's box of each table row a rank may have reused
+    (:func:`~reshard.planning.incremental.match_base`); a reused box is recorded in the file of the
+    checkpoint that holds it, listed after the save's own files.
 
     Tensor boxes are assembled in columns (:class:`~reshard.metadata.SavedBoxes`), never as one object per
     box: a checkpoint of hundreds of thousands of boxes takes seconds and megabytes here.
     """
     files: list[DataFile] = []
-    rows, file_of, offsets, lengths, crcs = [], [], [], [], []
+    rows, file_of, offsets, lengths, crcs, hashes = [], [], [], [], [], []
     prints: list[int] = []
     fingerprinted = False
     entries: dict[str, list[SavedObject]] = {}
@@ -159,6 +187,7 @@ def assemble_metadata(
         offsets.append(np.asarray(written.byte_offset, dtype=np.int64))
         lengths.append(np.asarray(written.byte_length, dtype=np.int64))
         crcs.append(np.frombuffer(written.crc32c, dtype="<u4"))
+        hashes.append(written.content_hash)
         if written.fingerprint is not None:
             fingerprinted = True
             prints += written.fingerprint
@@ -173,6 +202,27 @@ def assemble_metadata(
                     checksums=stored.checksums,
                 )
             )
+    referenced_files: dict[tuple[str, str], int] = {}
+    for rank, report in enumerate(reports):
+        if not report.tensors.reused:
+            continue
+        if references is None:
+            raise ValueError(f"rank {rank} reused boxes of a base, but the save has no base")
+        reused_rows = table.rank_start[rank] + np.asarray(report.tensors.reused, dtype=np.int64)
+        for row_id in reused_rows.tolist():
+            ref = references[row_id]
+            if (ref.checkpoint, ref.path) not in referenced_files:
+                referenced_files[ref.checkpoint, ref.path] = len(files)
+                files.append(DataFile(path=ref.path, size=ref.size, checkpoint=ref.checkpoint))
+            file_index = referenced_files[ref.checkpoint, ref.path]
+            rows.append(np.array([row_id], dtype=np.int64))
+            file_of.append(np.array([file_index], dtype=np.int64))
+            offsets.append(np.array([ref.byte_offset], dtype=np.int64))
+            lengths.append(np.array([ref.byte_length], dtype=np.int64))
+            crcs.append(ref.checksums)
+            hashes.append(ref.content_hash)
+        if report.tensors.reused_fingerprint is not None:
+            prints += report.tensors.reused_fingerprint
     empty = np.zeros(0, dtype=np.int64)
     row = np.concatenate(rows) if rows else empty
     byte_length = np.concatenate(lengths) if lengths else empty
@@ -186,6 +236,11 @@ def assemble_metadata(
         crc_start=np.cumsum(crc_count) - crc_count,
         crc_count=crc_count,
         crc=np.concatenate(crcs).astype(np.uint32) if crcs else np.zeros(0, dtype=np.uint32),
+        content_hash=(
+            np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(len(row), CONTENT_HASH_BYTES).copy()
+            if content_hashes
+            else None
+        ),
     )
     key_of_row = table.header_key[table.header[row]]
     by_key = np.argsort(key_of_row, kind="stable")
@@ -208,6 +263,7 @@ def assemble_metadata(
             crc_start=part.crc_start,
             crc_count=part.crc_count,
             crc=part.crc,
+            content_hash=part.content_hash,
         ).sorted()
         tensors[key] = TensorMetadata(
             key=key,
@@ -230,4 +286,5 @@ def assemble_metadata(
             for key, shape in sorted(object_shapes.items())
         },
         common=dict(common),
+        content_hashes=content_hashes,
     )

@@ -107,19 +107,35 @@ class LocalSaveDescription:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WriteAssignment:
-    """What one rank writes: indices into its own description's ``tensors`` and ``objects``."""
+    """What one rank writes: indices into its own description's ``tensors`` and ``objects``; for an
+    incremental save, ``base_hashes[i]`` is the content hash (32 hex digits) of the base checkpoint's box
+    equal in place to ``tensors[i]`` (None: the base has none), which the rank compares before it writes."""
 
     tensors: tuple[int, ...]
     objects: tuple[int, ...]
+    base_hashes: tuple[str | None, ...] = ()
 
     def to_bytes(self) -> bytes:
         """The assignment as the coordinator sends it (to that rank only)."""
-        return json.dumps([list(self.tensors), list(self.objects)], separators=(",", ":")).encode()
+        doc: list[Any] = [list(self.tensors), list(self.objects)]
+        if any(h is not None for h in self.base_hashes):
+            doc.append(list(self.base_hashes))
+        return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> WriteAssignment:
-        tensors, objects = json.loads(raw)
-        return cls(tensors=tuple(int(t) for t in tensors), objects=tuple(int(o) for o in objects))
+        tensors, objects, *rest = json.loads(raw)
+        return cls(
+            tensors=tuple(int(t) for t in tensors),
+            objects=tuple(int(o) for o in objects),
+            base_hashes=tuple(rest[0]) if rest else (),
+        )
+
+    def base_hash(self, position: int) -> bytes | None:
+        """The base's content hash for ``tensors[position]``, or None."""
+        if position >= len(self.base_hashes) or self.base_hashes[position] is None:
+            return None
+        return bytes.fromhex(str(self.base_hashes[position]))
 
 
 def describe_state(flat: FlatStateDict) -> tuple[LocalSaveDescription, list[torch.Tensor]]:

@@ -2,9 +2,14 @@
 
 A :class:`Storage` is rooted at one checkpoint (a directory, or an object-store prefix); every name is a
 relative POSIX path inside it, already checked by :func:`reshard.metadata.check_relative_path` when it
-comes from a file. Data goes in and out through memoryviews, so tensors are written from and read into
-their own memory. Reads are byte-range-first and batched (:meth:`Storage.read_ranges`) so that object
-stores can issue them concurrently.
+comes from a file. One form reaches outside: a read-only name ``../<sibling>/<path>`` is ``<path>`` of the
+sibling checkpoint ``<sibling>`` (same parent directory or prefix), the data file of another checkpoint
+that an incremental save references (:attr:`reshard.metadata.DataFile.location`, whose two parts were
+each checked as safe names); sizes, existence, ranged reads and mappings accept it.
+
+Data goes in and out through memoryviews, so tensors are written from and read into their own memory.
+Reads are byte-range-first and batched (:meth:`Storage.read_ranges`) so that object stores can issue them
+concurrently.
 
 Methods raise ``OSError`` on failure (``FileNotFoundError`` for a missing name, ``FileExistsError`` when a
 create-only commit finds the name taken); callers turn those into reshard's errors. Object-store
@@ -18,6 +23,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from reshard.errors import StorageError
 
 if TYPE_CHECKING:
     import torch
@@ -176,6 +183,15 @@ class Storage(ABC):
     @abstractmethod
     def delete(self, name: str) -> None:
         """Remove ``name``; a missing name is not an error."""
+
+    @property
+    def name(self) -> str:
+        """The root's own name in its parent (the last component of its path or prefix)."""
+        raise StorageError(f"{self.describe()}: this storage has no name in a parent (no sibling checkpoints)")
+
+    def sibling(self, name: str) -> Storage:
+        """The storage of the checkpoint ``name`` beside this one (same parent directory or prefix)."""
+        raise StorageError(f"{self.describe()}: this storage cannot reach sibling checkpoints (asked for {name!r})")
 
     @abstractmethod
     def child(self, name: str) -> Storage:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from reshard.metadata.model import SIBLING_PREFIX
 from reshard.storage.base import FileTooLargeError, FileWriter, MappedRange, ReadRequest, Storage
 
 __all__ = ["WRITEBACK_BYTES", "LocalStorage"]
@@ -168,24 +169,48 @@ class LocalStorage(Storage):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
 
+    def _place(self, name: str) -> tuple[Path, str]:
+        """The directory a name is relative to, and the name there: ``../<sibling>/<rest>`` (a file of a
+        sibling checkpoint) is ``<rest>`` of the sibling directory, anything else is below the root."""
+        if name.startswith(SIBLING_PREFIX):
+            sibling, _, rest = name[len(SIBLING_PREFIX) :].partition("/")
+            return self.parent / sibling, rest
+        return self.root, name
+
+    @property
+    def parent(self) -> Path:
+        return Path(os.path.abspath(self.root)).parent
+
+    @property
+    def name(self) -> str:
+        return Path(os.path.abspath(self.root)).name
+
+    def sibling(self, name: str) -> Storage:
+        return LocalStorage(self.parent / name)
+
     def describe(self, name: str = "") -> str:
-        return str(self.root / name) if name else str(self.root)
+        if not name:
+            return str(self.root)
+        root, name = self._place(name)
+        return str(root / name)
 
     def root_exists(self) -> bool:
         return self.root.is_dir()
 
     def exists(self, name: str) -> bool:
-        return (self.root / name).exists()
+        root, name = self._place(name)
+        return (root / name).exists()
 
     def size(self, name: str) -> int:
-        fd = _open_regular(self.root, name)
+        fd = _open_regular(*self._place(name))
         try:
             return os.fstat(fd).st_size
         finally:
             os.close(fd)
 
     def modified_time(self, name: str) -> float:
-        return os.lstat(self.root / name).st_mtime
+        root, name = self._place(name)
+        return os.lstat(root / name).st_mtime
 
     def list_files(self, prefix: str = "") -> list[str]:
         """Files (and symbolic links, which are not followed) under ``prefix``; ``OSError(ELOOP)`` when
@@ -239,7 +264,7 @@ class LocalStorage(Storage):
             for request in requests:
                 fd = fds.get(request.name)
                 if fd is None:
-                    fd = _open_regular(self.root, request.name)
+                    fd = _open_regular(*self._place(request.name))
                     fds[request.name] = fd
                 out.append(_read_fully(fd, request.offset, request.buffer))
                 self.range_bytes_read += out[-1]
@@ -253,7 +278,7 @@ class LocalStorage(Storage):
         without following symbolic links."""
         if length <= 0:
             return None
-        fd = _open_regular(self.root, name)
+        fd = _open_regular(*self._place(name))
         try:
             start = offset - offset % mmap.ALLOCATIONGRANULARITY
             mapping = mmap.mmap(fd, length + offset - start, access=mmap.ACCESS_COPY, offset=start)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from reshard.errors import CheckpointNotFoundError, StorageError
+from reshard.metadata.model import SIBLING_PREFIX
 from reshard.storage.base import FileTooLargeError, FileWriter, RangeReadError, ReadRequest, Storage
 from reshard.storage.protocols import protocol_for
 
@@ -212,10 +213,29 @@ class ObjectStorage(Storage):
     # ---- plumbing ----------------------------------------------------------------------------------
 
     def object_path(self, name: str) -> str:
-        """The fsspec path (``bucket/key``) of ``name``."""
+        """The fsspec path (``bucket/key``) of ``name`` (``../<sibling>/<rest>``: of a sibling checkpoint)."""
+        if name.startswith(SIBLING_PREFIX):
+            return f"{self._parent_of(self.root)}/{name[len(SIBLING_PREFIX) :]}"
         return f"{self.root}/{name}" if name else self.root
 
+    def _parent_of(self, text: str) -> str:
+        parent, sep, _ = text.rpartition("/")
+        if not sep or parent.endswith((":/", ":")):
+            raise StorageError(f"{self.url} is a bucket's root: it has no sibling checkpoints")
+        return parent
+
+    @property
+    def name(self) -> str:
+        return self.root.rpartition("/")[2]
+
+    def sibling(self, name: str) -> Storage:
+        return ObjectStorage(
+            f"{self._parent_of(self.url)}/{name}", self.storage_options, retry=self.retry, transfer=self.transfer
+        )
+
     def describe(self, name: str = "") -> str:
+        if name.startswith(SIBLING_PREFIX):
+            return f"{self._parent_of(self.url)}/{name[len(SIBLING_PREFIX) :]}"
         return f"{self.url}/{name}" if name else self.url
 
     def pool(self) -> concurrent.futures.ThreadPoolExecutor:
