@@ -36,6 +36,8 @@ class PoolRegistry:
         return pool
 
     def close(self) -> None:
+        for pool in self.pools.values():  # every pool's ranks exit at once, then each is waited for
+            pool.request_close()
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()

@@ -20,6 +20,7 @@ saved incrementally against ``base``). The expected values are computed here, wi
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import shutil
 import uuid
@@ -76,8 +77,8 @@ def test_every_box_hash_is_the_xxh3_128_of_its_bytes() -> None:
         for key, tensor in doc["tensors"].items():
             boxes = _boxes(doc, key)
             if "packed" in tensor and "grid" in tensor["packed"] and not tensor["packed"]["split"]:
-                cells = [b - a for a, b in zip(tensor["packed"]["grid"][0], tensor["packed"]["grid"][0][1:])]
-                widths = [b - a for a, b in zip(tensor["packed"]["grid"][1], tensor["packed"]["grid"][1][1:])]
+                cells = [b - a for a, b in itertools.pairwise(tensor["packed"]["grid"][0])]
+                widths = [b - a for a, b in itertools.pairwise(tensor["packed"]["grid"][1])]
                 lengths = [r * c * itemsize[tensor["dtype"]] for r in cells for c in widths]
                 for box, length in zip(boxes, lengths, strict=True):
                     box["byte_length"] = length
@@ -191,7 +192,7 @@ def test_a_version_3_document_with_a_reference_is_refused(tmp_path: Path) -> Non
 def test_a_missing_referenced_checkpoint_names_both(tmp_path: Path) -> None:
     shutil.copytree(GOLDEN, tmp_path / "golden")
     shutil.rmtree(tmp_path / "golden" / "base")
-    with pytest.raises(reshard.CorruptCheckpointError, match="of checkpoint base, which .*step references"):
+    with pytest.raises(reshard.CorruptCheckpointError, match=r"of checkpoint base, which .*step references"):
         reshard.load(_template(), tmp_path / "golden" / "step")
     problems = validate_checkpoint(tmp_path / "golden" / "step", quick=True)
     assert len(problems) == 1 and "data file data/" in problems[0] and "of checkpoint base" in problems[0]
@@ -215,3 +216,11 @@ def test_saving_the_same_states_writes_the_same_documents(tmp_path: Path) -> Non
     assert (tmp_path / "base" / "refs" / f"step.{STEP_ID}.json").read_bytes() == (
         GOLDEN / "base" / "refs" / f"step.{STEP_ID}.json"
     ).read_bytes()
+
+
+def test_the_files_example_of_format_md_is_the_fixture() -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text(encoding="utf-8")
+    section = text[text.index("## 15. Version 4") :]
+    block = section[section.index("```json\n") + len("```json\n") :]
+    block = block[: block.index("```")]
+    assert json.loads("{" + block + "}")["files"] == _doc("step")["files"]

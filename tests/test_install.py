@@ -46,7 +46,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_wheel_holds_the_package_and_declares_what_it_needs(wheel: Path) -> None:
     """Every module of src/ and py.typed, nothing else; requirements that this environment's torch, numpy,
-    crc32c and tqdm satisfy (the torch pin of the Makefile among them), and the s3 / gcs extras pinned to
+    crc32c, xxhash and tqdm satisfy (the torch pin of the Makefile among them), and the s3 / gcs extras pinned to
     the fsspec clients the tests run against."""
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
@@ -59,7 +59,7 @@ def test_the_wheel_holds_the_package_and_declares_what_it_needs(wheel: Path) -> 
     assert "reshard = reshard.cli:main" in entry_points
     requirements = [Requirement(r) for r in headers.get_all("Requires-Dist")]
     plain = {r.name: r for r in requirements if r.marker is None}
-    assert set(plain) == {"torch", "numpy", "crc32c", "tqdm"}
+    assert set(plain) == {"torch", "numpy", "crc32c", "xxhash", "tqdm"}
     for name, requirement in plain.items():
         assert requirement.specifier.contains(metadata.version(name), prereleases=True), (name, requirement)
     assert requirements[0].name == "torch"

@@ -169,10 +169,12 @@ class AsyncCheckpointer:
         overwrite: bool = False,
         options: SaveOptions | None = None,
         storage_options: dict[str, Any] | None = None,
+        base: CheckpointLocation | None = None,
     ) -> SaveHandle:
-        """Snapshot ``state_dict`` and save it to ``path`` in the background (``overwrite``, ``options`` and
-        ``storage_options`` as for :func:`reshard.save`). Called by every rank of the group. A previous save
-        of this checkpointer is finalised first (its error, if any, is raised here)."""
+        """Snapshot ``state_dict`` and save it to ``path`` in the background (``overwrite``, ``options``,
+        ``storage_options`` and ``base``, for an incremental save, as for :func:`reshard.save`). Called by every
+        rank of the group. A previous save of this checkpointer is finalised first (its error, if any, is
+        raised here), so a ``base`` that this checkpointer saved is complete before it is used."""
         if self._inflight is not None:
             previous, self._inflight = self._inflight, None
             previous.wait()
@@ -191,6 +193,7 @@ class AsyncCheckpointer:
                     timeout=self.timeout,
                     storage_options=storage_options,
                     stats=handle.stats,
+                    base=base,
                 )
             except BaseException as exc:  # delivered by wait()
                 handle._error = exc
@@ -221,9 +224,10 @@ def async_save(
     options: SaveOptions | None = None,
     timeout: datetime.timedelta | float | None = None,
     storage_options: dict[str, Any] | None = None,
+    base: CheckpointLocation | None = None,
 ) -> SaveHandle:
     """A one-off asynchronous save (fresh snapshot buffers); see :class:`AsyncCheckpointer` to reuse
     buffers and keep one save in flight at a time. Called by every rank of ``group``."""
     return AsyncCheckpointer(group=group, timeout=timeout).save(
-        state_dict, path, overwrite=overwrite, options=options, storage_options=storage_options
+        state_dict, path, overwrite=overwrite, options=options, storage_options=storage_options, base=base
     )

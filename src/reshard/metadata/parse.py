@@ -467,7 +467,9 @@ class _PackedTensor:
         if "hash" in self.doc:
             digests = self.integers("hash", "u1", None)
             if len(digests) != n * CONTENT_HASH_BYTES:
-                raise self.fail("hash", f"holds {len(digests)} bytes, expected a {CONTENT_HASH_BYTES}-byte hash per box")
+                raise self.fail(
+                    "hash", f"holds {len(digests)} bytes, expected a {CONTENT_HASH_BYTES}-byte hash per box"
+                )
             content_hash = digests.astype(np.uint8).reshape(n, CONTENT_HASH_BYTES)
         return BoxColumns(
             offset=offset,
