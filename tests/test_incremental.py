@@ -439,3 +439,28 @@ def test_lora_incremental_checkpoints_write_only_what_training_changes(pool4: Ra
     for step, layout in ((3, "tp=1"), (4, "pp=2,dp=2")):
         digests = pool4.run_ok(rank_lora_load, layout, str(root / step_name(step)))
         assert digests[0] == run["digests"][step], (step, layout)
+
+
+def test_a_save_into_a_retired_directory_and_retention_of_a_cut_short_deletion(tmp_path: Path) -> None:
+    """A retired directory saved into becomes a checkpoint again (its referenced file still kept); a holder
+    that lost its metadata.json without being retired (a deletion cut short) is retired by retention, not
+    removed as an interrupted save."""
+    root = tmp_path / "root"
+    manager = reshard.CheckpointManager(root, keep_last=1, incremental=True)
+    manager.save(1, frozen_and_trained(1))
+    manager.save(2, frozen_and_trained(2))
+    held = _bin_files(root / step_name(1))
+    assert (root / step_name(1) / RETIRED_FILE).exists()
+    reshard.save(frozen_and_trained(7), root / step_name(1), options=HASHED)
+    assert not (root / step_name(1) / RETIRED_FILE).exists()
+    assert {i.step: i.status for i in scan_root(LocalStorage(root))} == {1: "complete", 2: "complete"}
+    assert held < _bin_files(root / step_name(1))  # the file step 2 references is still there
+    assert_loads_as(root / step_name(1), 7)
+    assert_loads_as(root / step_name(2), 2)
+    # Step 1's metadata.json disappears without retirement (an older deletion cut short): retention after
+    # step 3 must keep the file that steps 2 and 3 reference.
+    (root / step_name(1) / "metadata.json").unlink()
+    manager.save(3, frozen_and_trained(3))
+    assert {i.step: i.status for i in scan_root(LocalStorage(root))} == {1: "retired", 3: "complete"}
+    assert held <= _bin_files(root / step_name(1))
+    assert_loads_as(root / step_name(3), 3)

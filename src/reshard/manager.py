@@ -305,7 +305,11 @@ class CheckpointManager:
                     child.close()
             elif info.status not in ("complete", "retired") and info.step < newest and not live:
                 logger.info("retention: removing interrupted save %s", self.root.describe(info.name))
-                self.root.delete_prefix(info.name)
+                child = self.root.child(info.name)
+                try:
+                    delete_checkpoint(child)  # files that others reference stay (a holder whose retirement was cut)
+                finally:
+                    child.close()
         for info in infos:
             if info.status == "retired":
                 child = self.root.child(info.name)

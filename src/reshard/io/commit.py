@@ -34,7 +34,7 @@ from reshard.errors import CheckpointError, CheckpointExistsError, CheckpointLoc
 from reshard.io.datafile import is_data_file_of
 from reshard.locking import Lock, LockTiming, acquire_lock
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
-from reshard.references import protected_files
+from reshard.references import RETIRED_FILE, protected_files
 
 if TYPE_CHECKING:
     from reshard.storage import Storage
@@ -134,6 +134,10 @@ class SaveCommit:
             if self.overwrite:
                 self.replaced = self._previous_files()
             self.storage.sync_dir(DATA_DIR)
+            # A save into a retired checkpoint's directory makes it a checkpoint again: the marker goes before
+            # the commit (the files that others reference stay protected by their reference markers).
+            if self.storage.exists(RETIRED_FILE):
+                self.storage.delete(RETIRED_FILE)
         except CheckpointLockedError:
             self.outcome = CommitOutcome.NOT_COMMITTED
             raise
@@ -213,7 +217,7 @@ class SaveCommit:
             return
         try:
             referenced, _ = protected_files(self.storage)
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:
             logger.warning("the replaced checkpoint's files are kept: its reference markers cannot be read: %s", exc)
             return
         for name in sorted(self.replaced - keep - referenced):
