@@ -464,3 +464,20 @@ def test_a_save_into_a_retired_directory_and_retention_of_a_cut_short_deletion(t
     assert {i.step: i.status for i in scan_root(LocalStorage(root))} == {1: "retired", 3: "complete"}
     assert held <= _bin_files(root / step_name(1))
     assert_loads_as(root / step_name(3), 3)
+
+
+def test_full_every_bounds_how_long_a_checkpoint_stays_referenced(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    manager = reshard.CheckpointManager(root, keep_last=1, incremental=True, full_every=3)
+    referenced = []
+    directories = []
+    for step in range(1, 8):
+        referenced.append(manager.save(step, frozen_and_trained(step)).referenced_bytes)
+        directories.append(sorted(p.name for p in root.iterdir() if p.is_dir()))
+    frozen = 9 * 64 * 64 * 4
+    assert referenced == [0, frozen, frozen, 0, frozen, frozen, 0]  # steps 4 and 7: 3 steps after their holder
+    assert directories[3] == [step_name(4)] and directories[6] == [step_name(7)]  # the old holders went whole
+    assert max(len(d) for d in directories) == 2
+    assert_loads_as(root / step_name(7), 7)
+    with pytest.raises(ValueError, match="full_every needs incremental=True"):
+        reshard.CheckpointManager(root, full_every=3)

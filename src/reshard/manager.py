@@ -23,7 +23,8 @@ With ``incremental=True`` each save after the first is an incremental save again
 checkpoint (:func:`reshard.save`'s ``base``): only the boxes whose content changed are written, the others
 are referenced where they lie. Retention then deletes through :func:`reshard.references.delete_checkpoint`:
 a checkpoint whose files a kept one references is *retired* (``retired.json``; status ``retired``), keeping
-exactly those files, and swept once no kept checkpoint needs them.
+exactly those files, and swept once no kept checkpoint needs them; ``full_every`` makes a save full when the
+bytes of its base go back that many steps, so that retired holders do not live on for ever.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ LATEST_FILE = "latest.json"
 _STEP = re.compile(r"^step_(\d{9,})$")
 
 
+def _step_of(name: str) -> int | None:
+    match = _STEP.match(name)
+    return int(match.group(1)) if match is not None else None
+
+
 def step_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"steps are non-negative, got {step}")
@@ -90,6 +96,8 @@ class StepInfo:
     referenced_bytes: int = 0
     content_hashes: bool = False
     checksum_chunk_bytes: int | None = None
+    referenced_checkpoints: tuple[str, ...] = ()
+    """The sibling checkpoints whose data files this one references."""
 
     @property
     def written_bytes(self) -> int:
@@ -132,6 +140,7 @@ def _inspect_step(storage: Storage, name: str, step: int) -> StepInfo:
             referenced_bytes=metadata.referenced_bytes if metadata is not None else 0,
             content_hashes=metadata is not None and metadata.content_hashes,
             checksum_chunk_bytes=metadata.checksum_chunk_bytes if metadata is not None else None,
+            referenced_checkpoints=metadata.referenced_checkpoints if metadata is not None else (),
         )
     finally:
         child.close()
@@ -146,6 +155,10 @@ class CheckpointManager:
         keep_every: also keep every checkpoint whose step is a multiple of this.
         incremental: save each step incrementally against the newest complete checkpoint (see the module
             doc); every save records content hashes.
+        full_every: with ``incremental``, save in full when the oldest checkpoint holding bytes of the base is
+            this many steps or more older than the step saved: no checkpoint stays referenced (retired, with
+            the dead bytes of its data files) for much longer than this many steps. None: never (a load never
+            walks a chain anyway: references name the checkpoint that holds the bytes).
         group: the ranks that save and load together (collective methods say so).
         storage_options: for object-store roots.
         timeout: collective timeout.
@@ -158,10 +171,13 @@ class CheckpointManager:
         keep_last: int | None = None,
         keep_every: int | None = None,
         incremental: bool = False,
+        full_every: int | None = None,
         group: Group = None,
         storage_options: dict[str, Any] | None = None,
         timeout: datetime.timedelta | float | None = None,
     ) -> None:
+        if full_every is not None and (full_every < 1 or not incremental):
+            raise ValueError(f"full_every needs incremental=True and at least 1, got {full_every}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
         if keep_every is not None and keep_every < 1:
@@ -170,6 +186,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.incremental = incremental
+        self.full_every = full_every
         self.group = group
         self.timeout = timeout
 
@@ -266,10 +283,16 @@ class CheckpointManager:
         """On the coordinator: the base of an incremental save of ``step``, or None (a full save)."""
         for info in reversed(scan_root(self.root)):
             if info.status == "complete" and info.step != step:
-                if info.content_hashes and info.checksum_chunk_bytes == chunk_bytes:
-                    return info.name
-                logger.info("incremental save of step %d: %s cannot be its base, saving in full", step, info.name)
-                return None
+                if not info.content_hashes or info.checksum_chunk_bytes != chunk_bytes:
+                    logger.info("incremental save of step %d: %s cannot be its base, saving in full", step, info.name)
+                    return None
+                if self.full_every is not None:
+                    holders = [_step_of(name) for name in info.referenced_checkpoints]
+                    oldest = min([info.step, *(h for h in holders if h is not None)])
+                    if step - oldest >= self.full_every:
+                        logger.info("step %d: a full save (its base's bytes go back to step %d)", step, oldest)
+                        return None
+                return info.name
         return None
 
     def _point_latest_at(self, step: int) -> None:
