@@ -481,3 +481,30 @@ def test_full_every_bounds_how_long_a_checkpoint_stays_referenced(tmp_path: Path
     assert_loads_as(root / step_name(7), 7)
     with pytest.raises(ValueError, match="full_every needs incremental=True"):
         reshard.CheckpointManager(root, full_every=3)
+
+
+def test_fingerprints_and_read_once_loads_of_an_incremental_checkpoint(tmp_path: Path) -> None:
+    """The reused boxes' fingerprints are combined like the written ones' (``verify=True`` passes), and a
+    read-once load of two replicas (threads) reads referenced files like its own."""
+    options = reshard.SaveOptions(content_hash=True, fingerprint=True)
+    reshard.save(frozen_and_trained(1), tmp_path / "a", options=options)
+    reshard.save(frozen_and_trained(2), tmp_path / "b", options=options, base=tmp_path / "a")
+    full = reshard.read_metadata(tmp_path / "b")
+    plain = reshard.save(frozen_and_trained(2), tmp_path / "plain", options=options).metadata
+    assert plain is not None
+    assert {k: t.fingerprint for k, t in full.tensors.items()} == {k: t.fingerprint for k, t in plain.tensors.items()}
+    assert_loads_as(tmp_path / "b", 2, options=reshard.LoadOptions(verify=True))
+    group = ThreadGroup(2)
+    stats = [reshard.LoadStats(), reshard.LoadStats()]
+
+    def run(rank: int) -> None:
+        assert_loads_as(
+            tmp_path / "b",
+            2,
+            group=group.member(rank),
+            options=reshard.LoadOptions(read_once=True),
+            stats=stats[rank],
+        )
+
+    on_threads(2, run)
+    assert sum(s.bytes_from_peers for s in stats) > 0
