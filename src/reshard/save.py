@@ -185,7 +185,7 @@ def save(
     comm = Communicator(group, timeout=timeout)
     storage = storage_for(path, storage_options)
     try:
-        base_name = None if base is None else sibling_name(storage, base, storage_options)
+        base_name = None if base is None else _sibling_name(storage, base, storage_options)
         with collector_paused():
             return _save_to(
                 storage,
@@ -205,7 +205,7 @@ def save(
             storage.close()
 
 
-def sibling_name(storage: Storage, base: CheckpointLocation, storage_options: dict[str, Any] | None = None) -> str:
+def _sibling_name(storage: Storage, base: CheckpointLocation, storage_options: dict[str, Any] | None = None) -> str:
     """The name of checkpoint ``base`` beside ``storage`` (an incremental save's base).
 
     Raises:
