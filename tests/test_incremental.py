@@ -380,20 +380,29 @@ def _lora_trainer(layout: str) -> Trainer | None:
     return Trainer(ModelConfig(), TrainingConfig(), groups, LoraConfig.from_dict(LORA))
 
 
+LOAD_LAYOUTS = ("tp=1", "pp=2,dp=2")
+"""Each step is loaded right after its save at one of these, in turn (neither is the saving layout)."""
+
+
 def rank_lora_incremental_run(ctx: RankContext, root: str, steps: int) -> dict[str, Any] | None:
     """Train at TP=2 x PP=2 with the base frozen; after every step, an incremental manager save (keep_last=2),
-    then (rank 0) ``reshard gc`` of every step directory before the next step."""
+    a load of that step at another layout, and (rank 0) ``reshard gc`` of every step directory."""
+    for layout in LOAD_LAYOUTS:  # creating groups is collective over the pool: every rank, in this order
+        layout_groups(layout)
     trainer = _lora_trainer("tp=2,pp=2")
     if trainer is None:
         return None
     group = trainer.groups.layout.process_group
     manager = reshard.CheckpointManager(root, keep_last=2, incremental=True, group=group)
-    out: dict[str, Any] = {"digests": {}, "results": {}}
-    for _ in range(steps):
+    out: dict[str, Any] = {"digests": {}, "loaded": {}, "results": {}}
+    for i in range(steps):
         trainer.train_step()
         result = manager.save(trainer.step, trainer.sharded_state_dict())
         out["digests"][trainer.step] = state_digest(trainer.full_state())
         out["results"][trainer.step] = {"file_bytes": result.file_bytes, "referenced_bytes": result.referenced_bytes}
+        loaded = rank_lora_load(ctx, LOAD_LAYOUTS[i % 2], str(Path(root) / step_name(trainer.step)))
+        if loaded is not None:
+            out["loaded"][trainer.step] = loaded
         if ctx.rank == 0:
             for child in sorted(Path(root).iterdir()):
                 if child.is_dir():
@@ -436,7 +445,8 @@ def test_lora_incremental_checkpoints_write_only_what_training_changes(pool4: Ra
         assert run["results"][step]["file_bytes"] < 1.01 * (trained + rng) + 64 * sum(
             len(t.boxes) for t in metadata.tensors.values()
         )
-    for step, layout in ((3, "tp=1"), (4, "pp=2,dp=2")):
+    assert run["loaded"] == run["digests"]  # every step, loaded at another layout right after its save
+    for step, layout in ((3, "pp=2,dp=2"), (4, "tp=1")):  # and the kept ones after retention and gc
         digests = pool4.run_ok(rank_lora_load, layout, str(root / step_name(step)))
         assert digests[0] == run["digests"][step], (step, layout)
 
