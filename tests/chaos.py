@@ -661,15 +661,20 @@ def plan(
     systematic: int | None,
     timed: int,
 ) -> Iterator[Iteration]:
-    """Iterations over ``scenarios`` ((scenario, world) pairs): for each, ``systematic`` kill points drawn
-    (seeded) from all of them (None: all), and ``timed`` kills at random delays within the dry run's span."""
+    """Iterations over ``scenarios`` ((scenario, world) pairs): for each, ``systematic`` kill points (None: all):
+    the coordinator's just before and just after its commit of ``metadata.json`` (the point of no return, so
+    that a sample always reaches both outcomes of a save), the others drawn (seeded) from the rest; and
+    ``timed`` kills at random delays within the dry run's span."""
     rng = random.Random(seed)
     count = 0
     for scenario, world in scenarios:
         events, seconds = dry_run(scenario, world, base / f"dry-{scenario}-{world}")
         points = kill_points(events)
         if systematic is not None and systematic < len(points):
-            points = rng.sample(points, systematic)
+            commit = next((i for i, name in enumerate(events[0]) if name == "commit metadata.json"), None)
+            pinned = [] if commit is None else [KillPoint(rank=0, index=commit, when=w) for w in ("before", "after")]
+            rest = [p for p in points if p not in pinned]
+            points = pinned[:systematic] + rng.sample(rest, max(0, systematic - len(pinned)))
         span = 1.5 * seconds
         for _ in range(timed):
             points.append(KillPoint(rank=rng.randrange(world), delay_s=rng.uniform(0.0, span)))
