@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from reshard.metadata import Metadata
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION
 from reshard.sharding import ReplicaId
 from reshard.transports import ThreadGroup, Transport
+from tests.threads import on_threads
 
 T = TypeVar("T")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
@@ -133,34 +133,17 @@ def blank_target(box: Box, dtype: torch.dtype, *, as_view: bool) -> torch.Tensor
     return padded[tuple(slice(1, 1 + s) for s in box.shape)]
 
 
-def on_threads(count: int, work: Callable[[int, Transport], T]) -> list[T]:
+def on_group_threads(count: int, work: Callable[[int, Transport], T]) -> list[T]:
     """``work(rank, group member)`` on ``count`` threads of one ThreadGroup; the results in rank order (the
-    first exception of any rank is raised)."""
+    first exception of any rank is raised, the others' barrier aborted)."""
     group = ThreadGroup(count, timeout=30.0)
-    results: list[Any] = [None] * count
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = work(rank, group.member(rank))
-        except BaseException as exc:  # re-raised below, in the test's thread
-            errors.append(exc)
-            group.barrier.abort()  # the other ranks fail at once instead of waiting out the timeout
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
+    return on_threads(count, lambda rank: work(rank, group.member(rank)), group=group)
 
 
 def save_on_threads(state_dicts: list[dict[str, object]], path: Path, chunk_bytes: int) -> Metadata:
     """The real ``reshard.save`` on one thread per state dict; the committed metadata."""
     options = reshard.SaveOptions(checksum_chunk_bytes=chunk_bytes)
-    results = on_threads(
+    results = on_group_threads(
         len(state_dicts), lambda rank, group: reshard.save(state_dicts[rank], path, group=group, options=options)
     )
     assert all(r.metadata is None for r in results[1:])  # only the coordinator holds the metadata
@@ -229,7 +212,7 @@ def test_save_under_one_layout_load_under_another(case: Case, tmp_path_factory: 
         return out["model"]["w"], stats
 
     for box, target, (loaded, stats) in zip(
-        case.load_boxes, targets, on_threads(len(case.load_boxes), load_box), strict=True
+        case.load_boxes, targets, on_group_threads(len(case.load_boxes), load_box), strict=True
     ):
         assert loaded is target  # filled in place
         assert loaded.shape == box.shape

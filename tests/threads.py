@@ -5,17 +5,27 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any, TypeVar
+
+from reshard.transports import ThreadGroup
+
+T = TypeVar("T")
 
 
-def on_threads(ranks: int, run: Callable[[int], object]) -> None:
-    """``run(rank)`` on one thread per rank; the first error of any rank is raised."""
+def on_threads(ranks: int, run: Callable[[int], T], *, group: ThreadGroup | None = None) -> list[T]:
+    """``run(rank)`` on one thread per rank; the results in rank order (the first error of any rank is
+    raised). With ``group``, a failing rank aborts the group's barrier, so that the others fail at once
+    instead of waiting out its timeout."""
+    results: list[Any] = [None] * ranks
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:
         try:
-            run(r)
-        except BaseException as exc:
+            results[r] = run(r)
+        except BaseException as exc:  # re-raised below, in the test's thread
             errors.append(exc)
+            if group is not None:
+                group.barrier.abort()
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
     for t in threads:
@@ -24,3 +34,4 @@ def on_threads(ranks: int, run: Callable[[int], object]) -> None:
         t.join()
     if errors:
         raise errors[0]
+    return results

@@ -244,10 +244,11 @@ def sweep_retired(
     """
     if protected is None or stale is None:
         protected, stale = protected_files(storage)
-    keep = protected | {RETIRED_FILE}
-    names = [n for n in storage.list_files() if n not in keep and not n.startswith(f"{REFERENCES_DIR}/")]
-    names += stale
-    if not protected:
+    if protected:
+        keep = protected | {RETIRED_FILE}
+        names = [n for n in storage.list_files() if n not in keep and not n.startswith(f"{REFERENCES_DIR}/")]
+        names += stale
+    else:
         names = storage.list_files()
     if dry_run:
         return sorted(names)

@@ -170,8 +170,8 @@ class Metadata:
     @property
     def referenced_bytes(self) -> int:
         """Bytes of tensor data stored in other checkpoints' files (referenced by an incremental save)."""
-        others = np.array([f.checkpoint is not None for f in self.files] + [False], dtype=bool)
-        if not others[:-1].any():
+        others = np.array([f.checkpoint is not None for f in self.files], dtype=bool)
+        if not others.any():
             return 0
         total = 0
         for t in self.tensors.values():

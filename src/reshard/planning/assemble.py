@@ -209,18 +209,17 @@ def assemble_metadata(
         if references is None:
             raise ValueError(f"rank {rank} reused boxes of a base, but the save has no base")
         reused_rows = table.rank_start[rank] + np.asarray(report.tensors.reused, dtype=np.int64)
-        for row_id in reused_rows.tolist():
-            ref = references[row_id]
+        reused = [references[row_id] for row_id in reused_rows.tolist()]
+        for ref in reused:
             if (ref.checkpoint, ref.path) not in referenced_files:
                 referenced_files[ref.checkpoint, ref.path] = len(files)
                 files.append(DataFile(path=ref.path, size=ref.size, checkpoint=ref.checkpoint))
-            file_index = referenced_files[ref.checkpoint, ref.path]
-            rows.append(np.array([row_id], dtype=np.int64))
-            file_of.append(np.array([file_index], dtype=np.int64))
-            offsets.append(np.array([ref.byte_offset], dtype=np.int64))
-            lengths.append(np.array([ref.byte_length], dtype=np.int64))
-            crcs.append(ref.checksums)
-            hashes.append(ref.content_hash)
+        rows.append(reused_rows)
+        file_of.append(np.array([referenced_files[ref.checkpoint, ref.path] for ref in reused], dtype=np.int64))
+        offsets.append(np.array([ref.byte_offset for ref in reused], dtype=np.int64))
+        lengths.append(np.array([ref.byte_length for ref in reused], dtype=np.int64))
+        crcs += [ref.checksums for ref in reused]
+        hashes += [ref.content_hash for ref in reused]
         if report.tensors.reused_fingerprint is not None:
             prints += report.tensors.reused_fingerprint
     empty = np.zeros(0, dtype=np.int64)
