@@ -54,6 +54,25 @@ def test_snapshot_is_consistent_and_buffers_are_reused(tmp_path: Path) -> None:
         assert out["rng"] == {"s": [step]} and out["step"] == step
 
 
+def test_an_overlapped_snapshot_of_host_tensors_is_complete_when_save_returns(tmp_path: Path) -> None:
+    """``overlap_snapshot=True`` only defers the copies of GPU tensors (tests/test_gpu.py): host tensors are
+    copied before ``save`` returns, ``snapshot_done`` says so and ``wait_snapshot`` has nothing to order."""
+    weight = torch.arange(12.0).reshape(3, 4)
+    checkpointer = reshard.AsyncCheckpointer()
+    handle = checkpointer.save({"w": weight}, tmp_path / "ckpt", overlap_snapshot=True)
+    assert handle.snapshot_done()
+    handle.wait_snapshot()
+    weight.add_(1.0)
+    handle.wait()
+    one_off = reshard.async_save({"w": weight}, tmp_path / "one-off", overlap_snapshot=True)
+    weight.add_(1.0)
+    one_off.wait()
+    assert torch.equal(reshard.load({"w": torch.zeros(3, 4)}, tmp_path / "ckpt")["w"], torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(
+        reshard.load({"w": torch.zeros(3, 4)}, tmp_path / "one-off")["w"], torch.arange(12.0).reshape(3, 4) + 1
+    )
+
+
 def test_warmup_pre_pays_the_snapshot_buffers(tmp_path: Path) -> None:
     """After warmup the first snapshot copies into memory already resident (no new peak), into the same
     buffers, and warmup reports their bytes; a save in flight is finalised before buffers are touched."""

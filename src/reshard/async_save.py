@@ -3,7 +3,12 @@
 Phase one (the caller's thread, blocking): every tensor of the state dict is copied into a host buffer
 that the :class:`AsyncCheckpointer` owns and reuses from one save to the next (memory touched for the first
 time is slow, so steady-state saves copy into memory that is already mapped); CUDA tensors go to pinned
-buffers with asynchronous copies, then one synchronisation. After this the caller may change its tensors.
+buffers with asynchronous copies on a side stream that first waits for the caller's current stream, then the
+host waits for that side stream alone (never ``torch.cuda.synchronize()``: kernels queued on other streams
+are not waited for), so the caller is blocked for about a device-to-host copy of the state. After this the
+caller may change its tensors. With ``overlap_snapshot=True`` the caller is not blocked even for that: the
+copies run while it queues its next forward and backward pass, and :meth:`SaveHandle.wait_snapshot`, called
+before the optimizer step, makes the GPU (not the host) wait for whatever of them is not done by then.
 Phase two (a background thread): the ordinary :func:`reshard.save` protocol on the snapshot: planning,
 writing, agreement, commit. :meth:`SaveHandle.wait` joins it and raises its error (on every rank, since
 save agrees on failures); :meth:`SaveHandle.done` polls.
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 
 from reshard.dtensor import dtensor_to_sharded, is_dtensor
+from reshard.io.device import HostCopies, start_copies_to_host
 from reshard.options import SaveOptions
 from reshard.save import SaveResult, save
 from reshard.sharding import ShardedObject, ShardedTensor
@@ -46,9 +52,10 @@ __all__ = ["AsyncCheckpointer", "SaveHandle", "async_save"]
 class SaveHandle:
     """A save running in the background. Thread-safe to poll; wait from the thread that started it."""
 
-    def __init__(self, snapshot_seconds: float) -> None:
+    def __init__(self, snapshot_seconds: float, copies: HostCopies | None = None) -> None:
         self.snapshot_seconds = snapshot_seconds
-        """How long the caller was blocked taking the snapshot."""
+        """How long the caller was blocked taking the snapshot (with ``overlap_snapshot``: issuing it)."""
+        self._copies = copies
         self.total_seconds: float | None = None
         """Snapshot plus background save, once done."""
         self.stats = SaveStats()
@@ -63,6 +70,20 @@ class SaveHandle:
     def done(self) -> bool:
         """Whether the background save has finished (successfully or not)."""
         return self._done.is_set()
+
+    def snapshot_done(self) -> bool:
+        """Whether the snapshot's copies are complete (always, unless the save was made with
+        ``overlap_snapshot=True``), so that the saved tensors may change."""
+        return self._copies is None or self._copies.done()
+
+    def wait_snapshot(self) -> None:
+        """With ``overlap_snapshot=True``: call before changing a saved tensor (before the optimizer step), on
+        the thread that will change it. It makes that thread's current CUDA stream wait, on the device, for the
+        snapshot's copies, so that the kernels queued next (the optimizer's) run after them; the host does not
+        wait. A no-op for a blocking snapshot. Changing a tensor on another stream needs that stream to wait
+        too (``torch.cuda.current_stream().wait_stream``), or a host wait: :meth:`snapshot_done` polls."""
+        if self._copies is not None:
+            self._copies.order_current_streams()
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Wait for the background save; return its :class:`~reshard.save.SaveResult` (the committed
@@ -117,27 +138,28 @@ class AsyncCheckpointer:
         Returns the bytes of the buffers: the host memory an asynchronous save holds for its snapshot (the
         state's size, on top of ``SaveOptions(memory_budget_bytes=...)`` of the background save)."""
         self.wait()
-        self._visit(state_dict, fill=False)
+        self._visit(state_dict, fill=False)[1].wait()
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def snapshot(self, state_dict: Any) -> Any:
-        """A copy of ``state_dict`` whose tensors live in this checkpointer's host buffers."""
-        return self._visit(state_dict, fill=True)
+        """A copy of ``state_dict`` whose tensors live in this checkpointer's host buffers (complete when it
+        returns)."""
+        snapshot, copies = self._visit(state_dict, fill=True)
+        copies.wait()
+        return snapshot
 
-    def _visit(self, state_dict: Any, *, fill: bool) -> Any:
-        """Map every tensor leaf of ``state_dict`` to its buffer: copied into it (``fill``) or only touched."""
-        cuda_copies = False
+    def _visit(self, state_dict: Any, *, fill: bool) -> tuple[Any, HostCopies]:
+        """Map every tensor leaf of ``state_dict`` to its buffer: copied into it (``fill``: the copies of GPU
+        tensors are started, on side streams that first wait for the caller's stream, so that the snapshot
+        holds what the kernels queued before this call computed) or only touched."""
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def copy_tensor(path: str, tensor: torch.Tensor) -> torch.Tensor:
-            nonlocal cuda_copies
             buffer = self._buffer(path, tensor)
-            if not fill:
+            if fill:
+                copies.append((buffer, tensor))
+            else:
                 buffer.zero_()
-                return buffer
-            cuda = tensor.device.type == "cuda"
-            cuda_copies |= cuda
-            with torch.no_grad():
-                buffer.copy_(tensor.detach(), non_blocking=cuda)
             return buffer
 
         def leaf(path: str, value: Any) -> Any:
@@ -157,9 +179,7 @@ class AsyncCheckpointer:
             return value
 
         snapshot = map_leaves(state_dict, leaf)
-        if cuda_copies:
-            torch.cuda.synchronize()
-        return snapshot
+        return snapshot, start_copies_to_host(copies)
 
     def save(
         self,
@@ -170,20 +190,32 @@ class AsyncCheckpointer:
         options: SaveOptions | None = None,
         storage_options: dict[str, Any] | None = None,
         base: CheckpointLocation | None = None,
+        overlap_snapshot: bool = False,
     ) -> SaveHandle:
         """Snapshot ``state_dict`` and save it to ``path`` in the background (``overwrite``, ``options``,
         ``storage_options`` and ``base``, for an incremental save, as for :func:`reshard.save`). Called by every
         rank of the group. A previous save of this checkpointer is finalised first (its error, if any, is
-        raised here), so a ``base`` that this checkpointer saved is complete before it is used."""
+        raised here), so a ``base`` that this checkpointer saved is complete before it is used.
+
+        By default it returns once the snapshot is complete: the caller may change its tensors at once. With
+        ``overlap_snapshot``, it returns once the copies of GPU tensors are *issued* (CPU tensors are copied
+        either way): they run on side streams while the caller queues its next kernels (a forward and backward
+        pass, which read the weights but do not change them), and the caller must call
+        :meth:`SaveHandle.wait_snapshot` before it changes a saved tensor (before the optimizer step); the
+        background save waits for them before it writes. The GPU then waits for the copies only where they
+        are not done by the optimizer step."""
         if self._inflight is not None:
             previous, self._inflight = self._inflight, None
             previous.wait()
         started = time.perf_counter()
-        snapshot = self.snapshot(state_dict)
-        handle = SaveHandle(time.perf_counter() - started)
+        snapshot, copies = self._visit(state_dict, fill=True)
+        if not overlap_snapshot:
+            copies.wait()
+        handle = SaveHandle(time.perf_counter() - started, copies if overlap_snapshot else None)
 
         def run() -> None:
             try:
+                copies.wait()
                 handle._result = save(
                     snapshot,
                     path,
@@ -225,9 +257,17 @@ def async_save(
     timeout: datetime.timedelta | float | None = None,
     storage_options: dict[str, Any] | None = None,
     base: CheckpointLocation | None = None,
+    overlap_snapshot: bool = False,
 ) -> SaveHandle:
     """A one-off asynchronous save (fresh snapshot buffers); see :class:`AsyncCheckpointer` to reuse
-    buffers and keep one save in flight at a time. Called by every rank of ``group``."""
+    buffers and keep one save in flight at a time (and for ``overlap_snapshot``). Called by every rank of
+    ``group``."""
     return AsyncCheckpointer(group=group, timeout=timeout).save(
-        state_dict, path, overwrite=overwrite, options=options, storage_options=storage_options, base=base
+        state_dict,
+        path,
+        overwrite=overwrite,
+        options=options,
+        storage_options=storage_options,
+        base=base,
+        overlap_snapshot=overlap_snapshot,
     )

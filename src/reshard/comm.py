@@ -32,7 +32,7 @@ from typing import Any, TypeVar, overload
 import torch.distributed as dist
 
 from reshard.errors import ERROR_CLASSES, CheckpointError, StorageError
-from reshard.transports import SingleProcess, ThreadGroup, TorchTransport, Transport, padded_size
+from reshard.transports import Group, PlaneGroups, SingleProcess, ThreadGroup, TorchTransport, Transport, padded_size
 
 __all__ = ["DEFAULT_TIMEOUT", "Communicator", "StepFailure", "ThreadGroup", "Transport", "padded_size"]
 
@@ -151,8 +151,10 @@ class Communicator:
 
     Args:
         group: the ranks that take part: a ``torch.distributed`` process group, ``None`` (the default group
-            if ``torch.distributed`` is initialised, else this process alone), or a
-            :class:`~reshard.transports.Transport` (a :class:`~reshard.transports.ThreadGroup` member).
+            if ``torch.distributed`` is initialised, else this process alone), a
+            :class:`~reshard.transports.PlaneGroups` (a gloo group for the protocol beside an NCCL group for
+            tensor data), or a :class:`~reshard.transports.Transport` (a :class:`~reshard.transports.ThreadGroup`
+            member).
         timeout: how long each collective may wait for the slowest peer.
 
     All methods are collective: every rank of the group calls them, in the same order.
@@ -160,7 +162,7 @@ class Communicator:
 
     def __init__(
         self,
-        group: dist.ProcessGroup | Transport | None = None,
+        group: Group = None,
         *,
         timeout: datetime.timedelta | float | None = None,
     ) -> None:
@@ -174,7 +176,10 @@ class Communicator:
         if isinstance(group, Transport):
             self.transport = group
         elif distributed:
-            self.transport = TorchTransport(group, timeout)
+            if isinstance(group, PlaneGroups):
+                self.transport = TorchTransport(group.data, timeout, control_group=group.control)
+            else:
+                self.transport = TorchTransport(group, timeout)
         elif group is not None:
             raise CheckpointError("a process group was given but torch.distributed is not initialised")
         else:

@@ -36,14 +36,14 @@ def fingerprint(view: torch.Tensor, box: Box, global_shape: tuple[int, ...]) -> 
 
     Computed without materialising the word indices: with rows along the last axis, a word's index is
     ``rowbase + j``, so ``sum(w * (2i + 1) + i * G) = 2 * sum_r(rowbase_r * S_r) + 2 * sum(w_j * j) + sum(w)
-    + G * sum(i)``, where ``S_r`` is the sum of row ``r``'s words: a few passes over the data.
+    + G * sum(i)``, where ``S_r`` is the sum of row ``r``'s words: a few passes over the data. They run where
+    the data is (a GPU tensor is summed on its device, in the same wrapping 64-bit arithmetic, and only the sums
+    come to the host).
     """
     if box.volume == 0:
         return 0
-    data = view.detach()
-    if data.device.type != "cpu":
-        data = data.cpu()
-    data = data.contiguous().reshape(box.shape)
+    data = view.detach().resolve_conj().resolve_neg().contiguous().reshape(box.shape)
+    device = data.device
     itemsize = data.element_size()
     words = 2 if itemsize == 16 else 1
     word_dtype = _WORD[itemsize]
@@ -53,13 +53,13 @@ def fingerprint(view: torch.Tensor, box: Box, global_shape: tuple[int, ...]) -> 
     columns = shape[-1] * words
     rows_total = math.prod(shape[:-1])
     slab = max(1, _SLAB_ELEMENTS // columns)
-    column_index = torch.arange(columns, dtype=torch.int64)
+    column_index = torch.arange(columns, dtype=torch.int64, device=device)
     flat = data.reshape(rows_total, shape[-1])
     # Global word index of the first word of every row (a small tensor: one entry per row).
-    row_base = torch.zeros((), dtype=torch.int64)
+    row_base = torch.zeros((), dtype=torch.int64, device=device)
     for axis in range(len(shape) - 1):
-        coords = torch.arange(offset[axis], offset[axis] + shape[axis], dtype=torch.int64) * strides[axis]
-        row_base = row_base.unsqueeze(-1) + coords
+        coords = torch.arange(offset[axis], offset[axis] + shape[axis], dtype=torch.int64, device=device)
+        row_base = row_base.unsqueeze(-1) + coords * strides[axis]
     row_base = (row_base.reshape(-1) + offset[-1] * strides[-1]) * words
     total = 0
     for start in range(0, rows_total, slab):

@@ -77,7 +77,10 @@ class LoadStats:
         bytes_verified: bytes whose checksum was verified.
         bytes_verify_extra: bytes read (or, for mapped local files, checksummed) beyond the planned reads,
             to verify the whole chunks that the reads touch (not counted in ``bytes_read``).
-        bytes_direct: bytes read straight into their destination tensor (no intermediate copy).
+        bytes_direct: bytes read straight into their destination tensor (no intermediate copy), or, for a
+            destination in GPU memory, into its pinned host proxy (one copy to the device, no other).
+        bytes_to_device: bytes copied from pinned host proxies into destinations in GPU memory (on a side
+            stream, overlapped with the reads; docs/concepts.md, "GPU memory").
         bytes_from_peers, bytes_to_peers: with ``LoadOptions(read_once=...)`` in effect, the bytes this rank
             received from the ranks that read them, and sent to the ranks that needed what it read (its own
             reads are in ``bytes_read``; over all ranks, storage sees each needed byte once).
@@ -102,6 +105,7 @@ class LoadStats:
     bytes_verified: int = 0
     bytes_verify_extra: int = 0
     bytes_direct: int = 0
+    bytes_to_device: int = 0
     bytes_from_peers: int = 0
     bytes_to_peers: int = 0
     exchange_rounds: int = 0
@@ -233,6 +237,10 @@ def _load_from(
     read_views: list[torch.Tensor] = []
     read_boxes: list[Box] = []
 
+    def on_device() -> bool:
+        """Whether some of this rank's reads land outside host memory (GPU tensors: read through proxies)."""
+        return any(view.device.type != "cpu" for view in read_views)
+
     def plan_reads(targets: list[TargetPiece]) -> None:
         # Staged loads read local copies; otherwise the storage says what a request costs.
         request_cost = 0 if options.staging is not None else storage.request_cost_bytes
@@ -244,7 +252,7 @@ def _load_from(
                 metadata,
                 targets,
                 max_read_amplification=amplification,
-                max_read_bytes=ReadBudget.of(options.memory_budget_bytes).max_read_bytes,
+                max_read_bytes=ReadBudget.of(options.memory_budget_bytes, device=on_device()).max_read_bytes,
                 request_cost_bytes=request_cost,
             )
         )
@@ -336,6 +344,7 @@ def _load_from(
         staged.storage if staged is not None else storage,
         staged.metadata if staged is not None else metadata,
         memory_budget_bytes=options.memory_budget_bytes,
+        device=on_device(),
     )
     loaded_objects: dict[tuple[str, tuple[int, ...]], object] = {}
 
@@ -394,6 +403,7 @@ def _load_from(
         stats.read_requests = load_plan.requests
         stats.bytes_verified = executor.bytes_verified
         stats.bytes_direct = executor.bytes_direct
+        stats.bytes_to_device = executor.bytes_to_device
         stats.bytes_verify_extra = executor.bytes_verify_extra
         if staged is not None:
             stats.files_downloaded = len(staged.downloaded)

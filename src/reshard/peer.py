@@ -33,6 +33,7 @@ from reshard.comm import Communicator
 from reshard.dtensor import is_dtensor
 from reshard.dtypes import DTYPE_BY_NAME, dtype_name
 from reshard.errors import DataUnavailableError, StateDictError
+from reshard.io.device import copy_to_host
 from reshard.sharding import ShardedTensor
 from reshard.statedict import filter_state_dict, flatten_state_dict, map_leaves
 from reshard.transfer import TransferStats, transfer
@@ -103,15 +104,18 @@ class PeerMemoryCheckpoint:
         self._held = {}
         own: dict[str, ShardedTensor] = {}
         described: list[list[Any]] = []
+        to_host: list[tuple[torch.Tensor, torch.Tensor]] = []
         for tensor in flat.tensors:
             if not tensor.is_main_replica:
                 continue
             for piece in tensor.pieces():
-                copy = piece.view.detach().to("cpu", copy=True).contiguous()
+                copy = torch.empty(piece.view.shape, dtype=piece.view.dtype)
+                to_host.append((copy, piece.view))
                 path = f"own/{len(own)}"
                 own[path] = ShardedTensor(tensor.key, copy, tensor.saved_shape, piece.box.offset)
                 box = [list(piece.box.offset), list(copy.shape)]
                 described.append([tensor.key, list(tensor.saved_shape), *box, dtype_name(copy.dtype)])
+        copy_to_host(to_host)  # GPU pieces on a side stream, one wait for them all
         common = json.dumps({p: encode_tagged(v, where=p) for p, v in flat.common.items()}, sort_keys=True)
 
         def assign(payloads: list[bytes]) -> tuple[str, list[bytes]]:

@@ -46,7 +46,7 @@ from reshard.comm import Communicator
 from reshard.errors import CheckpointError, CommunicationError, StateDictError, StorageError, UnconfirmedCommitError
 from reshard.fingerprint import fingerprint
 from reshard.io.commit import CommitOutcome, SaveCommit
-from reshard.io.datafile import DataFileWriter, content_digest, data_file_name, tensor_bytes
+from reshard.io.datafile import DataFileWriter, content_digest, data_file_name, staging_slabs, tensor_bytes
 from reshard.locking import LockTiming
 from reshard.metadata import (
     MAX_METADATA_BYTES,
@@ -485,9 +485,10 @@ def _write_assigned(
     reused: list[int] = []
     reused_prints: list[int] = []
     to_write: list[int] = []
+    slabs = staging_slabs(memory_budget_bytes)  # for hashing here, then for writing
     for position, index in enumerate(assignment.tensors):
         base_hash = assignment.base_hash(position)
-        if base_hash is not None and content_digest(state.views[index]) == base_hash:
+        if base_hash is not None and content_digest(state.views[index], slabs) == base_hash:
             reused.append(index)
             if with_fingerprints:
                 piece = state.description.tensors[index]
@@ -502,7 +503,7 @@ def _write_assigned(
             )
         )
     name = data_file_name(save_id, rank)
-    writer = DataFileWriter(storage, name, chunk_bytes, memory_budget_bytes, hash_content=content_hashes)
+    writer = DataFileWriter(storage, name, chunk_bytes, memory_budget_bytes, hash_content=content_hashes, slabs=slabs)
     offsets: list[int] = []
     lengths: list[int] = []
     checksums: list[int] = []
@@ -510,14 +511,14 @@ def _write_assigned(
     prints: list[int] = []
     written_objects = []
     try:
-        for index in to_write:
-            stored = writer.append_tensor(state.views[index])
+        for stored in writer.append_tensors([state.views[index] for index in to_write]):
             offsets.append(stored.byte_offset)
             lengths.append(stored.byte_length)
             checksums += stored.checksums
             if stored.content_hash is not None:
                 digests.append(stored.content_hash)
-            if with_fingerprints:
+        if with_fingerprints:
+            for index in to_write:
                 piece = state.description.tensors[index]
                 prints.append(fingerprint(state.views[index], piece.box, piece.global_shape))
         for index in assignment.objects:

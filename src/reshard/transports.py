@@ -22,6 +22,7 @@ import datetime
 import struct
 import threading
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,12 +33,14 @@ from reshard.errors import CheckpointError, CommunicationError
 __all__ = [
     "EVERY_RANK_HINT",
     "Group",
+    "PlaneGroups",
     "SingleProcess",
     "ThreadGroup",
     "ThreadTransport",
     "TorchTransport",
     "Transport",
     "padded_size",
+    "plane_devices",
 ]
 
 _LENGTH = struct.Struct("<Q")
@@ -63,7 +66,7 @@ class Transport(ABC):
     size: int
     timeout: datetime.timedelta
     device: torch.device = torch.device("cpu")
-    """Where the tensors of :meth:`exchange` live (the GPU of this rank for NCCL)."""
+    """Where the tensors of :meth:`exchange` live (the data plane: the GPU of this rank for NCCL)."""
 
     def __init__(self) -> None:
         self.bytes_sent = 0
@@ -91,9 +94,24 @@ class Transport(ABC):
         """The coordinator's ``payload`` on every rank (the others pass None)."""
 
 
-Group = dist.ProcessGroup | Transport | None
-"""The ranks of a checkpoint operation: a process group, a transport (a :class:`ThreadGroup` member), or
-``None`` (the default group when ``torch.distributed`` is initialised, else this process alone)."""
+@dataclass(frozen=True, slots=True)
+class PlaneGroups:
+    """Two process groups of the same ranks for one checkpoint operation: ``control`` (gloo) carries reshard's
+    own protocol, ``data`` (the job's NCCL group; None: the default group) carries tensor data between ranks.
+    For a job whose groups are pure NCCL (``init_process_group("nccl")``), which would otherwise carry the
+    protocol on its GPUs too (:func:`plane_devices`); Megatron-Core keeps such gloo twins of its groups.
+
+    ``control`` must hold the same ranks as ``data``, in the same order (checked: a
+    :class:`~reshard.CheckpointError` otherwise)."""
+
+    data: dist.ProcessGroup | None
+    control: dist.ProcessGroup
+
+
+Group = dist.ProcessGroup | Transport | PlaneGroups | None
+"""The ranks of a checkpoint operation: a process group, its :class:`PlaneGroups` (a gloo group for reshard's
+protocol beside it), a transport (a :class:`ThreadGroup` member), or ``None`` (the default group when
+``torch.distributed`` is initialised, else this process alone)."""
 
 
 class SingleProcess(Transport):
@@ -119,21 +137,80 @@ class SingleProcess(Transport):
         return payload or b""
 
 
+def plane_devices(backend_config: str) -> tuple[str, str]:
+    """The device types of a process group's two planes, from its backend configuration
+    (``dist.get_backend_config``: ``"cpu:gloo,cuda:nccl"``, ``"cuda:nccl"``, ``"cpu:gloo,cuda:gloo"``...):
+
+    - the *control* plane, reshard's own protocol (gathers, scatters and broadcasts of small JSON payloads):
+      on the CPU wherever the group has a CPU backend (gloo). Those collectives are latency-bound: on NCCL each
+      would put an upload, a kernel and a download with a stream synchronisation on the GPU for a few kilobytes,
+      and an asynchronous save's background thread would queue them beside the training's own collectives.
+      Only a group without a CPU backend (pure NCCL) carries them on its GPU.
+    - the *data* plane, tensor bytes between ranks (read once per replica group, ``reshard.transfer``, the
+      peer-memory tier): on the GPU where the group's CUDA backend is not gloo (NCCL: NVLink and InfiniBand,
+      and GPU tensors sent without a trip through host memory); on the CPU otherwise, GPU tensors being staged
+      through host buffers.
+
+    An unrecognised configuration (a custom backend) puts both planes on the CPU unless it names NCCL.
+    """
+    backends: dict[str, str] = {}
+    for part in backend_config.split(","):
+        device, _, backend = part.strip().partition(":")
+        if backend:
+            backends[device.strip().lower()] = backend.strip().lower()
+        elif device:  # a bare backend name
+            backends.setdefault("cuda" if device.strip().lower() == "nccl" else "cpu", device.strip().lower())
+    control = "cpu" if "cpu" in backends or "cuda" not in backends else "cuda"
+    data = "cuda" if backends.get("cuda", "gloo") != "gloo" else "cpu"
+    return control, data
+
+
+def _backend_config(group: dist.ProcessGroup | None) -> str:
+    try:
+        return str(dist.get_backend_config(group))
+    except (AttributeError, ValueError, RuntimeError):  # a torch without it, or a backend it cannot name
+        return str(dist.get_backend(group))
+
+
+def _device(kind: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+
+
 class TorchTransport(Transport):
     """A ``torch.distributed`` process group (``None``: the default group), every wait bounded by
-    ``timeout``."""
+    ``timeout``. Its control collectives and its data exchanges may run on different devices of the group's
+    backends (:func:`plane_devices`): a group made with ``backend="cpu:gloo,cuda:nccl"`` (what
+    ``init_process_group()`` makes on a machine with GPUs when no backend is named) carries reshard's protocol
+    on gloo and tensor data on NCCL."""
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout: datetime.timedelta) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        timeout: datetime.timedelta,
+        *,
+        control_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.group = group
+        """The group of the data plane (:meth:`exchange`)."""
+        self.control_group = control_group if control_group is not None else group
+        """The group of the control plane (gather, scatter, broadcast): ``control_group`` (a
+        :class:`PlaneGroups`' gloo group) or ``group`` itself."""
         self.timeout = timeout
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         if self.rank < 0:
             raise CheckpointError("this process is not a member of the process group it was given")
         self.global_ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.size)]
-        backend = str(dist.get_backend(group))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        if control_group is not None and dist.get_process_group_ranks(control_group) != self.global_ranks:
+            raise CheckpointError(
+                f"the control group of PlaneGroups holds ranks {dist.get_process_group_ranks(control_group)}, the "
+                f"data group {self.global_ranks}: they must be the same ranks in the same order"
+            )
+        self.control_device = _device(plane_devices(_backend_config(self.control_group))[0])
+        """Where the payloads of gather, scatter and broadcast travel (see :func:`plane_devices`)."""
+        self.device = _device(plane_devices(_backend_config(group))[1])
+        self._data_plane_ready = self.device.type == "cpu"
 
     @property
     def is_coordinator(self) -> bool:
@@ -150,8 +227,9 @@ class TorchTransport(Transport):
 
     def _longest(self, length: int) -> int:
         """The largest ``length`` of any rank (an all-reduce of one integer)."""
-        value = torch.tensor([length], dtype=torch.int64, device=self.device)
-        self._wait(dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "all_reduce(length)")
+        value = torch.tensor([length], dtype=torch.int64, device=self.control_device)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.control_group, async_op=True)
+        self._wait(work, "all_reduce(length)")
         self.bytes_sent += value.nbytes
         self.bytes_received += value.nbytes
         return int(value.item())
@@ -162,7 +240,7 @@ class TorchTransport(Transport):
         framed[: _LENGTH.size + len(payload)] = torch.frombuffer(
             bytearray(_LENGTH.pack(len(payload)) + payload), dtype=torch.uint8
         )
-        return framed.to(self.device)
+        return framed.to(self.control_device)
 
     @staticmethod
     def _unframed(framed: torch.Tensor) -> bytes:
@@ -181,11 +259,11 @@ class TorchTransport(Transport):
         size = _LENGTH.size + self._longest(len(payload))
         mine = self._framed(payload, size)
         gather_list = (
-            [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+            [torch.empty(size, dtype=torch.uint8, device=self.control_device) for _ in range(self.size)]
             if self.is_coordinator
             else None
         )
-        work = dist.gather(mine, gather_list, dst=self.global_ranks[0], group=self.group, async_op=True)
+        work = dist.gather(mine, gather_list, dst=self.global_ranks[0], group=self.control_group, async_op=True)
         self._wait(work, "gather")
         if gather_list is None:
             self.bytes_sent += size
@@ -205,13 +283,15 @@ class TorchTransport(Transport):
             return payloads[0]
         if self.is_coordinator and (payloads is None or len(payloads) != self.size):
             raise CheckpointError(f"scatter_bytes on the coordinator needs {self.size} payloads")
-        longest = torch.tensor([max(map(len, payloads)) if payloads else 0], dtype=torch.int64, device=self.device)
-        work = dist.broadcast(longest, src=self.global_ranks[0], group=self.group, async_op=True)
+        longest = torch.tensor(
+            [max(map(len, payloads)) if payloads else 0], dtype=torch.int64, device=self.control_device
+        )
+        work = dist.broadcast(longest, src=self.global_ranks[0], group=self.control_group, async_op=True)
         self._wait(work, "broadcast(length)")
         size = _LENGTH.size + int(longest.item())
-        mine = torch.empty(size, dtype=torch.uint8, device=self.device)
+        mine = torch.empty(size, dtype=torch.uint8, device=self.control_device)
         scatter_list = [self._framed(p, size) for p in payloads] if self.is_coordinator and payloads else None
-        work = dist.scatter(mine, scatter_list, src=self.global_ranks[0], group=self.group, async_op=True)
+        work = dist.scatter(mine, scatter_list, src=self.global_ranks[0], group=self.control_group, async_op=True)
         self._wait(work, "scatter")
         if self.is_coordinator:
             self.bytes_sent += longest.nbytes + size * (self.size - 1)
@@ -220,10 +300,26 @@ class TorchTransport(Transport):
         return self._unframed(mine)
 
     def exchange(self, sends: list[tuple[int, torch.Tensor]], receives: list[tuple[int, torch.Tensor]]) -> None:
-        """Point-to-point sends and receives of this rank only (a rank without traffic returns at once);
-        all are posted before any is waited on, so no order of the pairs can deadlock."""
-        works = [dist.isend(data, self.global_ranks[peer], group=self.group) for peer, data in sends]
-        works += [dist.irecv(buffer, self.global_ranks[peer], group=self.group) for peer, buffer in receives]
+        """Point-to-point sends and receives of this rank only (a rank without traffic returns at once, after
+        the first round on a GPU data plane); all are posted before any is waited on, so no order of the pairs
+        can deadlock. On NCCL they are posted as one batch (``batch_isend_irecv``: a send and a receive
+        between the same two ranks would otherwise wait for each other on the pair's stream), and the first
+        round starts with an all-reduce of one element on the data plane, so that its communicator is made by
+        every rank before any batch involves only some of them."""
+        if not self._data_plane_ready:
+            ready = torch.zeros(1, dtype=torch.int32, device=self.device)
+            self._wait(dist.all_reduce(ready, group=self.group, async_op=True), "all_reduce(data plane)")
+            self._data_plane_ready = True
+        if not sends and not receives:
+            return
+        works: list[Any]
+        if self.device.type != "cpu":
+            ops = [dist.P2POp(dist.isend, data, self.global_ranks[peer], self.group) for peer, data in sends]
+            ops += [dist.P2POp(dist.irecv, buffer, self.global_ranks[peer], self.group) for peer, buffer in receives]
+            works = dist.batch_isend_irecv(ops)
+        else:
+            works = [dist.isend(data, self.global_ranks[peer], group=self.group) for peer, data in sends]
+            works += [dist.irecv(buffer, self.global_ranks[peer], group=self.group) for peer, buffer in receives]
         for work in works:
             self._wait(work, "exchange (send/receive)")
 
@@ -231,9 +327,12 @@ class TorchTransport(Transport):
         """Send the coordinator's ``payload`` to every rank; others pass None."""
         if self.size == 1:
             return payload or b""
-        length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=self.device)
+        length = torch.tensor(
+            [len(payload) if payload is not None else 0], dtype=torch.int64, device=self.control_device
+        )
         self._wait(
-            dist.broadcast(length, src=self.global_ranks[0], group=self.group, async_op=True), "broadcast(length)"
+            dist.broadcast(length, src=self.global_ranks[0], group=self.control_group, async_op=True),
+            "broadcast(length)",
         )
         n = int(length.item())
         if self.is_coordinator:
@@ -242,14 +341,15 @@ class TorchTransport(Transport):
             self.bytes_received += length.nbytes + n
         if self.is_coordinator and payload is not None:
             buffer = (
-                torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+                torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.control_device)
                 if n
                 else torch.empty(0, dtype=torch.uint8)
             )
         else:
-            buffer = torch.empty(n, dtype=torch.uint8, device=self.device)
+            buffer = torch.empty(n, dtype=torch.uint8, device=self.control_device)
         if n:
-            self._wait(dist.broadcast(buffer, src=self.global_ranks[0], group=self.group, async_op=True), "broadcast")
+            work = dist.broadcast(buffer, src=self.global_ranks[0], group=self.control_group, async_op=True)
+            self._wait(work, "broadcast")
         return bytes(buffer.cpu().numpy().tobytes())
 
 

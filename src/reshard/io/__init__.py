@@ -1,6 +1,7 @@
 """The checkpoint I/O layer between the save and load flows and the storage backends.
 
 - :mod:`reshard.io.checksums`: chunked CRC-32C, and the chunks a read touches;
+- :mod:`reshard.io.device`: tensor bytes between GPU memory and pinned host buffers, on side streams;
 - :mod:`reshard.io.datafile`: data file names, alignment, and the writer of checksummed ranges;
 - :mod:`reshard.io.commit`: the commit protocol, the only code that writes ``metadata.json``;
 - :mod:`reshard.io.reader`: the read executor, which verifies every byte a load uses.

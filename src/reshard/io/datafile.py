@@ -10,7 +10,7 @@ metadata.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ import xxhash
 from reshard.dtypes import byte_view
 from reshard.errors import StorageError
 from reshard.io.checksums import ChunkedChecksum
+from reshard.io.device import HostSlabs, is_host_bytes
 from reshard.metadata import DATA_DIR
 from reshard.storage import FileWriter, Storage
 
@@ -34,6 +35,7 @@ __all__ = [
     "content_digest",
     "data_file_name",
     "is_data_file_of",
+    "staging_slabs",
     "tensor_bytes",
 ]
 
@@ -53,8 +55,18 @@ MIN_SAVE_MEMORY_BUDGET = 1024 * 1024
 """The smallest budget a save accepts."""
 
 MAX_STAGING_BYTES = 16 * 1024 * 1024
-"""The staging buffer of tensors that are not contiguous CPU memory takes at most this much of the budget
-(and at most a quarter of it); larger slabs would not write faster."""
+"""Each of the two staging buffers of tensors that are not contiguous CPU memory takes at most this much of
+the budget (and at most an eighth of it); larger slabs would not write faster."""
+
+STAGING_SLOTS = 2
+"""Staging buffers of a writer: a GPU tensor's next slab is copied to the host while the previous one is
+checksummed and written (:class:`~reshard.io.device.HostSlabs`)."""
+
+
+def staging_slabs(memory_budget_bytes: int) -> HostSlabs:
+    """The staging buffers of a save with this budget: :data:`STAGING_SLOTS` of an eighth of it each, at most
+    :data:`MAX_STAGING_BYTES` (allocated at first need)."""
+    return HostSlabs(max(1, min(MAX_STAGING_BYTES, memory_budget_bytes // 8)), slots=STAGING_SLOTS)
 
 
 def data_file_name(save_id: str, rank: int) -> str:
@@ -94,19 +106,17 @@ class StoredRange:
     content_hash: bytes | None = None
 
 
-def content_digest(tensor: torch.Tensor, staging_bytes: int = MAX_STAGING_BYTES) -> bytes:
+def content_digest(tensor: torch.Tensor, slabs: HostSlabs | None = None) -> bytes:
     """The XXH3-128 digest (16 bytes, big-endian as ``xxhash`` gives it) of ``tensor``'s elements in C order,
-    the bytes a data file stores for it: the content hash of format version 4. Memory that is not contiguous
-    CPU memory (a GPU tensor, a view) is copied a slab of at most ``staging_bytes`` at a time."""
+    the bytes a data file stores for it: the content hash of format version 4. Memory that is not plain host
+    bytes (a GPU tensor, a view) is copied a slab at a time through ``slabs`` (a writer's, to reuse its
+    buffers; by default buffers of :data:`MAX_STAGING_BYTES`)."""
     data = tensor.detach()
-    if data.device.type == "cpu" and data.is_contiguous() and not data.is_conj() and not data.is_neg():
+    if is_host_bytes(data):
         return xxhash.xxh3_128_digest(byte_view(data))
     hasher = xxhash.xxh3_128()
-    staging = torch.empty(min(staging_bytes, data.nbytes), dtype=torch.uint8)
-    for slab in _slabs(data, staging_bytes):
-        staged = staging[: slab.nbytes].view(slab.dtype).view(slab.shape)
-        staged.copy_(slab)
-        hasher.update(byte_view(staged))
+    for _, view in (slabs if slabs is not None else HostSlabs(MAX_STAGING_BYTES)).slabs([data]):
+        hasher.update(view)
     return hasher.digest()
 
 
@@ -117,9 +127,10 @@ class DataFileWriter:
     :meth:`append_tensor` (or of :meth:`begin`, :meth:`feed`..., :meth:`end` to stream one range in pieces),
     then :meth:`commit` (the file is durable) or :meth:`abort` (it is removed).
 
-    Memory: at most ``memory_budget_bytes`` for the writer's own buffers: a staging buffer (a quarter of
-    the budget, at most :data:`MAX_STAGING_BYTES`) through which tensors that are not contiguous CPU memory
-    are copied a slab at a time, and what the storage may hold of data not yet stored (the rest: an object
+    Memory: at most ``memory_budget_bytes`` for the writer's own buffers: two staging buffers (an eighth of
+    the budget each, at most :data:`MAX_STAGING_BYTES`; pinned for GPU tensors) through which tensors that
+    are not contiguous CPU memory are copied a slab at a time, the next slab's copy running while the
+    previous one is written, and what the storage may hold of data not yet stored (the rest: an object
     store's upload parts).
 
     Raises:
@@ -135,17 +146,19 @@ class DataFileWriter:
         memory_budget_bytes: int = DEFAULT_SAVE_MEMORY_BUDGET,
         *,
         hash_content: bool = False,
+        slabs: HostSlabs | None = None,
     ) -> None:
         self.storage = storage
         self.name = name
         self.chunk_bytes = chunk_bytes
         self.hash_content = hash_content
         """Also compute every range's XXH3-128 digest (:attr:`StoredRange.content_hash`), in the same pass."""
-        self.staging_bytes = max(1, min(MAX_STAGING_BYTES, memory_budget_bytes // 4))
-        self._staging = torch.empty(0, dtype=torch.uint8)
+        self.slabs = slabs if slabs is not None else staging_slabs(memory_budget_bytes)
+        """The staging buffers (:func:`staging_slabs` of the budget unless given: a save shares them with its
+        :func:`content_digest` calls)."""
         try:
             self._file: FileWriter = storage.open_writer(
-                name, max_buffered_bytes=memory_budget_bytes - self.staging_bytes
+                name, max_buffered_bytes=memory_budget_bytes - STAGING_SLOTS * self.slabs.slab_bytes
             )
         except OSError as exc:
             raise StorageError(f"cannot create data file {storage.describe(name)}: {exc}") from exc
@@ -202,22 +215,29 @@ class DataFileWriter:
         return self.end()
 
     def append_tensor(self, tensor: torch.Tensor) -> StoredRange:
-        """Write the elements of ``tensor`` in C order as one range. Contiguous CPU memory is written as it
-        is; anything else (a GPU tensor, a transposed or sliced view, a conjugate) is copied through the
-        staging buffer a slab at a time, never whole."""
-        data = tensor.detach()
-        if data.device.type == "cpu" and data.is_contiguous() and not data.is_conj() and not data.is_neg():
-            return self.append(byte_view(data))
-        if self._staging.numel() < min(self.staging_bytes, data.nbytes):
-            self._staging = torch.empty(min(self.staging_bytes, data.nbytes), dtype=torch.uint8)
-        self.begin()
-        for slab in _slabs(data, self.staging_bytes):
-            staged = self._staging[: slab.nbytes].view(slab.dtype).view(slab.shape)
-            staged.copy_(slab)  # resolves a conjugate or negative view, converts nothing else
-            view = byte_view(staged)
+        """Write the elements of ``tensor`` in C order as one range (see :meth:`append_tensors`)."""
+        (stored,) = self.append_tensors([tensor])
+        return stored
+
+    def append_tensors(self, tensors: Sequence[torch.Tensor]) -> list[StoredRange]:
+        """Write the elements of each tensor in C order as one range each, in order; where each went.
+        Contiguous CPU memory is written as it is; anything else (a GPU tensor, a transposed or sliced view,
+        a conjugate) is copied through the staging buffers a slab at a time, never whole, a GPU tensor's
+        next slab (of the same tensor or the next) on its way to the host while the current one is written
+        (:class:`~reshard.io.device.HostSlabs`: no synchronisation of the caller's CUDA stream)."""
+        stored: list[StoredRange] = []
+        current = -1
+        for position, view in self.slabs.slabs(tensors):
+            if position != current:
+                if current >= 0:
+                    stored.append(self.end())
+                self.begin()
+                current = position
             for start in range(0, len(view), WRITE_PIECE_BYTES):
                 self.feed(view[start : start + WRITE_PIECE_BYTES])
-        return self.end()
+        if current >= 0:
+            stored.append(self.end())
+        return stored
 
     def commit(self) -> int:
         """Make the file complete and durable (fsync, or the object's final upload); its size."""
@@ -235,19 +255,3 @@ class DataFileWriter:
     def abort(self) -> None:
         """Discard the partial file; never raises."""
         self._file.abort()
-
-
-def _slabs(tensor: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
-    """Consecutive views that cover ``tensor`` in C order, each of at most ``max_bytes`` (or one element):
-    runs of whole rows along the first axis, or, where one row is already larger, the slabs of each row."""
-    if tensor.nbytes <= max_bytes or tensor.ndim == 0:
-        yield tensor
-        return
-    row_bytes = tensor.nbytes // tensor.shape[0]
-    if row_bytes <= max_bytes:
-        step = max_bytes // row_bytes
-        for start in range(0, tensor.shape[0], step):
-            yield tensor[start : start + step]
-        return
-    for row in tensor:
-        yield from _slabs(row, max_bytes)

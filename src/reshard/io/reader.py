@@ -21,6 +21,11 @@ Four ways to read an item of the plan (one overlap of a target box with a saved 
 
 Reads are batched so that object stores serve them concurrently (:meth:`Storage.read_ranges`); the
 staging memory of a batch is at most ``buffer_bytes`` (the planner keeps every item within it).
+
+A destination in GPU memory is read as a host destination would be, into a *proxy*: a contiguous host tensor
+of the overlap's shape in the saved dtype, carved from a pinned arena (so a contiguous run is read straight
+into it); full arenas are copied to the device on a side stream, the conversion to the destination's dtype
+happening there, while the reads go on into the other arena (:class:`~reshard.io.device.DeviceFill`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from reshard.dtypes import byte_view
 from reshard.errors import CheckpointError, CorruptCheckpointError, StorageError
 from reshard.geometry.boxes import Box, row_major_strides
 from reshard.io.checksums import crc32c_of, run_starts, touched_chunks
+from reshard.io.device import DeviceFill
 from reshard.storage import RangeReadError, ReadRequest, Storage
 
 if TYPE_CHECKING:
@@ -119,13 +125,23 @@ class ReadBudget:
     max_read_bytes: int
     """The rest: the largest read item, and so mapped window of a local file, that planning may make; on an
     object store, the most response bytes of ranged GETs in flight."""
+    arena_bytes: int = 0
+    """For a load into device memory: each of the two host arenas of :class:`~reshard.io.device.DeviceFill`
+    (0 otherwise)."""
 
     @classmethod
-    def of(cls, memory_budget_bytes: int) -> ReadBudget:
+    def of(cls, memory_budget_bytes: int, *, device: bool = False) -> ReadBudget:
+        """The shares of ``memory_budget_bytes``; with ``device`` (some destinations are not in host memory),
+        a quarter for staging and the rest beyond the scratch piece in three equal parts: the largest read
+        item and two arenas that hold it (so that a read item always fits an arena)."""
         if memory_budget_bytes < MIN_LOAD_MEMORY_BUDGET:
             raise ValueError(f"a load's memory budget must be at least {MIN_LOAD_MEMORY_BUDGET} bytes")
-        staging = memory_budget_bytes // 2
         stream = max(1, min(_STREAM_PIECE, memory_budget_bytes // 8))
+        if device:
+            staging = memory_budget_bytes // 4
+            third = max(1, (memory_budget_bytes - staging - stream) // 3)
+            return cls(staging, stream, third, third)
+        staging = memory_budget_bytes // 2
         return cls(staging, stream, memory_budget_bytes - staging - stream)
 
 
@@ -136,25 +152,41 @@ class ReadExecutor:
     staging buffer (reads that do not land in their destination, the parts of chunks outside a direct
     read), the rest the largest mapped window of a local file (whose pages count in the resident set while
     mapped) or an object store's response bodies in flight, and the scratch piece through which oversized
-    chunks are streamed (:class:`ReadBudget`). The
-    planner keeps every read item within ``ReadBudget.max_read_bytes``, so that holds whatever the tensor
-    sizes.
+    chunks are streamed (:class:`ReadBudget`). The planner keeps every read item within
+    ``ReadBudget.max_read_bytes``, so that holds whatever the tensor sizes.
+
+    Destinations outside host memory (CUDA tensors) are filled through host proxies
+    (:class:`~reshard.io.device.DeviceFill`): each read item lands in a proxy of the saved dtype exactly as it
+    would in a host destination (straight into it when the overlap is one contiguous run), and the proxies
+    are copied to the device on a side stream while the next reads go on. The budget then also holds the two
+    arenas of proxies (``ReadBudget.of(..., device=True)``; planning must use the same shares).
 
     Args:
         storage: where the data files are.
         metadata: the checkpoint (or source) being read.
         memory_budget_bytes: the budget, at least :data:`MIN_LOAD_MEMORY_BUDGET`.
+        device: whether some destinations are outside host memory (the budget's shares depend on it).
+        fill_all_through_host: fill every destination through proxies, host ones too: how the CPU-only test
+            suite runs the path of device destinations.
     """
 
     def __init__(
-        self, storage: Storage, metadata: Metadata, *, memory_budget_bytes: int = DEFAULT_LOAD_MEMORY_BUDGET
+        self,
+        storage: Storage,
+        metadata: Metadata,
+        *,
+        memory_budget_bytes: int = DEFAULT_LOAD_MEMORY_BUDGET,
+        device: bool = False,
+        fill_all_through_host: bool = False,
     ) -> None:
         self.storage = storage
         self.metadata = metadata
-        budget = ReadBudget.of(memory_budget_bytes)
+        budget = ReadBudget.of(memory_budget_bytes, device=device or fill_all_through_host)
         self.buffer_bytes = budget.staging_bytes
         self.stream_bytes = budget.stream_bytes
         self.transfer_bytes = budget.max_read_bytes
+        self.arena_bytes = budget.arena_bytes
+        self.fill_all_through_host = fill_all_through_host
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.scratch = torch.empty(0, dtype=torch.uint8)
         self.bytes_verified = 0
@@ -162,7 +194,9 @@ class ReadExecutor:
         self.bytes_verify_extra = 0
         """Bytes read (or, for mapped files, checksummed) beyond the planned reads, to verify whole chunks."""
         self.bytes_direct = 0
-        """Bytes read straight into their destination."""
+        """Bytes read straight into their destination (or its host proxy)."""
+        self.bytes_to_device = 0
+        """Bytes copied from host proxies into destinations outside host memory."""
         self.checked_files: set[int] = set()
 
     # ---- files and raw reads -------------------------------------------------------------------------
@@ -284,43 +318,74 @@ class ReadExecutor:
         return 2 * self.metadata.checksum_chunk_bytes > self.buffer_bytes
 
     def run(self, plan: LoadPlan, views: list[torch.Tensor], boxes: list[Box]) -> None:
-        """Fill ``views[i]`` (holding ``boxes[i]``) from the reads of ``plan``, verifying every chunk used."""
+        """Fill ``views[i]`` (holding ``boxes[i]``) from the reads of ``plan``, verifying every chunk used.
+        Destinations outside host memory are complete when it returns (or raises)."""
+        fill = DeviceFill(self.arena_bytes) if self._any_through_host(views) else None
         batch: list[_Pending] = []
         staged_bytes = 0
         direct: _DirectRun | None = None
-        for item in plan.items:
-            self.check_file(item.file)
-            target = views[item.target]
-            dest = target.detach()[item.overlap.relative_to(boxes[item.target])] if target.ndim else target.detach()
-            saved = self.metadata.tensors[item.key].boxes[item.saved_index]
-            pending = self._prepare(item, saved, dest)
-            if pending is None:
-                continue  # read and copied already (mapped)
-            if self._by_chunk(pending):
-                if batch:
-                    self._flush(batch, staged_bytes)
-                    batch, staged_bytes = [], 0
-                start = item.pattern.first * item.itemsize
-                ((lo, hi),) = pending.ranges
-                if direct is not None and direct.continued_by(saved, start):
-                    direct.pieces.append((start, byte_view(pending.dest)))
-                    direct.hi = hi
-                    continue
-                if direct is not None:
-                    self._read_direct_by_chunk(direct)
-                direct = _DirectRun(saved, self._what(item, saved), [(start, byte_view(pending.dest))], lo, hi)
-                continue
-            need = -(-pending.nbytes // _ALIGN) * _ALIGN
-            if batch and staged_bytes + need > self.buffer_bytes:
+
+        def drain() -> None:
+            """Complete every read begun: the batch, the direct run."""
+            nonlocal batch, staged_bytes, direct
+            if direct is not None:
+                self._read_direct_by_chunk(direct)
+                direct = None
+            if batch:
                 self._flush(batch, staged_bytes)
                 batch, staged_bytes = [], 0
-            pending.offset = staged_bytes
-            batch.append(pending)
-            staged_bytes += need
-        if direct is not None:
-            self._read_direct_by_chunk(direct)
-        if batch:
-            self._flush(batch, staged_bytes)
+
+        try:
+            for item in plan.items:
+                self.check_file(item.file)
+                target = views[item.target]
+                dest = target.detach()[item.overlap.relative_to(boxes[item.target])] if target.ndim else target.detach()
+                saved = self.metadata.tensors[item.key].boxes[item.saved_index]
+                if fill is not None and self._through_host(dest):
+                    dtype = self.metadata.tensors[item.key].torch_dtype
+                    if not fill.has_room(dest, dtype):  # finish the arena's reads, send it, take the other one
+                        drain()
+                        fill.flush()
+                    dest = fill.proxy(dest, dtype)
+                pending = self._prepare(item, saved, dest)
+                if pending is None:
+                    continue  # read and copied already (mapped)
+                if self._by_chunk(pending):
+                    if batch:
+                        self._flush(batch, staged_bytes)
+                        batch, staged_bytes = [], 0
+                    start = item.pattern.first * item.itemsize
+                    ((lo, hi),) = pending.ranges
+                    if direct is not None and direct.continued_by(saved, start):
+                        direct.pieces.append((start, byte_view(pending.dest)))
+                        direct.hi = hi
+                        continue
+                    if direct is not None:
+                        self._read_direct_by_chunk(direct)
+                    direct = _DirectRun(saved, self._what(item, saved), [(start, byte_view(pending.dest))], lo, hi)
+                    continue
+                need = -(-pending.nbytes // _ALIGN) * _ALIGN
+                if batch and staged_bytes + need > self.buffer_bytes:
+                    self._flush(batch, staged_bytes)
+                    batch, staged_bytes = [], 0
+                pending.offset = staged_bytes
+                batch.append(pending)
+                staged_bytes += need
+            drain()
+        except BaseException:
+            if fill is not None:
+                fill.abandon()
+            raise
+        if fill is not None:
+            fill.close()
+            self.bytes_to_device += fill.bytes_copied
+
+    def _through_host(self, dest: torch.Tensor) -> bool:
+        """Whether ``dest`` is filled through a host proxy."""
+        return self.fill_all_through_host or dest.device.type != "cpu"
+
+    def _any_through_host(self, views: list[torch.Tensor]) -> bool:
+        return any(self._through_host(view) for view in views)
 
     def _prepare(self, item: ReadItem, saved: SavedBox, dest: torch.Tensor) -> _Pending | None:
         """Choose how to read ``item`` (see the module doc); a mapped item is read here and then."""
