@@ -258,3 +258,29 @@ def test_incremental_benchmark_runs_at_a_tiny_size(tmp_path: Path) -> None:
         assert all(f["seconds"] > 0 for f in figures.values())
         assert 0 < result["ratios"]["incremental/dcp.bytes"] < 0.2
     assert "ratio incremental/dcp.bytes" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_gpu_benchmark_dry_runs_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/gpu.py with ``--device cpu`` (its dry run where CUDA is absent) at 4 MiB, one round in warm
+    processes: every operation of reshard and DCP (DCP's pinned stagers need CUDA and are left out), the copy
+    floors, the loads checked value by value, and the table. On a GPU, benchmarks/gpu_check.sh runs it for real."""
+    out = tmp_path / "gpu.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--device", "cpu", "--size-gib", "0.004"]
+    command += ["--repeat", "0", "--mode", "warm", "--compute-ms", "20", "--dir", str(tmp_path), "--json", str(out)]
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    report = json.loads(out.read_text())
+    operations = report["results"]["warm"]["operations"]
+    assert set(operations) == {"save", "async", "step", "load_same", "load_axis"}
+    expected = {"save": {"reshard", "dcp"}, "step": {"reshard"}}
+    for name, row in operations.items():
+        assert set(row["systems"]) == expected.get(name, {"reshard", "dcp", "floor"}), name
+        assert all("errors" not in cell for cell in row["systems"].values()), row
+        assert all(cell["seconds"] >= 0 for cell in row["systems"].values())
+        if name != "step":
+            assert row["ratios"]["reshard/dcp"] > 0
+    async_save = operations["async"]["systems"]["reshard"]
+    assert async_save["total_seconds"] >= async_save["seconds"] > 0
+    assert operations["step"]["systems"]["reshard"]["step_seconds"] > 0
+    assert "stall s/GiB" in proc.stdout and "GiB/s" in proc.stdout
