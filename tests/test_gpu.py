@@ -397,6 +397,23 @@ def test_the_planes_of_an_nccl_group(backend: str, twin: bool, planes: tuple[str
     assert _spawn(1, backend, "task_planes", twin) == [planes]
 
 
+def task_async_save_on_a_pure_nccl_group(rank: int, world: int, path: str) -> bool:
+    """An asynchronous save refuses to run its background collectives on a pure NCCL group, and runs with the
+    group's gloo twin."""
+    import torch.distributed as dist
+
+    state = {"x": torch.arange(6.0, device="cuda")}
+    with pytest.raises(reshard.CheckpointError, match="background thread"):
+        reshard.AsyncCheckpointer().save(state, path)
+    twin = PlaneGroups(data=None, control=dist.new_group(backend="gloo"))
+    reshard.AsyncCheckpointer(group=twin).save(state, path).wait()
+    return torch.equal(reshard.load({"x": torch.zeros(6)}, path)["x"], torch.arange(6.0))
+
+
+def test_an_asynchronous_save_refuses_a_pure_nccl_group(tmp_path: Path) -> None:
+    assert _spawn(1, "nccl", "task_async_save_on_a_pure_nccl_group", str(tmp_path / "ckpt")) == [True]
+
+
 @TWO_GPUS
 @pytest.mark.parametrize(("backend", "twin"), [("cpu:gloo,cuda:nccl", False), ("nccl", False), ("nccl", True)])
 def test_read_once_transfer_and_peer_memory_over_nccl(tmp_path: Path, backend: str, twin: bool) -> None:

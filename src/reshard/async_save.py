@@ -18,7 +18,8 @@ give. They must not interleave with the training's own collectives on the same g
 that only checkpointing uses, created once at start-up on every rank, e.g.
 ``dist.new_group(backend="gloo")`` (gloo also keeps the traffic off the GPUs' NCCL streams). With
 ``group=None`` the default group is used, which is only safe when nothing else issues collectives on it
-while a save is in flight.
+while a save is in flight. A group that would carry them on NCCL (a pure NCCL group) is refused with
+:class:`~reshard.CheckpointError`, as DCP refuses it for its asynchronous save.
 
 A crash while the background thread writes leaves the previous checkpoint intact and the new one
 incomplete (no ``metadata.json``), as with a synchronous save. One save is in flight per checkpointer: a
@@ -36,7 +37,9 @@ from typing import Any
 
 import torch
 
+from reshard.comm import Communicator
 from reshard.dtensor import dtensor_to_sharded, is_dtensor
+from reshard.errors import CheckpointError
 from reshard.io.device import HostCopies, start_copies_to_host
 from reshard.options import SaveOptions
 from reshard.save import SaveResult, save
@@ -44,7 +47,7 @@ from reshard.sharding import ShardedObject, ShardedTensor
 from reshard.statedict import map_leaves
 from reshard.stats import SaveStats
 from reshard.storage import CheckpointLocation
-from reshard.transports import Group
+from reshard.transports import Group, TorchTransport
 
 __all__ = ["AsyncCheckpointer", "SaveHandle", "async_save"]
 
@@ -203,10 +206,15 @@ class AsyncCheckpointer:
         pass, which read the weights but do not change them), and the caller must call
         :meth:`SaveHandle.wait_snapshot` before it changes a saved tensor (before the optimizer step); the
         background save waits for them before it writes. The GPU then waits for the copies only where they
-        are not done by the optimizer step."""
+        are not done by the optimizer step.
+
+        Raises:
+            CheckpointError: the checkpointer's group would carry the background collectives on NCCL (a pure
+                NCCL group; see the module doc), or the previous save's error."""
         if self._inflight is not None:
             previous, self._inflight = self._inflight, None
             previous.wait()
+        _check_background_group(self.group, self.timeout)
         started = time.perf_counter()
         snapshot, copies = self._visit(state_dict, fill=True)
         if not overlap_snapshot:
@@ -245,6 +253,21 @@ class AsyncCheckpointer:
             return None
         handle, self._inflight = self._inflight, None
         return handle.wait()
+
+
+def _check_background_group(group: Group, timeout: datetime.timedelta | float | None) -> None:
+    """Refuse a group that would carry the background save's collectives on NCCL (a pure NCCL group: its
+    control plane is its GPU, :func:`~reshard.transports.plane_devices`): they would be queued on the
+    communicator of the training's own collectives from another thread, in an order that can differ between
+    ranks, and hang."""
+    transport = Communicator(group, timeout=timeout).transport
+    if isinstance(transport, TorchTransport) and transport.control_device.type != "cpu":
+        raise CheckpointError(
+            "an asynchronous save runs reshard's collectives on a background thread, and this group would carry "
+            "them on NCCL beside the training's own collectives (their order could differ between ranks and hang): "
+            "pass a group with a CPU backend, such as dist.new_group(backend='gloo') made once at start-up, a group "
+            "made with backend='cpu:gloo,cuda:nccl', or reshard.transports.PlaneGroups(data=group, control=gloo_group)"
+        )
 
 
 def async_save(
