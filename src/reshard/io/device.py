@@ -166,10 +166,10 @@ class HostSlabs:
         return sum(b.numel() for b in self._buffers)
 
     def _staged(self, slot: int, slab: torch.Tensor, pinned: bool, largest: int) -> torch.Tensor:
-        """Buffer ``slot`` viewed as ``slab``'s dtype and shape (re)allocated when too small or of the wrong
-        kind: at ``largest`` bytes, the largest slab of the call."""
+        """Buffer ``slot`` viewed as ``slab``'s dtype and shape, (re)allocated when too small or not pinned
+        where it must be: at ``largest`` bytes, the largest slab of the call."""
         buffer = self._buffers[slot]
-        if buffer.numel() < slab.nbytes or buffer.is_pinned() != pinned:
+        if buffer.numel() < slab.nbytes or (pinned and not buffer.is_pinned()):
             buffer = torch.empty(max(largest, slab.nbytes), dtype=torch.uint8, pin_memory=pinned)
             self._buffers[slot] = buffer
         return buffer[: slab.nbytes].view(slab.dtype).view(slab.shape)

@@ -320,7 +320,8 @@ class ReadExecutor:
     def run(self, plan: LoadPlan, views: list[torch.Tensor], boxes: list[Box]) -> None:
         """Fill ``views[i]`` (holding ``boxes[i]``) from the reads of ``plan``, verifying every chunk used.
         Destinations outside host memory are complete when it returns (or raises)."""
-        fill = DeviceFill(self.arena_bytes) if self._any_through_host(views) else None
+        # Arenas of the budget's share; an executor made without ``device`` holds a read item per arena.
+        fill = DeviceFill(self.arena_bytes or self.transfer_bytes) if self._any_through_host(views) else None
         batch: list[_Pending] = []
         staged_bytes = 0
         direct: _DirectRun | None = None
