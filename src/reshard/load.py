@@ -352,7 +352,7 @@ def _load_from(
         with torch.no_grad():
             for piece in pieces:
                 if piece.padded_view is not None:
-                    piece.padded_view.zero_()
+                    piece.zero_padding()
         try:
             executor.run(load_plan, read_views, read_boxes)
             for obj in flat.objects:

@@ -79,12 +79,29 @@ class LocalPiece:
         box: the region of the global (logical) tensor, in global coordinates.
         view: the local elements of ``box``, a view into the ShardedTensor's ``data`` with ``box.shape``.
         padded_view: when this piece was clipped to the logical shape, the whole unclipped view (whose
-            elements outside ``box`` are padding, zeroed on load); otherwise None.
+            elements outside ``box`` are padding, zeroed on load by :meth:`zero_padding`); otherwise None.
     """
 
     box: Box
     view: torch.Tensor
     padded_view: torch.Tensor | None = None
+
+    def zero_padding(self) -> None:
+        """Zero the padding of a clipped piece (the elements of ``padded_view`` past the logical shape) and
+        nothing else; a no-op for a piece without padding.
+
+        The real elements (``view``) are the leading ``view.shape`` of ``padded_view`` on every axis (a
+        logical shape clips only the end of a box), so the padding is, per axis, the slab past them. A
+        transfer that leaves its unchanged cells in place needs exactly this: zeroing the whole padded view
+        would wipe real rows that are not sent again.
+        """
+        padded = self.padded_view
+        if padded is None:
+            return
+        with torch.no_grad():
+            for axis, (real, whole) in enumerate(zip(self.view.shape, padded.shape, strict=True)):
+                if real < whole:
+                    padded[(slice(None),) * axis + (slice(real, whole),)].zero_()
 
 
 @dataclass(frozen=True, slots=True)

@@ -211,9 +211,7 @@ class TransferSession:
             wanted_shapes[key] = [list(tensor.saved_shape), dtype_name(tensor.data.dtype), tensor.key]
             addresses.append(tensor.data.data_ptr())
             for piece in tensor.pieces():
-                with torch.no_grad():
-                    if piece.padded_view is not None:
-                        piece.padded_view.zero_()
+                piece.zero_padding()  # the padding only: unchanged real cells are not sent again
                 targets.append(piece)
                 needs.append(describe_need(key, piece))
         description = {"holdings": holdings, "needs": needs, "held": shapes, "wanted": wanted_shapes, "at": addresses}

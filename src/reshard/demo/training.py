@@ -379,7 +379,7 @@ class Trainer:
                 whole = full[st.key]
                 for piece in st.pieces():
                     if piece.padded_view is not None:
-                        piece.padded_view.zero_()
+                        piece.zero_padding()
                     box = piece.box
                     piece.view.copy_(whole[tuple(slice(o, o + n) for o, n in zip(box.offset, box.shape, strict=True))])
         self.step = trainer_state["step"]

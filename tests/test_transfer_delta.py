@@ -1,0 +1,172 @@
+"""``TransferSession(delta=True)`` trusts nothing it cannot prove.
+
+The loop of a reinforcement-learning job: a trainer at TP=2 (ranks 0, 1) syncs its weights after every step
+into an inference engine at TP=1 or TP=3 (the ranks after them), whose vocabulary is padded past its logical
+size. Between syncs the engine may re-create its tensors at the same address, write into them in place
+(through ``.data`` or outside torch, where no version counter moves), or replace them; a trainer may roll
+back a step and switch session objects. After every sync each engine tensor must equal, bit for bit, what a
+fresh full transfer gives, and a delta sync must still send only the cells that need it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import reshard
+from reshard.transports import ThreadGroup
+from tests.threads import on_threads
+
+HIDDEN, VOCAB, ROWS = 4, 11, 12
+"""The embedding has VOCAB logical rows (padded to 12 by the trainer at TP=2); ``w`` has ROWS rows."""
+KEY_MAP = {"model.embed_tokens.weight": "embed", "model.w": "w", "model.norm": "norm"}
+GARBAGE = 7.0
+
+
+def initial_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {
+        "embed": torch.randn(VOCAB, HIDDEN, generator=g),
+        "w": torch.randn(ROWS, HIDDEN, generator=g),
+        "norm": torch.randn(HIDDEN, generator=g),
+    }
+
+
+def trainer_state(full: dict[str, torch.Tensor], tp: int) -> dict[str, Any]:
+    """TP rank ``tp`` of 2: half the (padded) embedding rows, half of ``w``'s rows, ``norm`` replicated."""
+    padded = torch.full((12, HIDDEN), -3.0)  # the trainer's own padding rows hold anything
+    padded[:VOCAB] = full["embed"]
+    return {
+        "embed": reshard.ShardedTensor.from_rank_offsets(
+            "embed", padded[6 * tp : 6 * tp + 6].clone(), (0, tp, 2), logical_shape=(VOCAB, HIDDEN)
+        ),
+        "w": reshard.ShardedTensor.from_rank_offsets("w", full["w"][6 * tp : 6 * tp + 6].clone(), (0, tp, 2)),
+        "norm": reshard.ShardedTensor("norm", full["norm"].clone(), (HIDDEN,), (0,), replica_id=tp),
+    }
+
+
+def engine_template(tp: int, size: int) -> dict[str, Any]:
+    """TP rank ``tp`` of ``size`` of the engine: the vocabulary padded to 16 (TP=1) or 12 (TP=3) rows,
+    ``w`` in bf16, ``norm`` a plain tensor; every element starts as garbage."""
+    vocab = 16 if size == 1 else 12
+    return {
+        "model.embed_tokens.weight": reshard.ShardedTensor.from_rank_offsets(
+            "model.embed_tokens.weight",
+            torch.full((vocab // size, HIDDEN), GARBAGE),
+            (0, tp, size),
+            logical_shape=(VOCAB, HIDDEN),
+        ),
+        "model.w": reshard.ShardedTensor.from_rank_offsets(
+            "model.w", torch.full((ROWS // size, HIDDEN), GARBAGE, dtype=torch.bfloat16), (0, tp, size)
+        ),
+        "model.norm": torch.full((HIDDEN,), GARBAGE),
+    }
+
+
+def tensors(template: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v.data if isinstance(v, reshard.ShardedTensor) else v for k, v in template.items()}
+
+
+class RLLoop:
+    """A trainer at TP=2 syncing into an engine at TP=``engine_tp`` over one ThreadGroup, one session per
+    rank (replaceable: ``sessions[r]``)."""
+
+    def __init__(self, engine_tp: int) -> None:
+        self.engine_tp = engine_tp
+        self.size = 2 + engine_tp
+        self.group = ThreadGroup(self.size)
+        self.full = initial_weights()
+        self.engine = [engine_template(e, engine_tp) for e in range(engine_tp)]
+        self.sessions = [self.new_session(r) for r in range(self.size)]
+
+    def new_session(self, rank: int, **options: Any) -> reshard.TransferSession:
+        return reshard.TransferSession(group=self.group.member(rank), key_map=KEY_MAP, **options)
+
+    def sync(self, *, delta: Callable[[int], bool] = lambda _r: True) -> list[reshard.TransferStats]:
+        """One weight sync; every rank's stats."""
+        stats = [reshard.TransferStats() for _ in range(self.size)]
+
+        def rank(r: int) -> None:
+            source = trainer_state(self.full, r) if r < 2 else {}
+            target = self.engine[r - 2] if r >= 2 else {}
+            self.sessions[r].transfer(source, target, delta=delta(r), stats=stats[r])
+
+        on_threads(self.size, rank, group=self.group)
+        assert sum(s.bytes_sent for s in stats) == sum(s.bytes_received for s in stats)
+        assert len({s.rounds for s in stats}) == 1
+        return stats
+
+    def received(self, stats: list[reshard.TransferStats]) -> int:
+        return sum(s.bytes_received for s in stats[2:])
+
+    def everything(self) -> int:
+        """Bytes a full sync sends: the logical embedding, ``w`` (fp32 on the wire), ``norm`` per engine rank."""
+        return (VOCAB * HIDDEN + ROWS * HIDDEN + self.engine_tp * HIDDEN) * 4
+
+    def reference(self) -> list[dict[str, torch.Tensor]]:
+        """What a fresh full transfer gives the engine ranks (on a group of its own)."""
+        group = ThreadGroup(self.size)
+        fresh = [engine_template(e, self.engine_tp) for e in range(self.engine_tp)]
+
+        def rank(r: int) -> None:
+            source = trainer_state(self.full, r) if r < 2 else {}
+            reshard.transfer(source, fresh[r - 2] if r >= 2 else {}, group=group.member(r), key_map=KEY_MAP)
+
+        on_threads(self.size, rank, group=group)
+        return [tensors(t) for t in fresh]
+
+    def check(self) -> None:
+        """Every engine tensor equals a fresh full transfer's, bit for bit (padding rows zero)."""
+        for e, (got, want) in enumerate(zip([tensors(t) for t in self.engine], self.reference(), strict=True)):
+            for name, tensor in want.items():
+                assert got[name].dtype == tensor.dtype
+                assert torch.equal(got[name], tensor), f"engine rank {e}: {name}"
+        last = tensors(self.engine[-1])["model.embed_tokens.weight"]
+        rows = last.shape[0] - (VOCAB - (self.engine_tp - 1) * last.shape[0])
+        assert rows > 0 and not last[-rows:].any(), "the padding rows are zero"
+
+
+@pytest.mark.parametrize("engine_tp", [1, 3])
+def test_padding_is_zeroed_without_touching_the_real_rows(engine_tp: int) -> None:
+    """The last engine rank's embedding piece is padded; a delta sync after a step that changed only ``w``
+    leaves its real rows as they were (not zeroed, then not re-sent) and zeroes its padding, whatever the
+    engine wrote there."""
+    loop = RLLoop(engine_tp)
+    assert loop.received(loop.sync()) == loop.everything()
+    loop.check()
+    for step in range(2):
+        loop.full["w"].add_(1.0 + step)  # a training step that changed w only
+        tensors(loop.engine[-1])["model.embed_tokens.weight"][-1].fill_(123.0)  # the engine's scratch padding
+        assert loop.received(loop.sync()) == ROWS * HIDDEN * 4
+        loop.check()
+    assert loop.received(loop.sync()) == 0  # nothing changed: nothing travels
+    loop.check()
+
+
+def test_zero_padding_touches_only_the_padding() -> None:
+    """Padding past the logical shape on two axes, a piece that is all padding, a ZeRO flat range that
+    ends in padding: zero_padding() zeroes exactly the elements outside the logical shape."""
+    data = torch.full((4, 5), 9.0)
+    st = reshard.ShardedTensor.from_rank_offsets("t", data, (0, 1, 2), (1, 1, 2), logical_shape=(6, 7))
+    (piece,) = st.pieces()  # rows 4..7, columns 5..9 of (8, 10): real rows 4..5, columns 5..6
+    piece.zero_padding()
+    expected = torch.zeros(4, 5)
+    expected[:2, :2] = 9.0
+    assert torch.equal(data, expected)
+    empty = torch.full((2, 3), 9.0)
+    st = reshard.ShardedTensor.from_rank_offsets("t", empty, (0, 3, 4), logical_shape=(6, 3))  # rows 6..7
+    for piece in st.pieces():
+        piece.zero_padding()
+    assert not empty.any()
+    flat = torch.full((6,), 9.0)  # elements 6..11 of a (3, 4) shard whose last row is padding
+    st = reshard.ShardedTensor.from_flat_range("t", flat, (3, 4), (3, 4), (0, 0), 6, 12, logical_shape=(2, 4))
+    for piece in st.pieces():
+        piece.zero_padding()
+    assert torch.equal(flat, torch.tensor([9.0, 9.0, 0.0, 0.0, 0.0, 0.0]))
+    plain = torch.full((3,), 9.0)
+    for piece in reshard.ShardedTensor("t", plain, (3,), (0,)).pieces():
+        piece.zero_padding()  # no padding: nothing to do
+    assert torch.equal(plain, torch.full((3,), 9.0))
