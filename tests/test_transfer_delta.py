@@ -17,7 +17,9 @@ import pytest
 import torch
 
 import reshard
+from reshard.errors import CheckpointError
 from reshard.transports import ThreadGroup
+from tests.rankpool import RankContext, RankPool
 from tests.threads import on_threads
 
 HIDDEN, VOCAB, ROWS = 4, 11, 12
@@ -170,3 +172,188 @@ def test_zero_padding_touches_only_the_padding() -> None:
     for piece in reshard.ShardedTensor("t", plain, (3,), (0,)).pieces():
         piece.zero_padding()  # no padding: nothing to do
     assert torch.equal(plain, torch.full((3,), 9.0))
+
+
+def _recreate_w_with_old_weights(loop: RLLoop, old: torch.Tensor) -> None:
+    """The engine reloads ``w`` from an old checkpoint into a new tensor object over the same memory (same
+    address, new storage, a fresh version counter), writing outside torch as a C++ loader does."""
+    size = loop.engine_tp
+    for e, template in enumerate(loop.engine):
+        before = template["model.w"].data
+        recreated = torch.from_numpy(before.view(torch.int16).numpy()).view(torch.bfloat16)
+        assert recreated.data_ptr() == before.data_ptr() and recreated._version == 0
+        recreated.view(torch.int16).numpy()[:] = old[e * ROWS // size : (e + 1) * ROWS // size].bfloat16().view(
+            torch.int16
+        ).numpy()
+        template["model.w"] = reshard.ShardedTensor.from_rank_offsets("model.w", recreated, (0, e, size))
+
+
+def _zero_embed_through_data(loop: RLLoop, _old: torch.Tensor) -> None:
+    """The engine clears its embedding through ``.data`` (no version counter moves)."""
+    for template in loop.engine:
+        version = template["model.embed_tokens.weight"].data._version
+        template["model.embed_tokens.weight"].data.data.zero_()
+        assert template["model.embed_tokens.weight"].data._version == version
+
+
+def _scale_norm_in_place(loop: RLLoop, _old: torch.Tensor) -> None:
+    """The engine rescales ``norm`` in place (a fused kernel's preprocessing)."""
+    for template in loop.engine:
+        template["model.norm"].mul_(2.0)
+
+
+def _replace_norm(loop: RLLoop, _old: torch.Tensor) -> None:
+    """The engine replaces ``norm`` by another tensor, at another address."""
+    for template in loop.engine:
+        template["model.norm"] = torch.zeros(HIDDEN)
+
+
+def _expected_bytes(case: str, loop: RLLoop) -> int:
+    return {
+        "recreated": ROWS * HIDDEN * 4,
+        "data": VOCAB * HIDDEN * 4,
+        "in_place": loop.engine_tp * HIDDEN * 4,
+        "new_address": loop.everything(),
+    }[case]
+
+
+CHANGES = {
+    "recreated": _recreate_w_with_old_weights,
+    "data": _zero_embed_through_data,
+    "in_place": _scale_norm_in_place,
+    "new_address": _replace_norm,
+}
+
+
+@pytest.mark.parametrize("engine_tp", [1, 3])
+@pytest.mark.parametrize("case", sorted(CHANGES))
+def test_a_changed_engine_tensor_is_sent_again(engine_tp: int, case: str) -> None:
+    """After the engine changed what it holds between two syncs (the trainer unchanged), a delta sync
+    sends exactly the cells the engine no longer holds right, and the engine equals a fresh transfer."""
+    loop = RLLoop(engine_tp)
+    loop.sync()
+    old = loop.full["w"].clone()
+    loop.full["w"].mul_(-1.0)  # a step: the engine must now hold -old
+    assert loop.received(loop.sync()) == ROWS * HIDDEN * 4
+    loop.check()
+    CHANGES[case](loop, old)
+    stats = loop.sync()
+    loop.check()
+    assert loop.received(stats) == _expected_bytes(case, loop)
+    assert loop.received(loop.sync()) == 0
+    loop.check()
+
+
+def test_a_trainer_that_switches_sessions_and_rolls_back_resends() -> None:
+    """The trainer syncs through session A, then through a fresh session B after a step, then rolls the step
+    back and syncs through A again: A last sent exactly these bytes, but the engine holds B's; only a sync
+    that every rank's session took part in can be a base for a delta."""
+    loop = RLLoop(1)
+    loop.sync()
+    first = loop.sessions[:2]
+    before = loop.full["w"].clone()
+    loop.full["w"].add_(1.0)
+    loop.sessions[:2] = [loop.new_session(0), loop.new_session(1)]
+    assert loop.received(loop.sync()) == loop.everything()  # a fresh session: everything
+    loop.check()
+    loop.full["w"].copy_(before)  # the step is rolled back
+    loop.sessions[:2] = first
+    stats = loop.sync()
+    loop.check()
+    assert loop.received(stats) == loop.everything()
+
+
+def test_an_engine_rank_with_a_fresh_session_gets_everything() -> None:
+    """One engine rank joins with a fresh session (a restarted engine worker) while every other rank reuses
+    its own: every rank agrees that no delta is valid, and everything is sent."""
+    loop = RLLoop(3)
+    loop.sync()
+    loop.full["w"].add_(1.0)
+    loop.sync()
+    tensors(loop.engine[1])["model.w"].zero_()
+    loop.sessions[3] = loop.new_session(3)
+    assert loop.received(loop.sync()) == loop.everything()
+    loop.check()
+    assert loop.received(loop.sync()) == 0
+
+
+def test_delta_on_some_ranks_and_not_on_others_sends_everything() -> None:
+    """``delta=False`` on any rank (an engine that wants everything again) is a full sync on every rank: the
+    same schedule everywhere, the engine equal to a fresh transfer; the next delta sync sends nothing."""
+    loop = RLLoop(3)
+    loop.sync()
+    loop.full["w"].add_(1.0)
+    tensors(loop.engine[2])["model.norm"].zero_()
+    stats = loop.sync(delta=lambda r: r != 4)
+    assert loop.received(stats) == loop.everything()
+    loop.check()
+    assert loop.received(loop.sync(delta=lambda r: r == 0)) == loop.everything()
+    assert loop.received(loop.sync()) == 0
+    loop.check()
+
+
+def test_a_bad_target_on_one_rank_is_the_same_error_on_every_rank() -> None:
+    """A target that holds a non-tensor on one rank only: every rank raises StateDictError (the pieces are
+    described inside the agreed planning step), none waits for the others."""
+    group = ThreadGroup(2, timeout=30.0)
+    errors: list[BaseException | None] = [None, None]
+
+    def rank(r: int) -> None:
+        source = {"w": torch.ones(3)} if r == 0 else {}
+        target = {"w": torch.empty(3), "step": 7} if r == 1 else {}
+        try:
+            reshard.TransferSession(group=group.member(r)).transfer(source, target)
+        except CheckpointError as exc:
+            errors[r] = exc
+
+    on_threads(2, rank, group=group)
+    assert all(isinstance(e, reshard.StateDictError) for e in errors), errors
+    assert "rank 1" in str(errors[0]) and "entries: step" in str(errors[0])
+
+
+# --- the same loop on four gloo processes: trainer ranks 0-1, engine ranks 2-3 --------------------------------
+
+
+def rank_rl_loop(ctx: RankContext) -> list[int]:
+    """Syncs: full; after a step (w only); after the engine re-created ``w`` with its old weights; with
+    nothing changed. Checks the engine against the expected tensors after each; returns bytes received."""
+    trainer = ctx.rank < 2
+    full = initial_weights()
+    template = {} if trainer else engine_template(ctx.rank - 2, 2)
+    session = reshard.TransferSession(key_map=KEY_MAP)
+    received = []
+
+    def sync() -> None:
+        stats = reshard.TransferStats()
+        session.transfer(trainer_state(full, ctx.rank) if trainer else {}, template, stats=stats)
+        received.append(stats.bytes_received)
+        if trainer:
+            return
+        e = ctx.rank - 2
+        got = tensors(template)
+        assert torch.equal(got["model.embed_tokens.weight"][: VOCAB - 6 * e], full["embed"][6 * e : 6 * e + 6])
+        assert not got["model.embed_tokens.weight"][VOCAB - 6 * e :].any()
+        assert torch.equal(got["model.w"], full["w"][6 * e : 6 * e + 6].bfloat16())
+        assert torch.equal(got["model.norm"], full["norm"])
+
+    sync()
+    old = full["w"].clone()
+    full["w"].mul_(-1.0)
+    sync()
+    if not trainer:
+        e = ctx.rank - 2
+        before = template["model.w"].data
+        recreated = torch.from_numpy(before.view(torch.int16).numpy()).view(torch.bfloat16)
+        recreated.view(torch.int16).numpy()[:] = old[6 * e : 6 * e + 6].bfloat16().view(torch.int16).numpy()
+        template["model.w"] = reshard.ShardedTensor.from_rank_offsets("model.w", recreated, (0, e, 2))
+    sync()
+    sync()
+    return received
+
+
+def test_the_rl_loop_on_gloo_processes(pool4: RankPool) -> None:
+    results = pool4.run_ok(rank_rl_loop)
+    assert results[0] == results[1] == [0, 0, 0, 0]
+    embed, w, norm = 6 * HIDDEN * 4, 6 * HIDDEN * 4, HIDDEN * 4
+    assert results[2] == [embed + w + norm, w, w, 0]
+    assert results[3] == [(VOCAB - 6) * HIDDEN * 4 + w + norm, w, w, 0]

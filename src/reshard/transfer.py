@@ -19,6 +19,7 @@ import datetime
 import hashlib
 import json
 import math
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -109,13 +110,37 @@ def transfer(
     return session.transfer(source, target, delta=False, stats=stats)
 
 
+@dataclass(frozen=True)
+class _LastSync:
+    """What one rank's session knows of the last transfer it took part in, the base of a delta."""
+
+    token: str
+    """The transfer's identity, drawn by the coordinator: a delta needs every rank to name the same one."""
+    signature: str
+    """The digest of this rank's description then (its pieces, keys, dtypes, target addresses)."""
+    schedule: RankSchedule
+    """This rank's part of the whole plan (every cell, not only those sent then)."""
+    sent: dict[int, bytes]
+    """The digest of each cell this rank sends, as its source held it then, by the cell's number."""
+    held: dict[int, bytes]
+    """The digest of each cell this rank receives, as its target held it once that transfer was done."""
+
+
 class TransferSession:
     """:func:`transfer` repeated between the same layouts (a weight sync after every training step): the
-    plan is made once, and with ``delta=True`` only the cells whose content changed since they were last
-    sent travel (each sender compares a BLAKE2b digest of every cell it sends with the digest of what it
-    sent last time; the receivers' tensors keep the rest). Create one per rank with the same arguments;
-    :meth:`transfer` is collective over ``group``. The plan is made again whenever any rank's pieces
-    change (other boxes, dtypes, keys, or target tensors at another address), and then everything is sent.
+    plan is made once, and with ``delta=True`` only the cells that the session cannot prove to be right
+    already travel. Create one per rank with the same arguments; :meth:`transfer` is collective over
+    ``group``.
+
+    A cell stays where it is only when all three hold: every rank's session took part in the same last
+    transfer (the coordinator names each one with a random token), the sender's BLAKE2b digest of the
+    cell equals that of what it sent then, and the receiver's digest of what its target holds in the cell
+    equals that of what it held right after that transfer. So a target that was written in place (through
+    ``.data``, by a kernel, outside torch), reloaded or re-created at the same address is sent its cells
+    again; the receiver pays one digest pass over the cells it receives (a copy to the host for GPU
+    tensors). The plan is made again whenever any rank's pieces change (other boxes, dtypes, keys, or
+    target tensors at another address), and then everything is sent; so is everything when any rank
+    passes ``delta=False``.
 
     Args: as for :func:`transfer`.
     """
@@ -134,39 +159,38 @@ class TransferSession:
         self.allow_lossy_cast = allow_lossy_cast
         self.round_bytes = round_bytes
         self.timeout = timeout
-        self._signature = ""
+        self._last: _LastSync | None = None
         self._plan: TransferPlan | None = None  # on the coordinator
-        self._full: RankSchedule | None = None  # this rank's part of the whole plan
-        self._sent: dict[int, bytes] = {}  # digest of each cell this rank sent, by its number
+        self._plan_signature = ""  # on the coordinator: the digest of every rank's description it was made for
 
     def transfer(self, source: Any, target: Any, *, delta: bool = True, stats: TransferStats | None = None) -> Any:
         """Fill ``target`` from the ``source`` pieces of the group's ranks; with ``delta``, send only the
-        cells whose content changed since this session last sent them. Collective over the group."""
+        cells that are not proven unchanged on both ends since the last transfer. Collective over the group:
+        every rank calls it, and the ranks agree on the plan and on whether this transfer is a delta."""
         started = time.perf_counter()
         comm = Communicator(self.group, timeout=self.timeout)
-        sources, targets, description = self._describe(comm.rank, source, target)
-        signature = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
-        same_plan = delta and signature == self._signature and self._full is not None
-        # With the same plan, the digests of every cell this rank sends say which changed since last sent.
-        current = self._digests(sources, self._full) if same_plan and self._full is not None else None
-        changed = [i for i, digest in current.items() if self._sent.get(i) != digest] if current is not None else None
+        last, self._last = self._last, None  # until this transfer succeeds: a failed one is no base for a delta
+        found: list[Any] = []
 
         def local() -> bytes:
-            return json.dumps({"description": description, "same": same_plan, "changed": changed}).encode()
+            found.append(self._describe(comm.rank, source, target))
+            sources, targets, description = found[0]
+            signature = _digest_json(description)
+            base = last if delta and last is not None and last.signature == signature else None
+            report = {"description": description, "delta": bool(delta), "token": None}
+            if base is not None:
+                sent = _digests(sources, base.schedule, "send")
+                held = _digests(targets, base.schedule, "recv")
+                stale = {i for i, d in sent.items() if base.sent.get(i) != d}
+                stale |= {i for i, d in held.items() if base.held.get(i) != d}
+                report.update(token=base.token, stale=sorted(stale))
+                found.append((sent, held))
+            found.append(signature)
+            return json.dumps(report).encode()
 
-        def combine(payloads: list[bytes]) -> tuple[bool, list[bytes]]:
-            docs = [json.loads(p) for p in payloads]
-            if all(d["same"] for d in docs) and self._plan is not None:
-                only = {i for d in docs for i in d["changed"]}
-                return False, [json.dumps(s.to_json()).encode() for s in self._plan.schedules(only)]
-            plan = self._make_plan([d["description"] for d in docs])
-            self._plan = plan
-            return True, [json.dumps(s.to_json()).encode() for s in plan.schedules()]
-
-        replanned, reply = comm.step_scatter("transfer planning", local, combine)
+        decision, reply = comm.step_scatter("transfer planning", local, self._decide)
+        (sources, targets, _), *checked, signature = found
         schedule = RankSchedule.from_json(json.loads(reply))
-        if replanned:
-            self._full, self._signature = schedule, signature
         counters = ExchangeCounters()
 
         def send_and_receive() -> None:
@@ -174,8 +198,13 @@ class TransferSession:
                 run_exchange(comm.transport, schedule, sources, counters, targets=targets)
 
         comm.step("transferring", send_and_receive)
-        # What this rank's receivers now hold: every cell of its plan (unchanged ones were held already).
-        self._sent = current if current is not None and not replanned else self._digests(sources, schedule)
+        received = _digests(targets, schedule, "recv")
+        if decision["full"] or last is None or not checked:
+            sent = _digests(sources, schedule, "send")
+            self._last = _LastSync(decision["token"], signature, schedule, sent, received)
+        else:
+            sent, held = checked[0]
+            self._last = _LastSync(decision["token"], signature, last.schedule, sent, {**held, **received})
         if stats is not None:
             stats.bytes_sent = counters.bytes_sent
             stats.bytes_received = counters.bytes_received
@@ -185,8 +214,28 @@ class TransferSession:
             stats.seconds = time.perf_counter() - started
         return map_leaves(target, lambda _path, leaf: leaf.data if isinstance(leaf, ShardedTensor) else leaf)
 
+    def _decide(self, payloads: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
+        """On the coordinator: plan again if any rank's pieces changed, and decide for every rank at once
+        whether this transfer is a delta. It is one only when nothing was planned again, every rank asked
+        for it and names the same last transfer; then the cells any sender or receiver reported stale
+        travel. Returns the decision and every rank's schedule."""
+        docs = [json.loads(p) for p in payloads]
+        descriptions = [d["description"] for d in docs]
+        everything = _digest_json(descriptions)
+        plan = self._plan
+        replanned = plan is None or everything != self._plan_signature
+        if plan is None or replanned:
+            plan = self._make_plan(descriptions)
+            self._plan, self._plan_signature = plan, everything
+        tokens = {d["token"] for d in docs}
+        delta = not replanned and all(d["delta"] for d in docs) and len(tokens) == 1 and None not in tokens
+        only = {i for d in docs for i in d["stale"]} if delta else None
+        decision = {"full": not delta, "replanned": replanned, "token": secrets.token_hex(16)}
+        return decision, [json.dumps(s.to_json()).encode() for s in plan.schedules(only)]
+
     def _describe(self, rank: int, source: Any, target: Any) -> tuple[list[LocalPiece], list[LocalPiece], Any]:
-        """This rank's source and target pieces, and their description for the coordinator."""
+        """This rank's source and target pieces, and their description for the coordinator. Zeroes the
+        padding of the target pieces (never their real elements: cells left in place keep their bytes)."""
         held = flatten_state_dict(source, rank=rank, dedup=False)
         wanted = flatten_state_dict(target, rank=rank, dedup=False)
         extra = [o.key for o in wanted.objects] + [p for p, v in wanted.common.items() if not is_empty_container(v)]
@@ -231,16 +280,22 @@ class TransferSession:
             )
         return plan
 
-    @staticmethod
-    def _digests(sources: list[LocalPiece], schedule: RankSchedule) -> dict[int, bytes]:
-        """A BLAKE2b digest of every cell this rank sends in ``schedule``, by the cell's number."""
-        out = {}
-        for rnd in schedule.rounds:
-            for _peer, cells in rnd["send"]:
-                for ref in cells:
-                    raw = cell_view(sources, ref).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                    out[ref[4]] = hashlib.blake2b(raw.numpy().data, digest_size=16).digest()
-        return out
+
+def _digest_json(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _digests(pieces: list[LocalPiece], schedule: RankSchedule, direction: str) -> dict[int, bytes]:
+    """A BLAKE2b digest of every cell this rank sends (``direction="send"``, read from its source pieces)
+    or receives (``"recv"``, read from its target pieces) in ``schedule``, by the cell's number. A cell on
+    a GPU is copied to the host to be hashed."""
+    out = {}
+    for rnd in schedule.rounds:
+        for _peer, cells in rnd[direction]:
+            for ref in cells:
+                raw = cell_view(pieces, ref).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                out[ref[4]] = hashlib.blake2b(raw.numpy().data, digest_size=16).digest()
+    return out
 
 
 def _renamer(key_map: Mapping[str, str] | Callable[[str], str] | None) -> Callable[[str], str]:
