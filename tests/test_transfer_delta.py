@@ -292,6 +292,104 @@ def test_delta_on_some_ranks_and_not_on_others_sends_everything() -> None:
     loop.check()
 
 
+def _disagreement(size: int, run: Callable[[int], None]) -> list[BaseException | None]:
+    group_errors: list[BaseException | None] = [None] * size
+
+    def rank(r: int) -> None:
+        try:
+            run(r)
+        except CheckpointError as exc:
+            group_errors[r] = exc
+
+    on_threads(size, rank)
+    return group_errors
+
+
+@pytest.mark.parametrize("one_off", [False, True])
+@pytest.mark.parametrize(
+    ("option", "values"),
+    [("allow_lossy_cast", (True, False)), ("round_bytes", (1 << 20, 1 << 16))],
+)
+def test_session_options_that_differ_across_ranks_are_refused_on_every_rank(
+    option: str, values: tuple[Any, Any], one_off: bool
+) -> None:
+    """A session option that differs between ranks is a CheckpointError naming it, on every rank, for a
+    session and for a one-off transfer (each rank would otherwise plan or convert by other rules)."""
+    group = ThreadGroup(2)
+
+    def run(r: int) -> None:
+        options = {option: values[r]}
+        source = {"w": torch.arange(6.0)} if r == 0 else {}
+        target = {"w": torch.empty(6)} if r == 1 else {}
+        if one_off:
+            reshard.transfer(source, target, group=group.member(r), **options)
+        else:
+            reshard.TransferSession(group=group.member(r), **options).transfer(source, target)
+
+    errors = _disagreement(2, run)
+    assert all(isinstance(e, CheckpointError) for e in errors), errors
+    assert len({(type(e), str(e)) for e in errors}) == 1
+    assert f"different {option}" in str(errors[0])
+
+
+def test_round_bytes_must_be_a_positive_integer() -> None:
+    """round_bytes=0 (or a float) cannot bound a round: a CheckpointError on every rank, not a transfer
+    cut into one-element rounds."""
+    for bad in (0, 1.5):
+        group = ThreadGroup(2)
+
+        def run(r: int, bad: Any = bad, group: ThreadGroup = group) -> None:
+            source = {"w": torch.arange(6.0)} if r == 0 else {}
+            reshard.transfer(source, {"w": torch.empty(6)} if r == 1 else {}, group=group.member(r), round_bytes=bad)
+
+        errors = _disagreement(2, run)
+        assert all(isinstance(e, CheckpointError) for e in errors), errors
+        assert all("round_bytes must be a positive integer" in str(e) for e in errors)
+
+
+KEY_MAPS: dict[str, list[Any]] = {
+    "other_key": [{"x": "a"}, {"x": "a"}, {"x": "b"}],
+    "none_on_an_engine_rank": [{"x": "a"}, {"x": "a"}, None],
+    "none_on_the_coordinator": [None, {"x": "a"}, {"x": "a"}],
+    "functions": [lambda _k: "a", lambda _k: "a", lambda k: {"x": "b"}[k]],
+}
+
+
+@pytest.mark.parametrize("case", sorted(KEY_MAPS))
+def test_key_maps_that_differ_across_ranks_are_refused_on_every_rank(case: str) -> None:
+    """Two engine ranks map the same name to different trainer keys (or one has no key map): the ranks
+    would fill the same name from different tensors, so every rank raises a CheckpointError naming
+    key_map."""
+    key_maps = KEY_MAPS[case]
+    group = ThreadGroup(3)
+
+    def run(r: int) -> None:
+        source = {"a": torch.ones(4), "b": torch.zeros(4), "x": torch.full((4,), 2.0)} if r == 0 else {}
+        target = {"x": torch.empty(4)} if r > 0 else {}
+        reshard.TransferSession(group=group.member(r), key_map=key_maps[r]).transfer(source, target)
+
+    errors = _disagreement(3, run)
+    assert all(isinstance(e, CheckpointError) for e in errors), errors
+    assert len({(type(e), str(e)) for e in errors}) == 1
+    assert "different key_map results" in str(errors[0])
+
+
+def test_two_names_mapped_to_one_key_are_each_checked() -> None:
+    """Tied weights: two engine names from one trainer key; a name whose shape does not fit is refused
+    even when another name of the same key fits."""
+    group = ThreadGroup(2)
+
+    def run(r: int) -> None:
+        source = {"embed": torch.arange(8.0).reshape(4, 2)} if r == 0 else {}
+        target = {"embed_tokens": torch.empty(2, 2), "lm_head": torch.empty(4, 2)} if r == 1 else {}
+        key_map = {"lm_head": "embed", "embed_tokens": "embed"}
+        reshard.TransferSession(group=group.member(r), key_map=key_map).transfer(source, target)
+
+    errors = _disagreement(2, run)
+    assert all(isinstance(e, reshard.MismatchError) for e in errors), errors
+    assert "'embed_tokens'" in str(errors[0]) and "[2, 2]" in str(errors[0])
+
+
 def test_a_bad_target_on_one_rank_is_the_same_error_on_every_rank() -> None:
     """A target that holds a non-tensor on one rank only: every rank raises StateDictError (the pieces are
     described inside the agreed planning step), none waits for the others."""

@@ -29,7 +29,7 @@ import torch
 
 from reshard.comm import Communicator
 from reshard.dtypes import DTYPE_BY_NAME, dtype_name, is_lossy_cast
-from reshard.errors import DataUnavailableError, MismatchError, StateDictError
+from reshard.errors import CheckpointError, DataUnavailableError, MismatchError, StateDictError
 from reshard.exchange import (
     DEFAULT_ROUND_BYTES,
     ExchangeCounters,
@@ -88,7 +88,8 @@ def transfer(
         group: the ranks of both layouts (a process group, ``None`` for the default one, or a
             :class:`~reshard.transports.ThreadGroup` member).
         key_map: the source key of each target key (a mapping, or a function), for keys that differ
-            (a Hugging Face naming on the inference side); unlisted keys are their own.
+            (a Hugging Face naming on the inference side); unlisted keys are their own. The same on every
+            rank: the coordinator checks every rank's results against its own.
         allow_lossy_cast: allow conversions that change values beyond rounding (float to int, ...), as
             ``LoadOptions(allow_lossy_cast=True)``.
         round_bytes: the most bytes a rank sends, and receives, in one round (its two buffers).
@@ -103,6 +104,9 @@ def transfer(
         MismatchError: a global shape or a lossy dtype conversion that differs, on every rank.
         DataUnavailableError: a target key that no rank holds, or parts of target tensors that no rank
             holds (named), on every rank (a MismatchError too).
+        CheckpointError: the ranks passed different ``allow_lossy_cast`` or ``round_bytes``, or a
+            ``key_map`` that maps some rank's target name otherwise than the coordinator's does (named),
+            or a ``round_bytes`` that is not a positive integer; on every rank.
     """
     session = TransferSession(
         group=group, key_map=key_map, allow_lossy_cast=allow_lossy_cast, round_bytes=round_bytes, timeout=timeout
@@ -177,7 +181,7 @@ class TransferSession:
             sources, targets, description = found[0]
             signature = _digest_json(description)
             base = last if delta and last is not None and last.signature == signature else None
-            report = {"description": description, "delta": bool(delta), "token": None}
+            report = {"description": description, "options": self._options(), "delta": bool(delta), "token": None}
             if base is not None:
                 sent = _digests(sources, base.schedule, "send")
                 held = _digests(targets, base.schedule, "recv")
@@ -214,12 +218,21 @@ class TransferSession:
             stats.seconds = time.perf_counter() - started
         return map_leaves(target, lambda _path, leaf: leaf.data if isinstance(leaf, ShardedTensor) else leaf)
 
+    def _options(self) -> dict[str, Any]:
+        """This rank's session options, which every rank must pass alike (checked on the coordinator)."""
+        round_bytes = self.round_bytes
+        if isinstance(round_bytes, bool) or not isinstance(round_bytes, int) or round_bytes < 1:
+            raise CheckpointError(f"transfer: round_bytes must be a positive integer, got {round_bytes!r}")
+        return {"allow_lossy_cast": bool(self.allow_lossy_cast), "round_bytes": round_bytes}
+
     def _decide(self, payloads: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
-        """On the coordinator: plan again if any rank's pieces changed, and decide for every rank at once
-        whether this transfer is a delta. It is one only when nothing was planned again, every rank asked
-        for it and names the same last transfer; then the cells any sender or receiver reported stale
-        travel. Returns the decision and every rank's schedule."""
+        """On the coordinator: check that the ranks agree on the options, plan again if any rank's pieces
+        changed, and decide for every rank at once whether this transfer is a delta. It is one only when
+        nothing was planned again, every rank asked for it and names the same last transfer; then the
+        cells any sender or receiver reported stale travel. Returns the decision and every rank's
+        schedule."""
         docs = [json.loads(p) for p in payloads]
+        _check_agreement(docs, self.rename)
         descriptions = [d["description"] for d in docs]
         everything = _digest_json(descriptions)
         plan = self._plan
@@ -248,7 +261,7 @@ class TransferSession:
         holdings: list[list[Any]] = []
         needs: list[list[Any]] = []
         shapes: dict[str, list[Any]] = {}
-        wanted_shapes: dict[str, list[Any]] = {}
+        wanted_shapes: list[list[Any]] = []
         addresses = []
         for tensor in held.tensors:
             shapes[tensor.key] = [list(tensor.saved_shape), dtype_name(tensor.data.dtype)]
@@ -257,7 +270,7 @@ class TransferSession:
                 holdings.append(describe_need(tensor.key, piece))
         for tensor in wanted.tensors:
             key = self.rename(tensor.key)
-            wanted_shapes[key] = [list(tensor.saved_shape), dtype_name(tensor.data.dtype), tensor.key]
+            wanted_shapes.append([tensor.key, key, list(tensor.saved_shape), dtype_name(tensor.data.dtype)])
             addresses.append(tensor.data.data_ptr())
             for piece in tensor.pieces():
                 piece.zero_padding()  # the padding only: unchanged real cells are not sent again
@@ -309,14 +322,14 @@ def _renamer(key_map: Mapping[str, str] | Callable[[str], str] | None) -> Callab
 
 def _check(docs: list[dict[str, Any]], allow_lossy_cast: bool) -> None:
     """On the coordinator: every wanted key is held, with the same (logical) global shape, and a dtype it
-    may be converted to."""
+    may be converted to (each target name on its own: several may come from one source key)."""
     held: dict[str, list[Any]] = {}
     for doc in docs:
         held.update(doc["held"])
     problems = []
     unavailable = []
     for doc in docs:
-        for key, (shape, dtype, name) in sorted(doc["wanted"].items()):
+        for name, key, shape, dtype in sorted(doc["wanted"]):
             what = f"{name!r}" + (f" (source {key!r})" if name != key else "")
             if key not in held:
                 unavailable.append(f"{what}: no rank holds it")
@@ -332,3 +345,31 @@ def _check(docs: list[dict[str, Any]], allow_lossy_cast: bool) -> None:
         unique = sorted(set(unavailable))
         shown = "; ".join(unique[:20])
         raise DataUnavailableError(f"transfer: {len(unique)} target tensors are held by no rank: {shown}")
+
+
+def _check_agreement(docs: list[dict[str, Any]], rename: Callable[[str], str]) -> None:
+    """On the coordinator: every rank passed the same session options, and its ``key_map`` gives the
+    coordinator's source key for each of its target names (else ranks would convert, cut rounds or fill
+    a name by other rules, silently). Raises CheckpointError naming each option that differs."""
+    problems = []
+    for option in ("allow_lossy_cast", "round_bytes"):
+        by_value: dict[Any, list[int]] = {}
+        for rank, doc in enumerate(docs):
+            by_value.setdefault(doc["options"][option], []).append(rank)
+        if len(by_value) > 1:
+            problems.append(f"different {option}: " + ", ".join(f"{v!r} on ranks {r}" for v, r in by_value.items()))
+    differ = []
+    for rank, doc in enumerate(docs):
+        for name, key, _shape, _dtype in doc["description"]["wanted"]:
+            try:
+                ours = repr(rename(name))
+            except Exception as exc:  # a key_map that cannot map a name another rank's maps: they differ
+                ours = f"an error ({type(exc).__name__}: {exc})"
+            if ours != repr(key):
+                differ.append(f"rank {rank} maps {name!r} to {key!r}, rank 0 to {ours}")
+    if differ:
+        problems.append(f"different key_map results: {'; '.join(differ[:10])}" + (" ..." if len(differ) > 10 else ""))
+    if problems:
+        raise CheckpointError(
+            f"transfer: the ranks passed {'; '.join(problems)} (every rank of the group must pass the same)"
+        )
