@@ -111,7 +111,7 @@ def transfer(
     session = TransferSession(
         group=group, key_map=key_map, allow_lossy_cast=allow_lossy_cast, round_bytes=round_bytes, timeout=timeout
     )
-    return session.transfer(source, target, delta=False, stats=stats)
+    return session._run(source, target, delta=False, stats=stats, keep=False)
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,11 @@ class TransferSession:
         """Fill ``target`` from the ``source`` pieces of the group's ranks; with ``delta``, send only the
         cells that are not proven unchanged on both ends since the last transfer. Collective over the group:
         every rank calls it, and the ranks agree on the plan and on whether this transfer is a delta."""
+        return self._run(source, target, delta=delta, stats=stats, keep=True)
+
+    def _run(self, source: Any, target: Any, *, delta: bool, stats: TransferStats | None, keep: bool) -> Any:
+        """:meth:`transfer`; ``keep=False`` (a one-off :func:`transfer`) skips the digests that only a
+        later delta would use. Collective over the group."""
         started = time.perf_counter()
         comm = Communicator(self.group, timeout=self.timeout)
         last, self._last = self._last, None  # until this transfer succeeds: a failed one is no base for a delta
@@ -202,13 +207,14 @@ class TransferSession:
                 run_exchange(comm.transport, schedule, sources, counters, targets=targets)
 
         comm.step("transferring", send_and_receive)
-        received = _digests(targets, schedule, "recv")
-        if decision["full"] or last is None or not checked:
-            sent = _digests(sources, schedule, "send")
-            self._last = _LastSync(decision["token"], signature, schedule, sent, received)
-        else:
-            sent, held = checked[0]
-            self._last = _LastSync(decision["token"], signature, last.schedule, sent, {**held, **received})
+        if keep:  # what a later delta starts from
+            received = _digests(targets, schedule, "recv")
+            if decision["full"] or last is None or not checked:
+                sent = _digests(sources, schedule, "send")
+                self._last = _LastSync(decision["token"], signature, schedule, sent, received)
+            else:
+                sent, held = checked[0]
+                self._last = _LastSync(decision["token"], signature, last.schedule, sent, {**held, **received})
         if stats is not None:
             stats.bytes_sent = counters.bytes_sent
             stats.bytes_received = counters.bytes_received
