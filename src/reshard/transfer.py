@@ -133,18 +133,19 @@ class _LastSync:
 class TransferSession:
     """:func:`transfer` repeated between the same layouts (a weight sync after every training step): the
     plan is made once, and with ``delta=True`` only the cells that the session cannot prove to be right
-    already travel. Create one per rank with the same arguments; :meth:`transfer` is collective over
-    ``group``.
+    already travel. Create one per rank with the same arguments (a difference is a CheckpointError on
+    every rank); :meth:`transfer` is collective over ``group``.
 
     A cell stays where it is only when all three hold: every rank's session took part in the same last
     transfer (the coordinator names each one with a random token), the sender's BLAKE2b digest of the
     cell equals that of what it sent then, and the receiver's digest of what its target holds in the cell
     equals that of what it held right after that transfer. So a target that was written in place (through
     ``.data``, by a kernel, outside torch), reloaded or re-created at the same address is sent its cells
-    again; the receiver pays one digest pass over the cells it receives (a copy to the host for GPU
-    tensors). The plan is made again whenever any rank's pieces change (other boxes, dtypes, keys, or
-    target tensors at another address), and then everything is sent; so is everything when any rank
-    passes ``delta=False``.
+    again. The price: a receiver hashes the cells it receives before a delta transfer and the cells
+    written after it (a copy to the host for GPU tensors), as a sender hashes the cells it sends. The
+    plan is made again whenever any rank's pieces change (other boxes, dtypes, keys, or target tensors at
+    another address), and then everything is sent; so is everything when any rank passes
+    ``delta=False``.
 
     Args: as for :func:`transfer`.
     """
