@@ -1,20 +1,24 @@
-"""The long chaos mode: every kill point of every scenario, random kills, and seeded corruptions.
+"""The long mode of the contract and fault suite: every flow through every fault source, for the figures in
+docs/reliability.md.
 
-``make test`` runs a sample of the same harnesses (tests/test_chaos.py, tests/test_corruption.py); this runs
-them in full, for the figures in docs/reliability.md::
+``make test`` runs a sample of the same harnesses (tests/contract/, tests/test_corruption.py); this runs
+them in full::
 
-    .venv/bin/python -m benchmarks.chaos                      # every kill point, 4 scenarios x 2-4 ranks
-    .venv/bin/python -m benchmarks.chaos --timed 50 --corruptions 2000 --json chaos.json
+    .venv/bin/python -m benchmarks.chaos --all-flows                 # everything (about an hour on 2 cores)
+    .venv/bin/python -m benchmarks.chaos --flows overwrite:2,manager:3 --limit 20 --corruptions 50 --hostile 20
 
-Kill points (tests/chaos.py): one rank of a real gloo job is SIGKILLed before or after each of its events
-(collectives and storage operations) during a save of each scenario (plain overwrite, async overwrite,
-fresh path, CheckpointManager step with retention), and at random delays; after each, the newest committed
-checkpoint must load bit-exactly, ``latest.json`` must name a complete step, ``reshard validate`` and ``reshard
-ls`` must agree with the load, and a later save must succeed. Corruptions (tests/corruption.py): seeded
-damage of a committed checkpoint, then nine tools each give an error or exactly the saved values.
+Fault sources (tests/contract/__init__.py states the guarantees they check):
 
-Prints a table and the totals; exits 1 if any iteration lost a checkpoint, loaded wrong bytes or broke
-another invariant.
+- kills: one rank of a real gloo job SIGKILLed before or after each of its events (collectives, storage
+  operations, file-system calls) of each flow, and at random delays (tests/contract/harness.py);
+- corruptions: seeded damage of a plain checkpoint, nine tools on each (tests/corruption.py), and of a
+  manager's root of incremental steps, readers and mutators on each (tests/contract/damage.py);
+- hostile documents of format versions 1-4 against every reading and root tool, with every path they touch
+  recorded (tests/contract/hostile.py);
+- options that disagree across ranks, every case (tests/contract/disagreement.py).
+
+Prints a table per fault source and the totals; exits 1 if anything loaded wrong bytes, lost a checkpoint,
+touched a file outside, hung, or broke another guarantee.
 """
 
 from __future__ import annotations
@@ -29,41 +33,46 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests import chaos, corruption
+from tests import corruption
+from tests.contract import damage, disagreement, harness, hostile
+from tests.contract.flows import FLOWS
 
-SCENARIOS = [(s, w) for s in ("overwrite", "async", "fresh", "manager") for w in (2, 3, 4)]
+STATUS_COLUMNS = ("clean", "other", "hang", "silent", "lost", "outside")
 
 
-def run_kills(base: Path, scenarios: list[tuple[str, int]], seed: int, timed: int, limit: int | None) -> dict[str, Any]:
+def all_flows() -> list[tuple[str, int]]:
+    return [(name, world) for name, flow in FLOWS.items() for world in flow.worlds]
+
+
+def run_kills(base: Path, flows: list[tuple[str, int]], seed: int, timed: int, limit: int | None) -> dict[str, Any]:
     rows = []
-    everything: list[chaos.Outcome] = []
-    for scenario, world in scenarios:
+    everything: list[harness.Outcome] = []
+    for name, world in flows:
         started = time.monotonic()
         outcomes = []
-        for iteration in chaos.plan(
-            ((scenario, world),), base / f"{scenario}-{world}", seed=seed, systematic=limit, timed=timed
+        for iteration in harness.plan(
+            ((name, world),), base / f"{name}-{world}", seed=seed, systematic=limit, timed=timed
         ):
-            outcome = chaos.run_iteration(iteration)
+            outcome = harness.run_iteration(iteration)
             outcomes.append(outcome)
-            chaos.remove(iteration.directory)
+            harness.remove(iteration.directory)
             if outcome.status != "clean":
-                print(f"  {scenario}/{world} {outcome.point}: {outcome.status}: {outcome.reason}", flush=True)
-        summary = chaos.summarize(outcomes)
-        rows.append({"scenario": scenario, "ranks": world, **{k: v for k, v in summary.items() if k != "failures"}})
-        rows[-1]["seconds"] = round(time.monotonic() - started, 1)
+                print(f"  {name}/{world} {outcome.point}: {outcome.status}: {outcome.reason[:300]}", flush=True)
+        summary = harness.summarize(outcomes)
+        row = {"flow": name, "ranks": world, **{k: v for k, v in summary.items() if k not in ("failures", "by_flow")}}
+        row["seconds"] = round(time.monotonic() - started, 1)
+        rows.append(row)
         everything += outcomes
+        shown = ", ".join(f"{summary[s]} {s}" for s in STATUS_COLUMNS)
         print(
-            f"{scenario:>9} x{world}: {summary['tried']:4d} kill points, {summary['killed']:4d} killed, "
-            f"{summary['clean']:4d} clean, {summary['lost']} lost, {summary['silent']} silent, "
-            f"{summary['violations']} other; kept A {summary['kept_old']}, committed B {summary['committed_new']} "
-            f"({rows[-1]['seconds']} s)",
+            f"{name:>11} x{world}: {summary['tried']:4d} kill points, {summary['killed']:4d} killed: {shown} "
+            f"(kept old {summary['kept_old']}, committed new {summary['committed_new']}; {row['seconds']} s)",
             flush=True,
         )
-    total = chaos.summarize(everything)
-    return {"rows": rows, "total": total}
+    return {"rows": rows, "total": harness.summarize(everything)}
 
 
-def run_corruptions(base: Path, count: int, seed: int) -> dict[str, Any]:
+def run_plain_corruptions(base: Path, count: int, seed: int) -> dict[str, Any]:
     corruption.make_pristine(base / "pristine", base / "other")
     rng = random.Random(seed)
     all_runs = []
@@ -71,12 +80,12 @@ def run_corruptions(base: Path, count: int, seed: int) -> dict[str, Any]:
         copy = base / f"c{i}"
         shutil.copytree(base / "pristine", copy / "ckpt")
         (copy / "out").mkdir()
-        damage = corruption.corrupt(copy / "ckpt", base / "other", rng)
-        all_runs.append(corruption.run_tools(copy / "ckpt", base / "pristine", copy / "out", damage))
+        hurt = corruption.corrupt(copy / "ckpt", base / "other", rng)
+        all_runs.append(corruption.run_tools(copy / "ckpt", base / "pristine", copy / "out", hurt))
         shutil.rmtree(copy)
     summary = corruption.summarize(all_runs)
     print(
-        f"corruptions: {summary['corruptions']} damaged copies, {summary['tool_runs']} tool runs: "
+        f"plain corruptions: {summary['corruptions']} damaged copies, {summary['tool_runs']} tool runs: "
         f"{summary['exact']} exact, {summary['refused']} refused, {summary['silent']} silent, "
         f"{summary['violations']} other",
         flush=True,
@@ -84,39 +93,116 @@ def run_corruptions(base: Path, count: int, seed: int) -> dict[str, Any]:
     return summary
 
 
+def run_root_damage(base: Path, count: int, seed: int) -> dict[str, Any]:
+    damage.make_pristine(base / "pristine")
+    rng = random.Random(seed)
+    verdicts = []
+    for i in range(count):
+        root = base / f"c{i}"
+        damage.copy(base / "pristine", root)
+        verdicts.append(damage.run_tools(root, damage.corrupt(root, rng)))
+        shutil.rmtree(root)
+    summary = damage.summarize(verdicts)
+    print(
+        f"root damage: {summary['corruptions']} damaged roots, {summary['tool_runs']} tool runs: "
+        f"{summary['exact']} exact, {summary['refused']} refused, {summary['silent']} silent, "
+        f"{summary['lost']} lost, {summary['outside']} outside, {summary['other']} other",
+        flush=True,
+    )
+    for failure in summary["failures"][:5]:
+        print(f"  {failure}", flush=True)
+    return summary
+
+
+def run_hostile(base: Path, count: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    verdicts = []
+    shares = {1: count // 10, 2: count // 10, 3: count // 10}
+    shares[4] = count - sum(shares.values())
+    for version, n in shares.items():
+        pristine = base / f"pristine-v{version}"
+        hostile.make_pristine(pristine, version)
+        for i in range(n):
+            copy = base / f"v{version}-{i}"
+            shutil.copytree(pristine, copy, symlinks=True)
+            verdicts.append(hostile.run_tools(copy, pristine, hostile.attack(copy, version, rng)))
+            shutil.rmtree(copy)
+    summary = hostile.summarize(verdicts)
+    print(
+        f"hostile documents: {summary['documents']} documents, {summary['tool_runs']} tool runs: "
+        f"{summary['exact']} exact, {summary['refused']} refused, {summary['silent']} silent, "
+        f"{summary['outside']} outside, {summary['other']} other",
+        flush=True,
+    )
+    for failure in summary["failures"][:5]:
+        print(f"  {failure}", flush=True)
+    return summary
+
+
+def run_disagreement(base: Path) -> dict[str, Any]:
+    results = disagreement.run_all(base)
+    broken = [f"{c.flow}/{c.option}: {problem}" for c, problem in results if problem]
+    print(
+        f"disagreeing options: {len(results)} cases, {len(results) - len(broken)} refused alike on every rank "
+        f"or resolved together, {len(broken)} broken",
+        flush=True,
+    )
+    for line in broken[:10]:
+        print(f"  {line}", flush=True)
+    return {"cases": len(results), "broken": broken}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--scenarios",
-        default=",".join(f"{s}:{w}" for s, w in SCENARIOS),
-        help="scenario:ranks pairs, comma-separated (default: every scenario on 2, 3 and 4 ranks)",
+        "--all-flows",
+        action="store_true",
+        help="every flow at each of its world sizes, every kill point, 1,000 corruptions (half "
+        "plain, half of roots), 200 hostile documents, every disagreement case",
     )
-    parser.add_argument("--limit", type=int, default=None, help="kill points per scenario, sampled (default: all)")
-    parser.add_argument("--timed", type=int, default=20, help="kills at random delays per scenario (default 20)")
-    parser.add_argument("--corruptions", type=int, default=1000, help="seeded corruptions (default 1000)")
+    parser.add_argument("--flows", default="", help="flow:ranks pairs, comma-separated (instead of --all-flows)")
+    parser.add_argument("--limit", type=int, default=None, help="kill points per flow, sampled (default: all)")
+    parser.add_argument("--timed", type=int, default=10, help="kills at random delays per flow (default 10)")
+    parser.add_argument("--corruptions", type=int, default=None, help="damaged copies, half plain, half roots")
+    parser.add_argument("--hostile", type=int, default=None, help="hostile documents")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
-    scenarios = [(s, int(w)) for s, w in (item.split(":") for item in args.scenarios.split(","))]
+    if not args.all_flows and not args.flows:
+        parser.error("name --all-flows or --flows")
+    flows = all_flows() if args.all_flows else [(f, int(w)) for f, w in (p.split(":") for p in args.flows.split(","))]
+    corruptions = args.corruptions if args.corruptions is not None else (1000 if args.all_flows else 0)
+    documents = args.hostile if args.hostile is not None else (200 if args.all_flows else 0)
     base = Path(tempfile.mkdtemp(prefix="reshard-chaos-"))
     started = time.monotonic()
+    report: dict[str, Any] = {}
     try:
-        kills = run_kills(base / "kills", scenarios, args.seed, args.timed, args.limit)
-        corrupted = run_corruptions(base / "corruption", args.corruptions, args.seed) if args.corruptions else None
+        report["kills"] = run_kills(base / "kills", flows, args.seed, args.timed, args.limit)
+        if corruptions:
+            report["plain_corruptions"] = run_plain_corruptions(
+                base / "plain", corruptions - corruptions // 2, args.seed
+            )
+            report["root_damage"] = run_root_damage(base / "roots", corruptions // 2, args.seed)
+        if documents:
+            report["hostile"] = run_hostile(base / "hostile", documents, args.seed)
+        if args.all_flows:
+            report["disagreement"] = run_disagreement(base / "disagreement")
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    total = kills["total"]
+    total = report["kills"]["total"]
+    bad = sum(total[s] for s in STATUS_COLUMNS if s != "clean")
+    bad += sum(report.get("plain_corruptions", {}).get(k, 0) for k in ("silent", "violations"))
+    for key in ("root_damage", "hostile"):
+        bad += sum(report.get(key, {}).get(k, 0) for k in ("silent", "lost", "outside", "other"))
+    bad += len(report.get("disagreement", {}).get("broken", []))
     print(
-        f"total: {total['tried']} kill points ({total['killed']} killed), {total['lost']} lost checkpoints, "
-        f"{total['silent']} silent wrong loads, {total['violations']} other violations, in "
-        f"{time.monotonic() - started:.0f} s",
+        f"total: {total['tried']} kill points ({total['killed']} killed), "
+        + ", ".join(f"{total[s]} {s}" for s in STATUS_COLUMNS)
+        + f"; {bad} findings in all, in {time.monotonic() - started:.0f} s",
         flush=True,
     )
     if args.json:
-        args.json.write_text(json.dumps({"kills": kills, "corruptions": corrupted}, indent=2, default=str))
-    bad = total["lost"] + total["silent"] + total["violations"]
-    if corrupted is not None:
-        bad += corrupted["silent"] + corrupted["violations"]
+        args.json.write_text(json.dumps(report, indent=2, default=str))
     return 1 if bad else 0
 
 

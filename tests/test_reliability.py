@@ -26,7 +26,7 @@ import reshard
 from reshard.locking import LOCK_FILE, LockInfo, acquire_lock, lock_markers, read_lock
 from reshard.metadata import METADATA_FILE
 from reshard.storage import LocalStorage
-from tests import chaos
+from tests.contract import harness
 from tests.metadata_docs import read_doc, seal, write_doc
 from tests.rankpool import RankContext, RankFailure, RankPool
 
@@ -47,14 +47,14 @@ def test_d1_a_rank_dying_after_the_commit_never_costs_the_checkpoint(tmp_path: P
     """Rank 1 dies right after the coordinator has gathered its report and committed metadata.json, before
     the coordinator's decision reaches it. With overwrite=True the old checkpoint is already replaced, so
     the new one is the only one: it must load, bit-exactly; the coordinator says the commit happened."""
-    events, _ = chaos.dry_run("overwrite", world, tmp_path / "dry")
+    events, _ = harness.dry_run("overwrite", world, tmp_path / "dry")
     report = _event_index(events[1], "gather_bytes", -1)  # rank 1's write report
-    point = chaos.KillPoint(rank=1, index=report, when="after", wait_for=METADATA_FILE)
+    point = harness.KillPoint(rank=1, index=report, when="after", wait_for=f"ckpt/{METADATA_FILE}")
     committed = _event_index(events[0], f"commit {METADATA_FILE}", 0)
-    hold = chaos.KillPoint(rank=0, index=committed, when="after")  # the coordinator waits for the death
+    hold = harness.KillPoint(rank=0, index=committed, when="after")  # the coordinator waits for the death
     (tmp_path / "it").mkdir()
-    iteration = chaos.Iteration("overwrite", world, point, str(tmp_path / "it"), hold=hold)
-    outcome = chaos.run_iteration(iteration)
+    iteration = harness.Iteration("overwrite", world, point, str(tmp_path / "it"), hold=hold)
+    outcome = harness.run_iteration(iteration)
     assert outcome.killed, outcome
     assert outcome.status == "clean", outcome.reason
     assert outcome.loaded == 2  # state B, committed and complete
@@ -66,12 +66,12 @@ def test_d1_a_rank_dying_after_the_commit_never_costs_the_checkpoint(tmp_path: P
 
 
 def test_d1_the_manager_points_latest_at_a_step_committed_before_a_rank_died(tmp_path: Path) -> None:
-    events, _ = chaos.dry_run("manager", 3, tmp_path / "dry")
+    events, _ = harness.dry_run("manager", 3, tmp_path / "dry")
     report = _event_index(events[2], "gather_bytes", 2)  # rank 2's write report in the save of step 2
-    point = chaos.KillPoint(rank=2, index=report, when="after", wait_for=f"step_000000002/{METADATA_FILE}")
-    hold = chaos.KillPoint(rank=0, index=_event_index(events[0], f"commit {METADATA_FILE}", 0), when="after")
+    point = harness.KillPoint(rank=2, index=report, when="after", wait_for=f"root/step_000000002/{METADATA_FILE}")
+    hold = harness.KillPoint(rank=0, index=_event_index(events[0], f"commit {METADATA_FILE}", 0), when="after")
     (tmp_path / "it").mkdir()
-    outcome = chaos.run_iteration(chaos.Iteration("manager", 3, point, str(tmp_path / "it"), hold=hold))
+    outcome = harness.run_iteration(harness.Iteration("manager", 3, point, str(tmp_path / "it"), hold=hold))
     assert outcome.killed and outcome.status == "clean", outcome
     assert outcome.answers[0]["error"] == "UnconfirmedCommitError"
 
@@ -294,16 +294,16 @@ def test_d3_gc_deletes_only_the_names_a_save_writes(tmp_path: Path) -> None:
 
 
 def test_d5_a_peer_dying_in_planning_releases_the_coordinators_lock(tmp_path: Path) -> None:
-    events, _ = chaos.dry_run("fresh", 2, tmp_path / "dry")
+    events, _ = harness.dry_run("fresh", 2, tmp_path / "dry")
     planning = _event_index(events[1], "gather_bytes", 0)
-    point = chaos.KillPoint(rank=1, index=planning, when="after", wait_for=LOCK_FILE)
+    point = harness.KillPoint(rank=1, index=planning, when="after", wait_for=f"ckpt/{LOCK_FILE}")
     locked = _event_index(events[0], f"commit {LOCK_FILE}", 0)
-    hold = chaos.KillPoint(rank=0, index=locked, when="after")  # planning goes on once rank 1 is dead
+    hold = harness.KillPoint(rank=0, index=locked, when="after")  # planning goes on once rank 1 is dead
     (tmp_path / "it").mkdir()
-    iteration = chaos.Iteration("fresh", 2, point, str(tmp_path / "it"), hold=hold)
-    chaos.prepare(iteration)
-    answers, _codes, in_time = chaos.run_workers(iteration)
-    assert in_time and (tmp_path / "it" / "killed-1.json").exists()
+    iteration = harness.Iteration("fresh", 2, point, str(tmp_path / "it"), hold=hold)
+    harness.prepare(iteration)
+    answers, _codes, in_time = harness.run_workers(iteration)
+    assert in_time and (tmp_path / "it" / harness.HARNESS_DIR / "killed-1.json").exists()
     assert answers[0]["error"] == "CommunicationError", answers
     assert lock_markers(LocalStorage(tmp_path / "it" / "ckpt")) == {}  # released, not left for a day
 

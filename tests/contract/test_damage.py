@@ -1,0 +1,45 @@
+"""Seeded damage of a manager's root of incremental steps (data files, metadata, markers, retired.json,
+latest.json), then every reader and mutator of the root (:mod:`tests.contract.damage`)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.contract import damage
+
+SEED = 20261202
+DAMAGES = 40
+"""Damaged copies in ``make test`` (``benchmarks.chaos --all-flows``: 1,000)."""
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("damage") / "root"
+    damage.make_pristine(root)
+    return root
+
+
+def test_the_pristine_root_passes_every_tool(pristine: Path, tmp_path: Path) -> None:
+    damage.copy(pristine, tmp_path / "root")
+    verdict = damage.run_tools(tmp_path / "root", damage.Damage("none", ""))
+    assert not verdict.findings, verdict.results
+    assert verdict.results["load step_000000001"] == "error"  # retired: not a checkpoint
+    assert verdict.results["load step_000000003"] == "exact"
+
+
+def test_damage_is_refused_or_harmless_and_never_costs_a_kept_checkpoint(pristine: Path, tmp_path: Path) -> None:
+    rng = random.Random(SEED)
+    verdicts = []
+    for i in range(DAMAGES):
+        root = tmp_path / f"c{i}"
+        damage.copy(pristine, root)
+        hurt = damage.corrupt(root, rng)
+        verdicts.append(damage.run_tools(root, hurt))
+        shutil.rmtree(root)
+    summary = damage.summarize(verdicts)
+    assert summary["silent"] == summary["lost"] == summary["outside"] == summary["other"] == 0, summary["failures"]
+    assert len(summary["by_kind"]) >= 10, summary["by_kind"]

@@ -1,0 +1,91 @@
+"""kill -9 of one rank of every flow, at a seeded sample of its events and at random delays, with every
+guarantee checked after each kill (:mod:`tests.contract.harness`).
+
+Each flow's dry run lists every event of every rank; the sample always holds the flow's pinned points (the
+coordinator around its commit, the first exchange of tensors) so that both outcomes of a save are reached.
+``python -m benchmarks.chaos --all-flows`` visits every event of every rank, on 2 to 4 ranks, for the
+figures of docs/reliability.md. A failing iteration prints its flow, kill point and reason; rerun it alone
+with ``tests.contract.harness.run_iteration``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.contract import harness
+from tests.contract.flows import FLOWS
+
+SEED = 20261202
+# (flow, ranks): kill points sampled from the dry run's events (None: every one), kills at random delays
+PLAN: dict[tuple[str, int], tuple[int | None, int]] = {
+    ("overwrite", 2): (None, 3),
+    ("async", 3): (14, 2),
+    ("fresh", 3): (14, 2),
+    ("manager", 3): (20, 2),
+    ("incremental", 2): (24, 2),
+    ("read_once", 3): (12, 2),
+    ("transfer", 3): (10, 2),
+    ("delta", 2): (10, 2),
+    ("peer", 3): (14, 2),
+    ("megatron", 2): (18, 2),
+    ("convert", 1): (10, 1),
+    ("import_dcp", 1): (10, 1),
+}
+
+
+def test_every_flow_is_in_the_sample() -> None:
+    """A flow is not done until the suite kills it (docs/architecture.md, "Adding a flow")."""
+    assert {name for name, _ in PLAN} == set(FLOWS)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], list[harness.Outcome]]:
+    base = tmp_path_factory.mktemp("kills")
+    out: dict[tuple[str, int], list[harness.Outcome]] = {}
+    for (flow, world), (systematic, timed) in PLAN.items():
+        runs = out.setdefault((flow, world), [])
+        for iteration in harness.plan(
+            ((flow, world),), base / f"{flow}-{world}", seed=SEED, systematic=systematic, timed=timed
+        ):
+            runs.append(harness.run_iteration(iteration))
+            harness.remove(iteration.directory)
+    return out
+
+
+def _report(runs: list[harness.Outcome]) -> str:
+    bad = [o for o in runs if o.status != "clean"]
+    return "\n".join(f"{o.flow}/{o.world} {o.point}: {o.status}: {o.reason}" for o in bad[:10])
+
+
+@pytest.mark.parametrize("case", list(PLAN), ids=[f"{f}-{w}" for f, w in PLAN])
+def test_no_kill_breaks_a_guarantee(
+    outcomes: dict[tuple[str, int], list[harness.Outcome]], case: tuple[str, int]
+) -> None:
+    runs = outcomes[case]
+    summary = harness.summarize(runs)
+    assert summary["clean"] == summary["tried"], _report(runs)
+    # the kills did happen (a random delay may fall after the flow has ended)
+    assert summary["killed"] >= summary["tried"] - PLAN[case][1]
+
+
+@pytest.mark.parametrize("flow", ["overwrite", "manager", "incremental", "convert", "import_dcp"])
+def test_both_outcomes_of_a_commit_are_reached(
+    outcomes: dict[tuple[str, int], list[harness.Outcome]], flow: str
+) -> None:
+    """A sample that never kills after the commit (or never before) would not test the point of no return."""
+    runs = next(runs for (name, _), runs in outcomes.items() if name == flow)
+    summary = harness.summarize(runs)
+    assert summary["committed_new"] > 0 and summary["kept_old"] > 0, summary
+
+
+def test_every_phase_boundary_of_a_two_rank_overwrite_was_visited(
+    outcomes: dict[tuple[str, int], list[harness.Outcome]], tmp_path: Path
+) -> None:
+    events, _ = harness.dry_run("overwrite", 2, tmp_path / "dry")
+    collectives = [(rank, i) for rank, names in events.items() for i, n in enumerate(names) if n.endswith("_bytes")]
+    visited = {o.point for o in outcomes[("overwrite", 2)]}
+    for rank, index in collectives:
+        for when in ("before", "after"):
+            assert harness.KillPoint(rank=rank, index=index, when=when).describe() in visited
