@@ -124,9 +124,13 @@ def returned_generation(answers: Answers, allowed: tuple[int, ...], *, what: str
 
 def readers_agree(path: Path, loads: bool) -> Finding | None:
     """``reshard validate`` passes exactly the checkpoints that load."""
+    import reshard
     from reshard.maintenance import validate_checkpoint
 
-    problems = validate_checkpoint(path)
+    try:
+        problems = validate_checkpoint(path)
+    except reshard.CheckpointError as exc:  # not a checkpoint at all: nothing to pass
+        problems = [f"{type(exc).__name__}: {exc}"]
     if (not problems) != loads:
         return Finding("other", f"validate says {problems[:2] or 'good'}, a load says {'loads' if loads else 'no'}")
     return None

@@ -350,10 +350,13 @@ def check(iteration: Iteration, answers: dict[int, dict[str, Any]], in_time: boo
     finding = next((f for f in findings if f is not None), None)
     if finding is None:
         finding = guarantees.foreign_untouched(flow.planted(place))
-    if finding is None:
-        outcome.loaded, finding = flow.check(place, iteration.world, answers, killed)
-    if finding is None:
-        finding = flow.follow_up(place, iteration.world)
+    try:
+        if finding is None:
+            outcome.loaded, finding = flow.check(place, iteration.world, answers, killed)
+        if finding is None:
+            finding = flow.follow_up(place, iteration.world)
+    except Exception as exc:  # a check that cannot even run is a finding, not the end of the sample
+        finding = guarantees.Finding("other", f"checking failed: {''.join(traceback.format_exception(exc))[-800:]}")
     if finding is not None:
         outcome.status, outcome.reason = finding.status, finding.reason
     return outcome
