@@ -26,21 +26,9 @@ from reshard.models.config import LoraConfig, ModelConfig
 from reshard.models.parallel import ParallelConfig
 from reshard.models.peft import export_peft
 from tests.demo_groups import layout_groups
+from tests.hf_models import TOKENS, rank_hf_logits
+from tests.hf_models import save_hf_model as _save_llama
 from tests.rankpool import RankContext, RankPool
-
-TOKENS = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(11))
-
-BASE: dict[str, Any] = {
-    "vocab_size": 61,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 8,  # not hidden_size / num_attention_heads (4)
-    "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5,
-}
 
 LLAMAS: dict[str, dict[str, Any]] = {
     "untied": {},
@@ -81,40 +69,6 @@ MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 MOE_LAYOUTS = ["tp=2,dp=2,ep=2", "tp=2,etp=2", "dp=4,ep=4"]
 """Expert layouts, besides LAYOUTS, for the MoE variants (TP=2 x EP=2, ETP=2, EP=4)."""
-
-
-def _save_llama(directory: Path, options: dict[str, Any], seed: int = 0) -> Any:
-    """A random tiny LlamaForCausalLM (or MixtralForCausalLM, Qwen3MoeForCausalLM by ``architecture``), saved with
-    save_pretrained into ``directory``; returns the model."""
-    options = dict(options)
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
-        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
-        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-    }[options.pop("architecture", "llama")]
-    config = config_class(**{**BASE, **options})
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
-    with torch.no_grad():  # transformers zero-initialises biases: make them count
-        for name, param in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(directory)
-    return model
-
-
-def rank_hf_logits(ctx: RankContext, layout: str, hf_dir: str) -> dict[str, Any] | None:
-    """Build the reference model on ``layout`` from ``hf_dir``'s config.json, load its safetensors straight
-    into it, and return the last stage's logits for TOKENS and the load's bytes."""
-    groups = layout_groups(layout)
-    if groups is None:
-        return None
-    trainer = Trainer(ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1]), TrainingConfig(), groups)
-    stats = reshard.LoadStats()
-    trainer.load_hf(hf_dir, stats=stats)
-    logits = trainer.logits(TOKENS)
-    return {"logits": logits, "read": stats.bytes_read, "needed": stats.bytes_needed}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """``reshard export-hf``: a demo-model checkpoint as a Hugging Face model directory that transformers loads.
 
 The output directory holds ``config.json`` (a ``LlamaForCausalLM`` that computes what the model computes,
-:func:`reshard.models.config.hf_config_of`) and the model's tensors under transformers' names
+:func:`reshard.models.hf_config.hf_config_of`) and the model's tensors under transformers' names
 (:mod:`reshard.models.hf`): ``model.safetensors`` when they fit one shard, else numbered shards and
 ``model.safetensors.index.json``. Fused tensors are split back (QKV into ``q_proj``/``k_proj``/``v_proj``,
 the GLU into ``gate_proj``/``up_proj``), the vocabulary padding is not there (checkpoints hold the logical
@@ -30,8 +30,9 @@ from reshard.errors import CheckpointExistsError, MismatchError, StorageError
 from reshard.interop.export import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, plan_shards, shard_file_names
 from reshard.interop.offline import DEFAULT_SLAB_BYTES, CheckpointReader
 from reshard.interop.safetensors import SafetensorsWriter, TensorSpec
-from reshard.models.config import ModelConfig, hf_config_of, is_adapter_key
+from reshard.models.config import ModelConfig, is_adapter_key
 from reshard.models.hf import checkpoint_model_config, hf_key_map, split_for_hf
+from reshard.models.hf_config import hf_config_of
 from reshard.storage import CheckpointLocation, LocalStorage
 
 __all__ = ["CONFIG_FILE", "SINGLE_FILE", "export_hf"]
