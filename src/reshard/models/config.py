@@ -87,6 +87,8 @@ class ModelConfig:
                 problems.append("gated experts (expert_glu) in every layer")
             if self.qk_norm or not self.moe_norm_topk:
                 problems.append("no query/key norms and renormalised top-k weights")
+            if self.attention_bias or self.mlp_bias:  # MixtralConfig has neither option
+                problems.append("no attention or MLP biases")
         elif self.architecture == "qwen3_moe":
             if not self.expert_glu or not self.qk_norm:
                 problems.append("gated experts (expert_glu) and query/key norms (qk_norm)")
@@ -164,14 +166,21 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: Any, **overrides: Any) -> ModelConfig:
-        """The model of a Hugging Face Llama config: a ``transformers`` config object, a ``config.json`` path
-        or the directory holding it, or the parsed dict. ``overrides`` set the options Hugging Face does not
-        describe (``seq_len``, ``seed``, ``vocab_pad_multiple``).
+        """The model of a Hugging Face Llama, Mixtral, Qwen2-MoE or Qwen3-MoE config: a ``transformers`` config
+        object, a ``config.json`` path or the directory holding it, or the parsed dict, read as transformers 5
+        reads it (a field left out takes transformers' default for the ``model_type``; a field of other
+        architectures is ignored, as transformers ignores it). ``overrides`` set the options Hugging Face does
+        not describe (``seq_len``, ``seed``, ``vocab_pad_multiple``).
 
         Raises:
-            ValueError: the config describes something this model does not compute exactly (another
-                architecture, a rope type other than default and llama3, partial rotary embeddings, an
-                activation other than silu and gelu, attention dropout), naming the option.
+            MismatchError: the config describes something this model does not compute exactly, naming the
+                fields: another architecture; attention other than causal over every earlier position (a
+                ``sliding_window`` of Llama or Mixtral, ``use_sliding_window`` of Qwen3-MoE, a ``layer_types``
+                entry other than ``full_attention``, Qwen2-MoE's included, ``attention_chunk_size``,
+                ``is_causal=False``), whatever the window's size, since a longer sequence always meets it;
+                a rope type other than default and llama3, partial rotary embeddings; attention dropout or
+                Mixtral's router jitter (transformers applies both when it trains).
+            ValueError: an activation other than silu and gelu.
         """
         from reshard.models.hf_config import hf_config_options
 
