@@ -441,3 +441,19 @@ def test_demo_from_hf_starts_from_the_transformers_weights(
     assert report["phase_a"]["losses"][0] == pytest.approx(expected, rel=1e-5)
     refused = subprocess.run([*command[:6], "--hidden", "64"], capture_output=True, text=True, timeout=60, check=False)
     assert refused.returncode == 2 and "drop --hidden" in refused.stderr
+
+
+def test_demo_lora_from_hf_resumes_its_adapters_on_the_transformers_base(
+    llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """reshard demo --from-hf DIR --lora R: phase B resumes the adapters on the same base as phase A, the Llama's
+    weights (it used to resume them on the reference model's random initial weights: a resumed state other than
+    the saved one, exit 1)."""
+    hf_dir, _ = llama_dirs["biases"]
+    command = [sys.executable, "-m", "reshard", "demo", "--from-hf", str(hf_dir), "--lora", "2", "--layout-a", "tp=2"]
+    command += ["--layout-b", "tp=1", "--steps", "1", "--resume-steps", "1", "--out", str(tmp_path / "demo"), "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["phase_a"]["digest_saved"] == report["phase_b"]["digest_loaded"] != ""
+    assert report["phase_b"]["losses"][0] == pytest.approx(report["phase_a"]["loss_after"], rel=1e-5)

@@ -115,15 +115,15 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
         lora = LoraConfig(rank=task["lora_rank"]) if task["lora_rank"] else None
         trainer = Trainer(model, TrainingConfig(), groups, lora)
         out: dict[str, Any] = {"rank": rank}
+        if task["from_hf"] and (lora or not task.get("resume_from")):
+            # The base: phase A starts from it; an adapter-only checkpoint resumes on it (it does not hold it).
+            _, out["seconds_load"] = timed(trainer.load_hf, task["from_hf"], stats=reshard.LoadStats())
         if task.get("resume_from"):
             stats = reshard.LoadStats()
             load = trainer.load_adapter if lora else trainer.load
             _, out["seconds_load"] = timed(load, task["resume_from"], stats=stats)
             out["bytes_read"], out["bytes_needed"] = stats.bytes_read, stats.bytes_needed
             out["digest_loaded"] = state_digest(trainer.full_state())
-        elif task["from_hf"]:
-            stats = reshard.LoadStats()
-            _, out["seconds_load"] = timed(trainer.load_hf, task["from_hf"], stats=stats)
         out["first_step"] = trainer.step
         out["losses"] = [trainer.train_step() for _ in range(task["steps"])]
         if task.get("save_to"):
