@@ -249,9 +249,9 @@ def test_peft_loads_an_exported_adapter_onto_the_transformers_base(
 def test_export_peft_refuses_what_peft_would_misplace(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
-    """Adapters PEFT would drop or put elsewhere are refused, naming them, and nothing is written: the demo's own
-    (un-gated) experts, and a Qwen3-MoE's dense MLP layers (PEFT maps gate_proj/up_proj/down_proj targets of a
-    Qwen-MoE model to its experts)."""
+    """Adapters PEFT would drop or put elsewhere are refused, naming them, and nothing is written: un-gated
+    experts (a Llama with experts, ModelConfig's defaults), and a Qwen3-MoE's dense MLP layers (PEFT maps
+    gate_proj/up_proj/down_proj targets of a Qwen-MoE model to its experts)."""
     hf_dir, _ = llama_dirs["qwen3_moe"]
     ckpt = tmp_path / "qwen-dense-mlp"
     pool4.run_ok(rank_lora_from_hf, "tp=1", str(hf_dir), str(ckpt), ("qkv", "fc1", "fc2"))
@@ -259,13 +259,13 @@ def test_export_peft_refuses_what_peft_would_misplace(
         export_peft(ckpt, tmp_path / "out-qwen")
     demo = tmp_path / "demo-experts"
     pool4.run_ok(rank_lora_demo_model, "tp=1", str(demo))
-    with pytest.raises(reshard.MismatchError, match=r"demo's own experts .*decoder.layers.1.mlp.experts.fc1"):
+    with pytest.raises(reshard.MismatchError, match=r"un-gated experts .*decoder.layers.1.mlp.experts.fc1"):
         export_peft(demo, tmp_path / "out-demo")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-experts", "qwen-dense-mlp"]
 
 
 def rank_lora_demo_model(ctx: RankContext, layout: str, path: str) -> None:
-    """The demo's default model (un-gated experts in layers 1 and 3) with LoRA on every target, saved."""
+    """ModelConfig's defaults (a Llama with un-gated experts in layers 1 and 3) with LoRA on every target, saved."""
     groups = layout_groups(layout)
     if groups is not None:
         Trainer(ModelConfig(), TrainingConfig(), groups, LoraConfig(init_b="random")).save_adapter(path)

@@ -280,8 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
         "projection) and OUT/adapter_config.json. The naming is reshard.models.peft.peft_tensors; the Python "
         "API export_peft(..., name_map=) takes another. Expert adapters of a Mixtral or Qwen-MoE go to PEFT's "
         "target_parameters (the fused 3-D expert weights of transformers 5). Adapters PEFT would drop or misplace "
-        "are refused, listing them: those of the demo's own (un-gated) experts, which are no Hugging Face "
-        "architecture, and those of a Qwen-MoE's dense MLP layers.",
+        "are refused, listing them: those of un-gated experts (a Llama with experts), which are no Hugging Face "
+        "architecture, and those of a Qwen-MoE's dense MLP layers. The adapters of 'reshard demo --lora R' (its "
+        "model is a Mixtral) are written; PEFT puts them on the base they were trained on: with --from-hf DIR, "
+        "DIR (pass it as --base-model).",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -303,9 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the model computes) and its tensors under transformers' names (model.safetensors, or numbered shards and "
         "model.safetensors.index.json): fused QKV and GLU split back, no vocabulary padding, no optimizer, RNG or "
         "trainer state. Streamed in bounded memory, into a temporary directory renamed to OUT at the end: OUT "
-        "appears complete or not at all. OUT must not exist. Refused: a model with the demo's own (un-gated) "
-        "experts, which are no Hugging Face architecture, a checkpoint with LoRA adapters (use "
-        "export-peft), a checkpoint without the model's tensors.",
+        "appears complete or not at all. OUT must not exist. Refused: a Llama with un-gated "
+        "experts (ModelConfig's defaults; the demo's model is a Mixtral, written as one), which are no Hugging "
+        "Face architecture, a checkpoint with LoRA adapters (use export-peft), a checkpoint without the model's "
+        "tensors.",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -42,15 +42,28 @@ class DemoOptions:
     lora_rank: int = 0
     """With a positive rank: LoRA fine-tuning (frozen base) and adapter-only checkpoints."""
     from_hf: str | None = None
-    """A Hugging Face Llama directory: the model is built from its config.json (``hidden`` and ``layers``
-    unused) and phase A starts from its weights, loaded straight into layout A."""
+    """A Hugging Face Llama, Mixtral, Qwen2-MoE or Qwen3-MoE directory: the model is built from its config.json
+    (``hidden`` and ``layers`` unused) and phase A starts from its weights, loaded straight into layout A; with
+    ``lora_rank``, they are the frozen base of both phases."""
 
     def model_config(self) -> ModelConfig:
+        """The model of ``from_hf``, or the demo's own: a Mixtral (gated experts in every layer) of ``hidden``
+        and ``layers``, which ``reshard export-hf`` writes for transformers and whose adapters ``reshard
+        export-peft`` writes for PEFT."""
         from reshard.models.config import ModelConfig
 
         if self.from_hf:
             return ModelConfig.from_hf(self.from_hf)
-        return ModelConfig(hidden=self.hidden, num_layers=self.layers)
+        experts = ModelConfig().expert_ffn_hidden
+        # ffn_hidden is Mixtral's intermediate_size too (it has no dense MLP): what from_hf of its export reads.
+        return ModelConfig(
+            hidden=self.hidden,
+            num_layers=self.layers,
+            moe_layers=tuple(range(self.layers)),
+            expert_glu=True,
+            ffn_hidden=experts,
+            architecture="mixtral",
+        )
 
 
 @dataclass
@@ -284,7 +297,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     defaults = DemoOptions()
     parser.description = (
         "Train a small Megatron-style GPT on CPU ranks (gloo) with layout A, save it with reshard, resume it "
-        "on layout B (resharding the checkpoint), check that the resumed state is bit-exact, and train on."
+        "on layout B (resharding the checkpoint), check that the resumed state is bit-exact, and train on. The "
+        "model is a Mixtral (gated experts in every layer): 'reshard export-hf' writes its checkpoints for "
+        "transformers, and 'reshard export-peft' those of --lora for PEFT."
     )
     parser.add_argument(
         "--layout-a",
@@ -308,9 +323,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--from-hf",
         default=None,
         metavar="DIR",
-        help="start from a Hugging Face Llama directory (config.json and safetensors, as save_pretrained writes "
-        "them): the model is built from its config (not with --hidden/--layers) and its weights are loaded "
-        "straight into layout A",
+        help="start from a Hugging Face Llama, Mixtral, Qwen2-MoE or Qwen3-MoE directory (config.json and "
+        "safetensors, as save_pretrained or reshard export-hf writes them): the model is built from its config "
+        "(not with --hidden/--layers) and its weights are loaded straight into layout A; with --lora they are "
+        "the frozen base of both phases",
     )
     parser.add_argument(
         "--plot", default=None, help="write the loss curve to this PNG (needs matplotlib: the demo extra of reshard)"
@@ -320,8 +336,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         type=int,
         default=0,
         metavar="RANK",
-        help="LoRA fine-tuning instead: adapters of this rank on every linear, the base frozen, adapter-only "
-        "checkpoints (reshard export-peft writes them for Hugging Face PEFT)",
+        help="LoRA fine-tuning instead: adapters of this rank on every linear, the base frozen (the model's "
+        "initial weights, or those of --from-hf DIR), adapter-only checkpoints (reshard export-peft writes them "
+        "for Hugging Face PEFT, which puts them on that base)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     return parser

@@ -42,9 +42,10 @@ class ModelConfig:
     MLP every token goes through, scaled by a sigmoid gate), both as in Qwen2-MoE.
 
     ``architecture`` is the Hugging Face ``model_type`` the model reproduces, which fixes its tensors'
-    Hugging Face names and its exported ``config.json``: ``"llama"`` (also the demo's own model with un-gated
-    experts, which has no Hugging Face counterpart), ``"mixtral"`` (gated experts in every layer) or
-    ``"qwen3_moe"`` (gated experts, query/key norms, dense MLPs in the layers not in ``moe_layers``).
+    Hugging Face names and its exported ``config.json``: ``"llama"`` (also, with ``moe_layers``, a Llama with
+    un-gated experts, this class's defaults, which has no Hugging Face counterpart), ``"mixtral"`` (gated
+    experts in every layer: what ``reshard demo`` trains), ``"qwen2_moe"`` (gated experts, a shared expert, biases
+    on Q, K, V) or ``"qwen3_moe"`` (gated experts, query/key norms, dense MLPs in the layers not in ``moe_layers``).
 
     :meth:`from_hf` builds one from a Hugging Face config; :meth:`check` says which layouts can run it.
     """

@@ -311,7 +311,7 @@ def hf_config_of(model: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
     computes: the inverse of :meth:`ModelConfig.from_hf`.
 
     Raises:
-        ValueError: ``model`` is a Llama with experts (the demo's own), which is not a Hugging Face
+        ValueError: ``model`` is a Llama with (un-gated) experts, ModelConfig's defaults, which is not a Hugging Face
             architecture.
     """
     arch = model.architecture

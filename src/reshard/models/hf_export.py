@@ -1,6 +1,7 @@
 """``reshard export-hf``: a demo-model checkpoint as a Hugging Face model directory that transformers loads.
 
-The output directory holds ``config.json`` (a ``LlamaForCausalLM`` that computes what the model computes,
+The output directory holds ``config.json`` (the ``LlamaForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``
+or ``Qwen3MoeForCausalLM`` that computes what the model computes,
 :func:`reshard.models.hf_config.hf_config_of`) and the model's tensors under transformers' names
 (:mod:`reshard.models.hf`): ``model.safetensors`` when they fit one shard, else numbered shards and
 ``model.safetensors.index.json``. Fused tensors are split back (QKV into ``q_proj``/``k_proj``/``v_proj``,
@@ -91,7 +92,7 @@ def export_hf(
 
     Raises:
         CheckpointExistsError: ``out`` exists.
-        MismatchError: not a checkpoint of the reference model, a model with the demo's own experts (not a
+        MismatchError: not a checkpoint of the reference model, a Llama with un-gated experts (not a
             Hugging Face architecture), a checkpoint without the model's tensors, or LoRA adapters in it
             (export those with export-peft; merging is not done here).
         StorageError: writing failed (nothing is left at ``out``).
@@ -104,7 +105,7 @@ def export_hf(
     with CheckpointReader(checkpoint, storage_options=storage_options) as reader:
         model = checkpoint_model_config(reader.metadata, reader.describe())
         try:
-            hf_config_of(model)  # the demo's own experts have none
+            hf_config_of(model)  # a Llama with un-gated experts has none
         except ValueError as exc:
             raise MismatchError(str(exc)) from None
         adapters = sorted(k for k in reader.metadata.tensors if is_adapter_key(k) and not k.startswith("optimizer."))

@@ -92,8 +92,8 @@ def _expert_adapter(
     parameters are adapted."""
     if model.architecture not in HF_EXPERT_ARCHITECTURES:
         raise MismatchError(
-            f"{key!r} adapts the demo's own experts (architecture={model.architecture!r}), which are no Hugging "
-            "Face architecture: PEFT would have no module to put it on"
+            f"{key!r} adapts un-gated experts (architecture={model.architecture!r} with experts, ModelConfig's "
+            "defaults), which are no Hugging Face architecture: PEFT would have no module to put it on"
         )
     layer = base.split(".")[2]
     up = base.endswith(".experts.fc1.weight")
@@ -125,8 +125,9 @@ def export_peft(
     Returns the exported names and shapes.
 
     Raises:
-        MismatchError: the checkpoint holds no LoRA adapters, or (with the default name map) adapters of the
-            demo's own experts, which are no Hugging Face architecture (PEFT would drop them without a word), or
+        MismatchError: the checkpoint holds no LoRA adapters, or (with the default name map) adapters of
+            un-gated experts (a Llama with experts, ModelConfig's defaults), which are no Hugging Face
+            architecture (PEFT would drop them without a word), or
             adapters of a Qwen-MoE's dense MLP layers (PEFT would put them on the experts), or the name map
             rejects a key.
         CheckpointError: ``out`` already holds an adapter (the export never overwrites).
@@ -141,10 +142,10 @@ def export_peft(
     untargeted = [k for k in keys if ".mlp.experts." in k]
     if untargeted and name_map is peft_tensors and model.architecture not in HF_EXPERT_ARCHITECTURES:
         raise MismatchError(
-            f"{len(untargeted)} adapters of the checkpoint have no PEFT target: they adapt the demo's own experts "
-            f"(architecture={model.architecture!r}), which are no Hugging Face architecture, and PEFT would drop "
-            f"them when loading ({', '.join(untargeted[:6])}{' ...' if len(untargeted) > 6 else ''}); train LoRA "
-            "without the expert targets, or on a Mixtral or Qwen-MoE, to export it"
+            f"{len(untargeted)} adapters of the checkpoint have no PEFT target: they adapt un-gated experts "
+            f"(architecture={model.architecture!r} with experts), which are no Hugging Face architecture, and PEFT "
+            f"would drop them when loading ({', '.join(untargeted[:6])}{' ...' if len(untargeted) > 6 else ''}); "
+            "train LoRA without the expert targets, or on a Mixtral or Qwen-MoE (the demo's model), to export it"
         )
     dense_mlp = [k for k in keys if ".mlp.fc" in k]
     if dense_mlp and name_map is peft_tensors and model.architecture in ("qwen2_moe", "qwen3_moe"):
