@@ -109,6 +109,48 @@ def _expert_adapter(
     return f"{module}.{factor}.weight", peft_tensor.contiguous()
 
 
+def _refuse_misplaced(keys: list[str], model: ModelConfig) -> None:
+    """Raise MismatchError for adapters the default naming would give PEFT to drop or misplace without a word:
+    those of un-gated experts, and those of a Qwen-MoE's dense MLPs."""
+    untargeted = [k for k in keys if ".mlp.experts." in k]
+    if untargeted and model.architecture not in HF_EXPERT_ARCHITECTURES:
+        raise MismatchError(
+            f"{len(untargeted)} adapters of the checkpoint have no PEFT target: they adapt un-gated experts "
+            f"(architecture={model.architecture!r} with experts), which are no Hugging Face architecture, and PEFT "
+            f"would drop them when loading ({', '.join(untargeted[:6])}{' ...' if len(untargeted) > 6 else ''}); "
+            "train LoRA without the expert targets, or on a Mixtral (the demo's model) or a Qwen-MoE, to export it"
+        )
+    dense_mlp = [k for k in keys if ".mlp.fc" in k]
+    if dense_mlp and model.architecture in ("qwen2_moe", "qwen3_moe"):
+        raise MismatchError(
+            f"{len(dense_mlp)} adapters of the checkpoint adapt the dense MLPs of a Qwen-MoE "
+            f"({', '.join(dense_mlp[:4])}{' ...' if len(dense_mlp) > 4 else ''}): PEFT reads the targets gate_proj, "
+            "up_proj and down_proj of a Qwen-MoE model as the experts' projections, so it would put them on the "
+            "experts; train LoRA without the targets fc1 and fc2 to export it"
+        )
+
+
+def _adapter_config(
+    lora: LoraConfig, modules: list[str], parameters: list[str], base_model: str | None
+) -> dict[str, Any]:
+    """``adapter_config.json``: a PEFT LoRA on ``modules`` (and the 3-D expert ``parameters``)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "target_modules": modules,
+        **({"target_parameters": parameters} if parameters else {}),
+        "modules_to_save": None,
+        "inference_mode": True,
+        "use_rslora": False,
+    }
+
+
 def export_peft(
     checkpoint: CheckpointLocation,
     out: CheckpointLocation,
@@ -139,22 +181,8 @@ def export_peft(
         raise MismatchError(f"the checkpoint at {checkpoint} holds no LoRA adapters of the demo model")
     lora = LoraConfig.from_dict(lora_doc)
     model = checkpoint_model_config(metadata, str(checkpoint))
-    untargeted = [k for k in keys if ".mlp.experts." in k]
-    if untargeted and name_map is peft_tensors and model.architecture not in HF_EXPERT_ARCHITECTURES:
-        raise MismatchError(
-            f"{len(untargeted)} adapters of the checkpoint have no PEFT target: they adapt un-gated experts "
-            f"(architecture={model.architecture!r} with experts), which are no Hugging Face architecture, and PEFT "
-            f"would drop them when loading ({', '.join(untargeted[:6])}{' ...' if len(untargeted) > 6 else ''}); "
-            "train LoRA without the expert targets, or on a Mixtral or Qwen-MoE (the demo's model), to export it"
-        )
-    dense_mlp = [k for k in keys if ".mlp.fc" in k]
-    if dense_mlp and name_map is peft_tensors and model.architecture in ("qwen2_moe", "qwen3_moe"):
-        raise MismatchError(
-            f"{len(dense_mlp)} adapters of the checkpoint adapt the dense MLPs of a Qwen-MoE "
-            f"({', '.join(dense_mlp[:4])}{' ...' if len(dense_mlp) > 4 else ''}): PEFT reads the targets gate_proj, "
-            "up_proj and down_proj of a Qwen-MoE model as the experts' projections, so it would put them on the "
-            "experts; train LoRA without the targets fc1 and fc2 to export it"
-        )
+    if name_map is peft_tensors:
+        _refuse_misplaced(keys, model)
     template = {k: torch.empty(metadata.tensors[k].global_shape, dtype=metadata.tensors[k].torch_dtype) for k in keys}
     full = reshard.load(template, checkpoint, storage_options=storage_options)
     tensors = [pair for key in keys for pair in name_map(key, full[key], model, lora)]
@@ -164,21 +192,7 @@ def export_peft(
         for target, name in (("experts.fc1", "gate_up_proj"), ("experts.fc2", "down_proj"))
         if target in lora.targets and any(".mlp.experts." in k for k in keys)
     ]
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "target_modules": modules,
-        **({"target_parameters": parameters} if parameters else {}),
-        "modules_to_save": None,
-        "inference_mode": True,
-        "use_rslora": False,
-    }
+    config = _adapter_config(lora, modules, parameters, base_model)
     storage = storage_for(out, storage_options)
     try:
         if storage.exists(ADAPTER_FILE) or storage.exists(ADAPTER_CONFIG_FILE):
