@@ -27,7 +27,7 @@ from reshard.models.config import LoraConfig, ModelConfig
 from reshard.models.hf import checkpoint_model_config, common_tree
 from tests.demo_groups import layout_groups
 from tests.doc_blocks import ROOT, marked_blocks
-from tests.hf_models import TOKENS
+from tests.hf_models import MOE_OPTIONS, TOKENS, save_hf_model
 from tests.rankpool import RankContext, RankPool
 
 FAST = ["--steps", "2", "--resume-steps", "1", "--layout-a", "tp=2", "--layout-b", "dp=2,ep=2", "--json"]
@@ -179,3 +179,21 @@ def test_demo_lora_adapters_of_the_default_model_export_to_peft(
     with torch.no_grad():
         with_adapter = peft.PeftModel.from_pretrained(base, "peft-demo").eval()
         torch.testing.assert_close(with_adapter(TOKENS).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_demo_lora_on_a_qwen_moe_with_dense_layers_goes_to_peft(
+    pool4: RankPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """reshard demo --lora on a Qwen3-MoE with a dense layer: the adapters are ones export-peft writes (PEFT reads
+    the targets of a Qwen-MoE's dense MLP as its experts' projections, so the demo does not adapt that MLP; it
+    used to, and export-peft refused the checkpoint), and PEFT gives the reshard model's logits."""
+    import peft
+
+    save_hf_model(tmp_path / "qwen", {"architecture": "qwen3_moe", **MOE_OPTIONS["qwen3_moe"], "mlp_only_layers": [1]})
+    monkeypatch.chdir(tmp_path)
+    _reshard(tmp_path, "reshard demo --lora 2 --from-hf qwen --out qwen-lora")
+    _reshard(tmp_path, "reshard export-peft qwen-lora qwen-peft --base-model qwen")
+    expected = _logits(pool4, "tp=1", tmp_path / "qwen-lora", tmp_path / "qwen")
+    with torch.no_grad():
+        logits = peft.AutoPeftModelForCausalLM.from_pretrained("qwen-peft").eval()(TOKENS).logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from reshard.models.config import ModelConfig
+    from reshard.models.config import LoraConfig, ModelConfig
 
 __all__ = ["DemoOptions", "PhaseResult", "main", "run_demo"]
 
@@ -64,6 +64,19 @@ class DemoOptions:
             ffn_hidden=experts,
             architecture="mixtral",
         )
+
+    def lora_config(self, model: ModelConfig) -> LoraConfig | None:
+        """With ``lora_rank``: adapters of that rank on every linear of ``model`` that ``reshard export-peft``
+        writes for PEFT, which is all of them but the dense MLPs of a Qwen-MoE (PEFT reads the targets
+        gate_proj, up_proj and down_proj of a Qwen-MoE model as its experts' projections)."""
+        from reshard.models.config import LORA_TARGETS, LoraConfig
+
+        if not self.lora_rank:
+            return None
+        targets: tuple[str, ...] = LORA_TARGETS
+        if model.architecture in ("qwen2_moe", "qwen3_moe"):
+            targets = tuple(t for t in LORA_TARGETS if t not in ("fc1", "fc2"))
+        return LoraConfig(rank=self.lora_rank, targets=targets)
 
 
 @dataclass
@@ -108,7 +121,6 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
 
     import reshard
     from reshard.demo.training import Trainer, TrainingConfig, timed
-    from reshard.models.config import LoraConfig
     from reshard.models.parallel import ParallelConfig, ParallelGroups
 
     torch.set_num_threads(1)
@@ -121,11 +133,14 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
     )
     try:
         parallel = ParallelConfig.parse(task["layout"])
-        model = DemoOptions(hidden=task["hidden"], layers=task["layers"], from_hf=task["from_hf"]).model_config()
+        options = DemoOptions(
+            hidden=task["hidden"], layers=task["layers"], from_hf=task["from_hf"], lora_rank=task["lora_rank"]
+        )
+        model = options.model_config()
         groups = ParallelGroups.create(parallel)
         if groups is None:  # cannot happen: the phase spawned exactly the layout's ranks
             return
-        lora = LoraConfig(rank=task["lora_rank"]) if task["lora_rank"] else None
+        lora = options.lora_config(model)
         trainer = Trainer(model, TrainingConfig(), groups, lora)
         out: dict[str, Any] = {"rank": rank}
         if task["from_hf"] and (lora or not task.get("resume_from")):
@@ -336,9 +351,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         type=int,
         default=0,
         metavar="RANK",
-        help="LoRA fine-tuning instead: adapters of this rank on every linear, the base frozen (the model's "
-        "initial weights, or those of --from-hf DIR), adapter-only checkpoints (reshard export-peft writes them "
-        "for Hugging Face PEFT, which puts them on that base)",
+        help="LoRA fine-tuning instead: adapters of this rank on every linear (but a Qwen-MoE's dense MLPs, "
+        "which PEFT would misplace), the base frozen (the model's initial weights, or those of --from-hf DIR), "
+        "adapter-only checkpoints (reshard export-peft writes them for Hugging Face PEFT, which puts them on that "
+        "base)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     return parser
