@@ -1,5 +1,5 @@
-"""The demo GPT: parallelism correctness, bit-exact resume across layouts, continued training, and the
-``reshard demo`` entry point.
+"""The demo's model (``DemoOptions().model_config()``, a Mixtral): parallelism correctness, bit-exact resume across
+layouts, continued training, and the ``reshard demo`` entry point.
 
 All multi-rank cases run in one pool of 8 spawned ranks: every pool rank takes part in creating a
 layout's process groups (that is collective over the default group); the layout runs on the first
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.demo.run import state_digest
+from reshard.demo.run import DemoOptions, state_digest
 from reshard.demo.training import Trainer, TrainingConfig
 from reshard.models.config import ModelConfig
 from reshard.models.parallel import ParallelConfig
@@ -30,7 +30,7 @@ def _trainer(layout: str) -> Trainer | None:
     groups = layout_groups(layout)
     if groups is None:
         return None
-    return Trainer(ModelConfig(), TrainingConfig(), groups)
+    return Trainer(DemoOptions().model_config(), TrainingConfig(), groups)
 
 
 def rank_losses(ctx: RankContext, layout: str, steps: int) -> list[float] | None:

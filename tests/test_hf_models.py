@@ -26,21 +26,9 @@ from reshard.models.config import LoraConfig, ModelConfig
 from reshard.models.parallel import ParallelConfig
 from reshard.models.peft import export_peft
 from tests.demo_groups import layout_groups
+from tests.hf_models import TOKENS, rank_hf_logits
+from tests.hf_models import save_hf_model as _save_llama
 from tests.rankpool import RankContext, RankPool
-
-TOKENS = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(11))
-
-BASE: dict[str, Any] = {
-    "vocab_size": 61,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 8,  # not hidden_size / num_attention_heads (4)
-    "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-5,
-}
 
 LLAMAS: dict[str, dict[str, Any]] = {
     "untied": {},
@@ -81,40 +69,6 @@ MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 MOE_LAYOUTS = ["tp=2,dp=2,ep=2", "tp=2,etp=2", "dp=4,ep=4"]
 """Expert layouts, besides LAYOUTS, for the MoE variants (TP=2 x EP=2, ETP=2, EP=4)."""
-
-
-def _save_llama(directory: Path, options: dict[str, Any], seed: int = 0) -> Any:
-    """A random tiny LlamaForCausalLM (or MixtralForCausalLM, Qwen3MoeForCausalLM by ``architecture``), saved with
-    save_pretrained into ``directory``; returns the model."""
-    options = dict(options)
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
-        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
-        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-    }[options.pop("architecture", "llama")]
-    config = config_class(**{**BASE, **options})
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
-    with torch.no_grad():  # transformers zero-initialises biases: make them count
-        for name, param in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(directory)
-    return model
-
-
-def rank_hf_logits(ctx: RankContext, layout: str, hf_dir: str) -> dict[str, Any] | None:
-    """Build the reference model on ``layout`` from ``hf_dir``'s config.json, load its safetensors straight
-    into it, and return the last stage's logits for TOKENS and the load's bytes."""
-    groups = layout_groups(layout)
-    if groups is None:
-        return None
-    trainer = Trainer(ModelConfig.from_hf(hf_dir, seq_len=TOKENS.shape[1]), TrainingConfig(), groups)
-    stats = reshard.LoadStats()
-    trainer.load_hf(hf_dir, stats=stats)
-    logits = trainer.logits(TOKENS)
-    return {"logits": logits, "read": stats.bytes_read, "needed": stats.bytes_needed}
 
 
 @pytest.fixture(scope="module")
@@ -295,9 +249,9 @@ def test_peft_loads_an_exported_adapter_onto_the_transformers_base(
 def test_export_peft_refuses_what_peft_would_misplace(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
-    """Adapters PEFT would drop or put elsewhere are refused, naming them, and nothing is written: the demo's own
-    (un-gated) experts, and a Qwen3-MoE's dense MLP layers (PEFT maps gate_proj/up_proj/down_proj targets of a
-    Qwen-MoE model to its experts)."""
+    """Adapters PEFT would drop or put elsewhere are refused, naming them, and nothing is written: un-gated
+    experts (a Llama with experts, ModelConfig's defaults), and a Qwen3-MoE's dense MLP layers (PEFT maps
+    gate_proj/up_proj/down_proj targets of a Qwen-MoE model to its experts)."""
     hf_dir, _ = llama_dirs["qwen3_moe"]
     ckpt = tmp_path / "qwen-dense-mlp"
     pool4.run_ok(rank_lora_from_hf, "tp=1", str(hf_dir), str(ckpt), ("qkv", "fc1", "fc2"))
@@ -305,13 +259,13 @@ def test_export_peft_refuses_what_peft_would_misplace(
         export_peft(ckpt, tmp_path / "out-qwen")
     demo = tmp_path / "demo-experts"
     pool4.run_ok(rank_lora_demo_model, "tp=1", str(demo))
-    with pytest.raises(reshard.MismatchError, match=r"demo's own experts .*decoder.layers.1.mlp.experts.fc1"):
+    with pytest.raises(reshard.MismatchError, match=r"un-gated experts .*decoder.layers.1.mlp.experts.fc1"):
         export_peft(demo, tmp_path / "out-demo")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-experts", "qwen-dense-mlp"]
 
 
 def rank_lora_demo_model(ctx: RankContext, layout: str, path: str) -> None:
-    """The demo's default model (un-gated experts in layers 1 and 3) with LoRA on every target, saved."""
+    """ModelConfig's defaults (a Llama with un-gated experts in layers 1 and 3) with LoRA on every target, saved."""
     groups = layout_groups(layout)
     if groups is not None:
         Trainer(ModelConfig(), TrainingConfig(), groups, LoraConfig(init_b="random")).save_adapter(path)
@@ -487,3 +441,19 @@ def test_demo_from_hf_starts_from_the_transformers_weights(
     assert report["phase_a"]["losses"][0] == pytest.approx(expected, rel=1e-5)
     refused = subprocess.run([*command[:6], "--hidden", "64"], capture_output=True, text=True, timeout=60, check=False)
     assert refused.returncode == 2 and "drop --hidden" in refused.stderr
+
+
+def test_demo_lora_from_hf_resumes_its_adapters_on_the_transformers_base(
+    llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """reshard demo --from-hf DIR --lora R: phase B resumes the adapters on the same base as phase A, the Llama's
+    weights (it used to resume them on the reference model's random initial weights: a resumed state other than
+    the saved one, exit 1)."""
+    hf_dir, _ = llama_dirs["biases"]
+    command = [sys.executable, "-m", "reshard", "demo", "--from-hf", str(hf_dir), "--lora", "2", "--layout-a", "tp=2"]
+    command += ["--layout-b", "tp=1", "--steps", "1", "--resume-steps", "1", "--out", str(tmp_path / "demo"), "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["phase_a"]["digest_saved"] == report["phase_b"]["digest_loaded"] != ""
+    assert report["phase_b"]["losses"][0] == pytest.approx(report["phase_a"]["loss_after"], rel=1e-5)

@@ -330,7 +330,7 @@ def test_peft_export_of_a_tp2_adapter_checkpoint_equals_the_gathered_adapter(poo
     pool8.run_ok(rank_save_adapter, "tp=1", None, str(base))
     refused = export(base, tmp_path / "peft-of-base")
     assert refused.returncode == 3 and "holds no LoRA adapters" in refused.stderr
-    # Adapters of the demo's experts have no PEFT module to go to: refused, not written for PEFT to drop.
+    # Adapters of un-gated experts (ModelConfig's defaults) have no PEFT module to go to: refused, not written.
     experts = tmp_path / "experts"
     pool8.run_ok(rank_train_and_save_adapter, layout, 1, str(experts))
     refused = export(experts, tmp_path / "peft-of-experts")

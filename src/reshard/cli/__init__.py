@@ -164,6 +164,61 @@ def _add_import_dcp_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> 
     imported.set_defaults(func=cmd_import_dcp)
 
 
+def _add_model_export_parsers(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """``export-peft`` and ``export-hf``: a reference-model checkpoint for PEFT and for transformers."""
+    export_peft = sub.add_parser(
+        "export-peft",
+        parents=parents,
+        help="write the demo model's LoRA adapters as a Hugging Face PEFT adapter",
+        description="Read the LoRA adapters of a demo-model checkpoint (adapter-only or full, any saving layout) "
+        "whole, and write OUT/adapter_model.safetensors (PEFT key names, fused QKV and GLU linears split per "
+        "projection) and OUT/adapter_config.json. The naming is reshard.models.peft.peft_tensors; the Python "
+        "API export_peft(..., name_map=) takes another. Expert adapters of a Mixtral or Qwen-MoE go to PEFT's "
+        "target_parameters (the fused 3-D expert weights of transformers 5). Adapters PEFT would drop or misplace "
+        "are refused, listing them: those of un-gated experts (a Llama with experts), which are no Hugging Face "
+        "architecture, and those of a Qwen-MoE's dense MLP layers. The adapters of 'reshard demo --lora R' (its "
+        "model is a Mixtral) are written; PEFT puts them on the base they were trained on: with --from-hf DIR, "
+        "DIR (pass it as --base-model).",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export_peft.add_argument("checkpoint", metavar="CKPT", help="the checkpoint (directory or URL)")
+    export_peft.add_argument("out", metavar="OUT", help="the output directory (or URL); must not hold an adapter")
+    export_peft.add_argument(
+        "--base-model",
+        metavar="NAME_OR_DIR",
+        default=None,
+        help="the base model, written as base_model_name_or_path (AutoPeftModelForCausalLM loads it from there)",
+    )
+    export_peft.set_defaults(func=cmd_export_peft)
+    export_hf = sub.add_parser(
+        "export-hf",
+        parents=parents,
+        help="write a demo-model checkpoint as a Hugging Face model directory (config.json + safetensors)",
+        description="Read the model of a reference-model checkpoint (any saving layout) and write OUT/config.json "
+        "(a LlamaForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM that computes what "
+        "the model computes) and its tensors under transformers' names (model.safetensors, or numbered shards and "
+        "model.safetensors.index.json): fused QKV and GLU split back, no vocabulary padding, no optimizer, RNG or "
+        "trainer state. Streamed in bounded memory, into a temporary directory renamed to OUT at the end: OUT "
+        "appears complete or not at all. OUT must not exist. Refused: a Llama with un-gated "
+        "experts (ModelConfig's defaults; the demo's model is a Mixtral, written as one), which are no Hugging "
+        "Face architecture, a checkpoint with LoRA adapters (use export-peft), a checkpoint without the model's "
+        "tensors.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export_hf.add_argument("checkpoint", metavar="CKPT", help="the checkpoint (directory or URL)")
+    export_hf.add_argument("out", metavar="OUT", help="the output directory, a local path that does not exist yet")
+    export_hf.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default="5GB",
+        metavar="SIZE",
+        help="largest shard, e.g. 2GB, 500MB, 1GiB (default 5GB); one shard is written as model.safetensors",
+    )
+    export_hf.set_defaults(func=cmd_export_hf)
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -271,54 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert_parser(sub, [storage, quiet, dtype])
     _add_export_parser(sub, [storage, quiet, dtype])
     _add_import_dcp_parser(sub, [storage, quiet])
-    export_peft = sub.add_parser(
-        "export-peft",
-        parents=[storage],
-        help="write the demo model's LoRA adapters as a Hugging Face PEFT adapter",
-        description="Read the LoRA adapters of a demo-model checkpoint (adapter-only or full, any saving layout) "
-        "whole, and write OUT/adapter_model.safetensors (PEFT key names, fused QKV and GLU linears split per "
-        "projection) and OUT/adapter_config.json. The naming is reshard.models.peft.peft_tensors; the Python "
-        "API export_peft(..., name_map=) takes another. Expert adapters of a Mixtral or Qwen-MoE go to PEFT's "
-        "target_parameters (the fused 3-D expert weights of transformers 5). Adapters PEFT would drop or misplace "
-        "are refused, listing them: those of the demo's own (un-gated) experts, which are no Hugging Face "
-        "architecture, and those of a Qwen-MoE's dense MLP layers.",
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    export_peft.add_argument("checkpoint", metavar="CKPT", help="the checkpoint (directory or URL)")
-    export_peft.add_argument("out", metavar="OUT", help="the output directory (or URL); must not hold an adapter")
-    export_peft.add_argument(
-        "--base-model",
-        metavar="NAME_OR_DIR",
-        default=None,
-        help="the base model, written as base_model_name_or_path (AutoPeftModelForCausalLM loads it from there)",
-    )
-    export_peft.set_defaults(func=cmd_export_peft)
-    export_hf = sub.add_parser(
-        "export-hf",
-        parents=[storage],
-        help="write a demo-model checkpoint as a Hugging Face model directory (config.json + safetensors)",
-        description="Read the model of a reference-model checkpoint (any saving layout) and write OUT/config.json "
-        "(a LlamaForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM that computes what "
-        "the model computes) and its tensors under transformers' names (model.safetensors, or numbered shards and "
-        "model.safetensors.index.json): fused QKV and GLU split back, no vocabulary padding, no optimizer, RNG or "
-        "trainer state. Streamed in bounded memory, into a temporary directory renamed to OUT at the end: OUT "
-        "appears complete or not at all. OUT must not exist. Refused: a model with the demo's own (un-gated) "
-        "experts, which are no Hugging Face architecture, a checkpoint with LoRA adapters (use "
-        "export-peft), a checkpoint without the model's tensors.",
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    export_hf.add_argument("checkpoint", metavar="CKPT", help="the checkpoint (directory or URL)")
-    export_hf.add_argument("out", metavar="OUT", help="the output directory, a local path that does not exist yet")
-    export_hf.add_argument(
-        "--max-shard-size",
-        type=_size,
-        default="5GB",
-        metavar="SIZE",
-        help="largest shard, e.g. 2GB, 500MB, 1GiB (default 5GB); one shard is written as model.safetensors",
-    )
-    export_hf.set_defaults(func=cmd_export_hf)
+    _add_model_export_parsers(sub, [storage])
     demo = sub.add_parser("demo", help="train a small GPT on CPU ranks, save, resume on another layout, train on")
     from reshard.demo.run import build_parser as build_demo_parser
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from reshard.models.config import ModelConfig
+    from reshard.models.config import LoraConfig, ModelConfig
 
 __all__ = ["DemoOptions", "PhaseResult", "main", "run_demo"]
 
@@ -42,15 +42,41 @@ class DemoOptions:
     lora_rank: int = 0
     """With a positive rank: LoRA fine-tuning (frozen base) and adapter-only checkpoints."""
     from_hf: str | None = None
-    """A Hugging Face Llama directory: the model is built from its config.json (``hidden`` and ``layers``
-    unused) and phase A starts from its weights, loaded straight into layout A."""
+    """A Hugging Face Llama, Mixtral, Qwen2-MoE or Qwen3-MoE directory: the model is built from its config.json
+    (``hidden`` and ``layers`` unused) and phase A starts from its weights, loaded straight into layout A; with
+    ``lora_rank``, they are the frozen base of both phases."""
 
     def model_config(self) -> ModelConfig:
+        """The model of ``from_hf``, or the demo's own: a Mixtral (gated experts in every layer) of ``hidden``
+        and ``layers``, which ``reshard export-hf`` writes for transformers and whose adapters ``reshard
+        export-peft`` writes for PEFT."""
         from reshard.models.config import ModelConfig
 
         if self.from_hf:
             return ModelConfig.from_hf(self.from_hf)
-        return ModelConfig(hidden=self.hidden, num_layers=self.layers)
+        experts = ModelConfig().expert_ffn_hidden
+        # ffn_hidden is Mixtral's intermediate_size too (it has no dense MLP): what from_hf of its export reads.
+        return ModelConfig(
+            hidden=self.hidden,
+            num_layers=self.layers,
+            moe_layers=tuple(range(self.layers)),
+            expert_glu=True,
+            ffn_hidden=experts,
+            architecture="mixtral",
+        )
+
+    def lora_config(self, model: ModelConfig) -> LoraConfig | None:
+        """With ``lora_rank``: adapters of that rank on every linear of ``model`` that ``reshard export-peft``
+        writes for PEFT, which is all of them but the dense MLPs of a Qwen-MoE (PEFT reads the targets
+        gate_proj, up_proj and down_proj of a Qwen-MoE model as its experts' projections)."""
+        from reshard.models.config import LORA_TARGETS, LoraConfig
+
+        if not self.lora_rank:
+            return None
+        targets: tuple[str, ...] = LORA_TARGETS
+        if model.architecture in ("qwen2_moe", "qwen3_moe"):
+            targets = tuple(t for t in LORA_TARGETS if t not in ("fc1", "fc2"))
+        return LoraConfig(rank=self.lora_rank, targets=targets)
 
 
 @dataclass
@@ -95,7 +121,6 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
 
     import reshard
     from reshard.demo.training import Trainer, TrainingConfig, timed
-    from reshard.models.config import LoraConfig
     from reshard.models.parallel import ParallelConfig, ParallelGroups
 
     torch.set_num_threads(1)
@@ -108,22 +133,25 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
     )
     try:
         parallel = ParallelConfig.parse(task["layout"])
-        model = DemoOptions(hidden=task["hidden"], layers=task["layers"], from_hf=task["from_hf"]).model_config()
+        options = DemoOptions(
+            hidden=task["hidden"], layers=task["layers"], from_hf=task["from_hf"], lora_rank=task["lora_rank"]
+        )
+        model = options.model_config()
         groups = ParallelGroups.create(parallel)
         if groups is None:  # cannot happen: the phase spawned exactly the layout's ranks
             return
-        lora = LoraConfig(rank=task["lora_rank"]) if task["lora_rank"] else None
+        lora = options.lora_config(model)
         trainer = Trainer(model, TrainingConfig(), groups, lora)
         out: dict[str, Any] = {"rank": rank}
+        if task["from_hf"] and (lora or not task.get("resume_from")):
+            # The base: phase A starts from it; an adapter-only checkpoint resumes on it (it does not hold it).
+            _, out["seconds_load"] = timed(trainer.load_hf, task["from_hf"], stats=reshard.LoadStats())
         if task.get("resume_from"):
             stats = reshard.LoadStats()
             load = trainer.load_adapter if lora else trainer.load
             _, out["seconds_load"] = timed(load, task["resume_from"], stats=stats)
             out["bytes_read"], out["bytes_needed"] = stats.bytes_read, stats.bytes_needed
             out["digest_loaded"] = state_digest(trainer.full_state())
-        elif task["from_hf"]:
-            stats = reshard.LoadStats()
-            _, out["seconds_load"] = timed(trainer.load_hf, task["from_hf"], stats=stats)
         out["first_step"] = trainer.step
         out["losses"] = [trainer.train_step() for _ in range(task["steps"])]
         if task.get("save_to"):
@@ -284,7 +312,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     defaults = DemoOptions()
     parser.description = (
         "Train a small Megatron-style GPT on CPU ranks (gloo) with layout A, save it with reshard, resume it "
-        "on layout B (resharding the checkpoint), check that the resumed state is bit-exact, and train on."
+        "on layout B (resharding the checkpoint), check that the resumed state is bit-exact, and train on. The "
+        "model is a Mixtral (gated experts in every layer): 'reshard export-hf' writes its checkpoints for "
+        "transformers, and 'reshard export-peft' those of --lora for PEFT."
     )
     parser.add_argument(
         "--layout-a",
@@ -308,9 +338,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--from-hf",
         default=None,
         metavar="DIR",
-        help="start from a Hugging Face Llama directory (config.json and safetensors, as save_pretrained writes "
-        "them): the model is built from its config (not with --hidden/--layers) and its weights are loaded "
-        "straight into layout A",
+        help="start from a Hugging Face Llama, Mixtral, Qwen2-MoE or Qwen3-MoE directory (config.json and "
+        "safetensors, as save_pretrained or reshard export-hf writes them): the model is built from its config "
+        "(not with --hidden/--layers) and its weights are loaded straight into layout A; with --lora they are "
+        "the frozen base of both phases",
     )
     parser.add_argument(
         "--plot", default=None, help="write the loss curve to this PNG (needs matplotlib: the demo extra of reshard)"
@@ -320,8 +351,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         type=int,
         default=0,
         metavar="RANK",
-        help="LoRA fine-tuning instead: adapters of this rank on every linear, the base frozen, adapter-only "
-        "checkpoints (reshard export-peft writes them for Hugging Face PEFT)",
+        help="LoRA fine-tuning instead: adapters of this rank on every linear (but a Qwen-MoE's dense MLPs, "
+        "which PEFT would misplace), the base frozen (the model's initial weights, or those of --from-hf DIR), "
+        "adapter-only checkpoints (reshard export-peft writes them for Hugging Face PEFT, which puts them on that "
+        "base)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     return parser

@@ -14,9 +14,10 @@ Hugging Face and PEFT checkpoints. Its modules:
   names, ``export_hf`` and ``export_peft``.
 """
 
-from reshard.models.config import LoraConfig, ModelConfig, hf_config_of
+from reshard.models.config import LoraConfig, ModelConfig
 from reshard.models.gpt import GPTStage, ParamLayout
 from reshard.models.hf import hf_key_map
+from reshard.models.hf_config import hf_config_of
 from reshard.models.hf_export import export_hf
 from reshard.models.parallel import ParallelConfig, ParallelGroups
 from reshard.models.peft import export_peft

@@ -1,7 +1,8 @@
 """``reshard export-hf``: a demo-model checkpoint as a Hugging Face model directory that transformers loads.
 
-The output directory holds ``config.json`` (a ``LlamaForCausalLM`` that computes what the model computes,
-:func:`reshard.models.config.hf_config_of`) and the model's tensors under transformers' names
+The output directory holds ``config.json`` (the ``LlamaForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``
+or ``Qwen3MoeForCausalLM`` that computes what the model computes,
+:func:`reshard.models.hf_config.hf_config_of`) and the model's tensors under transformers' names
 (:mod:`reshard.models.hf`): ``model.safetensors`` when they fit one shard, else numbered shards and
 ``model.safetensors.index.json``. Fused tensors are split back (QKV into ``q_proj``/``k_proj``/``v_proj``,
 the GLU into ``gate_proj``/``up_proj``), the vocabulary padding is not there (checkpoints hold the logical
@@ -30,8 +31,9 @@ from reshard.errors import CheckpointExistsError, MismatchError, StorageError
 from reshard.interop.export import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, plan_shards, shard_file_names
 from reshard.interop.offline import DEFAULT_SLAB_BYTES, CheckpointReader
 from reshard.interop.safetensors import SafetensorsWriter, TensorSpec
-from reshard.models.config import ModelConfig, hf_config_of, is_adapter_key
+from reshard.models.config import ModelConfig, is_adapter_key
 from reshard.models.hf import checkpoint_model_config, hf_key_map, split_for_hf
+from reshard.models.hf_config import hf_config_of
 from reshard.storage import CheckpointLocation, LocalStorage
 
 __all__ = ["CONFIG_FILE", "SINGLE_FILE", "export_hf"]
@@ -90,7 +92,7 @@ def export_hf(
 
     Raises:
         CheckpointExistsError: ``out`` exists.
-        MismatchError: not a checkpoint of the reference model, a model with the demo's own experts (not a
+        MismatchError: not a checkpoint of the reference model, a Llama with un-gated experts (not a
             Hugging Face architecture), a checkpoint without the model's tensors, or LoRA adapters in it
             (export those with export-peft; merging is not done here).
         StorageError: writing failed (nothing is left at ``out``).
@@ -103,7 +105,7 @@ def export_hf(
     with CheckpointReader(checkpoint, storage_options=storage_options) as reader:
         model = checkpoint_model_config(reader.metadata, reader.describe())
         try:
-            hf_config_of(model)  # the demo's own experts have none
+            hf_config_of(model)  # a Llama with un-gated experts has none
         except ValueError as exc:
             raise MismatchError(str(exc)) from None
         adapters = sorted(k for k in reader.metadata.tensors if is_adapter_key(k) and not k.startswith("optimizer."))

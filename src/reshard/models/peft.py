@@ -92,8 +92,8 @@ def _expert_adapter(
     parameters are adapted."""
     if model.architecture not in HF_EXPERT_ARCHITECTURES:
         raise MismatchError(
-            f"{key!r} adapts the demo's own experts (architecture={model.architecture!r}), which are no Hugging "
-            "Face architecture: PEFT would have no module to put it on"
+            f"{key!r} adapts un-gated experts (architecture={model.architecture!r} with experts, ModelConfig's "
+            "defaults), which are no Hugging Face architecture: PEFT would have no module to put it on"
         )
     layer = base.split(".")[2]
     up = base.endswith(".experts.fc1.weight")
@@ -107,6 +107,48 @@ def _expert_adapter(
     nested = up and "experts.fc2" in lora.targets
     module = f"base_model.model.model.layers.{layer}.mlp.experts{'.base_layer' if nested else ''}"
     return f"{module}.{factor}.weight", peft_tensor.contiguous()
+
+
+def _refuse_misplaced(keys: list[str], model: ModelConfig) -> None:
+    """Raise MismatchError for adapters the default naming would give PEFT to drop or misplace without a word:
+    those of un-gated experts, and those of a Qwen-MoE's dense MLPs."""
+    untargeted = [k for k in keys if ".mlp.experts." in k]
+    if untargeted and model.architecture not in HF_EXPERT_ARCHITECTURES:
+        raise MismatchError(
+            f"{len(untargeted)} adapters of the checkpoint have no PEFT target: they adapt un-gated experts "
+            f"(architecture={model.architecture!r} with experts), which are no Hugging Face architecture, and PEFT "
+            f"would drop them when loading ({', '.join(untargeted[:6])}{' ...' if len(untargeted) > 6 else ''}); "
+            "train LoRA without the expert targets, or on a Mixtral (the demo's model) or a Qwen-MoE, to export it"
+        )
+    dense_mlp = [k for k in keys if ".mlp.fc" in k]
+    if dense_mlp and model.architecture in ("qwen2_moe", "qwen3_moe"):
+        raise MismatchError(
+            f"{len(dense_mlp)} adapters of the checkpoint adapt the dense MLPs of a Qwen-MoE "
+            f"({', '.join(dense_mlp[:4])}{' ...' if len(dense_mlp) > 4 else ''}): PEFT reads the targets gate_proj, "
+            "up_proj and down_proj of a Qwen-MoE model as the experts' projections, so it would put them on the "
+            "experts; train LoRA without the targets fc1 and fc2 to export it"
+        )
+
+
+def _adapter_config(
+    lora: LoraConfig, modules: list[str], parameters: list[str], base_model: str | None
+) -> dict[str, Any]:
+    """``adapter_config.json``: a PEFT LoRA on ``modules`` (and the 3-D expert ``parameters``)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "target_modules": modules,
+        **({"target_parameters": parameters} if parameters else {}),
+        "modules_to_save": None,
+        "inference_mode": True,
+        "use_rslora": False,
+    }
 
 
 def export_peft(
@@ -125,8 +167,9 @@ def export_peft(
     Returns the exported names and shapes.
 
     Raises:
-        MismatchError: the checkpoint holds no LoRA adapters, or (with the default name map) adapters of the
-            demo's own experts, which are no Hugging Face architecture (PEFT would drop them without a word), or
+        MismatchError: the checkpoint holds no LoRA adapters, or (with the default name map) adapters of
+            un-gated experts (a Llama with experts, ModelConfig's defaults), which are no Hugging Face
+            architecture (PEFT would drop them without a word), or
             adapters of a Qwen-MoE's dense MLP layers (PEFT would put them on the experts), or the name map
             rejects a key.
         CheckpointError: ``out`` already holds an adapter (the export never overwrites).
@@ -138,22 +181,8 @@ def export_peft(
         raise MismatchError(f"the checkpoint at {checkpoint} holds no LoRA adapters of the demo model")
     lora = LoraConfig.from_dict(lora_doc)
     model = checkpoint_model_config(metadata, str(checkpoint))
-    untargeted = [k for k in keys if ".mlp.experts." in k]
-    if untargeted and name_map is peft_tensors and model.architecture not in HF_EXPERT_ARCHITECTURES:
-        raise MismatchError(
-            f"{len(untargeted)} adapters of the checkpoint have no PEFT target: they adapt the demo's own experts "
-            f"(architecture={model.architecture!r}), which are no Hugging Face architecture, and PEFT would drop "
-            f"them when loading ({', '.join(untargeted[:6])}{' ...' if len(untargeted) > 6 else ''}); train LoRA "
-            "without the expert targets, or on a Mixtral or Qwen-MoE, to export it"
-        )
-    dense_mlp = [k for k in keys if ".mlp.fc" in k]
-    if dense_mlp and name_map is peft_tensors and model.architecture in ("qwen2_moe", "qwen3_moe"):
-        raise MismatchError(
-            f"{len(dense_mlp)} adapters of the checkpoint adapt the dense MLPs of a Qwen-MoE "
-            f"({', '.join(dense_mlp[:4])}{' ...' if len(dense_mlp) > 4 else ''}): PEFT reads the targets gate_proj, "
-            "up_proj and down_proj of a Qwen-MoE model as the experts' projections, so it would put them on the "
-            "experts; train LoRA without the targets fc1 and fc2 to export it"
-        )
+    if name_map is peft_tensors:
+        _refuse_misplaced(keys, model)
     template = {k: torch.empty(metadata.tensors[k].global_shape, dtype=metadata.tensors[k].torch_dtype) for k in keys}
     full = reshard.load(template, checkpoint, storage_options=storage_options)
     tensors = [pair for key in keys for pair in name_map(key, full[key], model, lora)]
@@ -163,21 +192,7 @@ def export_peft(
         for target, name in (("experts.fc1", "gate_up_proj"), ("experts.fc2", "down_proj"))
         if target in lora.targets and any(".mlp.experts." in k for k in keys)
     ]
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "target_modules": modules,
-        **({"target_parameters": parameters} if parameters else {}),
-        "modules_to_save": None,
-        "inference_mode": True,
-        "use_rslora": False,
-    }
+    config = _adapter_config(lora, modules, parameters, base_model)
     storage = storage_for(out, storage_options)
     try:
         if storage.exists(ADAPTER_FILE) or storage.exists(ADAPTER_CONFIG_FILE):
