@@ -41,6 +41,7 @@ from typing import Any
 
 from reshard.comm import Communicator
 from reshard.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -223,8 +224,9 @@ class CheckpointManager:
 
         Raises:
             UnconfirmedCommitError: the step was committed and is complete (``latest`` points at it where the
-                coordinator could still say so), but a rank died or lost contact after the commit; retention
-                did not run.
+                coordinator could still say so), but a rank died or lost contact after the commit (retention
+                did not run), or, on every rank, updating ``latest`` or retention failed after the commit
+                (what retention deleted before it failed stays deleted).
             CheckpointError: as :func:`reshard.save`; the step is not committed and ``latest`` is unchanged.
         """
         comm = Communicator(self.group, timeout=self.timeout)
@@ -269,9 +271,21 @@ class CheckpointManager:
                     if held:
                         held[0].check()
                     self._point_latest_at(step)
-                    self._retain(keep_step=step)
+                    try:
+                        self._retain(keep_step=step)
+                    except (OSError, CheckpointError) as exc:
+                        raise StorageError(f"retention failed ({LATEST_FILE} names {step_name(step)}): {exc}") from exc
 
-            comm.step("manager retention", publish)
+            try:
+                comm.step("manager retention", publish)
+            except CheckpointError as exc:  # the same error on every rank, after a commit that every rank saw
+                raise UnconfirmedCommitError(
+                    f"{step_name(step)} was committed and is complete (save {result.save_id}), but the manager's "
+                    f"work after the commit failed: {exc}",
+                    path=result.path,
+                    save_id=result.save_id,
+                    failures=exc.failures,
+                ) from exc
         finally:
             for lock_held in held:
                 lock_held.release()
