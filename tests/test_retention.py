@@ -10,19 +10,28 @@ names it is asked about.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import reshard
-from reshard.manager import LATEST_FILE, step_name
-from reshard.references import REFERENCES_DIR
+from reshard.cli import main as cli_main
+from reshard.interop import CheckpointReader
+from reshard.maintenance import validate_checkpoint
+from reshard.manager import LATEST_FILE, scan_root, step_name
+from reshard.references import REFERENCES_DIR, RETIRED_FILE
+from reshard.storage import LocalStorage
 from reshard.transports import ThreadGroup
+from tests.test_incremental import assert_loads_as, frozen_and_trained, template
 from tests.threads import on_threads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,17 +56,82 @@ def _dead_pid() -> int:
 
 
 def _cli(*args: str) -> tuple[int, str]:
-    """``reshard ARGS`` as a program: its exit code and stderr."""
+    """``reshard ARGS`` (in this process): its exit code and what it wrote on stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(list(args))
+    assert "Traceback" not in err.getvalue(), err.getvalue()
+    return code, err.getvalue()
+
+
+# ---- 7: a retirement cut short after its record ------------------------------------------------------------------
+
+CUT_AFTER_RECORD = textwrap.dedent(
+    """
+    import os, signal, sys
+    import reshard
+    from reshard.storage import LocalStorage
+    from tests.test_incremental import frozen_and_trained
+
+    root = sys.argv[1]
+    manager = reshard.CheckpointManager(root, incremental=True)
+    manager.save(1, frozen_and_trained(1))
+    manager.save(2, frozen_and_trained(2))
+    commit = LocalStorage.commit
+
+    def commit_then_die(self, name, data, *, replace):
+        commit(self, name, data, replace=replace)
+        if name == "retired.json" and self.root.name == "step_000000001":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    LocalStorage.commit = commit_then_die
+    reshard.CheckpointManager(root, keep_last=1, incremental=True).save(3, frozen_and_trained(3))
+    print("not killed")
+    """
+)
+
+
+def test_7_a_retirement_cut_short_after_its_record_is_no_checkpoint_for_any_reader(tmp_path: Path) -> None:
+    root = tmp_path / "root"
     child = subprocess.run(
-        [sys.executable, "-m", "reshard", *args],
-        capture_output=True,
-        text=True,
+        [sys.executable, "-c", CUT_AFTER_RECORD, str(root)],
         check=False,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert "Traceback" not in child.stderr, child.stderr
-    return child.returncode, child.stderr
+    assert child.returncode == -9, child.stderr
+    cut = root / step_name(1)
+    assert (cut / RETIRED_FILE).exists() and (cut / "metadata.json").exists()
+    assert {i.step: i.status for i in scan_root(LocalStorage(root))}[1] == "retired"
+    for read in (
+        lambda: reshard.load(template(), cut),
+        lambda: reshard.read_metadata(cut),
+        lambda: validate_checkpoint(cut),
+        lambda: CheckpointReader(cut),
+    ):
+        with pytest.raises(reshard.CheckpointNotFoundError, match="retired"):
+            read()
+    for args in (
+        ["inspect", str(cut)],
+        ["validate", str(cut)],
+        ["export", str(cut), str(tmp_path / "hf")],
+        ["convert", str(cut), str(tmp_path / "converted")],
+        ["diff", str(cut), str(root / step_name(3))],
+        ["diff", str(root / step_name(3)), str(cut)],
+    ):
+        code, err = _cli(*args)
+        assert code == 3 and "retired" in err, (args, err)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "converted").exists()
+    # The job goes on: step 3 loads, and the next retention finishes the retirement.
+    manager = reshard.CheckpointManager(root, keep_last=1, incremental=True)
+    assert manager.load_latest(template()) == 3
+    manager.save(4, frozen_and_trained(4))
+    assert not (cut / "metadata.json").exists() and (cut / RETIRED_FILE).exists()
+    assert {i.step: i.status for i in scan_root(LocalStorage(root))} == {1: "retired", 4: "complete"}
+    assert_loads_as(root / step_name(4), 4)
 
 
 # ---- 10: a manager whose retention fails after the commit ---------------------------------------------------------

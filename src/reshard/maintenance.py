@@ -56,7 +56,7 @@ def collect_garbage(
     """
     storage = storage_for(path, storage_options)
     try:
-        if is_retired(storage) and not storage.exists(METADATA_FILE):
+        if is_retired(storage):  # metadata.json too: a retirement cut short before it deleted it
             try:
                 return sweep_retired(storage, dry_run=dry_run)
             except OSError as exc:

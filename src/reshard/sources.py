@@ -78,16 +78,17 @@ def read_metadata_bytes(storage: Storage) -> bytes:
 
     Raises:
         CheckpointNotFoundError: the path does not exist, is not a checkpoint, or is a retired one (deleted
-            but keeping the data files that others reference).
+            but keeping the data files that others reference: ``retired.json``, with or without a
+            ``metadata.json`` that a retirement cut short did not delete yet).
         IncompleteCheckpointError: data files but no ``metadata.json`` (a save that never committed).
         CorruptCheckpointError: ``metadata.json`` is larger than :data:`~reshard.metadata.MAX_METADATA_BYTES`.
         StorageError: the file exists but cannot be read.
     """
     where = storage.describe()
     try:
-        return storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
+        raw = storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
     except FileNotFoundError:
-        pass
+        raw = None
     except NotADirectoryError:
         raise CheckpointNotFoundError(f"{where} is a file, not a checkpoint directory") from None
     except FileTooLargeError as exc:
@@ -96,6 +97,17 @@ def read_metadata_bytes(storage: Storage) -> bytes:
         ) from exc
     except OSError as exc:
         raise StorageError(f"cannot read {storage.describe(METADATA_FILE)}: {exc}") from exc
+    if raw is not None:
+        # Retirement writes retired.json before it deletes metadata.json: a retirement cut short in between
+        # leaves both, and the directory is retired for every reader (docs/format.md section 15.3). Checked
+        # after the read, so that a retirement that starts meanwhile is seen too.
+        try:
+            retired = storage.exists(RETIRED_FILE)
+        except OSError as exc:
+            raise StorageError(f"cannot check {storage.describe(RETIRED_FILE)}: {exc}") from exc
+        if retired:
+            raise CheckpointNotFoundError(_retired_message(where))
+        return raw
     try:
         exists = storage.root_exists()
         holder = read_lock(storage) if exists else None
@@ -106,7 +118,7 @@ def read_metadata_bytes(storage: Storage) -> bytes:
             exists and not data_files and storage.exists(DATA_DIR)
         )
         safetensors = exists and not has_data and any(storage.exists(n) for n in _SAFETENSORS_NAMES)
-        retired = has_data and is_retired(storage)
+        retired = exists and is_retired(storage)
     except CheckpointNotFoundError:  # a missing bucket, named by the storage
         raise
     except OSError as exc:
@@ -114,10 +126,7 @@ def read_metadata_bytes(storage: Storage) -> bytes:
     if not exists:
         raise CheckpointNotFoundError(f"no checkpoint at {where}: the path does not exist")
     if retired:
-        raise CheckpointNotFoundError(
-            f"{where} was deleted (retired): it has no {METADATA_FILE} and keeps only the data files that other "
-            f"checkpoints reference ({RETIRED_FILE}); load one of those"
-        )
+        raise CheckpointNotFoundError(_retired_message(where))
     if holder is not None:
         raise IncompleteCheckpointError(
             f"{where} has no {METADATA_FILE}: a save is writing it or was interrupted "
@@ -133,6 +142,13 @@ def read_metadata_bytes(storage: Storage) -> bytes:
             "reshard.interop.HuggingFaceSource(path, key_map)"
         )
     raise CheckpointNotFoundError(f"{where} is not a reshard checkpoint: it has no {METADATA_FILE}")
+
+
+def _retired_message(where: str) -> str:
+    return (
+        f"{where} was deleted (retired, {RETIRED_FILE}): it is not a checkpoint and keeps only the data files that "
+        "other checkpoints reference; load one of those"
+    )
 
 
 class ReshardCheckpoint(CheckpointSource):
