@@ -22,7 +22,13 @@ from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.io.reader import ReadExecutor
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
 from reshard.progress import Progress, reporting
-from reshard.references import check_referenced_files, is_retired, protected_files, sweep_retired
+from reshard.references import (
+    check_referenced_files,
+    is_retired,
+    protected_files,
+    reference_problems,
+    sweep_retired,
+)
 from reshard.sources import read_metadata_bytes
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
@@ -107,8 +113,9 @@ def validate_checkpoint(
 
     Checks completeness (``metadata.json`` present and valid), that every data file exists with the size
     the metadata says (the files of other checkpoints that an incremental checkpoint references too, each
-    problem naming both checkpoints), and, unless ``quick``, every checksum of every stored box and object
-    (``progress``, if given, is told the bytes checked). Not collective.
+    problem naming both checkpoints, once a marker in the other checkpoint ties the reference to this one:
+    else that is the problem, and the file is not opened), and, unless ``quick``, every checksum of every
+    stored box and object (``progress``, if given, is told the bytes checked). Not collective.
 
     Raises:
         CheckpointNotFoundError: there is no checkpoint at ``path`` (nothing to validate).
@@ -121,8 +128,9 @@ def validate_checkpoint(
             raise
         except CheckpointError as exc:
             return [str(exc)]
-        referenced_problems = check_referenced_files(storage, metadata)
-        problems = list(referenced_problems.values())
+        referenced_problems = reference_problems(storage, metadata)  # before any such file is sized
+        referenced_problems.update(check_referenced_files(storage, metadata, skip=referenced_problems))
+        problems = [referenced_problems[i] for i in sorted(referenced_problems)]
         good_files = set()
         for index, entry in enumerate(metadata.files):
             if entry.checkpoint is not None:

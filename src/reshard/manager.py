@@ -52,7 +52,7 @@ from reshard.load import load
 from reshard.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
 from reshard.metadata import METADATA_FILE, Metadata
 from reshard.options import SaveOptions
-from reshard.references import delete_checkpoint, is_retired, sweep_retired
+from reshard.references import delete_checkpoint, is_retired, sweep_retired, verify_references
 from reshard.save import SaveResult, save
 from reshard.sources import read_metadata_bytes
 from reshard.storage import CheckpointLocation, Storage, storage_for
@@ -306,8 +306,23 @@ class CheckpointManager:
                     if step - oldest >= self.full_every:
                         logger.info("step %d: a full save (its base's bytes go back to step %d)", step, oldest)
                         return None
+                if info.referenced_checkpoints and not self._references_hold(info.name):
+                    return None
                 return info.name
         return None
+
+    def _references_hold(self, name: str) -> bool:
+        """Whether the references of checkpoint ``name`` are tied to it by markers (else it was copied or moved
+        here, and a save based on it is made in full)."""
+        child = self.root.child(name)
+        try:
+            verify_references(child, Metadata.from_json_bytes(read_metadata_bytes(child), lazy=True))
+            return True
+        except CorruptCheckpointError as exc:
+            logger.warning("%s cannot be the base of an incremental save, saving in full: %s", name, exc)
+            return False
+        finally:
+            child.close()
 
     def _point_latest_at(self, step: int) -> None:
         """On the coordinator, after step ``step`` committed: replace ``latest.json`` (atomically)."""

@@ -27,13 +27,22 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, CorruptCheckpointError, StorageError
 from reshard.locking import DEFAULT_STALE_AFTER_S, read_lock
-from reshard.metadata import MAX_METADATA_BYTES, METADATA_FILE, Metadata, check_relative_path
-from reshard.storage import Storage
+from reshard.metadata import (
+    MAX_METADATA_BYTES,
+    METADATA_FILE,
+    REFERENCED_FILE_PATTERN,
+    DataFile,
+    Metadata,
+    check_relative_path,
+)
+from reshard.storage import FileTooLargeError, Storage
 
 __all__ = [
     "REFERENCES_DIR",
@@ -43,8 +52,10 @@ __all__ = [
     "delete_checkpoint",
     "is_retired",
     "protected_files",
+    "reference_problems",
     "remove_markers",
     "sweep_retired",
+    "verify_references",
     "write_markers",
 ]
 
@@ -55,6 +66,7 @@ REFERENCES_DIR = "refs"
 RETIRED_FILE = "retired.json"
 """Written into a checkpoint that was deleted while others reference its files (see the module doc)."""
 MAX_MARKER_BYTES = 64 * 1024 * 1024
+_SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,18 +127,22 @@ def remove_markers(storage: Storage, save_id: str, holders: list[str]) -> None:
             logger.warning("could not remove the reference marker of save %s in %s: %s", save_id, holder, exc)
 
 
-def check_referenced_files(storage: Storage, metadata: Metadata) -> dict[int, str]:
+def _where(storage: Storage, entry: DataFile) -> str:
+    return (
+        f"data file {entry.path} of checkpoint {entry.checkpoint}, which {storage.describe()} references "
+        f"({storage.describe(entry.location)}),"
+    )
+
+
+def check_referenced_files(storage: Storage, metadata: Metadata, *, skip: Collection[int] = ()) -> dict[int, str]:
     """The problem of every file of another checkpoint that ``metadata`` (of the checkpoint at ``storage``)
-    references and that is missing, unreadable, or of another size than recorded, by file index; each
-    names both checkpoints."""
+    references and that is missing, unreadable, or of another size than recorded, by file index (but those in
+    ``skip``); each names both checkpoints."""
     problems = {}
     for index, entry in enumerate(metadata.files):
-        if entry.checkpoint is None:
+        if entry.checkpoint is None or index in skip:
             continue
-        where = (
-            f"data file {entry.path} of checkpoint {entry.checkpoint} ({storage.describe(entry.location)}), "
-            f"which {storage.describe()} references,"
-        )
+        where = _where(storage, entry)
         try:
             size = storage.size(entry.location)
         except FileNotFoundError:
@@ -140,16 +156,103 @@ def check_referenced_files(storage: Storage, metadata: Metadata) -> dict[int, st
     return problems
 
 
+def _holder_problem(storage: Storage, save_id: str, holder: str, paths: set[str]) -> str | None:
+    """Why the files ``paths`` of sibling ``holder`` are not references that the checkpoint at ``storage`` (save
+    ``save_id``) may use, or None when they are: ``holder`` must hold the reference marker of this very
+    checkpoint and save (which only that save writes, before its commit, and which keeps the files from every
+    deletion), naming every one of them. Reads that marker only; where it is missing, looks at whether
+    ``holder`` exists and is a checkpoint, to say so.
+
+    Raises:
+        OSError, CheckpointError: the holder could not be looked at.
+    """
+    target = storage.sibling(holder)
+    try:
+        name = marker_name(storage.name, save_id)
+        try:
+            marker = _parse_marker(name, target.read_bytes(name, max_bytes=MAX_MARKER_BYTES))
+        except FileNotFoundError:
+            if not (target.exists(METADATA_FILE) or target.exists(RETIRED_FILE)):
+                if not target.root_exists():
+                    return "is missing"
+                return (
+                    f"is refused unread: {holder} is not a reshard checkpoint (it has neither {METADATA_FILE} nor "
+                    f"{RETIRED_FILE}) and holds no reference marker {name} for this checkpoint"
+                )
+            return (
+                f"is not protected and refused unread: {holder} holds no reference marker {name} for this "
+                "checkpoint, so its retention and gc may delete the file at any time (a checkpoint copied or "
+                "moved keeps no protection under its new name or place: copy or move the whole directory of "
+                "checkpoints, whose markers name each other)"
+            )
+        except (FileTooLargeError, ValueError, KeyError, TypeError) as exc:
+            return f"is refused unread: the reference marker {name} in {holder} is malformed ({exc})"
+        if not paths <= marker.files:
+            return f"is not protected and refused unread: the reference marker {name} in {holder} does not name it"
+        return None
+    finally:
+        target.close()
+
+
+def reference_problems(storage: Storage, metadata: Metadata) -> dict[int, str]:
+    """The problem of every file of another checkpoint that ``metadata`` (of the checkpoint at ``storage``)
+    references but may not use (see :func:`_holder_problem`: a checkpoint copied or moved, a reference to a
+    directory that is no checkpoint), by file index; nothing of such a file is opened or even sized."""
+    by_holder: dict[str, list[int]] = {}
+    for index, entry in enumerate(metadata.files):
+        if entry.checkpoint is not None:
+            by_holder.setdefault(entry.checkpoint, []).append(index)
+    problems = {}
+    for holder, indices in sorted(by_holder.items()):
+        try:
+            problem = _holder_problem(storage, metadata.save_id, holder, {metadata.files[i].path for i in indices})
+        except (OSError, CheckpointError) as exc:
+            problem = f"cannot be checked: {exc}"
+        if problem is not None:
+            problems.update({i: f"{_where(storage, metadata.files[i])} {problem}" for i in indices})
+    return problems
+
+
+def verify_references(storage: Storage, metadata: Metadata) -> None:
+    """Before any file of another checkpoint that ``metadata`` references is opened: refuse the references
+    that :func:`reference_problems` finds.
+
+    Raises:
+        CorruptCheckpointError: naming the first reference refused (and how many there are).
+        StorageError: a holder could not be looked at.
+    """
+    by_holder: dict[str, set[str]] = {}
+    for entry in metadata.files:
+        if entry.checkpoint is not None:
+            by_holder.setdefault(entry.checkpoint, set()).add(entry.path)
+    for holder, paths in sorted(by_holder.items()):
+        try:
+            problem = _holder_problem(storage, metadata.save_id, holder, paths)
+        except StorageError:
+            raise
+        except (OSError, CheckpointError) as exc:
+            raise StorageError(f"cannot check the references of {storage.describe()} into {holder}: {exc}") from exc
+        if problem is not None:
+            entry = next(f for f in metadata.files if f.checkpoint == holder)
+            more = f" (and {len(paths) - 1} more files of {holder})" if len(paths) > 1 else ""
+            raise CorruptCheckpointError(f"{_where(storage, entry)} {problem}{more}")
+
+
 def read_markers(holder: Storage) -> list[ReferenceMarker]:
-    """The reference markers in ``holder`` (malformed ones are skipped with a warning: they protect nothing
-    a well-formed one does not, and a referrer always writes a well-formed one before it commits)."""
+    """The reference markers in ``holder``. Malformed ones (too large, not JSON, not at the name their content
+    gives, naming other files than data files) are skipped with a warning: they protect nothing a well-formed
+    one does not, since a referrer writes a well-formed one before it commits, and nothing ever deletes them.
+
+    Raises:
+        OSError: the markers cannot be listed, or one cannot be read (then nothing may be deleted on a guess).
+    """
     out = []
     for name in holder.list_files(REFERENCES_DIR):
         try:
             marker = _parse_marker(name, holder.read_bytes(name, max_bytes=MAX_MARKER_BYTES))
         except FileNotFoundError:
             continue
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (FileTooLargeError, ValueError, KeyError, TypeError) as exc:
             logger.warning("ignoring the malformed reference marker %s: %s", holder.describe(name), exc)
             continue
         out.append(marker)
@@ -157,12 +260,18 @@ def read_markers(holder: Storage) -> list[ReferenceMarker]:
 
 
 def _parse_marker(name: str, raw: bytes) -> ReferenceMarker:
+    """A marker as :func:`write_markers` writes it, at the name it gives it; ValueError (or KeyError, TypeError)
+    for anything else."""
     doc = json.loads(raw)
+    if not isinstance(doc, dict) or set(doc) != {"checkpoint", "save_id", "files"}:
+        raise ValueError("not a reference marker")
     checkpoint, save_id, files = doc["checkpoint"], doc["save_id"], doc["files"]
     if not isinstance(checkpoint, str) or check_relative_path(checkpoint) or "/" in checkpoint:
         raise ValueError(f"bad checkpoint name {checkpoint!r}")
-    if not isinstance(save_id, str) or not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-        raise ValueError("bad save_id or files")
+    if not isinstance(save_id, str) or not _SAVE_ID.match(save_id) or name != marker_name(checkpoint, save_id):
+        raise ValueError(f"save id {save_id!r} or name {name!r} is not the marker's")
+    if not isinstance(files, list) or not all(isinstance(f, str) and REFERENCED_FILE_PATTERN.match(f) for f in files):
+        raise ValueError("its files are not data file names")
     return ReferenceMarker(name=name, checkpoint=checkpoint, save_id=save_id, files=frozenset(files))
 
 

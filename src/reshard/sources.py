@@ -24,7 +24,7 @@ from reshard.errors import (
 from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.locking import read_lock
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
-from reshard.references import RETIRED_FILE, is_retired
+from reshard.references import RETIRED_FILE, is_retired, verify_references
 from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
 
 __all__ = ["CheckpointSource", "ReshardCheckpoint", "as_source", "read_metadata_bytes"]
@@ -52,6 +52,8 @@ class CheckpointSource(ABC):
 
         Raises:
             CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError, StorageError.
+            CorruptCheckpointError also when the checkpoint references a file of another checkpoint that no
+            marker ties to it (:func:`reshard.references.verify_references`).
         """
 
     @abstractmethod
@@ -165,7 +167,9 @@ class ReshardCheckpoint(CheckpointSource):
 
     def read_metadata(self) -> tuple[bytes, Metadata]:
         raw = read_metadata_bytes(self.storage)
-        return raw, Metadata.from_json_bytes(raw, where=self.storage.describe(METADATA_FILE))
+        metadata = Metadata.from_json_bytes(raw, where=self.storage.describe(METADATA_FILE))
+        verify_references(self.storage, metadata)  # before any rank opens a file of another checkpoint
+        return raw, metadata
 
     def decode_metadata(self, raw: bytes) -> Metadata:
         # The coordinator validated these bytes: each rank decodes only the packed tensors it loads.
