@@ -1,5 +1,5 @@
-"""References between checkpoints: what an incremental save leaves in the checkpoints it points into, and
-how a checkpoint is deleted without losing bytes that others still use.
+"""References between checkpoints: what an incremental save leaves in the checkpoints it points into, which
+references a reader may follow, and which files every deletion must keep.
 
 An incremental save (``reshard.save(..., base=...)``, ``CheckpointManager(incremental=True)``) writes only
 the boxes whose content changed; its ``metadata.json`` names, for the others, the data file of the sibling
@@ -12,15 +12,16 @@ referrer, so before its commit the save leaves a **reference marker** in every h
 A marker is *live* while the referrer's committed ``metadata.json`` is that save's (same ``save_id``), or
 while the referrer has no commit yet and a live save lock (the save is still running); unreadable or
 corrupt referrers count as live, since deleting on a guess could cost data. Every deletion of data files
-asks first (:func:`protected_files`): an overwrite's cleanup, ``reshard gc``, and retention, which deletes a
-checkpoint with :func:`delete_checkpoint`: a checkpoint that no live marker points into goes whole; one
-that others reference is **retired**: ``retired.json`` is written first, then ``metadata.json`` and the
-files no one references are deleted. A retired directory is not a checkpoint (a load says so) and not an
-interrupted save; :func:`sweep_retired` (retention and ``reshard gc``) removes what its markers no longer
-protect, and the directory once nothing does.
+asks first (:func:`protected_files`): an overwrite's cleanup, ``reshard gc``, and retention
+(:mod:`reshard.retirement`, which retires a checkpoint that others reference).
 
-All functions here run in one process (the coordinator of a save, retention, ``reshard gc``); none is
-collective.
+The marker is also what ties a reference to its referrer: a reader follows the references of a checkpoint
+only while each holder keeps the marker of that very checkpoint (its name) and save, naming the files
+(:func:`verify_references`); a checkpoint copied or moved away from its name, or a document naming a
+directory that is no checkpoint, is refused before any referenced file is opened.
+
+All functions here run in one process (the coordinator of a save or load, retention, ``reshard gc``,
+``validate``); none is collective.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -49,12 +49,11 @@ __all__ = [
     "RETIRED_FILE",
     "ReferenceMarker",
     "check_referenced_files",
-    "delete_checkpoint",
     "is_retired",
+    "marker_state",
     "protected_files",
     "reference_problems",
     "remove_markers",
-    "sweep_retired",
     "verify_references",
     "write_markers",
 ]
@@ -295,19 +294,33 @@ def _is_live(holder: Storage, marker: ReferenceMarker) -> bool:
         referrer.close()
 
 
-def protected_files(holder: Storage) -> tuple[set[str], list[str]]:
-    """The files of ``holder`` that live referrers use, and the names of its stale markers.
+def marker_state(holder: Storage) -> tuple[set[str], list[str], set[str]]:
+    """The files of ``holder`` that live referrers use, the names of its stale markers, and the files that any
+    of its well-formed markers names (live or stale: each is a data file of a reshard save, named in a marker
+    that an incremental save wrote).
 
     Raises:
-        OSError: the markers cannot be listed.
+        OSError: the markers cannot be listed or read.
     """
     protected: set[str] = set()
+    named: set[str] = set()
     stale = []
     for marker in read_markers(holder):
+        named |= marker.files
         if _is_live(holder, marker):
             protected |= marker.files
         else:
             stale.append(marker.name)
+    return protected, stale, named
+
+
+def protected_files(holder: Storage) -> tuple[set[str], list[str]]:
+    """The files of ``holder`` that live referrers use, and the names of its stale markers.
+
+    Raises:
+        OSError: the markers cannot be listed or read.
+    """
+    protected, stale, _ = marker_state(holder)
     return protected, stale
 
 
@@ -317,52 +330,3 @@ def is_retired(storage: Storage) -> bool:
         return storage.exists(RETIRED_FILE)
     except OSError:
         return False
-
-
-def delete_checkpoint(storage: Storage) -> bool:
-    """Delete the checkpoint at ``storage``, keeping the data files that live referrers use (then the
-    checkpoint is *retired*). Returns whether it was retired rather than removed whole.
-
-    Order: ``retired.json`` (only when something is kept), ``metadata.json``, then the other files, so that a
-    deletion cut short leaves a retired directory or an incomplete one, never one that looks complete but
-    lacks files, and never loses a referenced file.
-
-    Raises:
-        OSError: a file could not be deleted (what was deleted stays deleted).
-    """
-    protected, stale = protected_files(storage)
-    if not protected:
-        storage.delete(METADATA_FILE)
-        storage.delete_prefix("")
-        return False
-    document = json.dumps({"retired": time.time(), "kept": sorted(protected)}, separators=(",", ":")).encode()
-    storage.commit(RETIRED_FILE, document, replace=True)
-    storage.delete(METADATA_FILE)
-    sweep_retired(storage, protected=protected, stale=stale)
-    return True
-
-
-def sweep_retired(
-    storage: Storage, *, protected: set[str] | None = None, stale: list[str] | None = None, dry_run: bool = False
-) -> list[str]:
-    """In a retired checkpoint: remove the files no live referrer uses and the stale markers; the whole
-    directory once nothing is protected. Returns the names removed (or, with ``dry_run``, that would be).
-
-    Raises:
-        OSError: listing or deleting failed.
-    """
-    if protected is None or stale is None:
-        protected, stale = protected_files(storage)
-    if protected:
-        keep = protected | {RETIRED_FILE}
-        names = [n for n in storage.list_files() if n not in keep and not n.startswith(f"{REFERENCES_DIR}/")]
-        names += stale
-    else:
-        names = storage.list_files()
-    if dry_run:
-        return sorted(names)
-    for name in sorted(names, key=lambda n: (n == RETIRED_FILE, n)):  # retired.json last
-        storage.delete(name)
-    if not protected:
-        storage.delete_prefix("")
-    return sorted(names)

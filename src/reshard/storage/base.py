@@ -201,6 +201,15 @@ class Storage(ABC):
     def delete_prefix(self, prefix: str) -> None:
         """Remove everything under ``prefix`` (a directory or object prefix); a missing one is fine."""
 
+    def remove_empty_dirs(self) -> None:  # noqa: B027 - optional hook with a default
+        """Remove the directories under the root that hold no file, and the root itself if it holds none,
+        where the backend has directories (never through a symbolic link; a directory that holds anything
+        stays). Object stores have no directories: nothing to do."""
+
+    def is_link(self, name: str) -> bool:
+        """Whether ``name`` (a child of the root) is a symbolic link, which deletions never go through."""
+        return False
+
     def download(self, name: str, local_path: Path) -> None:
         """Copy the whole of ``name`` into the local file ``local_path`` (created or truncated).
 

@@ -337,5 +337,15 @@ class LocalStorage(Storage):
         _check_no_links(self.root, name)
         (self.root / name).unlink(missing_ok=True)
 
+    def remove_empty_dirs(self) -> None:
+        if self.root.is_symlink() or not self.root.is_dir():
+            return
+        for folder, _, _ in os.walk(self.root, topdown=False, followlinks=False):
+            with contextlib.suppress(OSError):  # not empty (or gone): it stays
+                os.rmdir(folder)
+
+    def is_link(self, name: str) -> bool:
+        return os.path.islink(self.root / name)
+
     def sync_dir(self, name: str) -> None:
         _fsync_dir(self.root / name)
