@@ -579,7 +579,7 @@ KILL_RUN = textwrap.dedent(
         pid = os.fork()
         if pid == 0:
             try:
-                state = {"armed": scenario == "gc", "count": 0}
+                state = {"armed": scenario in ("gc", "resave"), "count": 0}
                 for method in ("commit", "delete", "delete_prefix", "remove_empty_dirs"):
                     original = getattr(LocalStorage, method, None)
                     if original is None:
@@ -648,8 +648,15 @@ def run_scenario(root: Path, scenario: str) -> None:
     - ``retire``: steps 1 (complete) and 2 (references 1); an incremental save of step 3 with keep_last=1:
       retention deletes step 2 whole, retires step 1 (keeping the file step 3 references) and removes step 0;
     - ``full``: step 1 retired, step 2 referencing it; a full save of step 3: step 2 and step 1 go whole;
-    - ``gc``: step 1 retired with no referrer: ``gc`` of every directory.
+    - ``gc``: step 1 retired with no referrer: ``gc`` of every directory;
+    - ``resave``: step 1 retired, step 2 referencing it; a save into step 1's retired directory (which deletes
+      ``retired.json`` before its commit).
     """
+    if scenario == "resave":
+        group = ThreadGroup(2)
+        path = root / step_name(1)
+        on_threads(2, lambda r: reshard.save(_two_rank_state(r, 1), path, group=group.member(r), options=HASHED))
+        return
     if scenario == "gc":
         for child in sorted(root.iterdir()):
             if child.is_dir():
@@ -688,8 +695,10 @@ def _check_after_kill(root: Path, scenario: str) -> None:
                 reshard.load(_two_rank_template(), path)
         else:
             assert info.status == "incomplete" and step < 3, (step, info)
-    if scenario != "gc":
+    if scenario in ("retire", "full"):
         assert infos[3].status == "complete" and json.loads((root / LATEST_FILE).read_text())["step"] == 3
+    if scenario == "resave":
+        assert infos[2].status == "complete"
     if scenario == "retire":
         assert infos[1].status in ("complete", "retired")
 
@@ -701,7 +710,7 @@ def _recover(root: Path, scenario: str) -> None:
 
         def run(rank: int) -> None:
             manager = reshard.CheckpointManager(
-                root, keep_last=1, incremental=scenario == "retire", group=group.member(rank)
+                root, keep_last=1, incremental=scenario in ("retire", "resave"), group=group.member(rank)
             )
             manager.save(4, _two_rank_state(rank, 4))
 
@@ -712,11 +721,11 @@ def _recover(root: Path, scenario: str) -> None:
                 collect_garbage(child, min_age_s=0, include_incomplete=True)
 
 
-@pytest.mark.parametrize("scenario", ["retire", "full", "gc"])
+@pytest.mark.parametrize("scenario", ["retire", "full", "gc", "resave"])
 def test_kill_9_at_every_step_of_retention_and_gc_loses_nothing_and_converges(tmp_path: Path, scenario: str) -> None:
-    """SIGKILL the process that runs retention (or gc) before each of its deletions and writes, one kill point
-    per run: every committed, non-retired checkpoint still loads, retired ones are refused, and the next save
-    and gc leave exactly what an uninterrupted run leaves."""
+    """SIGKILL the process that runs retention (or gc, or a save into a retired directory) before each of its
+    deletions and writes, one kill point per run: every committed, non-retired checkpoint still loads, retired
+    ones are refused, and the next save and gc leave exactly what an uninterrupted run leaves."""
     work = tmp_path / "work"
     work.mkdir()
     child = subprocess.run(

@@ -281,8 +281,10 @@ def remove_checkpoint(storage: Storage, *, dry_run: bool = False, min_age_s: flo
             storage.commit(RETIRED_FILE, record.to_bytes(), replace=True)
             has_record = True
     steps = ([METADATA_FILE] if ties.metadata is not None else []) + doomed + sorted(stale)
-    if not (kept or young):
-        steps += ties.extra + ties.lock_markers + ([RETIRED_FILE] if has_record else [])
+    if has_record or not (kept or young):  # the record (or nothing left) ties what the lock of a dead save tied
+        steps += ties.extra + ties.lock_markers
+    if has_record and not (kept or young):
+        steps.append(RETIRED_FILE)
     for name in steps:
         if not dry_run:
             storage.delete(name)
