@@ -267,6 +267,20 @@ def test_6_a_moved_newest_step_is_no_base_and_never_loaded_silently(tmp_path: Pa
     assert_loads_as(root / step_name(6), 6)
 
 
+def test_6_a_step_read_through_a_link_keeps_its_references(tmp_path: Path) -> None:
+    """A link to a step (``latest -> step_2`` beside it, or from another directory) is that step: its name and
+    siblings are those of the directory it points to, so its references hold."""
+    root = tmp_path / "root"
+    manager = reshard.CheckpointManager(root, incremental=True)
+    for step in (1, 2):
+        manager.save(step, frozen_and_trained(step))
+    (root / "latest").symlink_to(step_name(2))
+    (tmp_path / "elsewhere").symlink_to(root / step_name(2))
+    for link in (root / "latest", tmp_path / "elsewhere"):
+        assert_loads_as(link, 2)
+        assert validate_checkpoint(link) == []
+
+
 # ---- 7: a retirement cut short after its record ------------------------------------------------------------------
 
 CUT_AFTER_RECORD = textwrap.dedent(

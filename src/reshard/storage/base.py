@@ -186,7 +186,8 @@ class Storage(ABC):
 
     @property
     def name(self) -> str:
-        """The root's own name in its parent (the last component of its path or prefix)."""
+        """The root's own name in its parent (the last component of its path or prefix; of the directory it
+        points to, for a local root that is a symbolic link)."""
         raise StorageError(f"{self.describe()}: this storage has no name in a parent (no sibling checkpoints)")
 
     def sibling(self, name: str) -> Storage:
