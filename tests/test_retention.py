@@ -520,6 +520,21 @@ def test_retention_never_deletes_through_a_step_that_is_a_link(tmp_path: Path) -
     assert (root / step_name(1)).is_symlink() and (root / step_name(2)).is_symlink()
 
 
+def test_retention_of_a_step_whose_data_is_a_link_deletes_nothing(tmp_path: Path) -> None:
+    """A step whose ``data`` is a link to a directory elsewhere: retention deletes nothing of it (not even its
+    metadata.json) and says so; the save is committed (UnconfirmedCommitError)."""
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    manager = reshard.CheckpointManager(root, keep_last=1)
+    manager.save(1, frozen_and_trained(1))
+    shutil.move(root / step_name(1) / "data", elsewhere)
+    (root / step_name(1) / "data").symlink_to(elsewhere)
+    before, inside = _snapshot(elsewhere), _snapshot(root / step_name(1))
+    with pytest.raises(reshard.UnconfirmedCommitError, match="symbolic link"):
+        manager.save(2, frozen_and_trained(2))
+    assert _snapshot(elsewhere) == before and _snapshot(root / step_name(1)) == inside
+    assert_loads_as(root / step_name(2), 2)
+
+
 def test_hostile_reference_markers_protect_nothing_and_are_never_deleted(tmp_path: Path) -> None:
     root = tmp_path / "root"
     manager = reshard.CheckpointManager(root, keep_last=1, incremental=True)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from reshard.errors import CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError
 from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.locking import DEFAULT_STALE_AFTER_S, LockInfo, lock_markers
-from reshard.metadata import MAX_METADATA_BYTES, METADATA_FILE, Metadata
+from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
 from reshard.references import REFERENCES_DIR, RETIRED_FILE, marker_state
 from reshard.storage import FileTooLargeError, Storage
 
@@ -225,6 +225,7 @@ def _ties(storage: Storage, named: set[str]) -> _Ties:
     record = read_record(storage)
     metadata = _tied_metadata(storage, record)
     tokens, locks = _stale_save_lock(storage)
+    storage.list_files(DATA_DIR)  # OSError (ELOOP) where data/ is a link: nothing is deleted through it
     names = storage.list_files()
     tied = set(record.files if record is not None else ()) | named
     if metadata is not None:
