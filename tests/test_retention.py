@@ -83,6 +83,7 @@ NOT_RECORDS = {
         {"retired": 1.5, "save_id": HEX, "files": ["data/train.csv"], "kept": []}, separators=(",", ":")
     ).encode(),
     "huge": b"",  # made a sparse 65 MiB file below
+    "deep": b"[" * 100_000,
 }
 
 
@@ -400,7 +401,9 @@ def _point_at(checkpoint: Path, holder: str, path: str, size: int) -> None:
     write_doc(checkpoint, doc)
 
 
-@pytest.mark.parametrize("case", ["secret_file", "data_name_in_a_plain_directory", "checkpoint_without_marker"])
+@pytest.mark.parametrize(
+    "case", ["secret_file", "data_name_in_a_plain_directory", "checkpoint_without_marker", "malformed_marker"]
+)
 def test_8_a_reference_outside_a_protected_sibling_checkpoint_is_refused_unopened(tmp_path: Path, case: str) -> None:
     """A hostile checkpoint unpacked in a home directory references ``~/.ssh/id_rsa``, a file named like data
     in a directory that is no checkpoint, or a real checkpoint's data file that holds no marker for it: load
@@ -418,8 +421,13 @@ def test_8_a_reference_outside_a_protected_sibling_checkpoint_is_refused_unopene
         (home / "project" / "data").mkdir(parents=True)
         shutil.copy(home / "other" / other_file.path, home / "project" / other_file.path)
         holder, target, size, match = "project", other_file.path, other_file.size, "project.*not a reshard checkpoint"
-    else:
+    elif case == "checkpoint_without_marker":
         holder, target, size, match = "other", other_file.path, other_file.size, "other.*no reference marker"
+    else:  # a marker with evil's name and save id, nested too deep to parse
+        save_id = reshard.read_metadata(home / "evil").save_id
+        (home / "other" / REFERENCES_DIR).mkdir()
+        (home / "other" / REFERENCES_DIR / f"evil.{save_id}.json").write_bytes(b"[" * 100_000)
+        holder, target, size, match = "other", other_file.path, other_file.size, "other.*is malformed"
     _point_at(home / "evil", holder, target, size)
     seen: list[str] = []
     with pytest.raises(reshard.CorruptCheckpointError, match=match) as caught:
@@ -544,6 +552,7 @@ def test_hostile_reference_markers_protect_nothing_and_are_never_deleted(tmp_pat
     hostile = {
         "huge.json": b"",
         "bad.json": b"{not json",
+        f"step_000000002.{HEX}.json": b"[" * 100_000,
         "escape.x.json": json.dumps({"checkpoint": "..", "save_id": HEX, "files": ["data/x"]}).encode(),
         f"step_000000009.{HEX}.json": json.dumps(
             {"checkpoint": "step_000000002", "save_id": HEX, "files": ["../../etc/passwd"]}

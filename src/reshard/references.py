@@ -184,7 +184,7 @@ def _holder_problem(storage: Storage, save_id: str, holder: str, paths: set[str]
                 "moved keeps no protection under its new name or place: copy or move the whole directory of "
                 "checkpoints, whose markers name each other)"
             )
-        except (FileTooLargeError, ValueError, KeyError, TypeError) as exc:
+        except (FileTooLargeError, ValueError, KeyError, TypeError, RecursionError) as exc:
             return f"is refused unread: the reference marker {name} in {holder} is malformed ({exc})"
         if not paths <= marker.files:
             return f"is not protected and refused unread: the reference marker {name} in {holder} does not name it"
@@ -251,7 +251,7 @@ def read_markers(holder: Storage) -> list[ReferenceMarker]:
             marker = _parse_marker(name, holder.read_bytes(name, max_bytes=MAX_MARKER_BYTES))
         except FileNotFoundError:
             continue
-        except (FileTooLargeError, ValueError, KeyError, TypeError) as exc:
+        except (FileTooLargeError, ValueError, KeyError, TypeError, RecursionError) as exc:
             logger.warning("ignoring the malformed reference marker %s: %s", holder.describe(name), exc)
             continue
         out.append(marker)

@@ -129,7 +129,7 @@ def read_record(storage: Storage) -> RetiredRecord | None:
         raise CheckpointNotFoundError(_not_a_record(storage, exc.strerror or str(exc))) from None
     try:
         return RetiredRecord.parse(raw)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # deeply nested JSON: RecursionError
         raise CheckpointNotFoundError(_not_a_record(storage, str(exc))) from None
 
 
@@ -206,7 +206,7 @@ def _stale_save_lock(storage: Storage) -> tuple[set[str], list[str]]:
             info = LockInfo.from_bytes(storage.read_bytes(name, max_bytes=_MAX_LOCK_BYTES))
         except FileNotFoundError:
             continue
-        except FileTooLargeError:
+        except (FileTooLargeError, RecursionError):
             return set(), []  # not a marker reshard wrote: it ties nothing
         if info is None:
             return set(), []
