@@ -282,6 +282,21 @@ def test_6_a_step_read_through_a_link_keeps_its_references(tmp_path: Path) -> No
         assert validate_checkpoint(link) == []
 
 
+def test_a_manager_whose_base_lost_bytes_saves_in_full(tmp_path: Path) -> None:
+    """The file that the newest step references was truncated (a damaged disk): the next save of the job is
+    made in full instead of failing (it could not reference that file), and loads."""
+    root = tmp_path / "root"
+    manager = reshard.CheckpointManager(root, keep_last=2, incremental=True)
+    manager.save(1, frozen_and_trained(1))
+    manager.save(2, frozen_and_trained(2))
+    (held,) = (root / step_name(1) / "data").iterdir()
+    held.write_bytes(held.read_bytes()[:-5])
+    with pytest.raises(reshard.CorruptCheckpointError):
+        reshard.load(template(), root / step_name(2))
+    assert manager.save(3, frozen_and_trained(3)).referenced_bytes == 0
+    assert_loads_as(root / step_name(3), 3)
+
+
 # ---- 7: a retirement cut short after its record ------------------------------------------------------------------
 
 CUT_AFTER_RECORD = textwrap.dedent(

@@ -27,8 +27,8 @@ checkpoint (:func:`reshard.save`'s ``base``): only the boxes whose content chang
 are referenced where they lie. A checkpoint whose files a kept one references is *retired* (``retired.json``;
 status ``retired``), keeping exactly those files, and swept once no kept checkpoint needs them; ``full_every``
 makes a save full when the bytes of its base go back that many steps, so that retired holders do not live on
-for ever. A newest step whose references no marker ties to it (copied or moved into the root) is no base: the
-save is full.
+for ever. A newest step that cannot be a base (its references tied by no marker: copied or moved into the root;
+a data file of it, or one it references, of another size than recorded) makes the save full, with a warning.
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ from reshard.errors import (
 )
 from reshard.load import load
 from reshard.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
+from reshard.maintenance import validate_checkpoint
 from reshard.metadata import METADATA_FILE, Metadata
 from reshard.options import SaveOptions
-from reshard.references import is_retired, verify_references
+from reshard.references import is_retired
 from reshard.retirement import remove_checkpoint
 from reshard.save import SaveResult, save
 from reshard.sources import read_metadata_bytes
@@ -312,23 +313,24 @@ class CheckpointManager:
                     if step - oldest >= self.full_every:
                         logger.info("step %d: a full save (its base's bytes go back to step %d)", step, oldest)
                         return None
-                if info.referenced_checkpoints and not self._references_hold(info.name):
-                    return None
-                return info.name
+                return info.name if self._usable_base(info.name) else None
         return None
 
-    def _references_hold(self, name: str) -> bool:
-        """Whether the references of checkpoint ``name`` are tied to it by markers (else it was copied or moved
-        here, and a save based on it is made in full)."""
+    def _usable_base(self, name: str) -> bool:
+        """Whether checkpoint ``name`` can be an incremental save's base: its references are tied to it by
+        markers (it was not copied or moved here) and its data files, and those it references, have their
+        sizes (checksums are not read: a save must not cost a read of its base). Else the save is made in full,
+        so that a damaged or moved base never keeps a job from saving."""
         child = self.root.child(name)
         try:
-            verify_references(child, Metadata.from_json_bytes(read_metadata_bytes(child), lazy=True))
-            return True
-        except CorruptCheckpointError as exc:
-            logger.warning("%s cannot be the base of an incremental save, saving in full: %s", name, exc)
-            return False
+            problems = validate_checkpoint(child, quick=True)
+        except CheckpointError as exc:
+            problems = [str(exc)]
         finally:
             child.close()
+        if problems:
+            logger.warning("%s cannot be the base of an incremental save, saving in full: %s", name, problems[0])
+        return not problems
 
     def _point_latest_at(self, step: int) -> None:
         """On the coordinator, after step ``step`` committed: replace ``latest.json`` (atomically)."""
