@@ -191,7 +191,7 @@ LAYERS = {
     **dict.fromkeys(["_version", "errors", "dtypes", "geometry", "collector", "progress"], 1),
     **dict.fromkeys(["codec", "sharding", "fingerprint", "metadata", "storage", "transports"], 2),
     **dict.fromkeys(["statedict", "dtensor", "planning", "locking", "comm"], 3),
-    **dict.fromkeys(["io", "sources", "staging", "exchange", "references"], 4),
+    **dict.fromkeys(["io", "sources", "staging", "exchange", "references", "retirement"], 4),
     **dict.fromkeys(
         ["options", "save", "load", "async_save", "manager", "maintenance", "stats", "transfer", "peer"], 5
     ),

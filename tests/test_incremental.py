@@ -29,7 +29,8 @@ from reshard.demo.training import Trainer, TrainingConfig
 from reshard.maintenance import collect_garbage, validate_checkpoint
 from reshard.manager import scan_root, step_name
 from reshard.models.config import LoraConfig, ModelConfig, is_adapter_key
-from reshard.references import REFERENCES_DIR, RETIRED_FILE, delete_checkpoint
+from reshard.references import REFERENCES_DIR, RETIRED_FILE
+from reshard.retirement import delete_checkpoint
 from reshard.storage import LocalStorage
 from reshard.transports import ThreadGroup
 from tests.demo_groups import layout_groups
@@ -317,7 +318,7 @@ def test_kill_9_during_an_incremental_save_keeps_the_previous_checkpoints(tmp_pa
         [sys.executable, "-c", KILL_SCRIPT, str(root), point, str(marker)],
         check=False,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},  # this checkout's reshard
         capture_output=True,
         text=True,
         timeout=120,

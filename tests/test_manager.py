@@ -8,7 +8,9 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -68,19 +70,37 @@ def test_fallback_past_corrupt_and_incomplete_checkpoints(tmp_path: Path) -> Non
     assert reshard.CheckpointManager(tmp_path / "empty").load_latest(_template()) is None
 
 
+def _dead_pid() -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True, text=True
+    )
+    return int(done.stdout)
+
+
 def test_retention_removes_old_leftovers_but_not_newer_or_live_ones(tmp_path: Path) -> None:
+    """What a save that died leaves (its data file, its lock naming its save) is removed once older than the
+    newest complete step; a newer one, a running one, and files that no save's lock or record ties to a save
+    (named like data files, but no lock) stay."""
     manager = reshard.CheckpointManager(tmp_path, keep_last=1)
     manager.save(1, _state(1))
+    dead = _dead_pid()
     for leftover in ("step_000000002", "step_000000009"):  # an interrupted save before and after step 5
+        save_id = uuid.uuid4().hex
         (tmp_path / leftover / "data").mkdir(parents=True)
-        (tmp_path / leftover / "data" / "x-r00000.bin").write_bytes(b"partial")
+        (tmp_path / leftover / "data" / f"{save_id}-r00000.bin").write_bytes(b"partial")
+        info = LockInfo(host=socket.gethostname(), pid=dead, token=save_id, created=time.time())
+        (tmp_path / leftover / LOCK_FILE).write_bytes(info.to_bytes())
+    untied = tmp_path / "step_000000004" / "data" / f"{uuid.uuid4().hex}-r00000.bin"
+    untied.parent.mkdir(parents=True)
+    untied.write_bytes(b"no lock names this save")
     live = tmp_path / "step_000000003"
     (live / "data").mkdir(parents=True)
     info = LockInfo(host=socket.gethostname(), pid=os.getppid(), token="t", created=time.time())
     (live / LOCK_FILE).write_bytes(info.to_bytes())  # a save that is running right now
     manager.save(5, _state(5))
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_"))
-    assert names == ["step_000000003", "step_000000005", "step_000000009"]
+    assert names == ["step_000000003", "step_000000004", "step_000000005", "step_000000009"]
+    assert untied.read_bytes() == b"no lock names this save"
 
 
 def test_two_managers_on_one_root_cannot_interleave(tmp_path: Path) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ import reshard
 from reshard.cli import main
 from reshard.dtypes import is_lossy_cast
 from reshard.errors import CheckpointNotFoundError, IncompleteCheckpointError, MismatchError, StateDictError
+from reshard.locking import LOCK_FILE, LockInfo
 from reshard.maintenance import collect_garbage
 
 
@@ -44,20 +48,30 @@ def test_a_directory_with_its_own_data_folder_is_not_an_interrupted_save(
 
 
 def test_gc_of_an_interrupted_save_removes_only_the_files_a_save_names(tmp_path: Path) -> None:
-    """An interrupted save (a data file named as a save names it, no metadata.json) is incomplete; gc
-    --incomplete removes that file and leaves a file a person put beside it."""
+    """An interrupted save (a data file named as a save names it, no metadata.json, the lock of the save that
+    died) is incomplete; gc --incomplete removes that file and the lock, and leaves a file a person put beside
+    it; without the lock that names the save, nothing ties the file to it, and gc removes nothing."""
     ckpt = tmp_path / "ckpt"
-    reshard.save({"w": torch.ones(4)}, ckpt)
-    (ckpt / "metadata.json").unlink()  # as if the save died before its commit
+    save_id = reshard.save({"w": torch.ones(4)}, ckpt).save_id
+    (ckpt / "metadata.json").unlink()  # as if the save died before its commit ...
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True, text=True
+    )
+    lock = LockInfo(host=socket.gethostname(), pid=int(dead.stdout), token=save_id, created=1_000_000_000.0)
+    (ckpt / LOCK_FILE).write_bytes(lock.to_bytes())  # ... leaving its lock
     foreign = ckpt / "data" / "notes.txt"
     foreign.write_text("mine")
     for name in (ckpt / "data").iterdir():
         _old(name)
     with pytest.raises(IncompleteCheckpointError):
         reshard.read_metadata(ckpt)
+    (ckpt / LOCK_FILE).rename(tmp_path / "lock")
+    with pytest.raises(IncompleteCheckpointError, match="nothing ties"):
+        collect_garbage(ckpt, include_incomplete=True, min_age_s=0)
+    (tmp_path / "lock").rename(ckpt / LOCK_FILE)
     removed = collect_garbage(ckpt, include_incomplete=True, min_age_s=0)
-    assert removed and all(name.startswith("data/") and name.endswith(".bin") for name in removed)
-    assert sorted(p.name for p in (ckpt / "data").iterdir()) == ["notes.txt"]
+    assert len(removed) == 2 and removed[0].startswith(f"data/{save_id}-") and removed[1] == LOCK_FILE
+    assert sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")) == ["data", "data/notes.txt"]
 
 
 def test_a_meta_device_template_is_an_error_not_a_silent_no_op(tmp_path: Path) -> None:

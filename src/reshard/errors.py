@@ -92,7 +92,8 @@ class UnconfirmedCommitError(CheckpointError):
     """The checkpoint **was committed and is complete**, but the save could not end in agreement: a rank
     died or lost contact after the commit. Nothing the checkpoint references was deleted; it loads like
     any other. Raised by the coordinator (which committed), and by a rank that lost contact but found the
-    committed ``metadata.json`` of its own save.
+    committed ``metadata.json`` of its own save; by :meth:`reshard.CheckpointManager.save` on every rank when
+    what follows the commit (its lock, ``latest.json``, retention) fails.
 
     Attributes:
         path: the checkpoint.

@@ -2,14 +2,17 @@
 
 Data files are named per save, so a save that failed or was interrupted, an overwrite interrupted after
 its commit, or a losing racer leaves files that ``metadata.json`` does not list. Loads ignore them;
-:func:`collect_garbage` (``reshard gc PATH``) removes them. Only files under ``data/`` whose names are
-those a save writes (:data:`~reshard.io.datafile.DATA_FILE_PATTERN`) are candidates, and only those older
-than ``min_age_s``, so that the files of a save still writing to the same location, and anything a person
-put there, are left alone. Files that a live incremental checkpoint references (its marker is in
-``refs/``, :mod:`reshard.references`) are never candidates; a *retired* checkpoint (deleted while others
-referenced it) loses the files and markers no live referrer needs, and goes whole once none does.
-Symbolic links are never followed: a ``data`` directory that is a link is refused, so that nothing
-outside the checkpoint can be deleted.
+:func:`collect_garbage` (``reshard gc PATH``) removes them. In a committed checkpoint, only files under
+``data/`` whose names are those a save writes (:data:`~reshard.io.datafile.DATA_FILE_PATTERN`) are candidates,
+and only those older than ``min_age_s``, so that the files of a save still writing to the same location, and
+anything a person put there, are left alone. Files that a live incremental checkpoint references (its marker
+is in ``refs/``, :mod:`reshard.references`) are never candidates. A *retired* directory, and with
+``include_incomplete`` an interrupted save, are cleaned by :func:`reshard.retirement.remove_checkpoint`, which
+deletes only the files that something reshard wrote ties to a reshard save (a retirement record, the lock of a
+save that died, a reference marker) and removes the directory only once it is empty: a directory reshard did
+not make (a project with its own ``retired.json`` or files named like data files) is refused, untouched.
+Symbolic links are never followed: a ``data`` directory that is a link is refused, so that nothing outside the
+checkpoint can be deleted.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.io.reader import ReadExecutor
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
 from reshard.progress import Progress, reporting
-from reshard.references import check_referenced_files, is_retired, protected_files, sweep_retired
+from reshard.references import RETIRED_FILE, check_referenced_files, protected_files, reference_problems
+from reshard.retirement import remove_checkpoint
 from reshard.sources import read_metadata_bytes
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
@@ -48,52 +52,72 @@ def collect_garbage(
         dry_run: only list what would be removed.
         min_age_s: leave files younger than this many seconds (a save may still be writing them).
         include_incomplete: when ``path`` has data files but no ``metadata.json`` (an interrupted save),
-            remove them all; without it such a path raises IncompleteCheckpointError.
+            remove those that the lock the dead save left (or a reference marker) ties to it; without it such
+            a path raises IncompleteCheckpointError.
         storage_options: passed to the object-store client.
 
     Returns:
         The relative names removed (or that would be).
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint at ``path`` (also: a ``retired.json`` that reshard did not
+            write); nothing is removed.
+        IncompleteCheckpointError: data files but no ``metadata.json`` (without ``include_incomplete``, or
+            when nothing ties them to a reshard save); nothing is removed.
+        CheckpointLockedError: a live save holds a retired or interrupted ``path``.
+        StorageError: listing or deleting failed.
     """
     storage = storage_for(path, storage_options)
     try:
-        if is_retired(storage) and not storage.exists(METADATA_FILE):
+        try:
+            if storage.exists(RETIRED_FILE):  # metadata.json too: a retirement cut short before it deleted it
+                return remove_checkpoint(storage, dry_run=dry_run).removed
             try:
-                return sweep_retired(storage, dry_run=dry_run)
-            except OSError as exc:
-                raise StorageError(f"collecting the garbage of retired {storage.describe()} failed: {exc}") from exc
-        try:
-            referenced = {
-                f.path for f in Metadata.from_json_bytes(read_metadata_bytes(storage)).files if f.checkpoint is None
-            }
-        except IncompleteCheckpointError:
-            if not include_incomplete:
-                raise
-            referenced = set()
-        except CheckpointNotFoundError:
+                metadata = Metadata.from_json_bytes(read_metadata_bytes(storage))
+            except IncompleteCheckpointError as exc:
+                if not include_incomplete:
+                    raise
+                removal = remove_checkpoint(storage, dry_run=dry_run, min_age_s=min_age_s)
+                if not removal.proven and removal.left:
+                    raise IncompleteCheckpointError(
+                        f"{exc}; and nothing ties its files to a reshard save (no lock of a save that died, no "
+                        "retirement record or reference marker names them): nothing removed, delete them yourself "
+                        "if they are yours to delete"
+                    ) from None
+                return removal.removed
+            return _collect_committed(storage, metadata, dry_run=dry_run, min_age_s=min_age_s)
+        except CheckpointError:  # some derive from OSError (CheckpointNotFoundError, StorageError): as they are
             raise
-        now = time.time()
-        try:
-            protected, stale = protected_files(storage)
-            referenced |= protected
-            garbage = [
-                name
-                for name in storage.list_files(DATA_DIR)
-                if name not in referenced
-                and DATA_FILE_PATTERN.match(name)
-                and now - storage.modified_time(name) >= min_age_s
-            ]
-            garbage += stale
-            if not dry_run:
-                for name in garbage:
-                    storage.delete(name)
         except OSError as exc:
             raise StorageError(
                 f"collecting the garbage of {storage.describe()} failed (nothing more deleted): {exc}"
             ) from exc
-        return garbage
     finally:
         if storage is not path:
             storage.close()
+
+
+def _collect_committed(storage: Storage, metadata: Metadata, *, dry_run: bool, min_age_s: float) -> list[str]:
+    """In a committed checkpoint: the data files of other saves (named as a save names them) that neither its
+    metadata nor a live reference marker names, older than ``min_age_s``, and the stale markers.
+
+    Raises:
+        OSError: listing or deleting failed.
+    """
+    referenced = {f.path for f in metadata.files if f.checkpoint is None}
+    protected, stale = protected_files(storage)
+    referenced |= protected
+    now = time.time()
+    garbage = [
+        name
+        for name in storage.list_files(DATA_DIR)
+        if name not in referenced and DATA_FILE_PATTERN.match(name) and now - storage.modified_time(name) >= min_age_s
+    ]
+    garbage += stale
+    if not dry_run:
+        for name in garbage:
+            storage.delete(name)
+    return garbage
 
 
 def validate_checkpoint(
@@ -107,8 +131,9 @@ def validate_checkpoint(
 
     Checks completeness (``metadata.json`` present and valid), that every data file exists with the size
     the metadata says (the files of other checkpoints that an incremental checkpoint references too, each
-    problem naming both checkpoints), and, unless ``quick``, every checksum of every stored box and object
-    (``progress``, if given, is told the bytes checked). Not collective.
+    problem naming both checkpoints, once a marker in the other checkpoint ties the reference to this one:
+    else that is the problem, and the file is not opened), and, unless ``quick``, every checksum of every
+    stored box and object (``progress``, if given, is told the bytes checked). Not collective.
 
     Raises:
         CheckpointNotFoundError: there is no checkpoint at ``path`` (nothing to validate).
@@ -121,8 +146,9 @@ def validate_checkpoint(
             raise
         except CheckpointError as exc:
             return [str(exc)]
-        referenced_problems = check_referenced_files(storage, metadata)
-        problems = list(referenced_problems.values())
+        referenced_problems = reference_problems(storage, metadata)  # before any such file is sized
+        referenced_problems.update(check_referenced_files(storage, metadata, skip=referenced_problems))
+        problems = [referenced_problems[i] for i in sorted(referenced_problems)]
         good_files = set()
         for index, entry in enumerate(metadata.files):
             if entry.checkpoint is not None:

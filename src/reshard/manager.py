@@ -16,15 +16,19 @@ checkpoints and falls back past ones that turn out incomplete or corrupt.
 Retention runs after each save, on the coordinator: it deletes complete checkpoints outside the policy
 (``keep_last`` newest, plus every ``keep_every``-th step), never the newest complete one and never one a
 live writer holds, and removes leftovers of interrupted saves older than the newest complete checkpoint.
-A checkpoint is deleted ``metadata.json`` first, so a deletion cut short leaves an incomplete directory,
-never a corrupt-looking one.
+It deletes through :func:`reshard.retirement.remove_checkpoint`: only what a reshard save wrote and something
+reshard wrote ties to it, the retirement record ``retired.json`` first, so that a deletion cut short leaves a
+retired directory, never a corrupt-looking one; a step that is a symbolic link, or whose files reshard cannot
+tie to a save, is left alone with a warning. A failure of retention is :class:`~reshard.UnconfirmedCommitError`
+(the step is committed).
 
 With ``incremental=True`` each save after the first is an incremental save against the newest complete
 checkpoint (:func:`reshard.save`'s ``base``): only the boxes whose content changed are written, the others
-are referenced where they lie. Retention then deletes through :func:`reshard.references.delete_checkpoint`:
-a checkpoint whose files a kept one references is *retired* (``retired.json``; status ``retired``), keeping
-exactly those files, and swept once no kept checkpoint needs them; ``full_every`` makes a save full when the
-bytes of its base go back that many steps, so that retired holders do not live on for ever.
+are referenced where they lie. A checkpoint whose files a kept one references is *retired* (``retired.json``;
+status ``retired``), keeping exactly those files, and swept once no kept checkpoint needs them; ``full_every``
+makes a save full when the bytes of its base go back that many steps, so that retired holders do not live on
+for ever. A newest step that cannot be a base (its references tied by no marker: copied or moved into the root;
+a data file of it, or one it references, of another size than recorded) makes the save full, with a warning.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from typing import Any
 
 from reshard.comm import Communicator
 from reshard.errors import (
+    CheckpointError,
+    CheckpointLockedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -49,9 +55,11 @@ from reshard.errors import (
 )
 from reshard.load import load
 from reshard.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
+from reshard.maintenance import validate_checkpoint
 from reshard.metadata import METADATA_FILE, Metadata
 from reshard.options import SaveOptions
-from reshard.references import delete_checkpoint, is_retired, sweep_retired
+from reshard.references import is_retired
+from reshard.retirement import remove_checkpoint
 from reshard.save import SaveResult, save
 from reshard.sources import read_metadata_bytes
 from reshard.storage import CheckpointLocation, Storage, storage_for
@@ -223,8 +231,9 @@ class CheckpointManager:
 
         Raises:
             UnconfirmedCommitError: the step was committed and is complete (``latest`` points at it where the
-                coordinator could still say so), but a rank died or lost contact after the commit; retention
-                did not run.
+                coordinator could still say so), but a rank died or lost contact after the commit (retention
+                did not run), or, on every rank, updating ``latest`` or retention failed after the commit
+                (what retention deleted before it failed stays deleted).
             CheckpointError: as :func:`reshard.save`; the step is not committed and ``latest`` is unchanged.
         """
         comm = Communicator(self.group, timeout=self.timeout)
@@ -269,9 +278,21 @@ class CheckpointManager:
                     if held:
                         held[0].check()
                     self._point_latest_at(step)
-                    self._retain(keep_step=step)
+                    try:
+                        self._retain(keep_step=step)
+                    except (OSError, CheckpointError) as exc:
+                        raise StorageError(f"retention failed ({LATEST_FILE} names {step_name(step)}): {exc}") from exc
 
-            comm.step("manager retention", publish)
+            try:
+                comm.step("manager retention", publish)
+            except CheckpointError as exc:  # the same error on every rank, after a commit that every rank saw
+                raise UnconfirmedCommitError(
+                    f"{step_name(step)} was committed and is complete (save {result.save_id}), but the manager's "
+                    f"work after the commit failed: {exc}",
+                    path=result.path,
+                    save_id=result.save_id,
+                    failures=exc.failures,
+                ) from exc
         finally:
             for lock_held in held:
                 lock_held.release()
@@ -292,8 +313,24 @@ class CheckpointManager:
                     if step - oldest >= self.full_every:
                         logger.info("step %d: a full save (its base's bytes go back to step %d)", step, oldest)
                         return None
-                return info.name
+                return info.name if self._usable_base(info.name) else None
         return None
+
+    def _usable_base(self, name: str) -> bool:
+        """Whether checkpoint ``name`` can be an incremental save's base: its references are tied to it by
+        markers (it was not copied or moved here) and its data files, and those it references, have their
+        sizes (checksums are not read: a save must not cost a read of its base). Else the save is made in full,
+        so that a damaged or moved base never keeps a job from saving."""
+        child = self.root.child(name)
+        try:
+            problems = validate_checkpoint(child, quick=True)
+        except CheckpointError as exc:
+            problems = [str(exc)]
+        finally:
+            child.close()
+        if problems:
+            logger.warning("%s cannot be the base of an incremental save, saving in full: %s", name, problems[0])
+        return not problems
 
     def _point_latest_at(self, step: int) -> None:
         """On the coordinator, after step ``step`` committed: replace ``latest.json`` (atomically)."""
@@ -319,27 +356,42 @@ class CheckpointManager:
         for info in sorted(infos, key=lambda i: -i.step):
             live = info.locked and self._lock_is_live(info.name)
             if info.status == "complete" and info.step not in keep and not live:
-                logger.info("retention: deleting %s", self.root.describe(info.name))
-                child = self.root.child(info.name)
-                try:
-                    if delete_checkpoint(child):  # metadata.json first: a cut-short deletion is incomplete
-                        logger.info("retention: %s keeps the data files newer checkpoints reference", info.name)
-                finally:
-                    child.close()
+                self._remove(info.name, "deleting")
             elif info.status not in ("complete", "retired") and info.step < newest and not live:
-                logger.info("retention: removing interrupted save %s", self.root.describe(info.name))
-                child = self.root.child(info.name)
-                try:
-                    delete_checkpoint(child)  # files that others reference stay (a holder whose retirement was cut)
-                finally:
-                    child.close()
+                self._remove(info.name, "removing the leftovers of interrupted save")
         for info in infos:
             if info.status == "retired":
-                child = self.root.child(info.name)
-                try:
-                    sweep_retired(child)
-                finally:
-                    child.close()
+                self._remove(info.name, "sweeping retired")
+
+    def _remove(self, name: str, what: str) -> None:
+        """On the coordinator: delete what reshard wrote in step directory ``name`` (retired where newer
+        checkpoints reference its files). A directory that is a link, or that nothing ties to a reshard save (a
+        ``retired.json`` or ``metadata.json`` reshard did not write, a live save), is left with a warning.
+
+        Raises:
+            OSError: a deletion failed (what was deleted stays deleted).
+        """
+        if self.root.is_link(name):
+            logger.warning("retention: %s is a symbolic link, left alone", self.root.describe(name))
+            return
+        logger.info("retention: %s %s", what, self.root.describe(name))
+        child = self.root.child(name)
+        try:
+            removal = remove_checkpoint(child)
+        except (CheckpointNotFoundError, CorruptCheckpointError, CheckpointLockedError) as exc:
+            logger.warning("retention: %s left alone: %s", self.root.describe(name), exc)
+            return
+        finally:
+            child.close()
+        if removal.retired:
+            logger.info("retention: %s keeps the data files newer checkpoints reference", name)
+        if removal.left:
+            logger.warning(
+                "retention: %s keeps %d files that no reshard save wrote or records (%s)",
+                self.root.describe(name),
+                len(removal.left),
+                ", ".join(removal.left[:5]),
+            )
 
     def _lock_is_live(self, name: str) -> bool:
         child = self.root.child(name)

@@ -1,5 +1,5 @@
-"""References between checkpoints: what an incremental save leaves in the checkpoints it points into, and
-how a checkpoint is deleted without losing bytes that others still use.
+"""References between checkpoints: what an incremental save leaves in the checkpoints it points into, which
+references a reader may follow, and which files every deletion must keep.
 
 An incremental save (``reshard.save(..., base=...)``, ``CheckpointManager(incremental=True)``) writes only
 the boxes whose content changed; its ``metadata.json`` names, for the others, the data file of the sibling
@@ -12,39 +12,49 @@ referrer, so before its commit the save leaves a **reference marker** in every h
 A marker is *live* while the referrer's committed ``metadata.json`` is that save's (same ``save_id``), or
 while the referrer has no commit yet and a live save lock (the save is still running); unreadable or
 corrupt referrers count as live, since deleting on a guess could cost data. Every deletion of data files
-asks first (:func:`protected_files`): an overwrite's cleanup, ``reshard gc``, and retention, which deletes a
-checkpoint with :func:`delete_checkpoint`: a checkpoint that no live marker points into goes whole; one
-that others reference is **retired**: ``retired.json`` is written first, then ``metadata.json`` and the
-files no one references are deleted. A retired directory is not a checkpoint (a load says so) and not an
-interrupted save; :func:`sweep_retired` (retention and ``reshard gc``) removes what its markers no longer
-protect, and the directory once nothing does.
+asks first (:func:`protected_files`): an overwrite's cleanup, ``reshard gc``, and retention
+(:mod:`reshard.retirement`, which retires a checkpoint that others reference).
 
-All functions here run in one process (the coordinator of a save, retention, ``reshard gc``); none is
-collective.
+The marker is also what ties a reference to its referrer: a reader follows the references of a checkpoint
+only while each holder keeps the marker of that very checkpoint (its name) and save, naming the files
+(:func:`verify_references`); a checkpoint copied or moved away from its name, or a document naming a
+directory that is no checkpoint, is refused before any referenced file is opened.
+
+All functions here run in one process (the coordinator of a save or load, retention, ``reshard gc``,
+``validate``); none is collective.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
+import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, CorruptCheckpointError, StorageError
 from reshard.locking import DEFAULT_STALE_AFTER_S, read_lock
-from reshard.metadata import MAX_METADATA_BYTES, METADATA_FILE, Metadata, check_relative_path
-from reshard.storage import Storage
+from reshard.metadata import (
+    MAX_METADATA_BYTES,
+    METADATA_FILE,
+    REFERENCED_FILE_PATTERN,
+    DataFile,
+    Metadata,
+    check_relative_path,
+)
+from reshard.storage import FileTooLargeError, Storage
 
 __all__ = [
     "REFERENCES_DIR",
     "RETIRED_FILE",
     "ReferenceMarker",
     "check_referenced_files",
-    "delete_checkpoint",
     "is_retired",
+    "marker_state",
     "protected_files",
+    "reference_problems",
     "remove_markers",
-    "sweep_retired",
+    "verify_references",
     "write_markers",
 ]
 
@@ -55,6 +65,7 @@ REFERENCES_DIR = "refs"
 RETIRED_FILE = "retired.json"
 """Written into a checkpoint that was deleted while others reference its files (see the module doc)."""
 MAX_MARKER_BYTES = 64 * 1024 * 1024
+_SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,18 +126,22 @@ def remove_markers(storage: Storage, save_id: str, holders: list[str]) -> None:
             logger.warning("could not remove the reference marker of save %s in %s: %s", save_id, holder, exc)
 
 
-def check_referenced_files(storage: Storage, metadata: Metadata) -> dict[int, str]:
+def _where(storage: Storage, entry: DataFile) -> str:
+    return (
+        f"data file {entry.path} of checkpoint {entry.checkpoint}, which {storage.describe()} references "
+        f"({storage.describe(entry.location)}),"
+    )
+
+
+def check_referenced_files(storage: Storage, metadata: Metadata, *, skip: Collection[int] = ()) -> dict[int, str]:
     """The problem of every file of another checkpoint that ``metadata`` (of the checkpoint at ``storage``)
-    references and that is missing, unreadable, or of another size than recorded, by file index; each
-    names both checkpoints."""
+    references and that is missing, unreadable, or of another size than recorded, by file index (but those in
+    ``skip``); each names both checkpoints."""
     problems = {}
     for index, entry in enumerate(metadata.files):
-        if entry.checkpoint is None:
+        if entry.checkpoint is None or index in skip:
             continue
-        where = (
-            f"data file {entry.path} of checkpoint {entry.checkpoint} ({storage.describe(entry.location)}), "
-            f"which {storage.describe()} references,"
-        )
+        where = _where(storage, entry)
         try:
             size = storage.size(entry.location)
         except FileNotFoundError:
@@ -140,16 +155,103 @@ def check_referenced_files(storage: Storage, metadata: Metadata) -> dict[int, st
     return problems
 
 
+def _holder_problem(storage: Storage, save_id: str, holder: str, paths: set[str]) -> str | None:
+    """Why the files ``paths`` of sibling ``holder`` are not references that the checkpoint at ``storage`` (save
+    ``save_id``) may use, or None when they are: ``holder`` must hold the reference marker of this very
+    checkpoint and save (which only that save writes, before its commit, and which keeps the files from every
+    deletion), naming every one of them. Reads that marker only; where it is missing, looks at whether
+    ``holder`` exists and is a checkpoint, to say so.
+
+    Raises:
+        OSError, CheckpointError: the holder could not be looked at.
+    """
+    target = storage.sibling(holder)
+    try:
+        name = marker_name(storage.name, save_id)
+        try:
+            marker = _parse_marker(name, target.read_bytes(name, max_bytes=MAX_MARKER_BYTES))
+        except FileNotFoundError:
+            if not (target.exists(METADATA_FILE) or target.exists(RETIRED_FILE)):
+                if not target.root_exists():
+                    return "is missing"
+                return (
+                    f"is refused unread: {holder} is not a reshard checkpoint (it has neither {METADATA_FILE} nor "
+                    f"{RETIRED_FILE}) and holds no reference marker {name} for this checkpoint"
+                )
+            return (
+                f"is not protected and refused unread: {holder} holds no reference marker {name} for this "
+                "checkpoint, so its retention and gc may delete the file at any time (a checkpoint copied or "
+                "moved keeps no protection under its new name or place: copy or move the whole directory of "
+                "checkpoints, whose markers name each other)"
+            )
+        except (FileTooLargeError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            return f"is refused unread: the reference marker {name} in {holder} is malformed ({exc})"
+        if not paths <= marker.files:
+            return f"is not protected and refused unread: the reference marker {name} in {holder} does not name it"
+        return None
+    finally:
+        target.close()
+
+
+def reference_problems(storage: Storage, metadata: Metadata) -> dict[int, str]:
+    """The problem of every file of another checkpoint that ``metadata`` (of the checkpoint at ``storage``)
+    references but may not use (see :func:`_holder_problem`: a checkpoint copied or moved, a reference to a
+    directory that is no checkpoint), by file index; nothing of such a file is opened or even sized."""
+    by_holder: dict[str, list[int]] = {}
+    for index, entry in enumerate(metadata.files):
+        if entry.checkpoint is not None:
+            by_holder.setdefault(entry.checkpoint, []).append(index)
+    problems = {}
+    for holder, indices in sorted(by_holder.items()):
+        try:
+            problem = _holder_problem(storage, metadata.save_id, holder, {metadata.files[i].path for i in indices})
+        except (OSError, CheckpointError) as exc:
+            problem = f"cannot be checked: {exc}"
+        if problem is not None:
+            problems.update({i: f"{_where(storage, metadata.files[i])} {problem}" for i in indices})
+    return problems
+
+
+def verify_references(storage: Storage, metadata: Metadata) -> None:
+    """Before any file of another checkpoint that ``metadata`` references is opened: refuse the references
+    that :func:`reference_problems` finds.
+
+    Raises:
+        CorruptCheckpointError: naming the first reference refused (and how many there are).
+        StorageError: a holder could not be looked at.
+    """
+    by_holder: dict[str, set[str]] = {}
+    for entry in metadata.files:
+        if entry.checkpoint is not None:
+            by_holder.setdefault(entry.checkpoint, set()).add(entry.path)
+    for holder, paths in sorted(by_holder.items()):
+        try:
+            problem = _holder_problem(storage, metadata.save_id, holder, paths)
+        except StorageError:
+            raise
+        except (OSError, CheckpointError) as exc:
+            raise StorageError(f"cannot check the references of {storage.describe()} into {holder}: {exc}") from exc
+        if problem is not None:
+            entry = next(f for f in metadata.files if f.checkpoint == holder)
+            more = f" (and {len(paths) - 1} more files of {holder})" if len(paths) > 1 else ""
+            raise CorruptCheckpointError(f"{_where(storage, entry)} {problem}{more}")
+
+
 def read_markers(holder: Storage) -> list[ReferenceMarker]:
-    """The reference markers in ``holder`` (malformed ones are skipped with a warning: they protect nothing
-    a well-formed one does not, and a referrer always writes a well-formed one before it commits)."""
+    """The reference markers in ``holder``. Malformed ones (too large, not JSON, not at the name their content
+    gives, naming other files than data files) are skipped with a warning: they protect nothing a well-formed
+    one does not, since a referrer writes a well-formed one before it commits, and nothing ever deletes them.
+
+    Raises:
+        OSError: the markers cannot be listed, or one cannot be read (then nothing may be deleted on a guess).
+    """
     out = []
     for name in holder.list_files(REFERENCES_DIR):
         try:
             marker = _parse_marker(name, holder.read_bytes(name, max_bytes=MAX_MARKER_BYTES))
         except FileNotFoundError:
             continue
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (FileTooLargeError, ValueError, KeyError, TypeError, RecursionError) as exc:
             logger.warning("ignoring the malformed reference marker %s: %s", holder.describe(name), exc)
             continue
         out.append(marker)
@@ -157,12 +259,18 @@ def read_markers(holder: Storage) -> list[ReferenceMarker]:
 
 
 def _parse_marker(name: str, raw: bytes) -> ReferenceMarker:
+    """A marker as :func:`write_markers` writes it, at the name it gives it; ValueError (or KeyError, TypeError)
+    for anything else."""
     doc = json.loads(raw)
+    if not isinstance(doc, dict) or set(doc) != {"checkpoint", "save_id", "files"}:
+        raise ValueError("not a reference marker")
     checkpoint, save_id, files = doc["checkpoint"], doc["save_id"], doc["files"]
     if not isinstance(checkpoint, str) or check_relative_path(checkpoint) or "/" in checkpoint:
         raise ValueError(f"bad checkpoint name {checkpoint!r}")
-    if not isinstance(save_id, str) or not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-        raise ValueError("bad save_id or files")
+    if not isinstance(save_id, str) or not _SAVE_ID.match(save_id) or name != marker_name(checkpoint, save_id):
+        raise ValueError(f"save id {save_id!r} or name {name!r} is not the marker's")
+    if not isinstance(files, list) or not all(isinstance(f, str) and REFERENCED_FILE_PATTERN.match(f) for f in files):
+        raise ValueError("its files are not data file names")
     return ReferenceMarker(name=name, checkpoint=checkpoint, save_id=save_id, files=frozenset(files))
 
 
@@ -186,19 +294,33 @@ def _is_live(holder: Storage, marker: ReferenceMarker) -> bool:
         referrer.close()
 
 
-def protected_files(holder: Storage) -> tuple[set[str], list[str]]:
-    """The files of ``holder`` that live referrers use, and the names of its stale markers.
+def marker_state(holder: Storage) -> tuple[set[str], list[str], set[str]]:
+    """The files of ``holder`` that live referrers use, the names of its stale markers, and the files that any
+    of its well-formed markers names (live or stale: each is a data file of a reshard save, named in a marker
+    that an incremental save wrote).
 
     Raises:
-        OSError: the markers cannot be listed.
+        OSError: the markers cannot be listed or read.
     """
     protected: set[str] = set()
+    named: set[str] = set()
     stale = []
     for marker in read_markers(holder):
+        named |= marker.files
         if _is_live(holder, marker):
             protected |= marker.files
         else:
             stale.append(marker.name)
+    return protected, stale, named
+
+
+def protected_files(holder: Storage) -> tuple[set[str], list[str]]:
+    """The files of ``holder`` that live referrers use, and the names of its stale markers.
+
+    Raises:
+        OSError: the markers cannot be listed or read.
+    """
+    protected, stale, _ = marker_state(holder)
     return protected, stale
 
 
@@ -208,52 +330,3 @@ def is_retired(storage: Storage) -> bool:
         return storage.exists(RETIRED_FILE)
     except OSError:
         return False
-
-
-def delete_checkpoint(storage: Storage) -> bool:
-    """Delete the checkpoint at ``storage``, keeping the data files that live referrers use (then the
-    checkpoint is *retired*). Returns whether it was retired rather than removed whole.
-
-    Order: ``retired.json`` (only when something is kept), ``metadata.json``, then the other files, so that a
-    deletion cut short leaves a retired directory or an incomplete one, never one that looks complete but
-    lacks files, and never loses a referenced file.
-
-    Raises:
-        OSError: a file could not be deleted (what was deleted stays deleted).
-    """
-    protected, stale = protected_files(storage)
-    if not protected:
-        storage.delete(METADATA_FILE)
-        storage.delete_prefix("")
-        return False
-    document = json.dumps({"retired": time.time(), "kept": sorted(protected)}, separators=(",", ":")).encode()
-    storage.commit(RETIRED_FILE, document, replace=True)
-    storage.delete(METADATA_FILE)
-    sweep_retired(storage, protected=protected, stale=stale)
-    return True
-
-
-def sweep_retired(
-    storage: Storage, *, protected: set[str] | None = None, stale: list[str] | None = None, dry_run: bool = False
-) -> list[str]:
-    """In a retired checkpoint: remove the files no live referrer uses and the stale markers; the whole
-    directory once nothing is protected. Returns the names removed (or, with ``dry_run``, that would be).
-
-    Raises:
-        OSError: listing or deleting failed.
-    """
-    if protected is None or stale is None:
-        protected, stale = protected_files(storage)
-    if protected:
-        keep = protected | {RETIRED_FILE}
-        names = [n for n in storage.list_files() if n not in keep and not n.startswith(f"{REFERENCES_DIR}/")]
-        names += stale
-    else:
-        names = storage.list_files()
-    if dry_run:
-        return sorted(names)
-    for name in sorted(names, key=lambda n: (n == RETIRED_FILE, n)):  # retired.json last
-        storage.delete(name)
-    if not protected:
-        storage.delete_prefix("")
-    return sorted(names)

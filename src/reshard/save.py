@@ -43,7 +43,14 @@ import torch
 from reshard.codec import encode_object_blob, encode_tagged
 from reshard.collector import collector_paused
 from reshard.comm import Communicator
-from reshard.errors import CheckpointError, CommunicationError, StateDictError, StorageError, UnconfirmedCommitError
+from reshard.errors import (
+    CheckpointError,
+    CommunicationError,
+    CorruptCheckpointError,
+    StateDictError,
+    StorageError,
+    UnconfirmedCommitError,
+)
 from reshard.fingerprint import fingerprint
 from reshard.io.commit import CommitOutcome, SaveCommit
 from reshard.io.datafile import DataFileWriter, content_digest, data_file_name, staging_slabs, tensor_bytes
@@ -64,7 +71,7 @@ from reshard.planning.descriptions import (
 )
 from reshard.planning.incremental import ReferencedBox, match_base
 from reshard.planning.save_plan import plan_save_table
-from reshard.references import check_referenced_files, remove_markers, write_markers
+from reshard.references import check_referenced_files, remove_markers, verify_references, write_markers
 from reshard.sources import read_metadata_bytes
 from reshard.statedict import FlatStateDict, flatten_state_dict
 from reshard.stats import PhaseClock, SaveStats, fill_save_stats
@@ -174,7 +181,9 @@ def save(
         CheckpointExistsError: ``path`` holds a complete checkpoint and ``overwrite`` is off.
         CheckpointLockedError: another save holds ``path``.
         CheckpointError: ``base`` is not a sibling of ``path``, has no content hashes, or checksums in
-            chunks of another size; or a data file it references is missing (nothing is written then).
+            chunks of another size; or a data file it references is missing (nothing is written then);
+            CorruptCheckpointError when ``base`` itself references files that no marker ties to it (a
+            copied or moved checkpoint).
         StorageError: a file could not be written on some rank.
         UnconfirmedCommitError: the checkpoint was committed and is complete, but a failure after the commit
             (a rank died or lost contact) kept the save from ending in agreement; nothing is deleted.
@@ -550,9 +559,16 @@ def _write_assigned(
 
 
 def _read_base(storage: Storage, base_name: str) -> Metadata:
-    """On the coordinator of an incremental save: the base checkpoint's metadata, validated."""
+    """On the coordinator of an incremental save: the base checkpoint's metadata, validated, its own references
+    included (a copied or moved base, or one whose references leave the sibling checkpoints, is refused before
+    this save leaves a marker anywhere)."""
     base = storage.sibling(base_name)
     try:
-        return Metadata.from_json_bytes(read_metadata_bytes(base), where=base.describe(METADATA_FILE))
+        metadata = Metadata.from_json_bytes(read_metadata_bytes(base), where=base.describe(METADATA_FILE))
+        try:
+            verify_references(base, metadata)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"the base of the incremental save cannot be used: {exc}") from exc
+        return metadata
     finally:
         base.close()

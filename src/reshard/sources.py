@@ -24,7 +24,7 @@ from reshard.errors import (
 from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.locking import read_lock
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
-from reshard.references import RETIRED_FILE, is_retired
+from reshard.references import RETIRED_FILE, is_retired, verify_references
 from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
 
 __all__ = ["CheckpointSource", "ReshardCheckpoint", "as_source", "read_metadata_bytes"]
@@ -52,6 +52,8 @@ class CheckpointSource(ABC):
 
         Raises:
             CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError, StorageError.
+            CorruptCheckpointError also when the checkpoint references a file of another checkpoint that no
+            marker ties to it (:func:`reshard.references.verify_references`).
         """
 
     @abstractmethod
@@ -78,16 +80,17 @@ def read_metadata_bytes(storage: Storage) -> bytes:
 
     Raises:
         CheckpointNotFoundError: the path does not exist, is not a checkpoint, or is a retired one (deleted
-            but keeping the data files that others reference).
+            but keeping the data files that others reference: ``retired.json``, with or without a
+            ``metadata.json`` that a retirement cut short did not delete yet).
         IncompleteCheckpointError: data files but no ``metadata.json`` (a save that never committed).
         CorruptCheckpointError: ``metadata.json`` is larger than :data:`~reshard.metadata.MAX_METADATA_BYTES`.
         StorageError: the file exists but cannot be read.
     """
     where = storage.describe()
     try:
-        return storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
+        raw = storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
     except FileNotFoundError:
-        pass
+        raw = None
     except NotADirectoryError:
         raise CheckpointNotFoundError(f"{where} is a file, not a checkpoint directory") from None
     except FileTooLargeError as exc:
@@ -96,6 +99,17 @@ def read_metadata_bytes(storage: Storage) -> bytes:
         ) from exc
     except OSError as exc:
         raise StorageError(f"cannot read {storage.describe(METADATA_FILE)}: {exc}") from exc
+    if raw is not None:
+        # Retirement writes retired.json before it deletes metadata.json: a retirement cut short in between
+        # leaves both, and the directory is retired for every reader (docs/format.md section 15.3). Checked
+        # after the read, so that a retirement that starts meanwhile is seen too.
+        try:
+            retired = storage.exists(RETIRED_FILE)
+        except OSError as exc:
+            raise StorageError(f"cannot check {storage.describe(RETIRED_FILE)}: {exc}") from exc
+        if retired:
+            raise CheckpointNotFoundError(_retired_message(where))
+        return raw
     try:
         exists = storage.root_exists()
         holder = read_lock(storage) if exists else None
@@ -106,7 +120,7 @@ def read_metadata_bytes(storage: Storage) -> bytes:
             exists and not data_files and storage.exists(DATA_DIR)
         )
         safetensors = exists and not has_data and any(storage.exists(n) for n in _SAFETENSORS_NAMES)
-        retired = has_data and is_retired(storage)
+        retired = exists and is_retired(storage)
     except CheckpointNotFoundError:  # a missing bucket, named by the storage
         raise
     except OSError as exc:
@@ -114,10 +128,7 @@ def read_metadata_bytes(storage: Storage) -> bytes:
     if not exists:
         raise CheckpointNotFoundError(f"no checkpoint at {where}: the path does not exist")
     if retired:
-        raise CheckpointNotFoundError(
-            f"{where} was deleted (retired): it has no {METADATA_FILE} and keeps only the data files that other "
-            f"checkpoints reference ({RETIRED_FILE}); load one of those"
-        )
+        raise CheckpointNotFoundError(_retired_message(where))
     if holder is not None:
         raise IncompleteCheckpointError(
             f"{where} has no {METADATA_FILE}: a save is writing it or was interrupted "
@@ -135,6 +146,13 @@ def read_metadata_bytes(storage: Storage) -> bytes:
     raise CheckpointNotFoundError(f"{where} is not a reshard checkpoint: it has no {METADATA_FILE}")
 
 
+def _retired_message(where: str) -> str:
+    return (
+        f"{where} was deleted (retired, {RETIRED_FILE}): it is not a checkpoint and keeps only the data files that "
+        "other checkpoints reference; load one of those"
+    )
+
+
 class ReshardCheckpoint(CheckpointSource):
     """A reshard checkpoint: its ``metadata.json`` (validated, sealed) and its data files.
 
@@ -149,7 +167,9 @@ class ReshardCheckpoint(CheckpointSource):
 
     def read_metadata(self) -> tuple[bytes, Metadata]:
         raw = read_metadata_bytes(self.storage)
-        return raw, Metadata.from_json_bytes(raw, where=self.storage.describe(METADATA_FILE))
+        metadata = Metadata.from_json_bytes(raw, where=self.storage.describe(METADATA_FILE))
+        verify_references(self.storage, metadata)  # before any rank opens a file of another checkpoint
+        return raw, metadata
 
     def decode_metadata(self, raw: bytes) -> Metadata:
         # The coordinator validated these bytes: each rank decodes only the packed tensors it loads.

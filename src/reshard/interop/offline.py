@@ -41,6 +41,7 @@ from reshard.metadata import (
 )
 from reshard.options import DEFAULT_CHECKSUM_CHUNK_BYTES
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, TargetPiece, plan_load
+from reshard.references import verify_references
 from reshard.sources import read_metadata_bytes
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
@@ -80,7 +81,8 @@ class CheckpointReader:
     Use it as a context manager, or call :meth:`close`.
 
     Raises (on construction):
-        CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError: nothing valid at ``path``.
+        CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError: nothing valid at ``path``
+            (CorruptCheckpointError also for a reference to another checkpoint that no marker ties to it).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class CheckpointReader:
         try:
             raw = read_metadata_bytes(self.storage)
             self.metadata = Metadata.from_json_bytes(raw, where=self.storage.describe(METADATA_FILE))
+            verify_references(self.storage, self.metadata)
         except BaseException:
             self.close()
             raise

@@ -7,6 +7,7 @@ This is the logical model; :mod:`reshard.metadata.wire` writes it as ``metadata.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ __all__ = [
     "PACK_MIN_BOXES",
     "PACK_MIN_CHECKSUMS",
     "READABLE_VERSIONS",
+    "REFERENCED_FILE_PATTERN",
     "SEALED_VERSION",
     "SIBLING_PREFIX",
     "DataFile",
@@ -64,6 +66,10 @@ DATA_DIR = "data"
 CHECKSUM_ALGORITHM = "crc32c"
 SIBLING_PREFIX = "../"
 """How a storage name addresses a file of a sibling checkpoint (:attr:`DataFile.location`)."""
+REFERENCED_FILE_PATTERN = re.compile(r"^data/[0-9a-f]{32}-r\d{5,}\.bin$")
+"""The only names a file of a sibling checkpoint may have: a data file as a save names it
+(``data/<save id>-r<rank>.bin``, docs/format.md sections 9 and 15.2), so that a reference never names another
+kind of file."""
 CONTENT_HASH_ALGORITHM = "xxh3_128"
 """The content hash of every stored box in a version-4 checkpoint: XXH3's 128-bit variant (seed 0)."""
 CONTENT_HASH_BYTES = 16

@@ -36,6 +36,7 @@ from reshard.metadata.model import (
     METADATA_CHECKSUM_MEMBER,
     METADATA_FILE,
     READABLE_VERSIONS,
+    REFERENCED_FILE_PATTERN,
     SEALED_VERSION,
     DataFile,
     Metadata,
@@ -253,6 +254,12 @@ class _Parser:
                 problem = check_relative_path(checkpoint) or ("contains '/'" if "/" in checkpoint else None)
                 if problem:
                     raise self.fail(f"files[{i}].checkpoint", f"checkpoint name {checkpoint!r} {problem}")
+                if not REFERENCED_FILE_PATTERN.match(path):
+                    raise self.fail(
+                        f"files[{i}].path",
+                        f"a file of checkpoint {checkpoint!r} must be a data file name "
+                        f"(data/<32 hex digits>-r<rank>.bin), got {path!r}",
+                    )
             if path == METADATA_FILE or (checkpoint, path) in seen:
                 raise self.fail(f"files[{i}].path", f"file name {path!r} is repeated or reserved")
             seen.add((checkpoint, path))

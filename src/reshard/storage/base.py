@@ -186,7 +186,8 @@ class Storage(ABC):
 
     @property
     def name(self) -> str:
-        """The root's own name in its parent (the last component of its path or prefix)."""
+        """The root's own name in its parent (the last component of its path or prefix; of the directory it
+        points to, for a local root that is a symbolic link)."""
         raise StorageError(f"{self.describe()}: this storage has no name in a parent (no sibling checkpoints)")
 
     def sibling(self, name: str) -> Storage:
@@ -200,6 +201,15 @@ class Storage(ABC):
     @abstractmethod
     def delete_prefix(self, prefix: str) -> None:
         """Remove everything under ``prefix`` (a directory or object prefix); a missing one is fine."""
+
+    def remove_empty_dirs(self) -> None:  # noqa: B027 - optional hook with a default
+        """Remove the directories under the root that hold no file, and the root itself if it holds none,
+        where the backend has directories (never through a symbolic link; a directory that holds anything
+        stays). Object stores have no directories: nothing to do."""
+
+    def is_link(self, name: str) -> bool:
+        """Whether ``name`` (a child of the root) is a symbolic link, which deletions never go through."""
+        return False
 
     def download(self, name: str, local_path: Path) -> None:
         """Copy the whole of ``name`` into the local file ``local_path`` (created or truncated).

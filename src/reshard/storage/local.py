@@ -177,13 +177,20 @@ class LocalStorage(Storage):
             return self.parent / sibling, rest
         return self.root, name
 
+    def _resolved(self) -> Path:
+        """The root's path; where the root itself is a link (``latest -> step_000001000``), the directory it
+        points to, whose name and siblings are those its references and markers use."""
+        if self.root.is_symlink():
+            return Path(os.path.realpath(self.root))
+        return Path(os.path.abspath(self.root))
+
     @property
     def parent(self) -> Path:
-        return Path(os.path.abspath(self.root)).parent
+        return self._resolved().parent
 
     @property
     def name(self) -> str:
-        return Path(os.path.abspath(self.root)).name
+        return self._resolved().name
 
     def sibling(self, name: str) -> Storage:
         return LocalStorage(self.parent / name)
@@ -336,6 +343,16 @@ class LocalStorage(Storage):
     def delete(self, name: str) -> None:
         _check_no_links(self.root, name)
         (self.root / name).unlink(missing_ok=True)
+
+    def remove_empty_dirs(self) -> None:
+        if self.root.is_symlink() or not self.root.is_dir():
+            return
+        for folder, _, _ in os.walk(self.root, topdown=False, followlinks=False):
+            with contextlib.suppress(OSError):  # not empty (or gone): it stays
+                os.rmdir(folder)
+
+    def is_link(self, name: str) -> bool:
+        return os.path.islink(self.root / name)
 
     def sync_dir(self, name: str) -> None:
         _fsync_dir(self.root / name)

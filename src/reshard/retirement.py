@@ -1,0 +1,305 @@
+"""Deleting a checkpoint without losing what others use, and without deleting anything reshard did not write.
+
+Retention (:class:`~reshard.CheckpointManager`) and ``reshard gc`` delete whole checkpoints, retired ones and
+the leftovers of interrupted saves through :func:`remove_checkpoint`. It deletes only files that a reshard save
+wrote **and** that something reshard wrote ties to that save (the save id is in their names):
+
+- a committed ``metadata.json``: its own data files, and the other files of ``data/`` named as a save names
+  them (leftovers of its failed or interrupted saves, which ``reshard gc`` collects in a committed checkpoint
+  anyway);
+- a retirement record, ``retired.json`` (below): the files it lists;
+- a save lock left by a save that died (a stale lock; a save's lock token is its save id): that save's files;
+- a well-formed reference marker (:mod:`reshard.references`): the files it names.
+
+In a directory that one of these ties, reshard's own commit temporaries (``.<name>.tmp-<32 hex>``) and its
+stale lock and reference markers go too. A directory with none of them is not reshard's: nothing in it is
+deleted. No directory is removed unless it is empty; a file that nothing ties (a person's notes, a file named
+like a data file of another save) stays, and so does its directory. Files that live reference markers name are
+never deleted: the checkpoint is then **retired** instead of removed.
+
+The order makes every point at which a deletion can be cut short (a crash, ``kill -9``) safe. When
+``metadata.json`` goes, or when files others use stay, the record is written first::
+
+    retired.json    {"retired": <seconds since the epoch>, "save_id": "<32 hex>" | null,
+                     "files": [every data file it ties], "kept": [those that live markers protect]}
+
+then ``metadata.json``, then the unprotected files, then the stale markers; the record goes last, once nothing
+is kept, and then the directories that are empty. So a cut-short deletion leaves a retired directory (which
+every reader refuses, and the next retention or ``gc`` finishes), never one that looks complete but lacks
+files, never untied files, and never loses a referenced file. ``retired.json`` of earlier versions
+(``{"retired": ..., "kept": [...]}``) is read as a record of its kept files. A ``retired.json`` that is not
+such a record is refused with :class:`~reshard.CheckpointNotFoundError`, and nothing is deleted.
+
+Not collective: one process (the coordinator of a manager's save, ``reshard gc``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+from reshard.errors import CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError
+from reshard.io.datafile import DATA_FILE_PATTERN
+from reshard.locking import DEFAULT_STALE_AFTER_S, LockInfo, lock_markers
+from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
+from reshard.references import REFERENCES_DIR, RETIRED_FILE, marker_state
+from reshard.storage import FileTooLargeError, Storage
+
+__all__ = ["MAX_RECORD_BYTES", "Removal", "RetiredRecord", "delete_checkpoint", "read_record", "remove_checkpoint"]
+
+logger = logging.getLogger("reshard")
+
+MAX_RECORD_BYTES = 16 * 1024 * 1024
+"""The largest ``retired.json`` read (a record of 8192 data files takes half a megabyte)."""
+_MAX_LOCK_BYTES = 64 * 1024
+_SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
+_TEMPORARY = re.compile(rf"^(?:{REFERENCES_DIR}/)?\.[^/]+\.tmp-[0-9a-f]{{32}}$")
+"""The temporary names of :meth:`~reshard.storage.Storage.commit` (a local commit cut short leaves one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetiredRecord:
+    """What ``retired.json`` says (see the module doc)."""
+
+    retired: float
+    save_id: str | None
+    """The save whose ``metadata.json`` was deleted (None: unknown, a record of an earlier version)."""
+    files: frozenset[str]
+    kept: frozenset[str]
+
+    def to_bytes(self) -> bytes:
+        document = {
+            "retired": self.retired,
+            "save_id": self.save_id,
+            "files": sorted(self.files),
+            "kept": sorted(self.kept),
+        }
+        return json.dumps(document, separators=(",", ":")).encode()
+
+    @classmethod
+    def parse(cls, raw: bytes) -> RetiredRecord:
+        """The record ``raw`` is; ValueError (or KeyError, TypeError) when it is not one reshard wrote."""
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or set(doc) not in ({"retired", "save_id", "files", "kept"}, {"retired", "kept"}):
+            raise ValueError("not the members of a retirement record")
+        retired, kept = doc["retired"], _data_files(doc["kept"], "kept")
+        if isinstance(retired, bool) or not isinstance(retired, int | float) or not math.isfinite(retired):
+            raise ValueError(f"retired is {retired!r}, not a time")
+        if "files" not in doc:  # written by an earlier version: it kept those files, and always some
+            if not kept:
+                raise ValueError("it keeps no file")
+            return cls(retired=float(retired), save_id=None, files=kept, kept=kept)
+        save_id, files = doc["save_id"], _data_files(doc["files"], "files")
+        if save_id is not None and (not isinstance(save_id, str) or not _SAVE_ID.match(save_id)):
+            raise ValueError(f"save_id is {save_id!r}")
+        if not kept <= files:
+            raise ValueError("it keeps files it does not list")
+        return cls(retired=float(retired), save_id=save_id, files=files, kept=kept)
+
+    def ties(self, metadata: Metadata) -> bool:
+        """Whether ``metadata`` is the document of the checkpoint this record retired."""
+        if self.save_id is not None:
+            return metadata.save_id == self.save_id
+        return any(f.checkpoint is None and f.path in self.files for f in metadata.files)
+
+
+def _data_files(value: object, what: str) -> frozenset[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and DATA_FILE_PATTERN.match(v) for v in value):
+        raise ValueError(f"{what} are not data file names")
+    return frozenset(value)
+
+
+def read_record(storage: Storage) -> RetiredRecord | None:
+    """The retirement record of ``storage`` (None: there is no ``retired.json``).
+
+    Raises:
+        CheckpointNotFoundError: ``retired.json`` is not a record reshard wrote (a project's own file, a huge
+            or broken one): the directory is not a reshard checkpoint, and nothing may be deleted in it.
+        OSError: it cannot be read.
+    """
+    try:
+        raw = storage.read_bytes(RETIRED_FILE, max_bytes=MAX_RECORD_BYTES)
+    except FileNotFoundError:
+        return None
+    except FileTooLargeError as exc:
+        raise CheckpointNotFoundError(_not_a_record(storage, exc.strerror or str(exc))) from None
+    try:
+        return RetiredRecord.parse(raw)
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # deeply nested JSON: RecursionError
+        raise CheckpointNotFoundError(_not_a_record(storage, str(exc))) from None
+
+
+def _not_a_record(storage: Storage, why: str) -> str:
+    return (
+        f"{storage.describe()} is not a reshard checkpoint: its {RETIRED_FILE} is not a retirement record that reshard "
+        f"wrote ({why}); nothing deleted"
+    )
+
+
+@dataclass
+class Removal:
+    """What :func:`remove_checkpoint` did (or, with ``dry_run``, would do)."""
+
+    removed: list[str] = field(default_factory=list)
+    """The names deleted, in the order they went."""
+    retired: bool = False
+    """Files that live referrers use were kept: the directory is retired (``retired.json``)."""
+    left: list[str] = field(default_factory=list)
+    """Files left because nothing ties them to a reshard save (and so the directory stays)."""
+    proven: bool = False
+    """Something reshard wrote (metadata, a record, a stale save lock, a reference marker) ties files here."""
+
+
+@dataclass
+class _Ties:
+    """What ties the files of one directory to reshard saves (see the module doc)."""
+
+    record: RetiredRecord | None
+    metadata: Metadata | None
+    lock_markers: list[str]
+    files: set[str]
+    """Tied data files that exist."""
+    extra: list[str]
+    """Tied commit temporaries that exist."""
+    untied: list[str]
+    proven: bool
+    """Something reshard wrote ties files here (metadata, a record, a stale save lock, a reference marker)."""
+
+
+def _tied_metadata(storage: Storage, record: RetiredRecord | None) -> Metadata | None:
+    """The committed ``metadata.json`` (None: there is none).
+
+    Raises:
+        CorruptCheckpointError: it is not valid, or not the document of the retired checkpoint.
+    """
+    try:
+        raw = storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
+        metadata = Metadata.from_json_bytes(raw, where=storage.describe(METADATA_FILE))
+    except FileNotFoundError:
+        return None
+    except (FileTooLargeError, CorruptCheckpointError) as exc:
+        raise CorruptCheckpointError(
+            f"{storage.describe()} has a {METADATA_FILE} that is not valid ({exc}): nothing deleted"
+        ) from exc
+    if record is not None and not record.ties(metadata):
+        raise CorruptCheckpointError(
+            f"{storage.describe()} holds {RETIRED_FILE} of save {record.save_id} and {METADATA_FILE} of save "
+            f"{metadata.save_id}: nothing deleted"
+        )
+    return metadata
+
+
+def _stale_save_lock(storage: Storage) -> tuple[set[str], list[str]]:
+    """The save ids of the dead saves whose locks are left here, and those lock markers.
+
+    Raises:
+        CheckpointLockedError: a live save holds the directory.
+    """
+    tokens: set[str] = set()
+    names = []
+    for name in lock_markers(storage).values():
+        try:
+            info = LockInfo.from_bytes(storage.read_bytes(name, max_bytes=_MAX_LOCK_BYTES))
+        except FileNotFoundError:
+            continue
+        except (FileTooLargeError, RecursionError):
+            return set(), []  # not a marker reshard wrote: it ties nothing
+        if info is None:
+            return set(), []
+        if not info.is_stale(DEFAULT_STALE_AFTER_S):
+            raise CheckpointLockedError(
+                f"{storage.describe()} is locked by a live save ({info.describe()}): nothing deleted"
+            )
+        if _SAVE_ID.match(info.token):
+            tokens.add(info.token)
+        names.append(name)
+    return tokens, names
+
+
+def _ties(storage: Storage, named: set[str]) -> _Ties:
+    """What ties the files of ``storage`` (``named``: the files its well-formed reference markers name)."""
+    record = read_record(storage)
+    metadata = _tied_metadata(storage, record)
+    tokens, locks = _stale_save_lock(storage)
+    storage.list_files(DATA_DIR)  # OSError (ELOOP) where data/ is a link: nothing is deleted through it
+    names = storage.list_files()
+    tied = set(record.files if record is not None else ()) | named
+    if metadata is not None:
+        tied |= {f.path for f in metadata.files if f.checkpoint is None}
+    for name in names:
+        if DATA_FILE_PATTERN.match(name) and (metadata is not None or name[5:].partition("-r")[0] in tokens):
+            tied.add(name)
+    proven = record is not None or metadata is not None or bool(locks or named)
+    extra = [n for n in names if proven and _TEMPORARY.match(n)]
+    special = {METADATA_FILE, RETIRED_FILE, *locks, *extra}
+    files = {n for n in names if n in tied}
+    untied = [n for n in names if n not in tied and n not in special and not n.startswith(f"{REFERENCES_DIR}/")]
+    return _Ties(
+        record=record, metadata=metadata, lock_markers=locks, files=files, extra=extra, untied=untied, proven=proven
+    )
+
+
+def remove_checkpoint(storage: Storage, *, dry_run: bool = False, min_age_s: float | None = None) -> Removal:
+    """Delete what reshard wrote at ``storage`` (a checkpoint, a retired one, an interrupted save), keeping the
+    files that live referrers use (the directory is then retired) and every file nothing ties to a reshard
+    save; the directory goes once empty. ``min_age_s``: also keep tied files younger than this (``gc``).
+
+    Raises:
+        CheckpointNotFoundError: ``retired.json`` is not a record reshard wrote (nothing deleted).
+        CorruptCheckpointError: ``metadata.json`` is not valid, or of another save than the record's.
+        CheckpointLockedError: a live save holds the directory.
+        OSError: listing, reading or deleting failed (what was deleted stays deleted).
+    """
+    protected, stale, named = marker_state(storage)
+    ties = _ties(storage, named)
+    removal = Removal(left=ties.untied, proven=ties.proven)
+    if not removal.proven:
+        if not ties.untied and not dry_run and not storage.list_files():
+            storage.remove_empty_dirs()  # only directories, no file at all (a save that failed cleaned up)
+        return removal  # else nothing here is reshard's: nothing is deleted
+    now = time.time()
+    young = {n for n in ties.files if min_age_s is not None and now - storage.modified_time(n) < min_age_s}
+    kept = ties.files & protected
+    doomed = sorted(ties.files - kept - young)
+    removal.retired = bool(kept)
+    record = ties.record
+    listed = record.files if record is not None else frozenset()
+    has_record = record is not None
+    if ties.metadata is not None or (kept and record is None) or (record is not None and not ties.files <= listed):
+        # First of all: from here on, wherever this is cut short, the directory is retired, every tied file listed.
+        save_id = ties.metadata.save_id if ties.metadata is not None else record.save_id if record is not None else None
+        record = RetiredRecord(
+            retired=record.retired if record is not None else now,
+            save_id=save_id,
+            files=frozenset(ties.files | listed),
+            kept=frozenset(kept),
+        )
+        if not dry_run:
+            storage.commit(RETIRED_FILE, record.to_bytes(), replace=True)
+            has_record = True
+    steps = ([METADATA_FILE] if ties.metadata is not None else []) + doomed + sorted(stale)
+    if has_record or not (kept or young):  # the record (or nothing left) ties what the lock of a dead save tied
+        steps += ties.extra + ties.lock_markers
+    if has_record and not (kept or young):
+        steps.append(RETIRED_FILE)
+    for name in steps:
+        if not dry_run:
+            storage.delete(name)
+        removal.removed.append(name)
+    if not (kept or young or dry_run):
+        storage.remove_empty_dirs()  # the directory goes only if nothing is left in it
+    return removal
+
+
+def delete_checkpoint(storage: Storage) -> bool:
+    """Delete the checkpoint at ``storage`` (see :func:`remove_checkpoint`); whether it was retired (files that
+    others reference kept) rather than removed.
+
+    Raises:
+        as :func:`remove_checkpoint`.
+    """
+    return remove_checkpoint(storage).retired
