@@ -98,9 +98,15 @@ class Flow:
         return None
 
     def pinned(self, events: dict[int, list[str]]) -> list[KillPoint]:
-        """Kill points every sample includes: the coordinator just before and after its commit."""
-        commit = next((i for i, name in enumerate(events[0]) if name == "commit metadata.json"), None)
-        return [] if commit is None else [KillPoint(rank=0, index=commit, when=w) for w in ("before", "after")]
+        """Kill points every sample includes: the coordinator just before and after its commit (so that a
+        sample reaches both outcomes of a save), then every rank around every collective of the protocol."""
+        commit = [i for i, name in enumerate(events[0]) if name == "commit metadata.json"][:1]
+        points = [KillPoint(rank=0, index=i, when=w) for i in commit for w in ("before", "after")]
+        for rank, names in sorted(events.items()):
+            for i, name in enumerate(names):
+                if name.endswith("_bytes"):
+                    points += [KillPoint(rank=rank, index=i, when=w) for w in ("before", "after")]
+        return points
 
 
 FLOWS: dict[str, Flow] = {}

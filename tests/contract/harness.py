@@ -406,19 +406,16 @@ def kill_points(events: dict[int, list[str]]) -> list[KillPoint]:
 def plan(
     flows: tuple[tuple[str, int], ...], base: Path, *, seed: int, systematic: int | None, timed: int
 ) -> Iterator[Iteration]:
-    """Iterations over ``flows`` ((flow, world) pairs): for each, ``systematic`` kill points (None: all):
-    the flow's pinned points first (the coordinator just before and after its commit, so that a sample
-    reaches both outcomes of a save), the others drawn (seeded) from the rest; and ``timed`` kills at
-    random delays within the dry run's span."""
+    """Iterations over ``flows`` ((flow, world) pairs): for each, ``systematic`` kill points (None: all),
+    sampled around the flow's pinned points (:func:`_sample`, seeded); and ``timed`` kills at random delays
+    within the dry run's span."""
     rng = random.Random(seed)
     count = 0
     for name, world in flows:
         events, seconds = dry_run(name, world, base / f"dry-{name}-{world}")
         points = kill_points(events)
         if systematic is not None and systematic < len(points):
-            pinned = [p for p in FLOWS[name].pinned(events) if p in points]
-            rest = [p for p in points if p not in pinned]
-            points = pinned[:systematic] + rng.sample(rest, max(0, systematic - len(pinned)))
+            points = _sample(points, [p for p in FLOWS[name].pinned(events) if p in points], systematic, rng)
         span = 1.5 * seconds
         for _ in range(timed):
             points.append(KillPoint(rank=rng.randrange(world), delay_s=rng.uniform(0.0, span)))
@@ -427,6 +424,17 @@ def plan(
             directory = base / f"it-{count:05d}"
             directory.mkdir(parents=True)
             yield Iteration(name, world, point, str(directory))
+
+
+def _sample(points: list[KillPoint], pinned: list[KillPoint], count: int, rng: random.Random) -> list[KillPoint]:
+    """``count`` of ``points``: every pinned one when they fit (the rest drawn), else the first two pinned
+    (the commit) and the remainder drawn half from the other pinned points, half from the rest."""
+    rest = [p for p in points if p not in pinned]
+    if len(pinned) <= count:
+        return pinned + rng.sample(rest, count - len(pinned))
+    first, others = pinned[:2], pinned[2:]
+    from_pinned = rng.sample(others, min(len(others), (count - len(first)) // 2))
+    return first + from_pinned + rng.sample(rest, min(len(rest), count - len(first) - len(from_pinned)))
 
 
 def summarize(outcomes: list[Outcome]) -> dict[str, Any]:

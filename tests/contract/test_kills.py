@@ -20,18 +20,18 @@ from tests.contract.flows import FLOWS
 SEED = 20261202
 # (flow, ranks): kill points sampled from the dry run's events (None: every one), kills at random delays
 PLAN: dict[tuple[str, int], tuple[int | None, int]] = {
-    ("overwrite", 2): (None, 3),
-    ("async", 3): (14, 2),
-    ("fresh", 3): (14, 2),
-    ("manager", 3): (20, 2),
-    ("incremental", 2): (24, 2),
-    ("read_once", 3): (12, 2),
-    ("transfer", 3): (10, 2),
-    ("delta", 2): (10, 2),
-    ("peer", 3): (14, 2),
-    ("megatron", 2): (18, 2),
-    ("convert", 1): (10, 1),
-    ("import_dcp", 1): (10, 1),
+    ("overwrite", 2): (24, 2),
+    ("async", 3): (12, 2),
+    ("fresh", 3): (12, 2),
+    ("manager", 3): (16, 2),
+    ("incremental", 2): (20, 2),
+    ("read_once", 3): (10, 1),
+    ("transfer", 3): (8, 1),
+    ("delta", 2): (8, 1),
+    ("peer", 3): (12, 1),
+    ("megatron", 2): (14, 1),
+    ("convert", 1): (8, 1),
+    ("import_dcp", 1): (8, 1),
 }
 
 
