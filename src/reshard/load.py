@@ -48,7 +48,7 @@ from reshard.exchange import (
     schedule_reads,
 )
 from reshard.fingerprint import fingerprint
-from reshard.geometry.boxes import Box
+from reshard.geometry.boxes import Box, strides_overlap
 from reshard.io.reader import ReadBudget, ReadExecutor
 from reshard.metadata import METADATA_FILE, Metadata, SavedObject
 from reshard.options import LoadOptions
@@ -503,7 +503,8 @@ def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool, op
     them from ``flat.tensors`` and ``flat.objects``, so that only present entries are planned and read.
 
     Raises:
-        StateDictError: template tensors on the meta device (they have no memory to load into).
+        StateDictError: template tensors on the meta device (they have no memory to load into), or whose
+            elements overlap in memory (an expanded view).
         MismatchError: a global shape differs, a dtype differs and ``options`` do not allow the cast, or
             entries are missing (with ``strict``).
     """
@@ -513,6 +514,12 @@ def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool, op
             f"{len(meta)} template tensors are on the meta device, which holds no data to load into: "
             f"{', '.join(repr(k) for k in meta[:10])}{' ...' if len(meta) > 10 else ''}; allocate them first "
             "(module.to_empty(device='cpu'), torch.empty_like(t, device=...))"
+        )
+    shared = [st.key for st in flat.tensors if strides_overlap(tuple(st.data.shape), tuple(st.data.stride()))]
+    if shared:
+        raise StateDictError(
+            f"{len(shared)} template tensors are views whose elements overlap in memory (an expanded tensor), which "
+            f"cannot hold a value each: {', '.join(repr(k) for k in shared[:10])}; load into a tensor of their own"
         )
     missing: list[str] = []
     mismatches: list[str] = []

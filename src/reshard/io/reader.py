@@ -39,7 +39,7 @@ from reshard.dtypes import byte_view
 from reshard.errors import CheckpointError, CorruptCheckpointError, StorageError
 from reshard.geometry.boxes import Box, row_major_strides
 from reshard.io.checksums import crc32c_of, run_starts, touched_chunks
-from reshard.io.device import DeviceFill
+from reshard.io.device import DeviceFill, is_host_bytes
 from reshard.storage import RangeReadError, ReadRequest, Storage
 
 if TYPE_CHECKING:
@@ -405,8 +405,7 @@ class ReadExecutor:
             pattern.count == 1
             and pattern.span == pattern.needed
             and dest.dtype == dtype
-            and dest.device.type == "cpu"
-            and dest.is_contiguous()
+            and is_host_bytes(dest)
         )
         if direct:
             start = pattern.first * itemsize
