@@ -64,9 +64,7 @@ def _destination(
     return buffer, view
 
 
-def _load(
-    template: dict[str, Any], path: Path, *, budget: int, storage: type[LocalStorage], read_once: bool
-) -> None:
+def _load(template: dict[str, Any], path: Path, *, budget: int, storage: type[LocalStorage], read_once: bool) -> None:
     options = reshard.LoadOptions(memory_budget_bytes=budget, read_once=read_once or None)
     if not read_once:
         reshard.load(template, storage(path), options=options)

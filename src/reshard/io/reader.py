@@ -401,12 +401,7 @@ class ReadExecutor:
                 starts, pattern.span * itemsize, self.metadata.checksum_chunk_bytes, saved.byte_length
             )
         dtype = self.metadata.tensors[item.key].torch_dtype
-        direct = (
-            pattern.count == 1
-            and pattern.span == pattern.needed
-            and dest.dtype == dtype
-            and is_host_bytes(dest)
-        )
+        direct = pattern.count == 1 and pattern.span == pattern.needed and dest.dtype == dtype and is_host_bytes(dest)
         if direct:
             start = pattern.first * itemsize
             end = start + pattern.span * itemsize
