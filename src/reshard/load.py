@@ -214,28 +214,17 @@ def _load_from(
     storage = source.storage
     metadata_holder: list[tuple[bytes, Metadata]] = []
 
-    node = node_id(options.staging.node_group) if options.staging is not None else ""
-    kind = type(source).__name__ + (" refusing unused entries" if source.refuses_unused else "")
-    mine = {
-        "terms": load_terms(options, strict=strict, source=kind, node=node),
-        "read_once": _read_once_wanted(options, comm, storage.request_cost_bytes),
-        "budget": options.memory_budget_bytes,
-    }
+    mine = _arguments(source, comm, strict=strict, options=options)
 
     def read_on_coordinator() -> dict[str, Any]:
         if comm.is_coordinator:
             metadata_holder.append(source.read_metadata())
         return mine
 
-    def agree(docs: list[dict[str, Any]]) -> dict[str, Any]:
-        """The arguments agree; read once where any rank's storage wants it, within the smallest budget."""
-        check_terms([d["terms"] for d in docs], "reshard.load")
-        return {"read_once": any(d["read_once"] for d in docs), "budget": min(d["budget"] for d in docs)}
-
     # Only the coordinator reads the metadata (metadata.json, or the safetensors headers); the others get
     # the bytes it validated. The ranks' arguments are agreed on in the same step.
     with clock.exchange():
-        agreed = comm.step("reading metadata", clock.timed("metadata", read_on_coordinator), agree)
+        agreed = comm.step("reading metadata", clock.timed("metadata", read_on_coordinator), _agreed_arguments)
         raw = comm.broadcast_bytes(metadata_holder[0][0] if comm.is_coordinator else None)
     with clock.phase("metadata"):
         metadata = metadata_holder[0][1] if comm.is_coordinator else source.decode_metadata(raw)
@@ -450,6 +439,25 @@ def _load_from(
         load_plan.bytes_read / seconds / 1e6 if seconds > 0 else 0.0,
     )
     return result
+
+
+def _arguments(source: CheckpointSource, comm: Communicator, *, strict: bool, options: LoadOptions) -> dict[str, Any]:
+    """What this rank's load sends the coordinator in its first step: the arguments every rank must pass alike
+    (:func:`~reshard.options.load_terms`), whether its storage wants to read once, and its memory budget."""
+    node = node_id(options.staging.node_group) if options.staging is not None else ""
+    kind = type(source).__name__ + (" refusing unused entries" if source.refuses_unused else "")
+    return {
+        "terms": load_terms(options, strict=strict, source=kind, node=node),
+        "read_once": _read_once_wanted(options, comm, source.storage.request_cost_bytes),
+        "budget": options.memory_budget_bytes,
+    }
+
+
+def _agreed_arguments(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """On the coordinator: the arguments agree; read once where any rank's storage wants it, and exchange
+    within the smallest budget of the group."""
+    check_terms([d["terms"] for d in docs], "reshard.load")
+    return {"read_once": any(d["read_once"] for d in docs), "budget": min(d["budget"] for d in docs)}
 
 
 def _read_once_wanted(options: LoadOptions, comm: Communicator, request_cost_bytes: int) -> bool:
