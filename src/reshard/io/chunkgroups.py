@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from reshard.dtypes import byte_view
 from reshard.errors import CorruptCheckpointError
 from reshard.geometry.boxes import Box, flat_range_boxes, row_major_strides
 from reshard.io.checksums import crc32c_of, run_starts, touched_chunks
@@ -155,7 +156,7 @@ def stream_group(
             base = position // itemsize * itemsize
             stop = min(hi, base + piece)
             raw = buffer[position - base : stop - base]
-            read([ReadRequest(name, saved.byte_offset + position, raw.numpy().data.cast("B"))], [what])
+            read([ReadRequest(name, saved.byte_offset + position, byte_view(raw))], [what])
             checksum.add(position, raw)
             e0, e1 = -(-position // itemsize), stop // itemsize
             while following is not None and following.first < e1:
@@ -180,11 +181,11 @@ def _copy_out(
 ) -> None:
     """Copy the elements ``[e0, e1)`` of the stored box (``elements[i]`` is element ``origin + i``) that the
     active members need into their destinations."""
-    boxes = [box for box, _ in flat_range_boxes(shape, e0, e1)] if shape else [Box((), ())]
+    boxes = [box for box, _ in flat_range_boxes(shape, e0, e1)]
     for member, box in itertools.product(active, boxes):
         if member.end <= e0 or member.first >= e1:
             continue
-        part = box.intersect(member.overlap) if shape else box
+        part = box.intersect(member.overlap)
         if part is None:
             continue
         start = sum(o * st for o, st in zip(part.offset, strides, strict=True)) - origin
@@ -207,7 +208,7 @@ class _RunningChecksum:
     def add(self, position: int, data: torch.Tensor) -> None:
         """Bytes ``[position, position + len(data))`` of the box, following the ones added before (or starting
         a chunk)."""
-        view = data.numpy().data.cast("B")
+        view = byte_view(data)
         at = 0
         while at < len(view):
             chunk_lo = (position + at) // self.chunk_bytes * self.chunk_bytes
