@@ -130,8 +130,9 @@ class LoadOptions:
             verifying what it read, and send them to the others over the group (:mod:`reshard.exchange`):
             True, False, or None (the default) for where it wins: on when several ranks load from an object
             store (a request is costly and the network between nodes is faster than the store), off for a
-            local path (replicas on one node share its page cache; pass True for a network file system).
-            The exchange's buffers come out of ``memory_budget_bytes`` (half for sending, half for
+            local path (replicas on one node share its page cache; pass True for a network file system);
+            where the ranks' storages differ, on when any of them is an object store (every rank decides
+            alike). The exchange's buffers come out of ``memory_budget_bytes`` (half for sending, half for
             receiving, at least 4 KiB each), after the reads released theirs.
 
     Every rank of a load passes the same options, checked in the load's first collective step (a difference
