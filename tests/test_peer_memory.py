@@ -25,6 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import reshard
+from reshard.transports import ThreadGroup
+from tests.memory import peak_rss_growth
+from tests.threads import on_threads
 
 W = torch.arange(12 * 4, dtype=torch.float32).reshape(12, 4)
 EMB = torch.arange(6 * 8, dtype=torch.float64).reshape(6, 8) / 3
@@ -200,3 +203,74 @@ def test_restore_from_peer_memory_into_another_layout_after_sigkill(tmp_path: Pa
 def test_too_few_nodes_for_the_copies_is_an_error() -> None:
     with pytest.raises(ValueError, match="too few"):
         reshard.PeerMemoryCheckpoint(replicas=1, node_size=1).save({"w": torch.ones(2)})
+
+
+# ---- what the ranks of a peer save or restore must agree on, and what a save holds -------------------------
+
+
+def _thread_errors(ranks: int, run: Any) -> list[str]:
+    group = ThreadGroup(ranks)
+    errors = [""] * ranks
+
+    def rank(r: int) -> None:
+        try:
+            run(r, group.member(r))
+        except reshard.CheckpointError as exc:
+            errors[r] = f"{type(exc).__name__}: {exc}"
+
+    on_threads(ranks, rank)
+    return errors
+
+
+def test_ranks_passing_other_peer_arguments_fail_every_rank() -> None:
+    """A rank with another ``node_size`` (or ``replicas``) would keep copies where the others do not look for
+    them; one restoring with a ``fallback`` while the others do not would load alone. Every rank raises the same
+    CheckpointError naming the argument and the ranks of each value."""
+
+    def save(r: int, member: Any) -> None:
+        tier = reshard.PeerMemoryCheckpoint(replicas=1, node_size=1 if r == 3 else 2)
+        tier.save({"w": reshard.ShardedTensor.from_rank_offsets("w", torch.ones(2, 4), (0, r, 4))}, group=member)
+
+    errors = _thread_errors(4, save)
+    assert all(e.startswith("CheckpointError") for e in errors) and len(set(errors)) == 1, errors
+    assert "node_size: 2 on ranks 0, 1, 2, 1 on rank 3" in errors[0], errors[0]
+
+    tiers = [reshard.PeerMemoryCheckpoint(replicas=1, node_size=1) for _ in range(2)]
+    group = ThreadGroup(2)
+    on_threads(2, lambda r: tiers[r].save({"w": torch.ones(4)}, group=group.member(r)))
+    manager = reshard.CheckpointManager(reshard.storage.ObjectStorage("memory://peer-fallback/root"))
+
+    def restore(r: int, member: Any) -> None:
+        tiers[r].restore({"w": torch.zeros(4)}, group=member, fallback=manager if r == 0 else None)
+
+    errors = _thread_errors(2, restore)
+    assert all(e.startswith("CheckpointError") and "fallback: True on rank 0, False on rank 1" in e for e in errors)
+
+
+def test_a_peer_save_holds_two_generations_at_most() -> None:
+    """Each save keeps the previous generation until the new one is everywhere, then releases it. Two ranks,
+    each with 16 MiB of its own and a 16 MiB copy of its peer's (a 64 MiB generation): three more saves raise
+    the peak resident memory no more than the first save did (one generation and the transfer's buffers), so
+    no more than two generations are ever held; holding a third would add 64 MiB."""
+    mib = 1 << 20
+    tiers = [reshard.PeerMemoryCheckpoint(replicas=1, node_size=1) for _ in range(2)]
+    data = [torch.zeros(4 * mib) for _ in range(2)]
+    states = [{"w": reshard.ShardedTensor.from_rank_offsets("w", data[r], (0, r, 2))} for r in range(2)]
+    group = ThreadGroup(2)
+
+    def save(g: int) -> None:
+        for tensor in data:
+            tensor.fill_(float(g))
+        on_threads(2, lambda r: tiers[r].save(states[r], group=group.member(r)))
+
+    with peak_rss_growth() as first:
+        save(0)
+    with peak_rss_growth() as later:
+        for g in range(1, 4):
+            save(g)
+    assert later() <= first() + 32 * mib, f"first save: {first() / mib:.0f} MiB, later ones: {later() / mib:.0f} MiB"
+    template = {"w": torch.zeros(8 * mib)}
+    restored = on_threads(
+        2, lambda r: tiers[r].restore(template if r else {"w": torch.zeros(8 * mib)}, group=group.member(r))
+    )
+    assert torch.equal(restored[0]["w"], torch.full((8 * mib,), 3.0))

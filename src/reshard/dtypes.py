@@ -51,7 +51,10 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
         raise ValueError("byte_view needs a contiguous CPU tensor")
     if sys.byteorder != "little":  # the format is little-endian; byte-swapping is not implemented
         raise NotImplementedError("reshard reads and writes tensor bytes on little-endian hosts only")
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() <= 1:  # contiguous whatever its stride: a single element's stride may be any number
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def is_lossy_cast(source: torch.dtype, target: torch.dtype) -> bool:

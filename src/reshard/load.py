@@ -31,12 +31,11 @@ import torch
 from reshard.codec import decode_object_blob
 from reshard.collector import collector_paused
 from reshard.comm import Communicator
-from reshard.dtypes import dtype_name, is_lossy_cast
+from reshard.dtypes import dtype_name
 from reshard.errors import (
     CheckpointError,
     CorruptCheckpointError,
     MismatchError,
-    StateDictError,
 )
 from reshard.exchange import (
     MIN_SLAB_BYTES,
@@ -51,11 +50,11 @@ from reshard.fingerprint import fingerprint
 from reshard.geometry.boxes import Box
 from reshard.io.reader import ReadBudget, ReadExecutor
 from reshard.metadata import METADATA_FILE, Metadata, SavedObject
-from reshard.options import LoadOptions
-from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan, TargetPiece, plan_load
+from reshard.options import LoadOptions, check_terms, load_terms
+from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan, TargetPiece, check_template, plan_load
 from reshard.sharding import LocalPiece, ShardedObject, ShardedTensor
 from reshard.sources import CheckpointSource, as_source, read_metadata_bytes
-from reshard.staging import StagedFiles, stage_files
+from reshard.staging import StagedFiles, node_id, stage_files
 from reshard.statedict import FlatStateDict, flatten_state_dict, is_empty_container, map_leaves
 from reshard.stats import EXCHANGE, PhaseClock
 from reshard.storage import CheckpointLocation, storage_for
@@ -215,14 +214,17 @@ def _load_from(
     storage = source.storage
     metadata_holder: list[tuple[bytes, Metadata]] = []
 
-    def read_on_coordinator() -> None:
+    mine = _arguments(source, comm, strict=strict, options=options)
+
+    def read_on_coordinator() -> dict[str, Any]:
         if comm.is_coordinator:
             metadata_holder.append(source.read_metadata())
+        return mine
 
     # Only the coordinator reads the metadata (metadata.json, or the safetensors headers); the others get
-    # the bytes it validated.
+    # the bytes it validated. The ranks' arguments are agreed on in the same step.
     with clock.exchange():
-        comm.step("reading metadata", clock.timed("metadata", read_on_coordinator))
+        agreed = comm.step("reading metadata", clock.timed("metadata", read_on_coordinator), _agreed_arguments)
         raw = comm.broadcast_bytes(metadata_holder[0][0] if comm.is_coordinator else None)
     with clock.phase("metadata"):
         metadata = metadata_holder[0][1] if comm.is_coordinator else source.decode_metadata(raw)
@@ -233,7 +235,7 @@ def _load_from(
     pieces: list[LocalPiece] = []
     keys: list[str] = []  # the key of each piece
     # Read once per replica group: the reads are planned after the coordinator's schedule says who reads what.
-    read_once = _read_once_wanted(options, comm, storage.request_cost_bytes)
+    read_once = bool(agreed["read_once"])
     read_views: list[torch.Tensor] = []
     read_boxes: list[Box] = []
 
@@ -259,7 +261,15 @@ def _load_from(
 
     def flatten() -> None:
         template = flatten_state_dict(state_dict, rank=comm.rank, dedup=False)
-        missing.extend(_check_template(template, metadata, strict=strict, options=options))
+        missing.extend(
+            check_template(
+                template,
+                metadata,
+                strict=strict,
+                allow_dtype_cast=options.allow_dtype_cast,
+                allow_lossy_cast=options.allow_lossy_cast,
+            )
+        )
         flat.tensors, flat.objects = template.tensors, template.objects
         for tensor in flat.tensors:
             for piece in tensor.pieces():
@@ -307,7 +317,7 @@ def _load_from(
                 check_unused([d["keys"] if source.refuses_unused else None for d in docs])
                 schedules = schedule_reads(
                     [d["needs"] for d in docs],
-                    round_bytes=_round_bytes(options),
+                    round_bytes=_round_bytes(int(agreed["budget"])),
                     min_slab_bytes=max(MIN_SLAB_BYTES, metadata.checksum_chunk_bytes),
                 )
                 return any(s.shared for s in schedules), [json.dumps(s.to_json()).encode() for s in schedules]
@@ -431,6 +441,25 @@ def _load_from(
     return result
 
 
+def _arguments(source: CheckpointSource, comm: Communicator, *, strict: bool, options: LoadOptions) -> dict[str, Any]:
+    """What this rank's load sends the coordinator in its first step: the arguments every rank must pass alike
+    (:func:`~reshard.options.load_terms`), whether its storage wants to read once, and its memory budget."""
+    node = node_id(options.staging.node_group) if options.staging is not None else ""
+    kind = type(source).__name__ + (" refusing unused entries" if source.refuses_unused else "")
+    return {
+        "terms": load_terms(options, strict=strict, source=kind, node=node),
+        "read_once": _read_once_wanted(options, comm, source.storage.request_cost_bytes),
+        "budget": options.memory_budget_bytes,
+    }
+
+
+def _agreed_arguments(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """On the coordinator: the arguments agree; read once where any rank's storage wants it, and exchange
+    within the smallest budget of the group."""
+    check_terms([d["terms"] for d in docs], "reshard.load")
+    return {"read_once": any(d["read_once"] for d in docs), "budget": min(d["budget"] for d in docs)}
+
+
 def _read_once_wanted(options: LoadOptions, comm: Communicator, request_cost_bytes: int) -> bool:
     """Whether this load reads once per replica group: on request, or by default where a storage request is
     costly (object stores) and several ranks load together; never with node-local staging, which already
@@ -440,10 +469,10 @@ def _read_once_wanted(options: LoadOptions, comm: Communicator, request_cost_byt
     return options.read_once is True or request_cost_bytes > 0
 
 
-def _round_bytes(options: LoadOptions) -> int:
-    """The most bytes a rank sends (or receives) in one round of the exchange: half the memory budget,
-    since the send and the receive buffer live together (the read buffers are released by then)."""
-    return max(4096, options.memory_budget_bytes // 2)
+def _round_bytes(memory_budget_bytes: int) -> int:
+    """The most bytes a rank sends (or receives) in one round of the exchange: half the (smallest) memory
+    budget, since the send and the receive buffer live together (the read buffers are released by then)."""
+    return max(4096, memory_budget_bytes // 2)
 
 
 def _verify_fingerprints(comm: Communicator, metadata: Metadata, tensors: list[ShardedTensor]) -> None:
@@ -496,75 +525,6 @@ def _verify_fingerprints(comm: Communicator, metadata: Metadata, tensors: list[S
             f"{', '.join(uncovered[:20])}",
             stacklevel=4,
         )
-
-
-def _check_template(flat: FlatStateDict, metadata: Metadata, *, strict: bool, options: LoadOptions) -> list[str]:
-    """Compare the template with the checkpoint. Return the missing entries (when not strict) and drop
-    them from ``flat.tensors`` and ``flat.objects``, so that only present entries are planned and read.
-
-    Raises:
-        StateDictError: template tensors on the meta device (they have no memory to load into).
-        MismatchError: a global shape differs, a dtype differs and ``options`` do not allow the cast, or
-            entries are missing (with ``strict``).
-    """
-    meta = [st.key for st in flat.tensors if st.data.device.type == "meta"]
-    if meta:
-        raise StateDictError(
-            f"{len(meta)} template tensors are on the meta device, which holds no data to load into: "
-            f"{', '.join(repr(k) for k in meta[:10])}{' ...' if len(meta) > 10 else ''}; allocate them first "
-            "(module.to_empty(device='cpu'), torch.empty_like(t, device=...))"
-        )
-    missing: list[str] = []
-    mismatches: list[str] = []
-    present = []
-    for st in flat.tensors:
-        saved = metadata.tensors.get(st.key)
-        if saved is None:
-            missing.append(f"tensor {st.key!r}")
-            continue
-        if saved.global_shape != st.saved_shape:
-            kind = "logical shape" if st.logical_shape is not None else "global shape"
-            mismatches.append(
-                f"tensor {st.key!r}: saved global shape {list(saved.global_shape)}, requested {kind} "
-                f"{list(st.saved_shape)}"
-            )
-        elif saved.dtype != dtype_name(st.data.dtype) and not options.allow_dtype_cast:
-            mismatches.append(
-                f"tensor {st.key!r}: saved dtype {saved.dtype}, requested {dtype_name(st.data.dtype)} "
-                "(allow_dtype_cast=False)"
-            )
-        elif is_lossy_cast(saved.torch_dtype, st.data.dtype) and not options.allow_lossy_cast:
-            mismatches.append(
-                f"tensor {st.key!r}: saved dtype {saved.dtype}, requested {dtype_name(st.data.dtype)}: a lossy "
-                "conversion (LoadOptions(allow_lossy_cast=True) allows it)"
-            )
-        present.append(st)
-    present_objects = []
-    for obj in flat.objects:
-        saved_obj = metadata.objects.get(obj.key)
-        if saved_obj is not None and saved_obj.global_shape != obj.global_shape:
-            mismatches.append(
-                f"object {obj.key!r}: saved grid {list(saved_obj.global_shape)}, requested {list(obj.global_shape)}"
-            )
-        elif saved_obj is None or not any(e.offset == obj.global_offset for e in saved_obj.entries):
-            missing.append(f"object {obj.key!r} at {list(obj.global_offset)}")
-        else:
-            present_objects.append(obj)
-    for path, value in flat.common.items():
-        # An empty container is structure: checkpoints saved before empty containers were kept lack it.
-        if path not in metadata.common and not is_empty_container(value):
-            missing.append(f"common value {path!r}")
-    if mismatches:
-        raise MismatchError("the checkpoint does not match the template: " + "; ".join(mismatches))
-    if missing and strict:
-        raise MismatchError(
-            f"{len(missing)} entries of the template are missing from the checkpoint: "
-            + ", ".join(missing[:50])
-            + (" ..." if len(missing) > 50 else "")
-        )
-    flat.tensors = present
-    flat.objects = present_objects
-    return missing
 
 
 def _read_object(executor: ReadExecutor, metadata: Metadata, obj: ShardedObject) -> object:

@@ -1,24 +1,35 @@
 """Option objects of ``save`` and ``load``: small frozen values, one per concern.
 
-Every rank of a group passes equal options; ``save`` checks that its own do agree across ranks (a rank
-that passes other ones fails the save on every rank), and validates them in its first collective step,
-so that a bad value is an error on every rank, never a hang.
+Every rank of a group passes equal options; ``save`` and ``load`` check that they do agree across ranks in
+their first collective step (a rank that passes other ones fails the operation on every rank, with a
+:class:`~reshard.CheckpointError` naming the option and the ranks of each value), so that a difference is an
+error on every rank, never a hang or a silently different operation. :func:`load_terms` and
+:func:`check_terms` are that check for a load (and for the peer-memory tier).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from reshard.errors import CheckpointError
 from reshard.io.datafile import DEFAULT_SAVE_MEMORY_BUDGET, MIN_SAVE_MEMORY_BUDGET
 from reshard.io.reader import DEFAULT_LOAD_MEMORY_BUDGET, MIN_LOAD_MEMORY_BUDGET
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["DEFAULT_CHECKSUM_CHUNK_BYTES", "LoadOptions", "SaveOptions", "StagingOptions"]
+__all__ = [
+    "DEFAULT_CHECKSUM_CHUNK_BYTES",
+    "LoadOptions",
+    "SaveOptions",
+    "StagingOptions",
+    "check_terms",
+    "load_terms",
+]
 
 DEFAULT_CHECKSUM_CHUNK_BYTES = 4 * 1024 * 1024
 """Stored bytes are checksummed in pieces of this size, so a partial read can verify what it touches."""
@@ -119,9 +130,18 @@ class LoadOptions:
             verifying what it read, and send them to the others over the group (:mod:`reshard.exchange`):
             True, False, or None (the default) for where it wins: on when several ranks load from an object
             store (a request is costly and the network between nodes is faster than the store), off for a
-            local path (replicas on one node share its page cache; pass True for a network file system).
-            The exchange's buffers come out of ``memory_budget_bytes`` (half for sending, half for
+            local path (replicas on one node share its page cache; pass True for a network file system);
+            where the ranks' storages differ, on when any of them is an object store (every rank decides
+            alike). The exchange's buffers come out of ``memory_budget_bytes`` (half for sending, half for
             receiving, at least 4 KiB each), after the reads released theirs.
+
+    Every rank of a load passes the same options, checked in the load's first collective step (a difference
+    is a :class:`~reshard.CheckpointError` on every rank naming the option and the ranks of each value, before
+    anything is read), with two exceptions, which only say how a rank reads its own bytes, never what it
+    gets: ``memory_budget_bytes`` (a rank short of host memory may pass a smaller budget; a read-once
+    exchange, whose rounds every rank shares, keeps within the smallest budget of the group) and
+    ``max_read_amplification`` (each rank plans its own reads, as its own storage would decide with None).
+    ``staging.directory`` must agree among the ranks of a node (another node may stage elsewhere).
 
     Raises (on construction):
         ValueError: ``max_read_amplification`` below 1.0, ``memory_budget_bytes`` below 16, or
@@ -145,3 +165,60 @@ class LoadOptions:
             raise ValueError(
                 f"memory_budget_bytes must be at least {MIN_LOAD_MEMORY_BUDGET}, got {self.memory_budget_bytes}"
             )
+
+
+def load_terms(options: LoadOptions, *, strict: bool, source: str, node: str) -> dict[str, Any]:
+    """The arguments of one rank's load that every rank must pass alike (JSON values), for :func:`check_terms`:
+    every field of ``options`` but the two that may differ per rank (see :class:`LoadOptions`), ``strict``
+    and the kind of ``source``. ``node`` names this rank's node (the staging directory must agree among the
+    ranks of each node)."""
+    staging = options.staging
+    return {
+        "allow_dtype_cast": bool(options.allow_dtype_cast),
+        "allow_lossy_cast": bool(options.allow_lossy_cast),
+        "verify": bool(options.verify),
+        "read_once": options.read_once if options.read_once is None else bool(options.read_once),
+        "staging": staging is not None,
+        "staging.keep": None if staging is None else bool(staging.keep),
+        "staging.directory": None if staging is None else [node, os.path.abspath(staging.path)],
+        "strict": bool(strict),
+        "source": source,
+    }
+
+
+def check_terms(terms: list[dict[str, Any]], operation: str) -> None:
+    """On the coordinator: every rank passed the same value of every term (``terms[r]`` from rank ``r``). A
+    sub-term (a dotted name, such as ``staging.keep``) is compared among the ranks that pass a value for it
+    (not None); one whose value is ``[node, value]`` among the ranks of each node.
+
+    Raises:
+        CheckpointError: naming each term that differs and the ranks of each value.
+    """
+    problems = []
+    for name in terms[0]:
+        values = {rank: t[name] for rank, t in enumerate(terms) if "." not in name or t[name] is not None}
+        if "." in name and any(isinstance(v, list) for v in values.values()):
+            by_node: dict[str, dict[int, Any]] = {}
+            for rank, (node, value) in values.items():
+                by_node.setdefault(node, {})[rank] = value
+            problems += [f"{name} on node {node}: {_by_rank(v)}" for node, v in by_node.items() if _by_rank(v, True)]
+        elif _by_rank(values, True):
+            problems.append(f"{name}: {_by_rank(values)}")
+    if problems:
+        raise CheckpointError(
+            f"the ranks passed different arguments to {operation}: {'; '.join(problems)} (every rank of the group "
+            "must pass the same)"
+        )
+
+
+def _by_rank(values: dict[int, Any], differ: bool = False) -> str:
+    """``True on rank 0, False on ranks 1, 2``: the ranks of each value; with ``differ``, "" when every rank
+    passed the same value."""
+    ranks: dict[str, tuple[Any, list[int]]] = {}
+    for rank, value in sorted(values.items()):
+        ranks.setdefault(json.dumps(value, sort_keys=True), (value, []))[1].append(rank)
+    if differ and len(ranks) < 2:
+        return ""
+    return ", ".join(
+        f"{value!r} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for value, r in ranks.values()
+    )

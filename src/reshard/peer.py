@@ -12,6 +12,14 @@ every box comes from whichever survivor holds a copy, over :func:`reshard.transf
 box has no surviving copy the restore says which (:class:`~reshard.DataUnavailableError`) or, given a
 ``fallback`` manager, loads the latest durable checkpoint instead, with a warning that names what was lost.
 
+A save is two-phase: the previous save (the *generation* every rank holds) stays restorable until the new
+one is held by every rank that must hold it (its primaries and their copies); only then does an agreed step
+make it the current generation on every rank, and the previous one is released. A rank dying at any point
+of a save leaves the survivors the previous generation, or the new one where the commit reached any of them
+(it was complete everywhere by then): :meth:`PeerMemoryCheckpoint.restore` first agrees on the newest
+generation some rank knows to be complete, and every rank restores from its part of that one. So a rank holds
+two generations during a save (from the copy of its boxes until the commit), one otherwise.
+
 What is durable: nothing. This tier survives the loss of any set of ranks that leaves a copy of every box
 (with ``replicas=k``, any ``k`` whole nodes); a storage checkpoint (:class:`~reshard.CheckpointManager`)
 remains the durable tier behind it. ShardedObjects (per-rank Python values) are not kept: they raise.
@@ -22,6 +30,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import uuid
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,8 +41,9 @@ from reshard.codec import decode_tagged, encode_tagged
 from reshard.comm import Communicator
 from reshard.dtensor import is_dtensor
 from reshard.dtypes import DTYPE_BY_NAME, dtype_name
-from reshard.errors import DataUnavailableError, StateDictError
+from reshard.errors import CheckpointError, DataUnavailableError, StateDictError
 from reshard.io.device import copy_to_host
+from reshard.options import check_terms
 from reshard.sharding import ShardedTensor
 from reshard.statedict import filter_state_dict, flatten_state_dict, map_leaves
 from reshard.transfer import TransferStats, transfer
@@ -43,6 +53,23 @@ if TYPE_CHECKING:
     from reshard.manager import CheckpointManager
 
 __all__ = ["PeerMemoryCheckpoint", "PeerSaveResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Generation:
+    """One peer save as this rank holds it: its number (``[counter, token]``, agreed by the group; a later save
+    has a higher counter), this rank's primary boxes and the copies it keeps for its peers, and the encoded
+    common values."""
+
+    number: list[Any]
+    held: dict[str, ShardedTensor]
+    common: str | None
+
+
+def _newest(numbers: list[list[Any] | None]) -> list[Any] | None:
+    """The highest of generation ``numbers`` (None where there is none)."""
+    known = [n for n in numbers if n is not None]
+    return max(known, key=lambda n: (int(n[0]), str(n[1]))) if known else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,16 +106,38 @@ class PeerMemoryCheckpoint:
         if self.node_size < 1:
             raise ValueError(f"node_size must be at least 1, got {self.node_size}")
         self.timeout = timeout
-        self._held: dict[str, ShardedTensor] = {}
-        self._common: str | None = None  # the encoded common values of the last save
+        self._current: _Generation | None = None
+        """The generation this rank knows to be held by every rank of the save that made it."""
+        self._pending: _Generation | None = None
+        """A generation this rank holds whole, whose commit did not reach it (the save failed in its last
+        step): it may be current on other ranks. Settled by the next save or restore."""
+
+    def _generations(self) -> dict[str, list[Any] | None]:
+        return {
+            "current": None if self._current is None else self._current.number,
+            "pending": None if self._pending is None else self._pending.number,
+        }
+
+    def _settle(self, current: list[Any] | None) -> None:
+        """Keep generation ``current`` (the newest that some rank of the group knows to be current: complete on
+        every rank that must hold it), where this rank holds it, and release every other."""
+        if self._pending is not None and self._pending.number == current:
+            self._current = self._pending
+        elif self._current is not None and self._current.number != current:
+            self._current = None
+        self._pending = None
 
     def save(self, state_dict: Any, *, group: Group = None) -> PeerSaveResult:
         """Keep this rank's primary boxes in host memory and copy them to ``replicas`` peers on other nodes.
-        Called by every rank of ``group``; replaces the previous save (its memory is released first).
+        Called by every rank of ``group`` (with the same ``replicas`` and ``node_size``). The previous save
+        stays restorable until every rank holds the new one; then it is released on every rank (see the module
+        doc): a rank holds both during the save.
 
         Raises:
             StateDictError: the state holds ShardedObjects.
             ValueError: the group has too few nodes for ``replicas`` copies on other nodes.
+            CheckpointError: ranks passed other ``replicas`` or ``node_size`` (every rank); a rank failed or
+                died (the survivors keep the previous save, or the new one where it was committed).
         """
         comm = Communicator(group, timeout=self.timeout)
         nodes = -(-comm.size // self.node_size)
@@ -101,41 +150,55 @@ class PeerMemoryCheckpoint:
         if flat.objects:
             names = ", ".join(repr(o.key) for o in flat.objects[:10])
             raise StateDictError(f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}")
-        self._held = {}
-        own: dict[str, ShardedTensor] = {}
-        described: list[list[Any]] = []
-        to_host: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for tensor in flat.tensors:
-            if not tensor.is_main_replica:
-                continue
-            for piece in tensor.pieces():
-                copy = torch.empty(piece.view.shape, dtype=piece.view.dtype)
-                to_host.append((copy, piece.view))
-                path = f"own/{len(own)}"
-                own[path] = ShardedTensor(tensor.key, copy, tensor.saved_shape, piece.box.offset)
-                box = [list(piece.box.offset), list(copy.shape)]
-                described.append([tensor.key, list(tensor.saved_shape), *box, dtype_name(copy.dtype)])
-        copy_to_host(to_host)  # GPU pieces on a side stream, one wait for them all
+        pieces = [(t, piece) for t in flat.tensors if t.is_main_replica for piece in t.pieces()]
+        described = [
+            [t.key, list(t.saved_shape), list(p.box.offset), list(p.view.shape), dtype_name(p.view.dtype)]
+            for t, p in pieces
+        ]
         common = json.dumps({p: encode_tagged(v, where=p) for p, v in flat.common.items()}, sort_keys=True)
-
-        def assign(payloads: list[bytes]) -> tuple[str, list[bytes]]:
-            """On the coordinator: what each rank keeps for which peers, and the common values of rank 0."""
-            docs = [json.loads(p) for p in payloads]
-            keep: list[list[Any]] = [[] for _ in docs]
-            for owner, doc in enumerate(docs):
-                for j in range(1, self.replicas + 1):
-                    keep[(owner + j * self.node_size) % len(docs)].extend(doc["boxes"])
-            return docs[0]["common"], [json.dumps(k).encode() for k in keep]
-
-        payload = json.dumps({"boxes": described, "common": common}).encode()
-        self._common, reply = comm.step_scatter("peer-memory save planning", lambda: payload, assign)
+        terms = {"replicas": self.replicas, "node_size": self.node_size}
+        payload = json.dumps({"boxes": described, "common": common, "terms": terms, **self._generations()}).encode()
+        plan, reply = comm.step_scatter("peer-memory save planning", lambda: payload, self._assign)
+        self._settle(plan["current"])  # at most the current generation and the new one from here on
+        own: dict[str, ShardedTensor] = {}
+        to_host: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for tensor, piece in pieces:
+            copy = torch.empty(piece.view.shape, dtype=piece.view.dtype)
+            to_host.append((copy, piece.view))
+            own[f"own/{len(own)}"] = ShardedTensor(tensor.key, copy, tensor.saved_shape, piece.box.offset)
+        copy_to_host(to_host)  # GPU pieces on a side stream, one wait for them all
         copies: dict[str, ShardedTensor] = {}
         for key, shape, offset, box_shape, dtype in json.loads(reply):
             data = torch.empty(box_shape, dtype=DTYPE_BY_NAME[dtype])
             copies[f"copy/{len(copies)}"] = ShardedTensor(key, data, tuple(shape), tuple(offset))
         transfer(own, copies, group=comm.transport, timeout=self.timeout)
-        self._held = {**own, **copies}
+        self._pending = _Generation(plan["number"], {**own, **copies}, plan["common"])
+
+        def agreed(numbers: list[list[Any]]) -> list[Any]:
+            if any(n != numbers[0] for n in numbers):
+                raise CheckpointError(f"peer-memory save: the ranks hold different new generations: {numbers}")
+            return numbers[0]
+
+        # Every rank holds the new generation whole: it becomes the current one wherever this decision arrives
+        # (where it does not, the next save or restore settles it).
+        comm.step("peer-memory save commit", lambda: plan["number"], agreed)
+        self._current, self._pending = self._pending, None
         return PeerSaveResult(own_bytes=_nbytes(own), copy_bytes=_nbytes(copies))
+
+    def _assign(self, payloads: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
+        """On the coordinator: the ranks agree on the options; the current generation (the newest some rank
+        knows to be current), the new one's number, the common values of rank 0, and what each rank keeps for
+        which peers."""
+        docs = [json.loads(p) for p in payloads]
+        check_terms([d["terms"] for d in docs], "PeerMemoryCheckpoint.save")
+        known = [n for d in docs for n in (d["current"], d["pending"]) if n is not None]
+        number = [1 + max((int(n[0]) for n in known), default=0), uuid.uuid4().hex]
+        keep: list[list[Any]] = [[] for _ in docs]
+        for owner, doc in enumerate(docs):
+            for j in range(1, self.replicas + 1):
+                keep[(owner + j * self.node_size) % len(docs)].extend(doc["boxes"])
+        plan = {"current": _newest([d["current"] for d in docs]), "number": number, "common": docs[0]["common"]}
+        return plan, [json.dumps(k).encode() for k in keep]
 
     def restore(
         self,
@@ -157,9 +220,14 @@ class PeerMemoryCheckpoint:
                 what was lost; without one, the restore raises.
             stats: if given, filled with this rank's traffic.
 
+        The ranks first agree on the generation to restore: the newest that some rank knows to be current
+        (a save whose commit reached it), which every rank that took part in that save holds whole; every
+        other generation is released. Every rank passes a ``fallback`` or none does.
+
         Raises:
             DataUnavailableError: boxes without a surviving copy (named), and no ``fallback`` (or it has
                 no complete step).
+            CheckpointError: some ranks passed a ``fallback`` and others did not (every rank).
         """
         comm = Communicator(group, timeout=self.timeout)
         objects = flatten_state_dict(template, rank=comm.rank, dedup=False).objects
@@ -167,26 +235,27 @@ class PeerMemoryCheckpoint:
             names = ", ".join(repr(o.key) for o in objects[:10])
             raise StateDictError(f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}")
         tensors = filter_state_dict(template, lambda _path, leaf: _is_tensor(leaf))
+
+        def newest(docs: list[dict[str, Any]]) -> list[Any] | None:
+            check_terms([d["terms"] for d in docs], "PeerMemoryCheckpoint.restore")
+            return _newest([d["current"] for d in docs])
+
+        mine = {"terms": {"fallback": fallback is not None}, **self._generations()}
+        self._settle(comm.step("peer-memory restore", lambda: mine, newest))
+        current = self._current
         try:
-            transfer(self._held, tensors, group=comm.transport, timeout=self.timeout, stats=stats)
+            held = current.held if current is not None else {}
+            transfer(held, tensors, group=comm.transport, timeout=self.timeout, stats=stats)
         except DataUnavailableError as exc:
             if fallback is None:
                 raise
-            warnings.warn(
-                f"peer-memory restore impossible, loading the latest durable checkpoint of "
-                f"{fallback.root.describe()} instead: {exc}",
-                stacklevel=2,
-            )
-            found = fallback.load_latest_with_state(template)
-            if found is None:
-                nothing = f"{fallback.root.describe()} holds no complete checkpoint"
-                raise DataUnavailableError(f"{exc}; and {nothing}") from exc
-            return found[1]
+            return _fall_back(fallback, template, exc)
 
         def first_common(values: list[str | None]) -> str | None:
             return next((v for v in values if v is not None), None)
 
-        encoded = comm.step("peer-memory common values", lambda: self._common, first_common)
+        own_common = current.common if current is not None else None
+        encoded = comm.step("peer-memory common values", lambda: own_common, first_common)
         common = {p: decode_tagged(v, where=p) for p, v in json.loads(encoded or "{}").items()}
 
         def result_leaf(path: str, leaf: Any) -> Any:
@@ -197,6 +266,21 @@ class PeerMemoryCheckpoint:
             return common.get(path, leaf)
 
         return map_leaves(template, result_leaf)
+
+
+def _fall_back(fallback: CheckpointManager, template: Any, exc: DataUnavailableError) -> Any:
+    """The latest durable checkpoint of ``fallback`` loaded into ``template`` (collective), with a warning
+    naming what the peer-memory tier lost."""
+    warnings.warn(
+        f"peer-memory restore impossible, loading the latest durable checkpoint of {fallback.root.describe()} "
+        f"instead: {exc}",
+        stacklevel=3,
+    )
+    found = fallback.load_latest_with_state(template)
+    if found is None:
+        nothing = f"{fallback.root.describe()} holds no complete checkpoint"
+        raise DataUnavailableError(f"{exc}; and {nothing}") from exc
+    return found[1]
 
 
 def _nbytes(tensors: dict[str, ShardedTensor]) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Box", "ReadPattern", "flat_range_boxes", "read_pattern", "row_major_strides"]
+__all__ = ["Box", "ReadPattern", "flat_range_boxes", "read_pattern", "row_major_strides", "strides_overlap"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,33 @@ def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     for axis in range(len(shape) - 2, -1, -1):
         strides[axis] = strides[axis + 1] * shape[axis + 1]
     return tuple(strides)
+
+
+_EXACT_OVERLAP_ELEMENTS = 1 << 16
+"""Up to this many elements, a layout that the quick test cannot clear is checked element by element."""
+
+
+def strides_overlap(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether two elements of a tensor of ``shape`` and element ``strides`` may share memory (an expanded
+    tensor, or strides that step into each other). A layout is clear when, axes sorted by stride, each stride
+    exceeds the reach of the smaller ones (every ordinary view: permuted, sliced, stepped); another layout of
+    at most 65536 elements is checked element by element, and a larger one counts as overlapping."""
+    if any(n == 0 for n in shape):
+        return False
+    axes = sorted((abs(s), n) for n, s in zip(shape, strides, strict=True) if n > 1)
+    reach = 0
+    for stride, n in axes:
+        if stride <= reach:
+            break
+        reach += (n - 1) * stride
+    else:
+        return False
+    if math.prod(n for _, n in axes) > _EXACT_OVERLAP_ELEMENTS:
+        return True
+    offsets = [0]
+    for stride, n in axes:
+        offsets = [o + i * stride for o in offsets for i in range(n)]
+    return len(set(offsets)) != len(offsets)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,14 @@ Four ways to read an item of the plan (one overlap of a target box with a saved 
 - **chunks**: the chunks the overlap touches are read into the staging buffer at their places in the box,
   verified there, and copied out with one strided copy.
 - **runs**: only the overlap's runs are read into the staging buffer. Used for sources without checksums
-  (safetensors), and when a checkpoint's checksum chunks are larger than half the staging buffer (then
-  the chunks are first verified by streaming them through a small buffer, a separate read of the same
-  stored bytes: the one case where the verified bytes are not the copied ones).
+  (safetensors).
+
+And one way for a group of items that share checksum chunks (:mod:`reshard.io.chunkgroups`): **streamed**,
+the chunks the group touches are read once, in pieces through the staging buffer, each verified as its last
+piece arrives, every piece copied into every item's destination that needs it. A group is streamed when
+reading it item by item would read its chunks more than twice over (many small pieces in one chunk), and
+when chunks are larger than half the staging buffer (a budget below four chunks) and some item is not a
+direct read. So no chunk is read more than twice per load, whatever the budget.
 
 Reads are batched so that object stores serve them concurrently (:meth:`Storage.read_ranges`); the
 staging memory of a batch is at most ``buffer_bytes`` (the planner keeps every item within it).
@@ -30,17 +35,24 @@ happening there, while the reads go on into the other arena (:class:`~reshard.io
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from reshard.dtypes import byte_view
-from reshard.errors import CheckpointError, CorruptCheckpointError, StorageError
+from reshard.errors import StorageError
 from reshard.geometry.boxes import Box, row_major_strides
-from reshard.io.checksums import crc32c_of, run_starts, touched_chunks
-from reshard.io.device import DeviceFill
-from reshard.storage import RangeReadError, ReadRequest, Storage
+from reshard.io.chunkgroups import ChunkGroup, chunk_groups, merged, stream_group, touched_ranges
+from reshard.io.device import DeviceFill, is_host_bytes
+from reshard.io.verified import (
+    DEFAULT_LOAD_MEMORY_BUDGET,
+    MIN_LOAD_MEMORY_BUDGET,
+    ReadBudget,
+    Segment,
+    VerifiedReader,
+)
+from reshard.storage import ReadRequest, Storage
 
 if TYPE_CHECKING:
     from reshard.metadata import Metadata, SavedBox, SavedObject
@@ -48,25 +60,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_LOAD_MEMORY_BUDGET", "MIN_LOAD_MEMORY_BUDGET", "ReadBudget", "ReadExecutor"]
 
-DEFAULT_LOAD_MEMORY_BUDGET = 32 * 1024 * 1024
-"""The host memory a rank's load holds at most for its own buffers, by default (see :class:`ReadExecutor`)."""
-
-MIN_LOAD_MEMORY_BUDGET = 16
-"""The smallest budget a load can keep (a few bytes of staging and of mapped window)."""
-
 _ALIGN = 64
-_STREAM_PIECE = 1 << 20
-"""Largest piece in which an oversized chunk is streamed through the scratch buffer."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Segment:
-    """Bytes ``[start, start + length)`` of a stored box, either already in memory (``view``) or to be
-    streamed from storage while a chunk is verified (``view`` None)."""
-
-    start: int
-    length: int
-    view: memoryview | None = None
 
 
 @dataclass
@@ -114,38 +108,17 @@ class _DirectRun:
         return saved.file == self.saved.file and saved.byte_offset == self.saved.byte_offset and start == self.end
 
 
-@dataclass(frozen=True, slots=True)
-class ReadBudget:
-    """How a load's memory budget is shared among the executor's buffers (see :class:`ReadExecutor`)."""
+@dataclass
+class _Queue:
+    """The reads of a :meth:`ReadExecutor.run` begun and not yet done: a batch of items whose reads land in
+    the staging buffer, and a run of direct reads read chunk by chunk."""
 
-    staging_bytes: int
-    """The staging buffer: half the budget."""
-    stream_bytes: int
-    """The scratch piece through which oversized chunks are streamed: at most 1 MiB, an eighth."""
-    max_read_bytes: int
-    """The rest: the largest read item, and so mapped window of a local file, that planning may make; on an
-    object store, the most response bytes of ranged GETs in flight."""
-    arena_bytes: int = 0
-    """For a load into device memory: each of the two host arenas of :class:`~reshard.io.device.DeviceFill`
-    (0 otherwise)."""
-
-    @classmethod
-    def of(cls, memory_budget_bytes: int, *, device: bool = False) -> ReadBudget:
-        """The shares of ``memory_budget_bytes``; with ``device`` (some destinations are not in host memory),
-        a quarter for staging and the rest beyond the scratch piece in three equal parts: the largest read
-        item and two arenas that hold it (so that a read item always fits an arena)."""
-        if memory_budget_bytes < MIN_LOAD_MEMORY_BUDGET:
-            raise ValueError(f"a load's memory budget must be at least {MIN_LOAD_MEMORY_BUDGET} bytes")
-        stream = max(1, min(_STREAM_PIECE, memory_budget_bytes // 8))
-        if device:
-            staging = memory_budget_bytes // 4
-            third = max(1, (memory_budget_bytes - staging - stream) // 3)
-            return cls(staging, stream, third, third)
-        staging = memory_budget_bytes // 2
-        return cls(staging, stream, memory_budget_bytes - staging - stream)
+    batch: list[_Pending] = field(default_factory=list)
+    staged_bytes: int = 0
+    direct: _DirectRun | None = None
 
 
-class ReadExecutor:
+class ReadExecutor(VerifiedReader):
     """Performs one rank's reads (see the module doc). Not thread-safe; one per load.
 
     Memory: the executor's buffers never hold more than ``memory_budget_bytes`` at once: half of it is the
@@ -179,137 +152,18 @@ class ReadExecutor:
         device: bool = False,
         fill_all_through_host: bool = False,
     ) -> None:
-        self.storage = storage
-        self.metadata = metadata
         budget = ReadBudget.of(memory_budget_bytes, device=device or fill_all_through_host)
+        super().__init__(storage, metadata, transfer_bytes=budget.max_read_bytes, stream_bytes=budget.stream_bytes)
         self.buffer_bytes = budget.staging_bytes
-        self.stream_bytes = budget.stream_bytes
-        self.transfer_bytes = budget.max_read_bytes
         self.arena_bytes = budget.arena_bytes
         self.fill_all_through_host = fill_all_through_host
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        self.scratch = torch.empty(0, dtype=torch.uint8)
-        self.bytes_verified = 0
-        """Bytes whose chunk checksum was verified."""
         self.bytes_verify_extra = 0
         """Bytes read (or, for mapped files, checksummed) beyond the planned reads, to verify whole chunks."""
         self.bytes_direct = 0
         """Bytes read straight into their destination (or its host proxy)."""
         self.bytes_to_device = 0
         """Bytes copied from host proxies into destinations outside host memory."""
-        self.checked_files: set[int] = set()
-
-    # ---- files and raw reads -------------------------------------------------------------------------
-
-    def check_file(self, file: int) -> None:
-        """Before the first read of a data file: it exists and has the size the metadata says."""
-        if file in self.checked_files:
-            return
-        entry = self.metadata.files[file]
-        where = self.storage.describe(entry.location)
-        if entry.checkpoint is not None:
-            where += f" (of checkpoint {entry.checkpoint}, which {self.storage.describe()} references)"
-        try:
-            size = self.storage.size(entry.location)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"data file {where} is missing") from None
-        except OSError as exc:
-            raise StorageError(f"cannot open data file {where}: {exc}") from exc
-        if size != entry.size:
-            raise CorruptCheckpointError(
-                f"data file {where} has {size} bytes, the metadata says {entry.size}: it was truncated or altered"
-            )
-        self.checked_files.add(file)
-
-    def read(self, requests: list[ReadRequest], whats: list[str]) -> None:
-        """Fill every request (one batch); a short answer is a truncated file."""
-        if not requests:
-            return
-        try:
-            got = self.storage.read_ranges(requests, max_buffered_bytes=self.transfer_bytes)
-        except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"{whats[0]}: a data file is missing: {exc}") from exc
-        except CheckpointError:
-            raise
-        except RangeReadError as exc:
-            raise StorageError(f"reading {whats[0]} failed: {exc}") from exc
-        except OSError as exc:
-            raise StorageError(f"reading {whats[0]} failed: {exc}") from exc
-        for request, count, what in zip(requests, got, whats, strict=True):
-            if count != len(request.buffer):
-                raise CorruptCheckpointError(
-                    f"{what}: data file {self.storage.describe(request.name)} is truncated: expected "
-                    f"{len(request.buffer)} bytes at offset {request.offset}, got {count}"
-                )
-
-    def _scratch_view(self, nbytes: int) -> memoryview:
-        if self.scratch.numel() < nbytes:
-            self.scratch = torch.empty(nbytes, dtype=torch.uint8)
-        return byte_view(self.scratch)[:nbytes]
-
-    # ---- verification --------------------------------------------------------------------------------
-
-    def verify_chunks(
-        self,
-        checksums: tuple[int, ...],
-        box_length: int,
-        file: int,
-        box_offset: int,
-        ranges: list[tuple[int, int]],
-        segments: list[_Segment],
-        what: str,
-    ) -> None:
-        """Verify every chunk of ``ranges`` (box-relative, whole chunks) of a stored box at ``box_offset`` of
-        data file ``file``: each chunk's checksum is computed over ``segments`` (ascending, together covering
-        the ranges), the ones without a view being streamed from storage through a bounded buffer."""
-        chunk = self.metadata.checksum_chunk_bytes
-        name = self.metadata.files[file].location
-        at = 0
-        for lo, hi in ranges:
-            for chunk_lo in range(lo, hi, chunk):
-                chunk_hi = min(chunk_lo + chunk, hi, box_length)
-                value = 0
-                position = chunk_lo
-                while position < chunk_hi:
-                    while at < len(segments) and segments[at].start + segments[at].length <= position:
-                        at += 1
-                    if at == len(segments) or segments[at].start > position:
-                        raise AssertionError(f"{what}: no bytes for [{position}, {chunk_hi}) of the box to verify")
-                    segment = segments[at]
-                    stop = min(chunk_hi, segment.start + segment.length)
-                    if segment.view is not None:
-                        value = crc32c_of(segment.view[position - segment.start : stop - segment.start], value)
-                    else:
-                        value = self._crc_streamed(name, box_offset + position, stop - position, value, what)
-                    position = stop
-                index = chunk_lo // chunk
-                if index >= len(checksums) or value != checksums[index]:
-                    where = self.storage.describe(name)
-                    raise CorruptCheckpointError(
-                        f"{what}: checksum mismatch in data file {where} at bytes "
-                        f"[{box_offset + chunk_lo}, {box_offset + chunk_hi})"
-                    )
-                self.bytes_verified += chunk_hi - chunk_lo
-
-    def verify_stored(self, checksums: tuple[int, ...], length: int, file: int, offset: int, what: str) -> None:
-        """Verify every chunk of a whole stored box or blob (``length`` bytes at ``offset`` of data file
-        ``file``), streamed through a bounded buffer whatever the chunk size.
-
-        Raises:
-            CorruptCheckpointError: a chunk's checksum does not match, or the file is short.
-            StorageError: the file cannot be read.
-        """
-        if length:
-            self.verify_chunks(checksums, length, file, offset, [(0, length)], [_Segment(0, length)], what)
-
-    def _crc_streamed(self, name: str, offset: int, length: int, value: int, what: str) -> int:
-        piece = max(1, min(length, self.stream_bytes))
-        view = self._scratch_view(piece)
-        for start in range(0, length, piece):
-            part = view[: min(piece, length - start)]
-            self.read([ReadRequest(name, offset + start, part)], [what])
-            value = crc32c_of(part, value)
-        return value
 
     # ---- the plan ------------------------------------------------------------------------------------
 
@@ -322,57 +176,26 @@ class ReadExecutor:
         Destinations outside host memory are complete when it returns (or raises)."""
         # Arenas of the budget's share; an executor made without ``device`` holds a read item per arena.
         fill = DeviceFill(self.arena_bytes or self.transfer_bytes) if self._any_through_host(views) else None
-        batch: list[_Pending] = []
-        staged_bytes = 0
-        direct: _DirectRun | None = None
-
-        def drain() -> None:
-            """Complete every read begun: the batch, the direct run."""
-            nonlocal batch, staged_bytes, direct
-            if direct is not None:
-                self._read_direct_by_chunk(direct)
-                direct = None
-            if batch:
-                self._flush(batch, staged_bytes)
-                batch, staged_bytes = [], 0
-
+        queue = _Queue()
+        chunk = self.metadata.checksum_chunk_bytes
         try:
-            for item in plan.items:
-                self.check_file(item.file)
-                target = views[item.target]
-                dest = target.detach()[item.overlap.relative_to(boxes[item.target])] if target.ndim else target.detach()
-                saved = self.metadata.tensors[item.key].boxes[item.saved_index]
-                if fill is not None and self._through_host(dest):
-                    dtype = self.metadata.tensors[item.key].torch_dtype
-                    if not fill.has_room(dest, dtype):  # finish the arena's reads, send it, take the other one
-                        drain()
-                        fill.flush()
-                    dest = fill.proxy(dest, dtype)
-                pending = self._prepare(item, saved, dest)
-                if pending is None:
-                    continue  # read and copied already (mapped)
-                if self._by_chunk(pending):
-                    if batch:
-                        self._flush(batch, staged_bytes)
-                        batch, staged_bytes = [], 0
-                    start = item.pattern.first * item.itemsize
-                    ((lo, hi),) = pending.ranges
-                    if direct is not None and direct.continued_by(saved, start):
-                        direct.pieces.append((start, byte_view(pending.dest)))
-                        direct.hi = hi
-                        continue
-                    if direct is not None:
-                        self._read_direct_by_chunk(direct)
-                    direct = _DirectRun(saved, self._what(item, saved), [(start, byte_view(pending.dest))], lo, hi)
+            for group in chunk_groups(plan.items, lambda item: touched_ranges(item, self._saved(item), chunk)):
+                for item in group.items:
+                    self.check_file(item.file)
+                if self._streamed(group, views, boxes):
+                    self._drain(queue)
+                    self._stream(group, views, boxes, fill)
                     continue
-                need = -(-pending.nbytes // _ALIGN) * _ALIGN
-                if batch and staged_bytes + need > self.buffer_bytes:
-                    self._flush(batch, staged_bytes)
-                    batch, staged_bytes = [], 0
-                pending.offset = staged_bytes
-                batch.append(pending)
-                staged_bytes += need
-            drain()
+                for item, ranges in zip(group.items, group.ranges, strict=True):
+                    dest = self._destination(item, views, boxes)
+                    if fill is not None and self._through_host(dest):
+                        dtype = self.metadata.tensors[item.key].torch_dtype
+                        if not fill.has_room(dest, dtype):  # finish the arena's reads, send it, take the other one
+                            self._drain(queue)
+                            fill.flush()
+                        dest = fill.proxy(dest, dtype)
+                    self._enqueue(queue, item, dest, ranges)
+            self._drain(queue)
         except BaseException:
             if fill is not None:
                 fill.abandon()
@@ -381,6 +204,51 @@ class ReadExecutor:
             fill.close()
             self.bytes_to_device += fill.bytes_copied
 
+    def _saved(self, item: ReadItem) -> SavedBox:
+        return self.metadata.tensors[item.key].boxes[item.saved_index]
+
+    @staticmethod
+    def _destination(item: ReadItem, views: list[torch.Tensor], boxes: list[Box]) -> torch.Tensor:
+        target = views[item.target].detach()
+        return target[item.overlap.relative_to(boxes[item.target])] if target.ndim else target
+
+    def _enqueue(self, queue: _Queue, item: ReadItem, dest: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+        """Begin reading ``item`` into ``dest``: into the batch, the direct run, or (mapped) at once."""
+        saved = self._saved(item)
+        pending = self._prepare(item, saved, dest, ranges)
+        if pending is None:
+            return  # read and copied already (mapped)
+        if self._by_chunk(pending):
+            if queue.batch:
+                self._flush(queue.batch, queue.staged_bytes)
+                queue.batch, queue.staged_bytes = [], 0
+            start = item.pattern.first * item.itemsize
+            ((lo, hi),) = pending.ranges
+            if queue.direct is not None and queue.direct.continued_by(saved, start):
+                queue.direct.pieces.append((start, byte_view(pending.dest)))
+                queue.direct.hi = hi
+                return
+            if queue.direct is not None:
+                self._read_direct_by_chunk(queue.direct)
+            queue.direct = _DirectRun(saved, self._what(item, saved), [(start, byte_view(pending.dest))], lo, hi)
+            return
+        need = -(-pending.nbytes // _ALIGN) * _ALIGN
+        if queue.batch and queue.staged_bytes + need > self.buffer_bytes:
+            self._flush(queue.batch, queue.staged_bytes)
+            queue.batch, queue.staged_bytes = [], 0
+        pending.offset = queue.staged_bytes
+        queue.batch.append(pending)
+        queue.staged_bytes += need
+
+    def _drain(self, queue: _Queue) -> None:
+        """Complete every read begun: the batch, the direct run."""
+        if queue.direct is not None:
+            self._read_direct_by_chunk(queue.direct)
+            queue.direct = None
+        if queue.batch:
+            self._flush(queue.batch, queue.staged_bytes)
+            queue.batch, queue.staged_bytes = [], 0
+
     def _through_host(self, dest: torch.Tensor) -> bool:
         """Whether ``dest`` is filled through a host proxy."""
         return self.fill_all_through_host or dest.device.type != "cpu"
@@ -388,53 +256,98 @@ class ReadExecutor:
     def _any_through_host(self, views: list[torch.Tensor]) -> bool:
         return any(self._through_host(view) for view in views)
 
-    def _prepare(self, item: ReadItem, saved: SavedBox, dest: torch.Tensor) -> _Pending | None:
-        """Choose how to read ``item`` (see the module doc); a mapped item is read here and then."""
+    def _direct(self, item: ReadItem, dest: torch.Tensor) -> bool:
+        """Whether ``item`` is read straight into ``dest`` (or into its host proxy): one run of the saved dtype
+        into contiguous host memory holding the stored bytes as they are."""
+        pattern = item.pattern
+        if pattern.count != 1 or pattern.span != pattern.needed:
+            return False
+        dtype = self.metadata.tensors[item.key].torch_dtype
+        return self._through_host(dest) or (dest.dtype == dtype and is_host_bytes(dest))
+
+    def _streamed(self, group: ChunkGroup, views: list[torch.Tensor], boxes: list[Box]) -> bool:
+        """Whether a group's chunks are read once for all its items (see :mod:`reshard.io.chunkgroups`): when
+        reading them item by item would read them more than twice over, and when chunks are too large to be
+        staged whole and some item is not a direct read (it reads through the stream, once, not its runs after
+        streaming its chunks to verify them)."""
+        if not group.ranges[0]:
+            return False  # no checksums
+        if group.touched_bytes > 2 * group.union_bytes:
+            return True
+        return self._oversized() and not all(
+            self._direct(item, self._destination(item, views, boxes)) for item in group.items
+        )
+
+    def _stream(self, group: ChunkGroup, views: list[torch.Tensor], boxes: list[Box], fill: DeviceFill | None) -> None:
+        """Read a group's chunks once (:func:`~reshard.io.chunkgroups.stream_group`), in parts that fit the
+        arena of proxies when destinations are outside host memory."""
+        dtype = self.metadata.tensors[group.items[0].key].torch_dtype
+        members: list[tuple[ReadItem, torch.Tensor]] = []
+        ranges: list[tuple[int, int]] = []
+        for item, item_ranges in zip(group.items, group.ranges, strict=True):
+            dest = self._destination(item, views, boxes)
+            if fill is not None and self._through_host(dest):
+                if not fill.has_room(dest, dtype):
+                    self._stream_members(members, ranges, dtype)
+                    members, ranges = [], []
+                    fill.flush()
+                dest = fill.proxy(dest, dtype)
+            members.append((item, dest))
+            ranges.extend(item_ranges)
+        self._stream_members(members, ranges, dtype)
+
+    def _stream_members(
+        self, members: list[tuple[ReadItem, torch.Tensor]], ranges: list[tuple[int, int]], dtype: torch.dtype
+    ) -> None:
+        if not members:
+            return
+        item = members[0][0]
+        saved = self._saved(item)
+        union = merged(ranges)
+        name = self.metadata.files[saved.file].location
+        nbytes = max(2 * dtype.itemsize, self.buffer_bytes)
+        self._staging(nbytes)
+        self.bytes_verified += stream_group(
+            members,
+            union,
+            saved,
+            dtype=dtype,
+            chunk_bytes=self.metadata.checksum_chunk_bytes,
+            name=name,
+            where=self.storage.describe(name),
+            what=self._what(item, saved),
+            buffer=self.buffer[:nbytes],
+            read=self.read,
+        )
+        planned = sum(member.bytes_read for member, _ in members)
+        self.bytes_verify_extra += max(0, sum(hi - lo for lo, hi in union) - planned)
+
+    def _prepare(
+        self, item: ReadItem, saved: SavedBox, dest: torch.Tensor, ranges: list[tuple[int, int]]
+    ) -> _Pending | None:
+        """Choose how to read ``item`` (see the module doc), whose reads touch the chunks ``ranges``; a mapped
+        item is read here and then. (An item of a checksummed box that is not a direct read never comes here
+        when the chunks are too large to stage: it is streamed.)"""
         pattern = item.pattern
         itemsize = item.itemsize
         checked = bool(saved.checksums)
         oversized = checked and self._oversized()
-        ranges: list[tuple[int, int]] = []
-        if checked:
-            starts = run_starts(pattern.first, pattern.lead_shape, pattern.lead_strides) * itemsize
-            ranges = touched_chunks(
-                starts, pattern.span * itemsize, self.metadata.checksum_chunk_bytes, saved.byte_length
-            )
-        dtype = self.metadata.tensors[item.key].torch_dtype
-        direct = (
-            pattern.count == 1
-            and pattern.span == pattern.needed
-            and dest.dtype == dtype
-            and dest.device.type == "cpu"
-            and dest.is_contiguous()
-        )
-        if direct:
+        if self._direct(item, dest):
             start = pattern.first * itemsize
             end = start + pattern.span * itemsize
             extra = 0 if oversized or not ranges else (start - ranges[0][0]) + (ranges[-1][1] - end)
             return _Pending(item, saved, dest, "direct", 0, extra, ranges, streamed=oversized)
-        if self._copy_mapped(item, saved, dest, ranges, oversized):
+        if self._copy_mapped(item, saved, dest, ranges):
             return None
-        if checked and not oversized:
+        if checked:
             region_start = ranges[0][0] - ranges[0][0] % itemsize
             region_end = ranges[-1][1]
             nbytes = -(-(region_end - region_start) // itemsize) * itemsize
             return _Pending(item, saved, dest, "chunks", 0, nbytes, ranges, region_start)
-        if checked:
-            self._verify_streamed(saved, ranges, item)
         return _Pending(item, saved, dest, "runs", 0, pattern.count * pattern.span * itemsize, [])
 
     def _what(self, item: ReadItem, saved: SavedBox) -> str:
         return f"tensor {item.key!r} box at {list(saved.offset)}"
-
-    def _verify_streamed(self, saved: SavedBox, ranges: list[tuple[int, int]], item: ReadItem) -> None:
-        """Verify the touched chunks of an item by streaming them from storage (oversized chunks)."""
-        segments = [_Segment(lo, hi - lo) for lo, hi in ranges]
-        self.verify_chunks(
-            saved.checksums, saved.byte_length, saved.file, saved.byte_offset, ranges, segments, self._what(item, saved)
-        )
-        runs = item.pattern.count * item.pattern.span * item.itemsize
-        self.bytes_verify_extra += sum(hi - lo for lo, hi in ranges) - min(runs, sum(hi - lo for lo, hi in ranges))
 
     def _by_chunk(self, pending: _Pending) -> bool:
         """Whether a direct read goes chunk by chunk, each chunk verified as soon as it is read (while its
@@ -466,17 +379,17 @@ class ReadExecutor:
             chunk_hi = min(chunk_lo + chunk, hi)
             segments = []
             if chunk_lo < start:
-                segments.append(_Segment(chunk_lo, start - chunk_lo, staging[chunk_lo - lo : head]))
+                segments.append(Segment(chunk_lo, start - chunk_lo, staging[chunk_lo - lo : head]))
             position = max(chunk_lo, start)
             while position < min(chunk_hi, end):
                 while position >= piece_start + len(piece):
                     piece_start, piece = next(pieces)
                 b = min(chunk_hi, end, piece_start + len(piece))
-                segments.append(_Segment(position, b - position, piece[position - piece_start : b - piece_start]))
+                segments.append(Segment(position, b - position, piece[position - piece_start : b - piece_start]))
                 position = b
             if chunk_hi > end:
                 a = max(chunk_lo, end)
-                segments.append(_Segment(a, chunk_hi - a, staging[head + a - end : head + tail]))
+                segments.append(Segment(a, chunk_hi - a, staging[head + a - end : head + tail]))
             self.read(
                 [
                     ReadRequest(name, saved.byte_offset + seg.start, seg.view)
@@ -564,13 +477,13 @@ class ReadExecutor:
                 tail = pending.ranges[-1][1] - end
                 raw = staging[pending.offset : pending.offset + pending.nbytes]
                 segments = [
-                    _Segment(pending.ranges[0][0], head, raw[:head]),
-                    _Segment(start, end - start, dest),
-                    _Segment(end, tail, raw[head : head + tail]),
+                    Segment(pending.ranges[0][0], head, raw[:head]),
+                    Segment(start, end - start, dest),
+                    Segment(end, tail, raw[head : head + tail]),
                 ]
             else:  # oversized chunks: the parts outside the run are streamed
                 lo, hi = pending.ranges[0][0], pending.ranges[-1][1]
-                segments = [_Segment(lo, start - lo), _Segment(start, end - start, dest), _Segment(end, hi - end)]
+                segments = [Segment(lo, start - lo), Segment(start, end - start, dest), Segment(end, hi - end)]
                 self.bytes_verify_extra += (start - lo) + (hi - end)
             segments = [s for s in segments if s.length]
             self.verify_chunks(
@@ -579,7 +492,7 @@ class ReadExecutor:
             return
         if pending.kind == "chunks":
             raw = staging[pending.offset : pending.offset + pending.nbytes]
-            segment = _Segment(pending.region_start, pending.nbytes, raw)
+            segment = Segment(pending.region_start, pending.nbytes, raw)
             self.verify_chunks(
                 saved.checksums, saved.byte_length, saved.file, saved.byte_offset, pending.ranges, [segment], what
             )
@@ -600,9 +513,7 @@ class ReadExecutor:
         with torch.no_grad():
             pending.dest.copy_(source.reshape(pending.dest.shape))
 
-    def _copy_mapped(
-        self, item: ReadItem, saved: SavedBox, dest: torch.Tensor, ranges: list[tuple[int, int]], oversized: bool
-    ) -> bool:
+    def _copy_mapped(self, item: ReadItem, saved: SavedBox, dest: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
         """Verify the touched chunks in a mapping of the file and copy the overlap from it into its
         destination, converting the dtype in the same pass. False where the storage cannot map (or the
         mapping would be misaligned for the dtype)."""
@@ -613,8 +524,8 @@ class ReadExecutor:
         if (saved.byte_offset + first) % itemsize:
             return False  # a view of the mapping would be misaligned: take the staged path
         extent = (1 + sum((n - 1) * st for n, st in zip(item.overlap.shape, strides, strict=True))) * itemsize
-        lo = first if oversized or not ranges else min(ranges[0][0], first)
-        hi = first + extent if oversized or not ranges else max(ranges[-1][1], first + extent)
+        lo = min(ranges[0][0], first) if ranges else first
+        hi = max(ranges[-1][1], first + extent) if ranges else first + extent
         name = self.metadata.files[saved.file].location
         try:
             mapped = self.storage.map_range(name, saved.byte_offset + lo, hi - lo)
@@ -624,9 +535,7 @@ class ReadExecutor:
             return False
         what = self._what(item, saved)
         try:
-            if ranges and oversized:
-                self._verify_streamed(saved, ranges, item)
-            elif ranges:
+            if ranges:
                 raw = byte_view(mapped.tensor)
                 self.verify_chunks(
                     saved.checksums,
@@ -634,7 +543,7 @@ class ReadExecutor:
                     saved.file,
                     saved.byte_offset,
                     ranges,
-                    [_Segment(lo, hi - lo, raw)],
+                    [Segment(lo, hi - lo, raw)],
                     what,
                 )
                 del raw  # release the buffer export, so that the mapping can be closed now
@@ -665,7 +574,7 @@ class ReadExecutor:
             entry.file,
             entry.byte_offset,
             ranges,
-            [_Segment(0, entry.byte_length, view)],
+            [Segment(0, entry.byte_length, view)],
             what,
         )
         return bytes(blob)

@@ -4,7 +4,8 @@ Pure: given the checkpoint's metadata and the boxes a rank wants (on its own, po
 layout), return the reads. Each target box is intersected with the saved boxes of its key that it
 overlaps (found through an index, so the cost does not grow with the number of saved boxes); every overlap
 becomes one :class:`ReadItem`, read with the fewest requests that keep the read amplification within the
-bound (see :func:`reshard.geometry.boxes.read_pattern`).
+bound (see :func:`reshard.geometry.boxes.read_pattern`). Before that, :func:`check_template` matches a
+rank's template with the metadata (keys, shapes, dtypes, destinations that can hold a value per element).
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from reshard.geometry.boxes import Box, ReadPattern, read_pattern, row_major_strides
+from reshard.dtypes import dtype_name, is_lossy_cast
+from reshard.errors import MismatchError, StateDictError
+from reshard.geometry.boxes import Box, ReadPattern, read_pattern, row_major_strides, strides_overlap
 from reshard.geometry.grid import BoxIndex
 from reshard.metadata import Metadata, SavedBox, SavedBoxes
+from reshard.statedict import FlatStateDict, is_empty_container
 
 __all__ = [
     "DEFAULT_MAX_READ_AMPLIFICATION",
@@ -26,6 +30,7 @@ __all__ = [
     "LoadPlan",
     "ReadItem",
     "TargetPiece",
+    "check_template",
     "plan_load",
 ]
 
@@ -235,3 +240,81 @@ class _Saved:
             np.array([b.byte_offset for b in boxes], dtype=np.int64),
             BoxIndex(offset, shape),
         )
+
+
+def check_template(
+    flat: FlatStateDict, metadata: Metadata, *, strict: bool, allow_dtype_cast: bool, allow_lossy_cast: bool
+) -> list[str]:
+    """Compare the template with the checkpoint. Return the missing entries (when not strict) and drop
+    them from ``flat.tensors`` and ``flat.objects``, so that only present entries are planned and read.
+
+    Raises:
+        StateDictError: template tensors on the meta device (they have no memory to load into), or whose
+            elements overlap in memory (an expanded view).
+        MismatchError: a global shape differs, a dtype differs and the cast is not allowed, or
+            entries are missing (with ``strict``).
+    """
+    meta = [st.key for st in flat.tensors if st.data.device.type == "meta"]
+    if meta:
+        raise StateDictError(
+            f"{len(meta)} template tensors are on the meta device, which holds no data to load into: "
+            f"{', '.join(repr(k) for k in meta[:10])}{' ...' if len(meta) > 10 else ''}; allocate them first "
+            "(module.to_empty(device='cpu'), torch.empty_like(t, device=...))"
+        )
+    shared = [st.key for st in flat.tensors if strides_overlap(tuple(st.data.shape), tuple(st.data.stride()))]
+    if shared:
+        raise StateDictError(
+            f"{len(shared)} template tensors are views whose elements overlap in memory (an expanded tensor), which "
+            f"cannot hold a value each: {', '.join(repr(k) for k in shared[:10])}; load into a tensor of their own"
+        )
+    missing: list[str] = []
+    mismatches: list[str] = []
+    present = []
+    for st in flat.tensors:
+        saved = metadata.tensors.get(st.key)
+        if saved is None:
+            missing.append(f"tensor {st.key!r}")
+            continue
+        if saved.global_shape != st.saved_shape:
+            kind = "logical shape" if st.logical_shape is not None else "global shape"
+            mismatches.append(
+                f"tensor {st.key!r}: saved global shape {list(saved.global_shape)}, requested {kind} "
+                f"{list(st.saved_shape)}"
+            )
+        elif saved.dtype != dtype_name(st.data.dtype) and not allow_dtype_cast:
+            mismatches.append(
+                f"tensor {st.key!r}: saved dtype {saved.dtype}, requested {dtype_name(st.data.dtype)} "
+                "(allow_dtype_cast=False)"
+            )
+        elif is_lossy_cast(saved.torch_dtype, st.data.dtype) and not allow_lossy_cast:
+            mismatches.append(
+                f"tensor {st.key!r}: saved dtype {saved.dtype}, requested {dtype_name(st.data.dtype)}: a lossy "
+                "conversion (LoadOptions(allow_lossy_cast=True) allows it)"
+            )
+        present.append(st)
+    present_objects = []
+    for obj in flat.objects:
+        saved_obj = metadata.objects.get(obj.key)
+        if saved_obj is not None and saved_obj.global_shape != obj.global_shape:
+            mismatches.append(
+                f"object {obj.key!r}: saved grid {list(saved_obj.global_shape)}, requested {list(obj.global_shape)}"
+            )
+        elif saved_obj is None or not any(e.offset == obj.global_offset for e in saved_obj.entries):
+            missing.append(f"object {obj.key!r} at {list(obj.global_offset)}")
+        else:
+            present_objects.append(obj)
+    for path, value in flat.common.items():
+        # An empty container is structure: checkpoints saved before empty containers were kept lack it.
+        if path not in metadata.common and not is_empty_container(value):
+            missing.append(f"common value {path!r}")
+    if mismatches:
+        raise MismatchError("the checkpoint does not match the template: " + "; ".join(mismatches))
+    if missing and strict:
+        raise MismatchError(
+            f"{len(missing)} entries of the template are missing from the checkpoint: "
+            + ", ".join(missing[:50])
+            + (" ..." if len(missing) > 50 else "")
+        )
+    flat.tensors = present
+    flat.objects = present_objects
+    return missing

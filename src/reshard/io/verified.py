@@ -1,0 +1,215 @@
+"""Reads of stored byte ranges, and the verification of their checksum chunks: the base of the read executor.
+
+:class:`VerifiedReader` checks a data file's size before its first read, fills read requests (a short
+answer is a truncated file, a failed one a :class:`~reshard.StorageError`), and verifies chunks of stored
+boxes and blobs over the bytes in memory (streaming the others through a bounded scratch buffer).
+:class:`ReadBudget` says how a load's memory budget is shared among the buffers of
+:class:`~reshard.io.reader.ReadExecutor`, which builds the planned reads of a load on this class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from reshard.dtypes import byte_view
+from reshard.errors import CheckpointError, CorruptCheckpointError, StorageError
+from reshard.io.checksums import crc32c_of
+from reshard.storage import RangeReadError, ReadRequest, Storage
+
+if TYPE_CHECKING:
+    from reshard.metadata import Metadata
+
+__all__ = [
+    "DEFAULT_LOAD_MEMORY_BUDGET",
+    "MIN_LOAD_MEMORY_BUDGET",
+    "ReadBudget",
+    "Segment",
+    "VerifiedReader",
+]
+
+DEFAULT_LOAD_MEMORY_BUDGET = 32 * 1024 * 1024
+"""The host memory a rank's load holds at most for its own buffers, by default (see
+:class:`~reshard.io.reader.ReadExecutor`)."""
+
+MIN_LOAD_MEMORY_BUDGET = 16
+"""The smallest budget a load can keep (a few bytes of staging and of mapped window)."""
+
+_STREAM_PIECE = 1 << 20
+"""Largest piece in which an oversized chunk is streamed through the scratch buffer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Bytes ``[start, start + length)`` of a stored box, either already in memory (``view``) or to be
+    streamed from storage while a chunk is verified (``view`` None)."""
+
+    start: int
+    length: int
+    view: memoryview | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBudget:
+    """How a load's memory budget is shared among the buffers of :class:`~reshard.io.reader.ReadExecutor`."""
+
+    staging_bytes: int
+    """The staging buffer: half the budget."""
+    stream_bytes: int
+    """The scratch piece through which oversized chunks are streamed: at most 1 MiB, an eighth."""
+    max_read_bytes: int
+    """The rest: the largest read item, and so mapped window of a local file, that planning may make; on an
+    object store, the most response bytes of ranged GETs in flight."""
+    arena_bytes: int = 0
+    """For a load into device memory: each of the two host arenas of :class:`~reshard.io.device.DeviceFill`
+    (0 otherwise)."""
+
+    @classmethod
+    def of(cls, memory_budget_bytes: int, *, device: bool = False) -> ReadBudget:
+        """The shares of ``memory_budget_bytes``; with ``device`` (some destinations are not in host memory),
+        a quarter for staging and the rest beyond the scratch piece in three equal parts: the largest read
+        item and two arenas that hold it (so that a read item always fits an arena)."""
+        if memory_budget_bytes < MIN_LOAD_MEMORY_BUDGET:
+            raise ValueError(f"a load's memory budget must be at least {MIN_LOAD_MEMORY_BUDGET} bytes")
+        stream = max(1, min(_STREAM_PIECE, memory_budget_bytes // 8))
+        if device:
+            staging = memory_budget_bytes // 4
+            third = max(1, (memory_budget_bytes - staging - stream) // 3)
+            return cls(staging, stream, third, third)
+        staging = memory_budget_bytes // 2
+        return cls(staging, stream, memory_budget_bytes - staging - stream)
+
+
+class VerifiedReader:
+    """Reads and verifies stored ranges of one checkpoint's data files (see the module doc). Not thread-safe.
+
+    Args:
+        storage: where the data files are.
+        metadata: the checkpoint (or source) being read.
+        transfer_bytes: the most response bytes an object store may hold in flight for one batch of reads.
+        stream_bytes: the scratch piece through which chunks not in memory are streamed to verify them.
+    """
+
+    def __init__(self, storage: Storage, metadata: Metadata, *, transfer_bytes: int, stream_bytes: int) -> None:
+        self.storage = storage
+        self.metadata = metadata
+        self.transfer_bytes = transfer_bytes
+        self.stream_bytes = stream_bytes
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+        self.bytes_verified = 0
+        """Bytes whose chunk checksum was verified."""
+        self.checked_files: set[int] = set()
+
+    # ---- files and raw reads -------------------------------------------------------------------------
+
+    def check_file(self, file: int) -> None:
+        """Before the first read of a data file: it exists and has the size the metadata says."""
+        if file in self.checked_files:
+            return
+        entry = self.metadata.files[file]
+        where = self.storage.describe(entry.location)
+        if entry.checkpoint is not None:
+            where += f" (of checkpoint {entry.checkpoint}, which {self.storage.describe()} references)"
+        try:
+            size = self.storage.size(entry.location)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"data file {where} is missing") from None
+        except OSError as exc:
+            raise StorageError(f"cannot open data file {where}: {exc}") from exc
+        if size != entry.size:
+            raise CorruptCheckpointError(
+                f"data file {where} has {size} bytes, the metadata says {entry.size}: it was truncated or altered"
+            )
+        self.checked_files.add(file)
+
+    def read(self, requests: list[ReadRequest], whats: list[str]) -> None:
+        """Fill every request (one batch); a short answer is a truncated file."""
+        if not requests:
+            return
+        try:
+            got = self.storage.read_ranges(requests, max_buffered_bytes=self.transfer_bytes)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"{whats[0]}: a data file is missing: {exc}") from exc
+        except CheckpointError:
+            raise
+        except RangeReadError as exc:
+            raise StorageError(f"reading {whats[0]} failed: {exc}") from exc
+        except OSError as exc:
+            raise StorageError(f"reading {whats[0]} failed: {exc}") from exc
+        for request, count, what in zip(requests, got, whats, strict=True):
+            if count != len(request.buffer):
+                raise CorruptCheckpointError(
+                    f"{what}: data file {self.storage.describe(request.name)} is truncated: expected "
+                    f"{len(request.buffer)} bytes at offset {request.offset}, got {count}"
+                )
+
+    def _scratch_view(self, nbytes: int) -> memoryview:
+        if self.scratch.numel() < nbytes:
+            self.scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return byte_view(self.scratch)[:nbytes]
+
+    # ---- verification --------------------------------------------------------------------------------
+
+    def verify_chunks(
+        self,
+        checksums: tuple[int, ...],
+        box_length: int,
+        file: int,
+        box_offset: int,
+        ranges: list[tuple[int, int]],
+        segments: list[Segment],
+        what: str,
+    ) -> None:
+        """Verify every chunk of ``ranges`` (box-relative, whole chunks) of a stored box at ``box_offset`` of
+        data file ``file``: each chunk's checksum is computed over ``segments`` (ascending, together covering
+        the ranges), the ones without a view being streamed from storage through a bounded buffer."""
+        chunk = self.metadata.checksum_chunk_bytes
+        name = self.metadata.files[file].location
+        at = 0
+        for lo, hi in ranges:
+            for chunk_lo in range(lo, hi, chunk):
+                chunk_hi = min(chunk_lo + chunk, hi, box_length)
+                value = 0
+                position = chunk_lo
+                while position < chunk_hi:
+                    while at < len(segments) and segments[at].start + segments[at].length <= position:
+                        at += 1
+                    if at == len(segments) or segments[at].start > position:
+                        raise AssertionError(f"{what}: no bytes for [{position}, {chunk_hi}) of the box to verify")
+                    segment = segments[at]
+                    stop = min(chunk_hi, segment.start + segment.length)
+                    if segment.view is not None:
+                        value = crc32c_of(segment.view[position - segment.start : stop - segment.start], value)
+                    else:
+                        value = self._crc_streamed(name, box_offset + position, stop - position, value, what)
+                    position = stop
+                index = chunk_lo // chunk
+                if index >= len(checksums) or value != checksums[index]:
+                    where = self.storage.describe(name)
+                    raise CorruptCheckpointError(
+                        f"{what}: checksum mismatch in data file {where} at bytes "
+                        f"[{box_offset + chunk_lo}, {box_offset + chunk_hi})"
+                    )
+                self.bytes_verified += chunk_hi - chunk_lo
+
+    def verify_stored(self, checksums: tuple[int, ...], length: int, file: int, offset: int, what: str) -> None:
+        """Verify every chunk of a whole stored box or blob (``length`` bytes at ``offset`` of data file
+        ``file``), streamed through a bounded buffer whatever the chunk size.
+
+        Raises:
+            CorruptCheckpointError: a chunk's checksum does not match, or the file is short.
+            StorageError: the file cannot be read.
+        """
+        if length:
+            self.verify_chunks(checksums, length, file, offset, [(0, length)], [Segment(0, length)], what)
+
+    def _crc_streamed(self, name: str, offset: int, length: int, value: int, what: str) -> int:
+        piece = max(1, min(length, self.stream_bytes))
+        view = self._scratch_view(piece)
+        for start in range(0, length, piece):
+            part = view[: min(piece, length - start)]
+            self.read([ReadRequest(name, offset + start, part)], [what])
+            value = crc32c_of(part, value)
+        return value
