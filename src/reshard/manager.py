@@ -57,7 +57,7 @@ from reshard.load import load
 from reshard.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
 from reshard.maintenance import validate_checkpoint
 from reshard.metadata import METADATA_FILE, Metadata
-from reshard.options import SaveOptions
+from reshard.options import SaveOptions, check_terms
 from reshard.references import is_retired
 from reshard.retirement import remove_checkpoint
 from reshard.save import SaveResult, save
@@ -244,15 +244,18 @@ class CheckpointManager:
         if self.incremental:
             options = dataclasses.replace(options, content_hash=True)
 
-        def lock() -> str | None:
+        def lock() -> list[Any]:
+            terms = self._terms(step=step, overwrite=overwrite)
             if not comm.is_coordinator:
-                return None
+                return [terms, None]
             held.append(acquire_lock(self.root, token, what="manager"))
             held[0].start_renewing()
-            return self._base_for(step, options.checksum_chunk_bytes) if self.incremental else None
+            return [terms, self._base_for(step, options.checksum_chunk_bytes) if self.incremental else None]
 
-        def coordinators(values: list[str | None]) -> str | None:
-            return values[0]
+        def coordinators(values: list[list[Any]]) -> str | None:
+            check_terms([terms for terms, _ in values], "CheckpointManager.save")
+            base_name: str | None = values[0][1]
+            return base_name
 
         base: Storage | None = None
         try:
@@ -299,6 +302,19 @@ class CheckpointManager:
             if base is not None:
                 base.close()
         return result
+
+    def _terms(self, **call: Any) -> dict[str, Any]:
+        """What every rank of the group must pass alike to a collective method (the root, the retention
+        policy, and the call's own arguments ``call``): a rank with another policy would retain other
+        steps than the coordinator, which alone applies it."""
+        return {
+            "root": self.root.describe(),
+            "keep_last": self.keep_last,
+            "keep_every": self.keep_every,
+            "incremental": self.incremental,
+            "full_every": self.full_every,
+            **call,
+        }
 
     def _base_for(self, step: int, chunk_bytes: int) -> str | None:
         """On the coordinator: the base of an incremental save of ``step``, or None (a full save)."""
@@ -416,13 +432,16 @@ class CheckpointManager:
         saying so."""
         comm = Communicator(self.group, timeout=self.timeout)
 
-        def candidates() -> list[list[Any]] | None:
+        def candidates() -> list[Any]:
+            root = {"root": self.root.describe()}
             if not comm.is_coordinator:
-                return None
-            return [[s.step, s.status, s.problem] for s in reversed(scan_root(self.root))]
+                return [root, None]
+            return [root, [[s.step, s.status, s.problem] for s in reversed(scan_root(self.root))]]
 
-        def coordinators(values: list[list[list[Any]] | None]) -> list[list[Any]]:
-            return values[0] or []
+        def coordinators(values: list[list[Any]]) -> list[list[Any]]:
+            check_terms([terms for terms, _ in values], "CheckpointManager.load_latest")
+            listed: list[list[Any]] = values[0][1] or []
+            return listed
 
         listed = comm.step("listing checkpoints", candidates, coordinators)
 

@@ -41,7 +41,7 @@ from reshard.codec import decode_tagged, encode_tagged
 from reshard.comm import Communicator
 from reshard.dtensor import is_dtensor
 from reshard.dtypes import DTYPE_BY_NAME, dtype_name
-from reshard.errors import CheckpointError, DataUnavailableError, StateDictError
+from reshard.errors import CheckpointError, DataUnavailableError, ShardingError, StateDictError
 from reshard.io.device import copy_to_host
 from reshard.options import check_terms
 from reshard.sharding import ShardedTensor
@@ -134,31 +134,32 @@ class PeerMemoryCheckpoint:
         doc): a rank holds both during the save.
 
         Raises:
-            StateDictError: the state holds ShardedObjects.
-            ValueError: the group has too few nodes for ``replicas`` copies on other nodes.
+            StateDictError: the state holds ShardedObjects (every rank).
+            ShardingError: the group has too few nodes for ``replicas`` copies on other nodes (a ValueError;
+                every rank).
             CheckpointError: ranks passed other ``replicas`` or ``node_size`` (every rank); a rank failed or
                 died (the survivors keep the previous save, or the new one where it was committed).
         """
         comm = Communicator(group, timeout=self.timeout)
-        nodes = -(-comm.size // self.node_size)
-        if nodes <= self.replicas:
-            raise ValueError(
-                f"{comm.size} ranks of {self.node_size} per node make {nodes} nodes: too few for "
-                f"{self.replicas} copies on other nodes"
-            )
-        flat = flatten_state_dict(state_dict, rank=comm.rank)
-        if flat.objects:
-            names = ", ".join(repr(o.key) for o in flat.objects[:10])
-            raise StateDictError(f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}")
-        pieces = [(t, piece) for t in flat.tensors if t.is_main_replica for piece in t.pieces()]
-        described = [
-            [t.key, list(t.saved_shape), list(p.box.offset), list(p.view.shape), dtype_name(p.view.dtype)]
-            for t, p in pieces
-        ]
-        common = json.dumps({p: encode_tagged(v, where=p) for p, v in flat.common.items()}, sort_keys=True)
-        terms = {"replicas": self.replicas, "node_size": self.node_size}
-        payload = json.dumps({"boxes": described, "common": common, "terms": terms, **self._generations()}).encode()
-        plan, reply = comm.step_scatter("peer-memory save planning", lambda: payload, self._assign)
+        pieces: list[tuple[ShardedTensor, Any]] = []
+
+        def describe() -> bytes:  # inside the first step: a state that cannot be kept fails every rank alike
+            flat = flatten_state_dict(state_dict, rank=comm.rank)
+            if flat.objects:
+                names = ", ".join(repr(o.key) for o in flat.objects[:10])
+                raise StateDictError(
+                    f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}"
+                )
+            pieces.extend((t, piece) for t in flat.tensors if t.is_main_replica for piece in t.pieces())
+            described = [
+                [t.key, list(t.saved_shape), list(p.box.offset), list(p.view.shape), dtype_name(p.view.dtype)]
+                for t, p in pieces
+            ]
+            common = json.dumps({p: encode_tagged(v, where=p) for p, v in flat.common.items()}, sort_keys=True)
+            terms = {"replicas": self.replicas, "node_size": self.node_size}
+            return json.dumps({"boxes": described, "common": common, "terms": terms, **self._generations()}).encode()
+
+        plan, reply = comm.step_scatter("peer-memory save planning", describe, self._assign)
         self._settle(plan["current"])  # at most the current generation and the new one from here on
         own: dict[str, ShardedTensor] = {}
         to_host: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -191,6 +192,12 @@ class PeerMemoryCheckpoint:
         which peers."""
         docs = [json.loads(p) for p in payloads]
         check_terms([d["terms"] for d in docs], "PeerMemoryCheckpoint.save")
+        nodes = -(-len(docs) // self.node_size)
+        if nodes <= self.replicas:
+            raise ShardingError(
+                f"{len(docs)} ranks of {self.node_size} per node make {nodes} nodes: too few for "
+                f"replicas={self.replicas} copies on other nodes"
+            )
         known = [n for d in docs for n in (d["current"], d["pending"]) if n is not None]
         number = [1 + max((int(n[0]) for n in known), default=0), uuid.uuid4().hex]
         keep: list[list[Any]] = [[] for _ in docs]

@@ -56,7 +56,7 @@ ALTERNATES: dict[str, dict[str, Any]] = {
     "LoadOptions": {
         "allow_dtype_cast": False,
         "allow_lossy_cast": True,
-        "max_read_amplification": 4.0,
+        "max_read_amplification": (PER_RANK, "each rank plans only its own reads"),
         "memory_budget_bytes": (PER_RANK, "the size of this rank's own read buffers"),
         "verify": True,
         "staging": "staging",
