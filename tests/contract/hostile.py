@@ -143,13 +143,28 @@ HOSTILE_SIBLINGS = [
 ]
 
 
+ATTACKS_V4 = (
+    "path",
+    "sibling",
+    "sibling_path",
+    "cycle",
+    "many",
+    "marker",
+    "retired",
+    "latest",
+    "downgrade",
+    "archive",
+    "numbers",
+)
+
+
 def _attacks_v4(rng: random.Random, doc: dict[str, Any], parent: Path) -> tuple[str, str]:
     """One seeded change of the attacked version-4 checkpoint or of its neighbours; (kind, detail)."""
     files = doc["files"]
-    kind = rng.choice(
-        ["path", "sibling", "sibling_path", "cycle", "many", "marker", "retired", "latest", "downgrade", "archive"]
-    )
+    kind = rng.choice(ATTACKS_V4)
     i = rng.randrange(len(files))
+    if kind == "numbers":
+        return kind, _attack_numbers(rng, doc)
     if kind == "path":
         files[i]["path"] = rng.choice(HOSTILE_NAMES)
         return kind, files[i]["path"]
@@ -213,6 +228,26 @@ def _attack_marker(rng: random.Random, parent: Path) -> str:
         doc["files"] = [f"data/{j:032x}-r00000.bin" for j in range(50_000)]
     marker.write_text(json.dumps(doc))
     return f"{marker.name}: {json.dumps(doc)[:120]}"
+
+
+HOSTILE_NUMBERS: list[Any] = [-1, 2**62, 2**62 + 1, 2**63, 2**64, 1.5, True, None, "8", [8], 10**400]
+
+
+def _attack_numbers(rng: random.Random, doc: dict[str, Any]) -> str:
+    """A hostile number in a file's size or in a box's place (of a referenced file's box, when it has one)."""
+    value = rng.choice(HOSTILE_NUMBERS)
+    if rng.random() < 0.5:
+        entry = rng.choice(doc["files"])
+        entry["size"] = value
+        return f"size of {entry['path'][-40:]}: {str(value)[:30]}"
+    tensor = doc["tensors"][rng.choice(sorted(doc["tensors"]))]
+    boxes = tensor.get("boxes")
+    if not boxes:
+        tensor["global_shape"] = [value]
+        return f"a packed tensor's global shape: {str(value)[:30]}"
+    field = rng.choice(["byte_offset", "byte_length", "file"])
+    boxes[0][field] = value
+    return f"a box's {field}: {str(value)[:30]}"
 
 
 def _attacks_old(rng: random.Random, doc: dict[str, Any]) -> tuple[str, str]:
