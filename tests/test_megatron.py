@@ -376,6 +376,72 @@ def test_megatron_uneven_splits_and_save_distributed_over_replicas(pool4: RankPo
         assert torch.equal(got, full[start : start + UNEVEN_LOAD[rank]])
 
 
+def rank_megatron_errors(ctx: RankContext, path: str, bad_path: str) -> dict[str, tuple[str, bool, str, str]]:
+    """A dist_checkpointing.save of a tensor and an object with the reshard strategy, then loads (and a save)
+    that must fail; per case: the error's class, whether Megatron's callers catch it (CheckpointingException),
+    the reshard class it also is, and its message."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    import reshard.megatron  # noqa: F401
+
+    world, rank = ctx.world_size, ctx.rank
+    state = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0).view(4, 2) + 8 * rank, (0, rank, world)),
+        "obj": ShardedObject("obj", {"rank": rank}, (world,), (rank,)),
+    }
+    dist_checkpointing.save(state, path, sharded_strategy=("reshard", 1))
+    loads = {
+        "unexpected key": {"w": ShardedTensor.from_rank_offsets("different_key", torch.zeros(4, 2), (0, rank, world))},
+        "global shape": {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 2), (0, rank, world))},
+        "other axes": {
+            "w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 2, 1), (0, rank, world), allow_shape_mismatch=True)
+        },
+        "object grid": {"obj": ShardedObject("obj", None, (world, 1), (rank, 0))},
+    }
+    out: dict[str, tuple[str, bool, str, str]] = {}
+
+    def record(case: str, exc: Exception) -> None:
+        reshard_class = next((c.__name__ for c in type(exc).__mro__ if c.__module__ == "reshard.errors"), "")
+        out[case] = (type(exc).__name__, isinstance(exc, CheckpointingException), reshard_class, str(exc))
+
+    for case, template in loads.items():
+        try:
+            dist_checkpointing.load(template, path)
+        except Exception as exc:
+            record(case, exc)
+    bad = {"obj": ShardedObject("not_encodable", object(), (1,), (0,), replica_id=rank)}
+    try:
+        dist_checkpointing.save(bad, bad_path, sharded_strategy=("reshard", 1))
+    except Exception as exc:
+        record("save", exc)
+    return out
+
+
+def test_megatron_errors_are_checkpointing_exceptions_and_reshard_errors(pool4: RankPool, tmp_path: Path) -> None:
+    """What Megatron's callers catch: a load the strategy refuses (a key the checkpoint lacks, under Megatron's
+    default strictness, which leaves unexpected keys to the strategy; another global shape; other axes under
+    allow_shape_mismatch; another object grid) and a save it refuses (a value it cannot store without pickle)
+    raise a CheckpointingException that is also reshard's error class, the same on every rank."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "bad").mkdir()
+    results = pool4.run_ok(rank_megatron_errors, str(tmp_path / "ckpt"), str(tmp_path / "bad"), timeout_s=240)
+    expected = {
+        "unexpected key": "MismatchError",
+        "global shape": "MismatchError",
+        "other axes": "MismatchError",
+        "object grid": "MismatchError",
+        "save": "StateDictError",
+    }
+    for rank, r in enumerate(results):
+        assert set(r) == set(expected), (rank, r)
+        for case, (name, megatron_catches, reshard_class, message) in r.items():
+            assert megatron_catches, (rank, case, name, message)
+            assert reshard_class == expected[case] and name == results[0][case][0], (rank, case, r[case])
+    assert "different_key" in results[0]["unexpected key"][3]
+
+
 def rank_megatron_async_save(ctx: RankContext, layout: str, path: str) -> dict[str, Any]:
     """dist_checkpointing.save(..., async_sharded_save=True) with the reshard strategy: the parameters change
     right after the call returns (training goes on), then the request is finalised as Megatron does it

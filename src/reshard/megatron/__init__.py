@@ -14,7 +14,8 @@ Megatron writes what it always writes at the root of ``ckpt_dir`` (its ``metadat
 writes the ShardedTensors and ShardedObjects as a reshard checkpoint in ``ckpt_dir/reshard``
 (:data:`RESHARD_SUBDIR`), so the two ``metadata.json`` files never meet. Every tensor is checksummed and
 loads into any other layout, reading only the bytes each rank needs; ShardedObjects are stored without
-pickle (TE's ``_extra_state`` bytes included).
+pickle (TE's ``_extra_state`` bytes included). The strategies raise errors that are both Megatron's
+``CheckpointingException`` and reshard's error classes (:mod:`reshard.megatron.errors`).
 
 The direct route, for code that calls reshard itself: :func:`to_reshard` turns a Megatron sharded state dict
 (ShardedTensors, ShardedObjects, ShardedTensorFactories, LocalNonpersistentObjects, plain values) into a
@@ -35,6 +36,7 @@ from __future__ import annotations
 from megatron.core.dist_checkpointing.strategies.base import StrategyAction, register_default_strategy
 
 from reshard.megatron.convert import COMMON_ENTRY, COMMON_KEY, from_reshard, to_reshard
+from reshard.megatron.errors import MegatronCheckpointError
 from reshard.megatron.strategies import BACKEND, RESHARD_SUBDIR, VERSION, ReshardLoadStrategy, ReshardSaveStrategy
 from reshard.options import LoadOptions, SaveOptions
 
@@ -44,6 +46,7 @@ __all__ = [
     "COMMON_KEY",
     "RESHARD_SUBDIR",
     "VERSION",
+    "MegatronCheckpointError",
     "ReshardLoadStrategy",
     "ReshardSaveStrategy",
     "from_reshard",

@@ -1,7 +1,8 @@
 """The save and load strategies that Megatron-Core's ``dist_checkpointing`` finds under backend ``"reshard"``.
 
 Megatron's save writes ``common.pt`` and its ``metadata.json`` itself; the strategy writes the ShardedTensors
-and ShardedObjects as a reshard checkpoint in ``checkpoint_dir/reshard`` (:data:`RESHARD_SUBDIR`).
+and ShardedObjects as a reshard checkpoint in ``checkpoint_dir/reshard`` (:data:`RESHARD_SUBDIR`). Every error
+it raises is both Megatron's ``CheckpointingException`` and reshard's error class (:mod:`reshard.megatron.errors`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStr
 import reshard
 from reshard.errors import MismatchError
 from reshard.megatron.convert import ABSENT, rebuild_state, split_state
+from reshard.megatron.errors import megatron_errors
 from reshard.metadata import METADATA_FILE, Metadata
 from reshard.options import LoadOptions, SaveOptions
 from reshard.sources import read_metadata_bytes
@@ -80,9 +82,10 @@ class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # me
     def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
         """Collective over the default group: every rank calls it (Megatron's ``dist_checkpointing.save``
         does)."""
-        sharded, _ = split_state(sharded_state_dict, None)  # Megatron keeps the common state in its common.pt
-        state = sharded if sharded is not ABSENT else {}
-        reshard.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
+        with megatron_errors():
+            sharded, _ = split_state(sharded_state_dict, None)  # Megatron keeps the common state in its common.pt
+            state = sharded if sharded is not ABSENT else {}
+            reshard.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
         """Snapshot the tensors into host buffers (reused from one save to the next) and write them in a
@@ -91,14 +94,16 @@ class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # me
         ``metadata.json`` Megatron writes after it never names an uncommitted checkpoint. Collective over
         the default group, like the background save's own agreement, which runs over a gloo group of its
         own (created at the first call) so that it never meets the training's collectives."""
-        if self._checkpointer is None:
-            self._checkpointer = reshard.AsyncCheckpointer(group=dist.new_group(backend="gloo"))
-        sharded, _ = split_state(sharded_state_dict, None)
-        state = sharded if sharded is not ABSENT else {}
-        handle = self._checkpointer.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
+        with megatron_errors():
+            if self._checkpointer is None:
+                self._checkpointer = reshard.AsyncCheckpointer(group=dist.new_group(backend="gloo"))
+            sharded, _ = split_state(sharded_state_dict, None)
+            state = sharded if sharded is not ABSENT else {}
+            handle = self._checkpointer.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
 
         def finalize() -> None:
-            handle.wait()
+            with megatron_errors():
+                handle.wait()
 
         return AsyncRequest(async_fn=None, async_fn_args=(), finalize_fns=[finalize])
 
@@ -116,30 +121,36 @@ class ReshardLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]  # megatro
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != BACKEND:
-            raise MismatchError(f"the checkpoint's sharded backend is {loaded_backend!r}, not {BACKEND!r}")
+            with megatron_errors():
+                raise MismatchError(f"the checkpoint's sharded backend is {loaded_backend!r}, not {BACKEND!r}")
 
     def check_version_compatibility(self, loaded_version: int) -> None:
         if loaded_version != VERSION:
-            raise MismatchError(f"the checkpoint's {BACKEND} backend version is {loaded_version}, this reads {VERSION}")
+            with megatron_errors():
+                raise MismatchError(
+                    f"the checkpoint's {BACKEND} backend version is {loaded_version}, this reads {VERSION}"
+                )
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
         """Collective over the default group. Returns the state dict of ``sharded_state_dict``'s nesting with
         tensors and objects loaded (the ShardedTensors' own tensors, filled in place)."""
-        stored = _stored_metadata(checkpoint_dir)
-        sharded, _ = split_state(sharded_state_dict, stored)
-        loaded = reshard.load(
-            sharded if sharded is not ABSENT else {}, _reshard_dir(checkpoint_dir), options=self.options
-        )
-        result = rebuild_state(loaded, sharded_state_dict, ABSENT)
-        return result if result is not ABSENT else {}
+        with megatron_errors():
+            stored = _stored_metadata(checkpoint_dir)
+            sharded, _ = split_state(sharded_state_dict, stored)
+            template = sharded if sharded is not ABSENT else {}
+            loaded = reshard.load(template, _reshard_dir(checkpoint_dir), options=self.options)
+            result = rebuild_state(loaded, sharded_state_dict, ABSENT)
+            return result if result is not ABSENT else {}
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict[str, McoreShardedTensor]:
         """Every stored tensor as a data-less Megatron ShardedTensor of its global shape and dtype, by key."""
-        return _tensors_metadata(_stored_metadata(checkpoint_dir))
+        with megatron_errors():
+            return _tensors_metadata(_stored_metadata(checkpoint_dir))
 
     def load_sharded_metadata(self, checkpoint_dir: str | Path) -> dict[str, Any]:
         """:meth:`load_tensors_metadata` and every stored ShardedObject cell, by Megatron's unique key."""
-        stored = _stored_metadata(checkpoint_dir)
+        with megatron_errors():
+            stored = _stored_metadata(checkpoint_dir)
         out: dict[str, Any] = dict(_tensors_metadata(stored))
         for key, entry in stored.objects.items():
             for cell in entry.entries:
