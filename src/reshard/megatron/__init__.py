@@ -27,8 +27,10 @@ dict that ``model.load_state_dict`` and the optimizer's ``load_state_dict`` take
     model.load_state_dict(from_reshard(reshard.load(to_reshard(template), path), template))
 
 Megatron's semantics are kept: ``prepend_axis_num`` axes exist only in the checkpoint (the local tensor keeps
-its shape); ``allow_shape_mismatch`` loads the part of the stored tensor that overlaps the requested box and
-leaves the rest of the local tensor as it was (a vocabulary padded for another TP size, both ways).
+its shape); ``allow_shape_mismatch`` loads the part of the stored tensor that overlaps the requested box (a
+vocabulary padded for another TP size, both ways); the strategy zeroes such tensors first, as Megatron's
+``torch_dist`` strategy does, so the rest is zero, while the direct route leaves the rest of the local tensor
+as it was.
 """
 
 from __future__ import annotations

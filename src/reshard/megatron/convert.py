@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensorFactory
 from megatron.core.dist_checkpointing.mapping import ShardedObject as McoreShardedObject
@@ -52,8 +53,10 @@ def to_reshard(sharded_state_dict: dict[str, Any], *, stored: Metadata | None = 
 
     ``stored``, the metadata of the checkpoint to load from, is needed when a ShardedTensor has
     ``allow_shape_mismatch``: its box is then clipped to the stored global shape, so that a load reads the
-    overlap and leaves the rest of the local tensor alone. A ShardedTensor with ``data=None`` (a template of
-    ``load_tensors_metadata``) gets an empty CPU tensor.
+    overlap and leaves the rest of the local tensor alone (the strategy, like Megatron's ``torch_dist``, zeroes
+    such tensors before it loads; this conversion does not touch their data). A ShardedTensor with
+    ``data=None`` (a template of ``load_tensors_metadata``) gets an empty CPU tensor (zeros with
+    ``allow_shape_mismatch``).
 
     Raises:
         StateDictError: the state dict is not a dict, or holds a ShardedTensor with ``flattened_range`` (not
@@ -79,9 +82,12 @@ ABSENT: Any = object()
 """An empty side of :func:`split_state`, a value :func:`rebuild_state` leaves out."""
 
 
-def split_state(value: Any, stored: Metadata | None) -> tuple[Any, Any]:
+def split_state(value: Any, stored: Metadata | None, *, loading: bool = False) -> tuple[Any, Any]:
     """(the sharded part of ``value`` in reshard's terms, its common part), each ``ABSENT`` when empty.
-    ``stored``: see :func:`to_reshard`.
+
+    ``stored``: see :func:`to_reshard`. ``loading``: the state dict is about to be loaded by the strategy,
+    which, as Megatron's ``torch_dist`` strategy does, zeroes every ``allow_shape_mismatch`` tensor first
+    (the part the checkpoint does not cover stays zero).
 
     Raises:
         StateDictError: a ShardedTensor with ``flattened_range``.
@@ -90,9 +96,9 @@ def split_state(value: Any, stored: Metadata | None) -> tuple[Any, Any]:
     if isinstance(value, LocalNonpersistentObject):
         return ABSENT, ABSENT
     if isinstance(value, ShardedTensorFactory):
-        return split_state(value.build(), stored)
+        return split_state(value.build(), stored, loading=loading)
     if isinstance(value, McoreShardedTensor):
-        return _tensor(value, stored), ABSENT
+        return _tensor(value, stored, loading), ABSENT
     if isinstance(value, McoreShardedObject):
         data = value.data
         if isinstance(data, io.BytesIO):
@@ -101,14 +107,14 @@ def split_state(value: Any, stored: Metadata | None) -> tuple[Any, Any]:
     if isinstance(value, dict) and value:
         sharded, common = {}, {}
         for key, child in value.items():
-            child_sharded, child_common = split_state(child, stored)
+            child_sharded, child_common = split_state(child, stored, loading=loading)
             if child_sharded is not ABSENT:
                 sharded[key] = child_sharded
             if child_common is not ABSENT:
                 common[key] = child_common
         return sharded or ABSENT, common or ABSENT
     if isinstance(value, list) and value:
-        parts = [split_state(child, stored) for child in value]
+        parts = [split_state(child, stored, loading=loading) for child in value]
         if all(part[0] is ABSENT for part in parts):
             return ABSENT, [c if c is not ABSENT else None for _, c in parts]
         # A list with sharded entries stays whole on the sharded side (positions matter): its common entries
@@ -117,16 +123,18 @@ def split_state(value: Any, stored: Metadata | None) -> tuple[Any, Any]:
     return ABSENT, value
 
 
-def _tensor(sharded: McoreShardedTensor, stored: Metadata | None) -> reshard.ShardedTensor:
+def _tensor(sharded: McoreShardedTensor, stored: Metadata | None, loading: bool) -> reshard.ShardedTensor:
     if sharded.flattened_range is not None:
         raise StateDictError(f"{sharded.key!r}: flattened_range is not supported (nor by megatron-core 0.16.1)")
-    if sharded.data is None:
-        sharded.init_data("cpu")
+    if sharded.data is None:  # as torch_dist initialises a data-less template
+        sharded.init_data("cpu", init_fn=torch.zeros if sharded.allow_shape_mismatch else torch.empty)
+    elif sharded.allow_shape_mismatch and loading:
+        sharded.data.detach().zero_()  # as torch_dist does before it loads (mcore_to_pyt_state_dict)
     data = sharded.data.reshape((1,) * sharded.prepend_axis_num + tuple(sharded.local_shape))
     global_shape, offset = tuple(sharded.global_shape), tuple(sharded.global_offset)
     saved = stored.tensors.get(sharded.key) if stored is not None else None
     if sharded.allow_shape_mismatch and saved is not None and saved.global_shape != global_shape:
-        # Megatron's semantics: read where the requested box overlaps the stored tensor, keep the rest.
+        # Megatron's semantics: read where the requested box overlaps the stored tensor.
         stored_shape = saved.global_shape
         if len(stored_shape) != len(global_shape):
             raise MismatchError(

@@ -133,10 +133,12 @@ class ReshardLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]  # megatro
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
         """Collective over the default group. Returns the state dict of ``sharded_state_dict``'s nesting with
-        tensors and objects loaded (the ShardedTensors' own tensors, filled in place)."""
+        tensors and objects loaded (the ShardedTensors' own tensors, filled in place; those with
+        ``allow_shape_mismatch`` zeroed first, as Megatron's ``torch_dist`` strategy does, so that what the
+        checkpoint does not cover is zero)."""
         with megatron_errors():
             stored = _stored_metadata(checkpoint_dir)
-            sharded, _ = split_state(sharded_state_dict, stored)
+            sharded, _ = split_state(sharded_state_dict, stored, loading=True)
             template = sharded if sharded is not ABSENT else {}
             loaded = reshard.load(template, _reshard_dir(checkpoint_dir), options=self.options)
             result = rebuild_state(loaded, sharded_state_dict, ABSENT)
