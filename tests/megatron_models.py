@@ -11,12 +11,18 @@ around here and nowhere in ``src/``:
   group for the dense parameters and one for the experts, as Megatron groups them), whose constructor's
   only CUDA call (the loss-scale tensor) is replaced.
 - The MoE layers use the ``allgather`` token dispatcher (the default ``alltoall`` one needs CUDA).
+- ``FullyParallelLoadStrategyWrapper.load`` calls ``torch.cuda.synchronize()`` after its exchange (a no-op
+  for CPU tensors, an error without CUDA): :func:`cpu_synchronize` makes it a no-op while the wrapper loads,
+  and its exchange runs with ``exchange_algo="gather_object"`` (the ``broadcast`` and ``gather_rounds``
+  exchanges copy every tensor to CUDA).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -255,3 +261,14 @@ def check_pieces(full: dict[str, torch.Tensor], pieces_per_rank: list[list[Any]]
             if full[key].shape != shape or not torch.equal(region, data):
                 problems.append(f"rank {rank}: {key} at {offset} differs")
     return problems
+
+
+@contextlib.contextmanager
+def cpu_synchronize() -> Iterator[None]:
+    """While active, ``torch.cuda.synchronize`` is a no-op in this process (see the module doc)."""
+    saved = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = saved

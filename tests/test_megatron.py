@@ -45,18 +45,43 @@ def _state(model: Any, optimizer: Any, *, loading: bool, iteration: int, rng: bo
     return state
 
 
-def _saved_rng_cell(rank: int) -> Any:
-    """The RNG object of the saving layout (TP=2 x PP=2) that rank ``rank`` held: a load on another layout asks
-    for the saving layout's cells (a ShardedObject's grid cannot change), one per rank, so that all of them are
-    loaded and Megatron reports nothing missing."""
+def _saved_rng_cell(rank: int, saved: str = "tp=2,pp=2") -> Any:
+    """An RNG object of the saving layout ``saved`` for rank ``rank`` to ask for: a load on another layout asks
+    for the saving layout's cells (a ShardedObject's grid cannot change), each by at least one rank (rank ``r``
+    the ``r % cells``-th, as replica ``r // cells``), so that all of them are loaded and Megatron reports
+    nothing missing."""
     from megatron.core.dist_checkpointing import ShardedObject
 
-    return ShardedObject("rng_state", None, (2, 2), (rank // 2, rank % 2))
+    layout = MegatronLayout.parse(saved)
+    cell = rank % (layout.pp * layout.tp)
+    offset = (cell // layout.tp, cell % layout.tp)
+    return ShardedObject("rng_state", None, (layout.pp, layout.tp), offset, replica_id=rank // (layout.pp * layout.tp))
 
 
-def rank_megatron_save(ctx: RankContext, layout: str, path: str) -> list[Any]:
-    """Megatron's dist_checkpointing.save of the model and optimizer on ``layout`` with the reshard strategy;
-    returns the saved pieces."""
+def _fully_parallel(action: str, path: str | None = None) -> Any:
+    """The strategy Megatron-LM uses with --ckpt-fully-parallel-save / --ckpt-fully-parallel-load: the reshard
+    strategy (for a load, the one metadata.json names) in Megatron's wrapper over the data-parallel group (with
+    context parallelism), as Megatron-LM's checkpointing builds it; a load exchanges with ``gather_object``
+    (its other exchanges need CUDA)."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if action == "save":
+        return FullyParallelSaveStrategyWrapper(get_default_strategy(StrategyAction.SAVE_SHARDED, "reshard", 1), group)
+    assert path is not None
+    strategy = get_default_load_sharded_strategy(path)
+    return FullyParallelLoadStrategyWrapper(strategy, group, exchange_algo="gather_object")
+
+
+def rank_megatron_save(ctx: RankContext, layout: str, path: str, fully_parallel: bool = False) -> list[Any]:
+    """Megatron's dist_checkpointing.save of the model and optimizer on ``layout`` with the reshard strategy
+    (``fully_parallel``: in Megatron's FullyParallelSaveStrategyWrapper); returns the saved pieces."""
     from megatron.core import dist_checkpointing
 
     import reshard.megatron  # noqa: F401  (registers the strategies)
@@ -68,27 +93,35 @@ def rank_megatron_save(ctx: RankContext, layout: str, path: str) -> list[Any]:
     optimizer = build_optimizer(model, filled=True)
     state = _state(model, optimizer, loading=False, iteration=3)
     pieces = sharded_pieces(state)
-    dist_checkpointing.save(state, path, sharded_strategy=("reshard", 1))
+    strategy = _fully_parallel("save") if fully_parallel else ("reshard", 1)
+    dist_checkpointing.save(state, path, sharded_strategy=strategy)
     return pieces
 
 
-def rank_megatron_load(ctx: RankContext, layout: str, path: str) -> dict[str, Any]:
+def rank_megatron_load(
+    ctx: RankContext, layout: str, path: str, saved: str = "tp=2,pp=2", fully_parallel: bool = False
+) -> dict[str, Any]:
     """A fresh model and optimizer on ``layout`` (other weights, zero Adam state), loaded with Megatron's plain
-    dist_checkpointing.load (strict RETURN_ALL) and handed to model.load_state_dict and the optimizer's
-    load_state_dict; returns the pieces they then hold."""
+    dist_checkpointing.load (strict RETURN_ALL; ``fully_parallel``: the strategy in Megatron's
+    FullyParallelLoadStrategyWrapper) from a checkpoint saved on ``saved`` and handed to model.load_state_dict
+    and the optimizer's load_state_dict; returns the pieces they then hold."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     import reshard.megatron  # noqa: F401
-    from tests.megatron_models import build_gpt, build_optimizer, sharded_pieces
+    from tests.megatron_models import build_gpt, build_optimizer, cpu_synchronize, sharded_pieces
 
     parsed = MegatronLayout.parse(layout)
     model = build_gpt(parsed, seed=99)
     optimizer = build_optimizer(model)
-    state = _state(model, optimizer, loading=True, iteration=0, rng=layout == "tp=2,pp=2")
-    if layout != "tp=2,pp=2":
-        state["rng_state"] = _saved_rng_cell(ctx.rank)
-    loaded, missing, unexpected = dist_checkpointing.load(state, path, strict=StrictHandling.RETURN_ALL)
+    state = _state(model, optimizer, loading=True, iteration=0, rng=layout == saved)
+    if layout != saved:
+        state["rng_state"] = _saved_rng_cell(ctx.rank, saved)
+    strategy = _fully_parallel("load", path) if fully_parallel else None
+    with cpu_synchronize():
+        loaded, missing, unexpected = dist_checkpointing.load(
+            state, path, sharded_strategy=strategy, strict=StrictHandling.RETURN_ALL
+        )
     model.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     after = _state(model, optimizer, loading=False, iteration=loaded["iteration"], rng=False)
@@ -170,6 +203,23 @@ def test_megatron_load_at_another_layout_is_bit_exact_and_strict(
         assert r["iteration"] == 3 and set(r["step"]) == {3.0}
     for rank, r in enumerate(results):  # each saving rank's RNG object comes back, pickle-free
         assert r["rng"]["random"] == (3, (1, 2, 3), None)
+        assert torch.equal(r["rng"]["torch"], torch.arange(4, dtype=torch.uint8) + rank % 2)
+
+
+def test_megatron_fully_parallel_wrappers_save_and_load_bit_exactly(pool4: RankPool, tmp_path: Path) -> None:
+    """Megatron-LM's --ckpt-fully-parallel-save and --ckpt-fully-parallel-load: the reshard strategy inside
+    Megatron's FullyParallelSaveStrategyWrapper (TP=2 x DP=2, the wrapper over each DP pair) and, on PP=2 x DP=2,
+    inside FullyParallelLoadStrategyWrapper, which hands the strategy dicts keyed by shard-id tuples and
+    exchanges what each rank loaded: every tensor bit-exact, nothing missing or unexpected, the RNG objects of
+    the saving layout back."""
+    path = tmp_path / "fully_parallel"
+    path.mkdir()
+    full = assemble(pool4.run_ok(rank_megatron_save, "tp=2", str(path), True, timeout_s=240))
+    results = pool4.run_ok(rank_megatron_load, "pp=2", str(path), "tp=2", True, timeout_s=240)
+    problems = check_pieces(full, [r["pieces"] for r in results])
+    assert not problems, problems[:10]
+    for rank, r in enumerate(results):
+        assert r["missing"] == [] and r["unexpected"] == [] and r["iteration"] == 3 and set(r["step"]) == {3.0}
         assert torch.equal(r["rng"]["torch"], torch.arange(4, dtype=torch.uint8) + rank % 2)
 
 

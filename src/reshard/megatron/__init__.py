@@ -14,8 +14,9 @@ Megatron writes what it always writes at the root of ``ckpt_dir`` (its ``metadat
 writes the ShardedTensors and ShardedObjects as a reshard checkpoint in ``ckpt_dir/reshard``
 (:data:`RESHARD_SUBDIR`), so the two ``metadata.json`` files never meet. Every tensor is checksummed and
 loads into any other layout, reading only the bytes each rank needs; ShardedObjects are stored without
-pickle (TE's ``_extra_state`` bytes included). The strategies raise errors that are both Megatron's
-``CheckpointingException`` and reshard's error classes (:mod:`reshard.megatron.errors`).
+pickle (TE's ``_extra_state`` bytes included). The strategies also work inside Megatron's
+``FullyParallelSaveStrategyWrapper`` and ``FullyParallelLoadStrategyWrapper``, and raise errors that are both
+Megatron's ``CheckpointingException`` and reshard's error classes (:mod:`reshard.megatron.errors`).
 
 The direct route, for code that calls reshard itself: :func:`to_reshard` turns a Megatron sharded state dict
 (ShardedTensors, ShardedObjects, ShardedTensorFactories, LocalNonpersistentObjects, plain values) into a

@@ -3,8 +3,9 @@
 :func:`rebuild_state`.
 
 Megatron's semantics are kept: ``prepend_axis_num`` axes exist only in the checkpoint (the local tensor keeps
-its shape); ``allow_shape_mismatch`` loads the part of the stored tensor that overlaps the requested box and
-leaves the rest of the local tensor as it was (a vocabulary padded for another TP size, both ways).
+its shape); ``allow_shape_mismatch`` loads the part of the stored tensor that overlaps the requested box (a
+vocabulary padded for another TP size, both ways); dict keys that are neither strings nor integers (the
+shard-id tuples of Megatron's FullyParallelLoadStrategyWrapper) name their entries by their ``repr``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "COMMON_KEY",
     "from_reshard",
     "rebuild_state",
+    "sharded_key",
     "split_state",
     "to_reshard",
 ]
@@ -56,11 +58,12 @@ def to_reshard(sharded_state_dict: dict[str, Any], *, stored: Metadata | None = 
     overlap and leaves the rest of the local tensor alone (the strategy, like Megatron's ``torch_dist``, zeroes
     such tensors before it loads; this conversion does not touch their data). A ShardedTensor with
     ``data=None`` (a template of ``load_tensors_metadata``) gets an empty CPU tensor (zeros with
-    ``allow_shape_mismatch``).
+    ``allow_shape_mismatch``). A dict key that is neither a string nor an integer names its entry by its
+    ``repr`` on the reshard side.
 
     Raises:
         StateDictError: the state dict is not a dict, or holds a ShardedTensor with ``flattened_range`` (not
-            expressible in megatron-core 0.16.1).
+            expressible in megatron-core 0.16.1), or a dict whose keys name the same entry.
         MismatchError: an ``allow_shape_mismatch`` tensor has other axes than the stored one.
     """
     if not isinstance(sharded_state_dict, dict):
@@ -82,6 +85,14 @@ ABSENT: Any = object()
 """An empty side of :func:`split_state`, a value :func:`rebuild_state` leaves out."""
 
 
+def sharded_key(key: Any) -> str | int:
+    """The key of a dict entry on the sharded side: ``key`` itself for a string or an integer (reshard's
+    paths), its ``repr`` for anything else (the shard-id tuples of Megatron's FullyParallelLoadStrategyWrapper)."""
+    if isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool)):
+        return key
+    return repr(key)
+
+
 def split_state(value: Any, stored: Metadata | None, *, loading: bool = False) -> tuple[Any, Any]:
     """(the sharded part of ``value`` in reshard's terms, its common part), each ``ABSENT`` when empty.
 
@@ -90,7 +101,8 @@ def split_state(value: Any, stored: Metadata | None, *, loading: bool = False) -
     (the part the checkpoint does not cover stays zero).
 
     Raises:
-        StateDictError: a ShardedTensor with ``flattened_range``.
+        StateDictError: a ShardedTensor with ``flattened_range``, or two keys of a dict that name the same
+            entry on the sharded side (see :func:`sharded_key`).
         MismatchError: an ``allow_shape_mismatch`` tensor with other axes than the stored one.
     """
     if isinstance(value, LocalNonpersistentObject):
@@ -105,11 +117,15 @@ def split_state(value: Any, stored: Metadata | None, *, loading: bool = False) -
             data = {BYTES_IO: data.getvalue()}
         return reshard.ShardedObject(value.key, data, value.global_shape, value.global_offset, value.replica_id), ABSENT
     if isinstance(value, dict) and value:
-        sharded, common = {}, {}
+        sharded: dict[str | int, Any] = {}
+        common = {}
         for key, child in value.items():
             child_sharded, child_common = split_state(child, stored, loading=loading)
             if child_sharded is not ABSENT:
-                sharded[key] = child_sharded
+                name = sharded_key(key)
+                if name in sharded:
+                    raise StateDictError(f"the keys {name!r} and {key!r} of one dict name the same entry")
+                sharded[name] = child_sharded
             if child_common is not ABSENT:
                 common[key] = child_common
         return sharded or ABSENT, common or ABSENT
@@ -186,7 +202,7 @@ def rebuild_state(loaded: Any, template: Any, common: Any) -> Any:
     if isinstance(template, dict) and template:
         out = {}
         for key, child in template.items():
-            child_loaded = loaded.get(key, ABSENT) if isinstance(loaded, dict) else ABSENT
+            child_loaded = loaded.get(sharded_key(key), ABSENT) if isinstance(loaded, dict) else ABSENT
             child_common = common.get(key, ABSENT) if isinstance(common, dict) else ABSENT
             value = rebuild_state(child_loaded, child, child_common)
             if value is not ABSENT:

@@ -109,7 +109,8 @@ class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # me
 
 
 class ReshardLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]  # megatron-core is untyped
-    """Megatron's sharded load from the reshard checkpoint in ``checkpoint_dir/reshard``, into any layout."""
+    """Megatron's sharded load from the reshard checkpoint in ``checkpoint_dir/reshard``, into any layout, also
+    inside Megatron's ``FullyParallelLoadStrategyWrapper``."""
 
     def __init__(self, *, options: LoadOptions | None = None) -> None:
         super().__init__()
