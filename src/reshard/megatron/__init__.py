@@ -12,11 +12,13 @@ Importing this package registers a save and a load strategy with Megatron-Core's
 Megatron writes what it always writes at the root of ``ckpt_dir`` (its ``metadata.json`` naming the backend,
 ``common.pt`` with the non-sharded values, a pickle that Megatron writes with ``torch.save``); the strategy
 writes the ShardedTensors and ShardedObjects as a reshard checkpoint in ``ckpt_dir/reshard``
-(:data:`RESHARD_SUBDIR`), so the two ``metadata.json`` files never meet. Every tensor is checksummed and
-loads into any other layout, reading only the bytes each rank needs; ShardedObjects are stored without
-pickle (TE's ``_extra_state`` bytes included). The strategies also work inside Megatron's
-``FullyParallelSaveStrategyWrapper`` and ``FullyParallelLoadStrategyWrapper``, and raise errors that are both
-Megatron's ``CheckpointingException`` and reshard's error classes (:mod:`reshard.megatron.errors`).
+(:data:`RESHARD_SUBDIR`), so the two ``metadata.json`` files never meet, and makes a save over an earlier
+checkpoint safe: a load finds the earlier save, the new one, or an error, never a mix of the two
+(:mod:`reshard.megatron.directory`). Every tensor is checksummed and loads into any other layout, reading
+only the bytes each rank needs; ShardedObjects are stored without pickle (TE's ``_extra_state`` bytes
+included). The strategies also work inside Megatron's ``FullyParallelSaveStrategyWrapper`` and
+``FullyParallelLoadStrategyWrapper``, and raise errors that are both Megatron's ``CheckpointingException`` and
+reshard's error classes (:mod:`reshard.megatron.errors`).
 
 The direct route, for code that calls reshard itself: :func:`to_reshard` turns a Megatron sharded state dict
 (ShardedTensors, ShardedObjects, ShardedTensorFactories, LocalNonpersistentObjects, plain values) into a
