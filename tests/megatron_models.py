@@ -120,6 +120,24 @@ def release_layouts() -> int:
     return released
 
 
+def rank_release_megatron(ctx: Any) -> int:
+    """Destroy Megatron's process groups in this rank process; the number of threads left. A function for a
+    rank pool (see :mod:`tests.rankpool`)."""
+    import gc
+    import os
+
+    release_layouts()
+    gc.collect()  # the models and optimizers of the tests hold the groups in reference cycles
+    return len(os.listdir("/proc/self/task"))
+
+
+def rank_thread_count(ctx: Any) -> int:
+    """The number of threads of this rank process (a function for a rank pool)."""
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
 def build_gpt(layout: MegatronLayout, *, vocab: int = VOCAB, seed: int = 7) -> Any:
     """A GPTModel (GQA, GLU, MoE in every layer with the allgather dispatcher, local layer spec) for this
     rank of ``layout``; the same global weights on every layout (CPU initialisation from ``seed``)."""
@@ -170,7 +188,7 @@ def adam_init_state(optimizer: torch.optim.Optimizer, config: Any = None) -> Non
 
 
 def build_optimizer(model: Any, *, filled: bool = False) -> Any:
-    """Megatron's FP32Optimizer over Adam (dense and expert parameter groups, tagged as Megatron tags them).
+    """Megatron's FP32Optimizer over Adam (dense and, if any, expert parameter groups, tagged as Megatron tags them).
     ``filled``: Adam's state holds values that differ per element and per parameter (as after training) and
     step 3; otherwise zeros."""
     from megatron.core.optimizer import OptimizerConfig
@@ -187,7 +205,8 @@ def build_optimizer(model: Any, *, filled: bool = False) -> Any:
     experts = [p for name, p in named if ".experts." in name]
     tags = {"wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False}  # as Megatron's _get_param_groups
     groups = [{"params": dense, **tags, "is_expert_parallel": False}]
-    groups += [{"params": experts, **tags, "is_expert_parallel": True}]
+    if experts:
+        groups += [{"params": experts, **tags, "is_expert_parallel": True}]
     adam = torch.optim.Adam(groups, lr=1e-3)
     optimizer = CpuFP32Optimizer(
         adam, OptimizerConfig(optimizer="adam", lr=1e-3, bf16=False, fp16=False), adam_init_state

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import PoolRegistry
-from tests.megatron_models import MegatronLayout, assemble, check_pieces
+from tests.megatron_models import MegatronLayout, assemble, check_pieces, rank_release_megatron, rank_thread_count
 from tests.rankpool import RankContext, RankPool
 
 pytest.importorskip("megatron.core")
@@ -133,24 +133,6 @@ def rank_megatron_load(
         "rng": loaded.get("rng_state"),
         "step": [s["step"].item() for s in optimizer.optimizer.state.values()],
     }
-
-
-def rank_release_megatron(ctx: RankContext) -> int:
-    """Destroy Megatron's process groups in this rank process; the number of threads left."""
-    import gc
-    import os
-
-    from tests.megatron_models import release_layouts
-
-    release_layouts()
-    gc.collect()  # the models and optimizers of the tests hold the groups in reference cycles
-    return len(os.listdir("/proc/self/task"))
-
-
-def rank_thread_count(ctx: RankContext) -> int:
-    import os
-
-    return len(os.listdir("/proc/self/task"))
 
 
 @pytest.fixture(scope="module", autouse=True)
