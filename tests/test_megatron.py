@@ -413,6 +413,8 @@ def rank_megatron_errors(ctx: RankContext, path: str, bad_path: str) -> dict[str
     """A dist_checkpointing.save of a tensor and an object with the reshard strategy, then loads (and a save)
     that must fail; per case: the error's class, whether Megatron's callers catch it (CheckpointingException),
     the reshard class it also is, and its message."""
+    import pickle
+
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -436,6 +438,7 @@ def rank_megatron_errors(ctx: RankContext, path: str, bad_path: str) -> dict[str
     out: dict[str, tuple[str, bool, str, str]] = {}
 
     def record(case: str, exc: Exception) -> None:
+        assert type(pickle.loads(pickle.dumps(exc))) is type(exc)  # it crosses processes as it is
         reshard_class = next((c.__name__ for c in type(exc).__mro__ if c.__module__ == "reshard.errors"), "")
         out[case] = (type(exc).__name__, isinstance(exc, CheckpointingException), reshard_class, str(exc))
 

@@ -27,10 +27,13 @@ class MegatronCheckpointError(CheckpointError, CheckpointingException):  # type:
 
 
 def _twin(cls: type[CheckpointError]) -> type[CheckpointError]:
+    """The twin of ``cls``, also a module attribute of its name (so that its instances pickle)."""
     if cls is CheckpointError:
         return MegatronCheckpointError
     namespace = {"__module__": __name__, "__doc__": f"{cls.__name__}, raised by a strategy (see the module doc)."}
-    return cast(type[CheckpointError], type(cls.__name__, (cls, MegatronCheckpointError), namespace))
+    twin = cast(type[CheckpointError], type(cls.__name__, (cls, MegatronCheckpointError), namespace))
+    globals().setdefault(cls.__name__, twin)
+    return twin
 
 
 _TWINS: dict[type[CheckpointError], type[CheckpointError]] = {cls: _twin(cls) for cls in ERROR_CLASSES.values()}
