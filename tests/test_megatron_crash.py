@@ -83,21 +83,21 @@ def _arm(point: str, path: str, marker: str) -> None:
             return open_writer(self, name, **kwargs)
 
         LocalStorage.open_writer = die_on_data
-    elif point in ("after_reshard_commit", "before_megatron_metadata"):
+    elif point in ("in_reshard_commit", "before_megatron_metadata"):
         committed = (root / "reshard" / "metadata.json").read_bytes()  # the earlier save's
 
         def reshard_committed() -> bool:
             return (root / "reshard" / "metadata.json").read_bytes() != committed
 
-        if point == "after_reshard_commit":  # the new reshard checkpoint is committed; metadata.json is published
+        if point == "in_reshard_commit":  # the new reshard/metadata.json is written and synced, not yet renamed
             replace = os.replace
 
-            def die_before_publish(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
-                if Path(dst) == root / "metadata.json":
-                    _fire(marker, point, reshard_committed=reshard_committed(), exists=Path(dst).exists())
+            def die_before_rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+                if Path(dst) == root / "reshard" / "metadata.json":
+                    _fire(marker, point, reshard_committed=reshard_committed(), temporary=Path(src).exists())
                 replace(src, dst, *args, **kwargs)
 
-            os.replace = die_before_publish
+            os.replace = die_before_rename
         else:  # the strategy returned; Megatron is about to write its metadata.json
             save_config = serialization.save_config
 
@@ -177,13 +177,13 @@ class Crash:
 
 CRASHES = {
     # point: (rank killed, what a load of the directory gives afterwards)
-    # the new common.pt beside the old tensors and the old metadata.json: common.pt is not the reshard checkpoint's
+    # The new common.pt beside the old tensors under the old metadata.json, and then a rank dying in the middle
+    # of the reshard save, and the coordinator dying in the reshard commit (before the rename): common.pt is
+    # not the one the committed reshard checkpoint was saved with.
     "after_common_pt": (0, "IncompleteCheckpointError"),
-    # a rank dies in the middle of the reshard save: the directory has no metadata.json (Megatron refuses it)
-    "in_data_write": (1, "CheckpointingException"),
-    # the new tensors are committed, metadata.json is not written yet: the same
-    "after_reshard_commit": (0, "CheckpointingException"),
-    # the strategy returned (metadata.json written atomically), Megatron has not rewritten it: the new save
+    "in_data_write": (1, "IncompleteCheckpointError"),
+    "in_reshard_commit": (0, "IncompleteCheckpointError"),
+    # The reshard checkpoint committed, Megatron has not written its metadata.json yet: the new save.
     "before_megatron_metadata": (0, NEW),
 }
 WORLD = 2
@@ -211,8 +211,8 @@ def test_rank_is_killed_at_the_chosen_point(crash: Crash) -> None:
     assert crash.marker["point"] == crash.point
     if crash.point == "after_common_pt":
         assert crash.marker["common_pt"] == NEW  # Megatron had written the new common.pt
-    if crash.point == "after_reshard_commit":
-        assert crash.marker["reshard_committed"] and not crash.marker["exists"]
+    if crash.point == "in_reshard_commit":
+        assert not crash.marker["reshard_committed"] and crash.marker["temporary"]
     if crash.point == "before_megatron_metadata":
         assert crash.marker["reshard_committed"]
     for rank, result in crash.survivors.items():
@@ -269,4 +269,4 @@ def test_a_refused_save_over_a_checkpoint_never_leaves_a_mix(pool4: RankPool, tm
         if iteration == OLD:
             assert r == {"iteration": OLD, "args": OLD, "w": OLD, "b": OLD, "rng": [OLD]}, r
         else:
-            assert r == {"error": "CheckpointingException", "megatron_catches": True}, r
+            assert r == {"error": "IncompleteCheckpointError", "megatron_catches": True}, r

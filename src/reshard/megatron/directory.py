@@ -5,22 +5,19 @@ then calls the strategy (here: the reshard checkpoint in ``reshard/``, committed
 ``metadata.json`` (rank 0, in place). ``dist_checkpointing.load`` trusts a directory that has a
 ``metadata.json`` and reads ``common.pt`` before it calls the strategy. Over an earlier checkpoint, a save
 that dies part way would leave the new ``common.pt`` (iteration, arguments, scheduler) beside the old
-tensors, under the old ``metadata.json``: a load that succeeds with a mix of two saves. The strategy closes
-that (points in save order, each safe whatever rank a kill hits):
+tensors, under the old ``metadata.json``: a load that succeeds with a mix of two saves. The strategy ties
+``common.pt`` to the reshard checkpoint instead:
 
-1. the strategy starts: rank 0 makes the new ``common.pt`` durable, records its SHA-256 and removes
-   Megatron's ``metadata.json`` (:func:`withdraw_config`), so that no reader trusts the directory while it
-   changes; the reshard checkpoint it then commits holds the digest (the common value
-   :data:`COMMON_PT_ENTRY`);
+1. when the strategy starts, rank 0 makes the new ``common.pt`` durable, records its SHA-256 (the common value
+   :data:`COMMON_PT_ENTRY` of the reshard checkpoint it then commits) and writes Megatron's ``metadata.json``
+   naming the strategy, atomically (:func:`publish_config`), so that from then on every load of the directory
+   goes through the strategy's check, whatever checkpoint was there before (another backend's included);
 2. a load checks that ``common.pt`` is the one the reshard checkpoint was committed with
-   (:func:`check_common_pt`): a kill between Megatron's ``common.pt`` and step 1 (the old ``metadata.json``
-   still there) raises instead of loading a mix;
-3. after the reshard commit, rank 0 writes Megatron's ``metadata.json`` atomically (:func:`publish_config`):
-   the new save is complete and loadable before Megatron rewrites the same file in place.
+   (:func:`check_common_pt`): until the new reshard checkpoint commits, the old one records another digest, and
+   a load raises instead of returning a mix; from the commit on, the new save loads whole.
 
-A save that fails with an error rather than a kill restores ``metadata.json`` when the committed reshard
-checkpoint and ``common.pt`` still belong together (:func:`restore_config`): a refused save that changed
-neither leaves the earlier checkpoint loadable.
+A save refused with an error leaves the earlier checkpoint loadable when Megatron rewrote ``common.pt`` with the
+same bytes (a step saved again); otherwise the directory is refused, never loaded as a mix.
 """
 
 from __future__ import annotations
@@ -28,28 +25,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import os
 from pathlib import Path
 
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingConfig
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
-from reshard.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
-from reshard.load import read_metadata
+from reshard.errors import IncompleteCheckpointError
 from reshard.metadata import Metadata
 from reshard.storage import LocalStorage
 
-__all__ = [
-    "COMMON_PT_ENTRY",
-    "check_common_pt",
-    "common_pt_digest",
-    "publish_config",
-    "restore_config",
-    "withdraw_config",
-]
-
-logger = logging.getLogger("reshard")
+__all__ = ["COMMON_PT_ENTRY", "check_common_pt", "common_pt_digest", "publish_config"]
 
 COMMON_PT_ENTRY = "__megatron_common_pt__"
 """The common value of the strategy's reshard checkpoint that holds ``"sha256:<hex>"`` of the ``common.pt`` it
@@ -75,21 +61,12 @@ def common_pt_digest(checkpoint_dir: str | os.PathLike[str], *, durable: bool = 
     return f"sha256:{digest.hexdigest()}"
 
 
-def withdraw_config(checkpoint_dir: str | os.PathLike[str]) -> None:
-    """Remove Megatron's ``metadata.json`` (durably): ``dist_checkpointing.load`` then refuses the directory."""
-    storage = LocalStorage(checkpoint_dir)
-    storage.delete(CONFIG_FNAME)
-    storage.sync_dir("")
-
-
-def _config_bytes(backend: str, version: int) -> bytes:
-    return json.dumps(dataclasses.asdict(CheckpointingConfig(backend, version))).encode()
-
-
 def publish_config(checkpoint_dir: str | os.PathLike[str], backend: str, version: int) -> None:
     """Write Megatron's ``metadata.json`` naming ``backend`` and ``version`` atomically (temporary file, fsync,
-    rename, directory fsync): the content Megatron's save writes after the strategy returns."""
-    LocalStorage(checkpoint_dir).commit(CONFIG_FNAME, _config_bytes(backend, version), replace=True)
+    rename, directory fsync, which also makes ``common.pt``'s entry durable): what Megatron's save writes in
+    place after the strategy returns."""
+    config = json.dumps(dataclasses.asdict(CheckpointingConfig(backend, version))).encode()
+    LocalStorage(checkpoint_dir).commit(CONFIG_FNAME, config, replace=True)
 
 
 def check_common_pt(checkpoint_dir: str | os.PathLike[str], stored: Metadata) -> None:
@@ -108,26 +85,7 @@ def check_common_pt(checkpoint_dir: str | os.PathLike[str], stored: Metadata) ->
         state = "is missing" if not found else ("should not be there" if not recorded else "is another one")
         raise IncompleteCheckpointError(
             f"{where / COMMON_STATE_FNAME} {state}: it does not belong to the sharded checkpoint in "
-            f"{where / 'reshard'}. A save over this directory was interrupted after Megatron rewrote common.pt; "
-            "loading would mix the common state (iteration, arguments) of one save with the tensors of another"
+            f"{where / 'reshard'}. A save over this directory was interrupted (or refused) after Megatron "
+            "rewrote common.pt; loading would mix the common state (iteration, arguments) of one save with the "
+            "tensors of another"
         )
-
-
-def restore_config(
-    checkpoint_dir: str | os.PathLike[str], reshard_dir: str | os.PathLike[str], backend: str, version: int
-) -> None:
-    """After a failed save (rank 0): write ``metadata.json`` again if the committed reshard checkpoint and
-    ``common.pt`` belong together (the earlier save is then whole and loadable). Best effort; never raises."""
-    try:
-        stored = read_metadata(reshard_dir)
-    except (CheckpointNotFoundError, IncompleteCheckpointError):
-        return  # no earlier checkpoint of the strategy: nothing to restore
-    except (OSError, CheckpointError) as exc:
-        logger.warning("after the failed save, %s stays without metadata.json: %s", checkpoint_dir, exc)
-        return
-    try:
-        recorded = stored.common.get(COMMON_PT_ENTRY)
-        if recorded is not None and recorded == common_pt_digest(checkpoint_dir):
-            publish_config(checkpoint_dir, backend, version)
-    except OSError as exc:
-        logger.warning("after the failed save, %s stays without metadata.json: %s", checkpoint_dir, exc)

@@ -8,10 +8,8 @@ is both Megatron's ``CheckpointingException`` and reshard's error class (:mod:`r
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,16 +19,10 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy, LoadShardedStrategy
 
 import reshard
-from reshard.errors import CheckpointError, MismatchError, StateDictError, StorageError
+from reshard.comm import Communicator
+from reshard.errors import MismatchError, StateDictError
 from reshard.megatron.convert import ABSENT, rebuild_state, split_state
-from reshard.megatron.directory import (
-    COMMON_PT_ENTRY,
-    check_common_pt,
-    common_pt_digest,
-    publish_config,
-    restore_config,
-    withdraw_config,
-)
+from reshard.megatron.directory import COMMON_PT_ENTRY, check_common_pt, common_pt_digest, publish_config
 from reshard.megatron.errors import megatron_errors
 from reshard.metadata import METADATA_FILE, Metadata
 from reshard.options import LoadOptions, SaveOptions
@@ -39,76 +31,46 @@ from reshard.storage import storage_for
 
 __all__ = ["BACKEND", "RESHARD_SUBDIR", "VERSION", "ReshardLoadStrategy", "ReshardSaveStrategy"]
 
-logger = logging.getLogger("reshard")
-
 BACKEND = "reshard"
 VERSION = 1
 RESHARD_SUBDIR = "reshard"
 """Where in a Megatron checkpoint directory the strategy keeps the reshard checkpoint."""
-
-T = TypeVar("T")
 
 
 def _reshard_dir(checkpoint_dir: str | Path) -> Path:
     return Path(checkpoint_dir) / RESHARD_SUBDIR
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _is_rank0() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def _on_rank0(fn: Callable[[], T], what: str) -> T:
-    """``fn()`` run by rank 0 of the default group; its result, or its error, on every rank. Collective over
-    the default group when torch.distributed is initialised (Megatron's own collectives use it too)."""
-    if not _distributed():
-        return _storage_errors(fn, what)
-    holder: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            holder[0] = (True, _storage_errors(fn, what))
-        except Exception as exc:  # every rank raises it
-            holder[0] = (False, exc)
-    dist.broadcast_object_list(holder, src=0)
-    ok, value = holder[0]
-    if not ok:
-        raise value
-    return value  # type: ignore[no-any-return]
-
-
-def _storage_errors(fn: Callable[[], T], what: str) -> T:
-    try:
-        return fn()
-    except OSError as exc:
-        if isinstance(exc, CheckpointError):
-            raise
-        raise StorageError(f"{what} failed: {exc}") from exc
+def _rank0_value(values: list[Any]) -> Any:
+    return values[0]
 
 
 def _stored_metadata(checkpoint_dir: str | Path, *, check_common: bool = False) -> Metadata:
     """The reshard checkpoint's metadata on every rank: read once, by rank 0, and broadcast. ``check_common``:
-    rank 0 also checks that ``common.pt`` belongs to it (raises ``IncompleteCheckpointError`` on every rank
-    when not). Collective over the default group when torch.distributed is initialised."""
+    rank 0 also checks that ``common.pt`` belongs to it (``IncompleteCheckpointError`` otherwise). Collective
+    over the default group (reshard's agreement: every rank raises the same error, a dead peer is a
+    ``CommunicationError``)."""
     directory = _reshard_dir(checkpoint_dir)
     where = str(directory / METADATA_FILE)
-    parsed: list[Metadata] = []
+    comm = Communicator(None)
+    read: list[tuple[bytes, Metadata]] = []
 
-    def read() -> bytes:
+    def local() -> None:
+        if not comm.is_coordinator:
+            return
         storage = storage_for(directory)
         try:
             raw = read_metadata_bytes(storage)
         finally:
             storage.close()
-        parsed.append(Metadata.from_json_bytes(raw, where=where))
+        metadata = Metadata.from_json_bytes(raw, where=where)
         if check_common:
-            check_common_pt(checkpoint_dir, parsed[0])
-        return raw
+            check_common_pt(checkpoint_dir, metadata)
+        read.append((raw, metadata))
 
-    raw = _on_rank0(read, f"reading {where}")
-    return parsed[0] if parsed else Metadata.from_json_bytes(raw, where=where)
+    comm.step("megatron: read the metadata", local)
+    raw = comm.broadcast_bytes(read[0][0] if read else None)
+    return read[0][1] if read else Metadata.from_json_bytes(raw, where=where)
 
 
 class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # megatron-core is untyped
@@ -117,10 +79,10 @@ class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # me
     async_sharded_save=True)``).
 
     ``options`` are reshard's :class:`~reshard.SaveOptions` (checksums, workers, memory budget). An earlier
-    checkpoint in the same directory is replaced so that Megatron's load never opens a mix of the two: from
-    the moment the strategy starts until the new reshard checkpoint commits, the directory has no Megatron
-    ``metadata.json`` (rank 0 writes it, atomically, right after the commit), and a load checks that
-    ``common.pt`` is the one the reshard checkpoint was saved with (:mod:`reshard.megatron.directory`).
+    checkpoint in the same directory is replaced so that Megatron's load never opens a mix of the two: when
+    the strategy starts, rank 0 records the digest of the ``common.pt`` Megatron has just written and points
+    Megatron's ``metadata.json`` at the strategy (atomically); a load checks that ``common.pt`` is the one the
+    committed reshard checkpoint was saved with (:mod:`reshard.megatron.directory`).
     """
 
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, options: SaveOptions | None = None) -> None:
@@ -137,70 +99,51 @@ class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # me
         does)."""
         with megatron_errors():
             state = self._prepare(sharded_state_dict, checkpoint_dir)
-            try:
-                reshard.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
-            except CheckpointError:
-                self._after_failure(checkpoint_dir)
-                raise
-            self._after_commit(checkpoint_dir)
+            reshard.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
         """Snapshot the tensors into host buffers (reused from one save to the next) and write them in a
         background thread of this process; returns Megatron's ``AsyncRequest`` with nothing to run in
-        Megatron's writer process and a finalize function that waits for reshard's commit and then writes
-        Megatron's ``metadata.json`` (so that it never names an uncommitted checkpoint). Collective over
-        the default group, like the background save's own agreement, which runs over a gloo group of its
-        own (created at the first call) so that it never meets the training's collectives."""
+        Megatron's writer process and a finalize function that waits for reshard's commit, so that Megatron
+        writes its ``metadata.json`` after it. Collective over the default group, like the background save's
+        own agreement, which runs over a gloo group of its own (created at the first call) so that it never
+        meets the training's collectives."""
         with megatron_errors():
             if self._checkpointer is None:
                 self._checkpointer = reshard.AsyncCheckpointer(group=dist.new_group(backend="gloo"))
             state = self._prepare(sharded_state_dict, checkpoint_dir)
-            try:
-                handle = self._checkpointer.save(
-                    state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options
-                )
-            except CheckpointError:
-                self._after_failure(checkpoint_dir)
-                raise
+            handle = self._checkpointer.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
 
         def finalize() -> None:
             with megatron_errors():
-                try:
-                    handle.wait()
-                except CheckpointError:
-                    self._after_failure(checkpoint_dir)
-                    raise
-                self._after_commit(checkpoint_dir)
+                handle.wait()
 
         return AsyncRequest(async_fn=None, async_fn_args=(), finalize_fns=[finalize])
 
     def _prepare(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> dict[Any, Any]:
         """The reshard state dict to save, with the digest of ``common.pt``; on rank 0, ``common.pt`` made
-        durable and Megatron's ``metadata.json`` withdrawn. Collective over the default group."""
-        sharded, _ = split_state(sharded_state_dict, None)  # Megatron keeps the common state in its common.pt
-        state: dict[Any, Any] = dict(sharded) if sharded is not ABSENT else {}
-        if COMMON_PT_ENTRY in state:
-            raise StateDictError(f"{COMMON_PT_ENTRY!r} is the strategy's own entry: rename that key")
+        durable and Megatron's ``metadata.json`` naming the strategy written atomically
+        (:mod:`reshard.megatron.directory`). Collective over the default group: the conversion of every rank
+        and rank 0's files are agreed on (the same error on every rank)."""
+        comm = Communicator(None)
+        converted: list[dict[Any, Any]] = []
 
-        def prepare() -> str:
+        def local() -> str | None:
+            sharded, _ = split_state(sharded_state_dict, None)  # Megatron keeps the common state in its common.pt
+            state: dict[Any, Any] = dict(sharded) if sharded is not ABSENT else {}
+            if COMMON_PT_ENTRY in state:
+                raise StateDictError(f"{COMMON_PT_ENTRY!r} is the strategy's own entry: rename that key")
+            converted.append(state)
+            if not comm.is_coordinator:
+                return None
             digest = common_pt_digest(checkpoint_dir, durable=True)
-            withdraw_config(checkpoint_dir)
+            publish_config(checkpoint_dir, self.backend, self.version)
             return digest
 
-        state[COMMON_PT_ENTRY] = _on_rank0(prepare, f"preparing {checkpoint_dir} for the save")
+        digest = comm.step("megatron: prepare the save", local, _rank0_value)
+        state = converted[0]
+        state[COMMON_PT_ENTRY] = digest
         return state
-
-    def _after_commit(self, checkpoint_dir: str | Path) -> None:
-        """Rank 0 publishes Megatron's ``metadata.json`` (best effort: Megatron writes it next anyway)."""
-        if _is_rank0():
-            try:
-                publish_config(checkpoint_dir, self.backend, self.version)
-            except OSError as exc:
-                logger.warning("writing %s/metadata.json after the commit failed: %s", checkpoint_dir, exc)
-
-    def _after_failure(self, checkpoint_dir: str | Path) -> None:
-        if _is_rank0():
-            restore_config(checkpoint_dir, _reshard_dir(checkpoint_dir), self.backend, self.version)
 
 
 class ReshardLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]  # megatron-core is untyped
@@ -234,8 +177,14 @@ class ReshardLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]  # megatro
         checkpoint does not cover is zero)."""
         with megatron_errors():
             stored = _stored_metadata(checkpoint_dir, check_common=True)
-            sharded, _ = split_state(sharded_state_dict, stored, loading=True)
-            template = sharded if sharded is not ABSENT else {}
+            comm = Communicator(None)
+            converted: list[Any] = []
+
+            def local() -> None:  # agreed on, so that a template refused on some ranks fails on every rank
+                converted.append(split_state(sharded_state_dict, stored, loading=True)[0])
+
+            comm.step("megatron: convert the template", local)
+            template = converted[0] if converted[0] is not ABSENT else {}
             loaded = reshard.load(template, _reshard_dir(checkpoint_dir), options=self.options)
             result = rebuild_state(loaded, sharded_state_dict, ABSENT)
             return result if result is not ABSENT else {}
