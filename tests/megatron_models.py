@@ -11,12 +11,18 @@ around here and nowhere in ``src/``:
   group for the dense parameters and one for the experts, as Megatron groups them), whose constructor's
   only CUDA call (the loss-scale tensor) is replaced.
 - The MoE layers use the ``allgather`` token dispatcher (the default ``alltoall`` one needs CUDA).
+- ``FullyParallelLoadStrategyWrapper.load`` calls ``torch.cuda.synchronize()`` after its exchange (a no-op
+  for CPU tensors, an error without CUDA): :func:`cpu_synchronize` makes it a no-op while the wrapper loads,
+  and its exchange runs with ``exchange_algo="gather_object"`` (the ``broadcast`` and ``gather_rounds``
+  exchanges copy every tensor to CUDA).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -114,6 +120,24 @@ def release_layouts() -> int:
     return released
 
 
+def rank_release_megatron(ctx: Any) -> int:
+    """Destroy Megatron's process groups in this rank process; the number of threads left. A function for a
+    rank pool (see :mod:`tests.rankpool`)."""
+    import gc
+    import os
+
+    release_layouts()
+    gc.collect()  # the models and optimizers of the tests hold the groups in reference cycles
+    return len(os.listdir("/proc/self/task"))
+
+
+def rank_thread_count(ctx: Any) -> int:
+    """The number of threads of this rank process (a function for a rank pool)."""
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
 def build_gpt(layout: MegatronLayout, *, vocab: int = VOCAB, seed: int = 7) -> Any:
     """A GPTModel (GQA, GLU, MoE in every layer with the allgather dispatcher, local layer spec) for this
     rank of ``layout``; the same global weights on every layout (CPU initialisation from ``seed``)."""
@@ -164,7 +188,7 @@ def adam_init_state(optimizer: torch.optim.Optimizer, config: Any = None) -> Non
 
 
 def build_optimizer(model: Any, *, filled: bool = False) -> Any:
-    """Megatron's FP32Optimizer over Adam (dense and expert parameter groups, tagged as Megatron tags them).
+    """Megatron's FP32Optimizer over Adam (dense and, if any, expert parameter groups, tagged as Megatron tags them).
     ``filled``: Adam's state holds values that differ per element and per parameter (as after training) and
     step 3; otherwise zeros."""
     from megatron.core.optimizer import OptimizerConfig
@@ -181,7 +205,8 @@ def build_optimizer(model: Any, *, filled: bool = False) -> Any:
     experts = [p for name, p in named if ".experts." in name]
     tags = {"wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False}  # as Megatron's _get_param_groups
     groups = [{"params": dense, **tags, "is_expert_parallel": False}]
-    groups += [{"params": experts, **tags, "is_expert_parallel": True}]
+    if experts:
+        groups += [{"params": experts, **tags, "is_expert_parallel": True}]
     adam = torch.optim.Adam(groups, lr=1e-3)
     optimizer = CpuFP32Optimizer(
         adam, OptimizerConfig(optimizer="adam", lr=1e-3, bf16=False, fp16=False), adam_init_state
@@ -255,3 +280,14 @@ def check_pieces(full: dict[str, torch.Tensor], pieces_per_rank: list[list[Any]]
             if full[key].shape != shape or not torch.equal(region, data):
                 problems.append(f"rank {rank}: {key} at {offset} differs")
     return problems
+
+
+@contextlib.contextmanager
+def cpu_synchronize() -> Iterator[None]:
+    """While active, ``torch.cuda.synchronize`` is a no-op in this process (see the module doc)."""
+    saved = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = saved

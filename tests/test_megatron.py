@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import PoolRegistry
-from tests.megatron_models import MegatronLayout, assemble, check_pieces
+from tests.megatron_models import MegatronLayout, assemble, check_pieces, rank_release_megatron, rank_thread_count
 from tests.rankpool import RankContext, RankPool
 
 pytest.importorskip("megatron.core")
@@ -45,18 +45,43 @@ def _state(model: Any, optimizer: Any, *, loading: bool, iteration: int, rng: bo
     return state
 
 
-def _saved_rng_cell(rank: int) -> Any:
-    """The RNG object of the saving layout (TP=2 x PP=2) that rank ``rank`` held: a load on another layout asks
-    for the saving layout's cells (a ShardedObject's grid cannot change), one per rank, so that all of them are
-    loaded and Megatron reports nothing missing."""
+def _saved_rng_cell(rank: int, saved: str = "tp=2,pp=2") -> Any:
+    """An RNG object of the saving layout ``saved`` for rank ``rank`` to ask for: a load on another layout asks
+    for the saving layout's cells (a ShardedObject's grid cannot change), each by at least one rank (rank ``r``
+    the ``r % cells``-th, as replica ``r // cells``), so that all of them are loaded and Megatron reports
+    nothing missing."""
     from megatron.core.dist_checkpointing import ShardedObject
 
-    return ShardedObject("rng_state", None, (2, 2), (rank // 2, rank % 2))
+    layout = MegatronLayout.parse(saved)
+    cell = rank % (layout.pp * layout.tp)
+    offset = (cell // layout.tp, cell % layout.tp)
+    return ShardedObject("rng_state", None, (layout.pp, layout.tp), offset, replica_id=rank // (layout.pp * layout.tp))
 
 
-def rank_megatron_save(ctx: RankContext, layout: str, path: str) -> list[Any]:
-    """Megatron's dist_checkpointing.save of the model and optimizer on ``layout`` with the reshard strategy;
-    returns the saved pieces."""
+def _fully_parallel(action: str, path: str | None = None) -> Any:
+    """The strategy Megatron-LM uses with --ckpt-fully-parallel-save / --ckpt-fully-parallel-load: the reshard
+    strategy (for a load, the one metadata.json names) in Megatron's wrapper over the data-parallel group (with
+    context parallelism), as Megatron-LM's checkpointing builds it; a load exchanges with ``gather_object``
+    (its other exchanges need CUDA)."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, get_default_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if action == "save":
+        return FullyParallelSaveStrategyWrapper(get_default_strategy(StrategyAction.SAVE_SHARDED, "reshard", 1), group)
+    assert path is not None
+    strategy = get_default_load_sharded_strategy(path)
+    return FullyParallelLoadStrategyWrapper(strategy, group, exchange_algo="gather_object")
+
+
+def rank_megatron_save(ctx: RankContext, layout: str, path: str, fully_parallel: bool = False) -> list[Any]:
+    """Megatron's dist_checkpointing.save of the model and optimizer on ``layout`` with the reshard strategy
+    (``fully_parallel``: in Megatron's FullyParallelSaveStrategyWrapper); returns the saved pieces."""
     from megatron.core import dist_checkpointing
 
     import reshard.megatron  # noqa: F401  (registers the strategies)
@@ -68,27 +93,35 @@ def rank_megatron_save(ctx: RankContext, layout: str, path: str) -> list[Any]:
     optimizer = build_optimizer(model, filled=True)
     state = _state(model, optimizer, loading=False, iteration=3)
     pieces = sharded_pieces(state)
-    dist_checkpointing.save(state, path, sharded_strategy=("reshard", 1))
+    strategy = _fully_parallel("save") if fully_parallel else ("reshard", 1)
+    dist_checkpointing.save(state, path, sharded_strategy=strategy)
     return pieces
 
 
-def rank_megatron_load(ctx: RankContext, layout: str, path: str) -> dict[str, Any]:
+def rank_megatron_load(
+    ctx: RankContext, layout: str, path: str, saved: str = "tp=2,pp=2", fully_parallel: bool = False
+) -> dict[str, Any]:
     """A fresh model and optimizer on ``layout`` (other weights, zero Adam state), loaded with Megatron's plain
-    dist_checkpointing.load (strict RETURN_ALL) and handed to model.load_state_dict and the optimizer's
-    load_state_dict; returns the pieces they then hold."""
+    dist_checkpointing.load (strict RETURN_ALL; ``fully_parallel``: the strategy in Megatron's
+    FullyParallelLoadStrategyWrapper) from a checkpoint saved on ``saved`` and handed to model.load_state_dict
+    and the optimizer's load_state_dict; returns the pieces they then hold."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     import reshard.megatron  # noqa: F401
-    from tests.megatron_models import build_gpt, build_optimizer, sharded_pieces
+    from tests.megatron_models import build_gpt, build_optimizer, cpu_synchronize, sharded_pieces
 
     parsed = MegatronLayout.parse(layout)
     model = build_gpt(parsed, seed=99)
     optimizer = build_optimizer(model)
-    state = _state(model, optimizer, loading=True, iteration=0, rng=layout == "tp=2,pp=2")
-    if layout != "tp=2,pp=2":
-        state["rng_state"] = _saved_rng_cell(ctx.rank)
-    loaded, missing, unexpected = dist_checkpointing.load(state, path, strict=StrictHandling.RETURN_ALL)
+    state = _state(model, optimizer, loading=True, iteration=0, rng=layout == saved)
+    if layout != saved:
+        state["rng_state"] = _saved_rng_cell(ctx.rank, saved)
+    strategy = _fully_parallel("load", path) if fully_parallel else None
+    with cpu_synchronize():
+        loaded, missing, unexpected = dist_checkpointing.load(
+            state, path, sharded_strategy=strategy, strict=StrictHandling.RETURN_ALL
+        )
     model.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     after = _state(model, optimizer, loading=False, iteration=loaded["iteration"], rng=False)
@@ -100,24 +133,6 @@ def rank_megatron_load(ctx: RankContext, layout: str, path: str) -> dict[str, An
         "rng": loaded.get("rng_state"),
         "step": [s["step"].item() for s in optimizer.optimizer.state.values()],
     }
-
-
-def rank_release_megatron(ctx: RankContext) -> int:
-    """Destroy Megatron's process groups in this rank process; the number of threads left."""
-    import gc
-    import os
-
-    from tests.megatron_models import release_layouts
-
-    release_layouts()
-    gc.collect()  # the models and optimizers of the tests hold the groups in reference cycles
-    return len(os.listdir("/proc/self/task"))
-
-
-def rank_thread_count(ctx: RankContext) -> int:
-    import os
-
-    return len(os.listdir("/proc/self/task"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -170,6 +185,23 @@ def test_megatron_load_at_another_layout_is_bit_exact_and_strict(
         assert r["iteration"] == 3 and set(r["step"]) == {3.0}
     for rank, r in enumerate(results):  # each saving rank's RNG object comes back, pickle-free
         assert r["rng"]["random"] == (3, (1, 2, 3), None)
+        assert torch.equal(r["rng"]["torch"], torch.arange(4, dtype=torch.uint8) + rank % 2)
+
+
+def test_megatron_fully_parallel_wrappers_save_and_load_bit_exactly(pool4: RankPool, tmp_path: Path) -> None:
+    """Megatron-LM's --ckpt-fully-parallel-save and --ckpt-fully-parallel-load: the reshard strategy inside
+    Megatron's FullyParallelSaveStrategyWrapper (TP=2 x DP=2, the wrapper over each DP pair) and, on PP=2 x DP=2,
+    inside FullyParallelLoadStrategyWrapper, which hands the strategy dicts keyed by shard-id tuples and
+    exchanges what each rank loaded: every tensor bit-exact, nothing missing or unexpected, the RNG objects of
+    the saving layout back."""
+    path = tmp_path / "fully_parallel"
+    path.mkdir()
+    full = assemble(pool4.run_ok(rank_megatron_save, "tp=2", str(path), True, timeout_s=240))
+    results = pool4.run_ok(rank_megatron_load, "pp=2", str(path), "tp=2", True, timeout_s=240)
+    problems = check_pieces(full, [r["pieces"] for r in results])
+    assert not problems, problems[:10]
+    for rank, r in enumerate(results):
+        assert r["missing"] == [] and r["unexpected"] == [] and r["iteration"] == 3 and set(r["step"]) == {3.0}
         assert torch.equal(r["rng"]["torch"], torch.arange(4, dtype=torch.uint8) + rank % 2)
 
 
@@ -301,7 +333,8 @@ def rank_padded_load(ctx: RankContext, path: str, vocab: int, tp: int) -> dict[s
 
 def test_megatron_vocabulary_padding_both_ways_and_extra_state_bytes(pool4: RankPool, tmp_path: Path) -> None:
     """allow_shape_mismatch as Megatron has it: a vocabulary padded to 72 rows loads into 64 rows (the first
-    64) and into 80 (the first 72; the 8 rows past the stored tensor keep their values), from any TP size;
+    64) and into 80 (the first 72; the 8 rows past the stored tensor are zeros, as Megatron's torch_dist
+    strategy leaves them: it zeroes every allow_shape_mismatch tensor before a load), from any TP size;
     TE's io.BytesIO _extra_state comes back as io.BytesIO with its bytes."""
     path = tmp_path / "padded"
     path.mkdir()
@@ -314,7 +347,7 @@ def test_megatron_vocabulary_padding_both_ways_and_extra_state_bytes(pool4: Rank
             assert isinstance(r["extra"], io.BytesIO) and r["extra"].getvalue() == b"te-state-" + bytes([rank])
             if rank >= tp:
                 continue
-            expected = torch.full((rows, 3), -1.0)
+            expected = torch.zeros(rows, 3)  # the local tensor held -1 before the load
             start = rank * rows
             overlap = max(0, min(start + rows, 72) - start)
             expected[:overlap] = saved[start : start + overlap]
@@ -376,11 +409,82 @@ def test_megatron_uneven_splits_and_save_distributed_over_replicas(pool4: RankPo
         assert torch.equal(got, full[start : start + UNEVEN_LOAD[rank]])
 
 
+def rank_megatron_errors(ctx: RankContext, path: str, bad_path: str) -> dict[str, tuple[str, bool, str, str]]:
+    """A dist_checkpointing.save of a tensor and an object with the reshard strategy, then loads (and a save)
+    that must fail; per case: the error's class, whether Megatron's callers catch it (CheckpointingException),
+    the reshard class it also is, and its message."""
+    import pickle
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    import reshard.megatron  # noqa: F401
+
+    world, rank = ctx.world_size, ctx.rank
+    state = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0).view(4, 2) + 8 * rank, (0, rank, world)),
+        "obj": ShardedObject("obj", {"rank": rank}, (world,), (rank,)),
+    }
+    dist_checkpointing.save(state, path, sharded_strategy=("reshard", 1))
+    loads = {
+        "unexpected key": {"w": ShardedTensor.from_rank_offsets("different_key", torch.zeros(4, 2), (0, rank, world))},
+        "global shape": {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 2), (0, rank, world))},
+        "other axes": {
+            "w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 2, 1), (0, rank, world), allow_shape_mismatch=True)
+        },
+        "object grid": {"obj": ShardedObject("obj", None, (world, 1), (rank, 0))},
+    }
+    out: dict[str, tuple[str, bool, str, str]] = {}
+
+    def record(case: str, exc: Exception) -> None:
+        assert type(pickle.loads(pickle.dumps(exc))) is type(exc)  # it crosses processes as it is
+        reshard_class = next((c.__name__ for c in type(exc).__mro__ if c.__module__ == "reshard.errors"), "")
+        out[case] = (type(exc).__name__, isinstance(exc, CheckpointingException), reshard_class, str(exc))
+
+    for case, template in loads.items():
+        try:
+            dist_checkpointing.load(template, path)
+        except Exception as exc:
+            record(case, exc)
+    bad = {"obj": ShardedObject("not_encodable", object(), (1,), (0,), replica_id=rank)}
+    try:
+        dist_checkpointing.save(bad, bad_path, sharded_strategy=("reshard", 1))
+    except Exception as exc:
+        record("save", exc)
+    return out
+
+
+def test_megatron_errors_are_checkpointing_exceptions_and_reshard_errors(pool4: RankPool, tmp_path: Path) -> None:
+    """What Megatron's callers catch: a load the strategy refuses (a key the checkpoint lacks, under Megatron's
+    default strictness, which leaves unexpected keys to the strategy; another global shape; other axes under
+    allow_shape_mismatch; another object grid) and a save it refuses (a value it cannot store without pickle)
+    raise a CheckpointingException that is also reshard's error class, the same on every rank."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "bad").mkdir()
+    results = pool4.run_ok(rank_megatron_errors, str(tmp_path / "ckpt"), str(tmp_path / "bad"), timeout_s=240)
+    expected = {
+        "unexpected key": "MismatchError",
+        "global shape": "MismatchError",
+        "other axes": "MismatchError",
+        "object grid": "MismatchError",
+        "save": "StateDictError",
+    }
+    for rank, r in enumerate(results):
+        assert set(r) == set(expected), (rank, r)
+        for case, (name, megatron_catches, reshard_class, message) in r.items():
+            assert megatron_catches, (rank, case, name, message)
+            assert reshard_class == expected[case] and name == results[0][case][0], (rank, case, r[case])
+    assert "different_key" in results[0]["unexpected key"][3]
+
+
 def rank_megatron_async_save(ctx: RankContext, layout: str, path: str) -> dict[str, Any]:
     """dist_checkpointing.save(..., async_sharded_save=True) with the reshard strategy: the parameters change
     right after the call returns (training goes on), then the request is finalised as Megatron does it
     (``execute_sync``: its writer process has nothing to run; the finalize functions wait for reshard's
     commit, then write Megatron's metadata.json)."""
+    import json
+
     from megatron.core import dist_checkpointing
 
     import reshard.megatron  # noqa: F401
@@ -395,7 +499,8 @@ def rank_megatron_async_save(ctx: RankContext, layout: str, path: str) -> dict[s
     with torch.no_grad():
         for param in model.parameters():
             param.add_(1000.0)
-    before_finalize = (Path(path) / "metadata.json").exists()
+    config = Path(path) / "metadata.json"  # written by the strategy, before the background save commits
+    before_finalize = json.loads(config.read_text())["sharded_backend"] if config.exists() else None
     request.execute_sync()
     return {"pieces": pieces, "before_finalize": before_finalize}
 
@@ -404,7 +509,9 @@ def test_megatron_async_save_through_its_async_request(pool4: RankPool, tmp_path
     path = tmp_path / "async"
     path.mkdir()
     results = pool4.run_ok(rank_megatron_async_save, "tp=2,pp=2", str(path), timeout_s=240)
-    assert not any(r["before_finalize"] for r in results)  # Megatron's metadata.json only after the commit
+    # Before the commit, Megatron's metadata.json names the strategy already, whose load refuses a common.pt that
+    # the committed reshard checkpoint was not saved with (tests/test_megatron_crash.py kills saves there).
+    assert all(r["before_finalize"] == "reshard" for r in results)
     full = assemble([r["pieces"] for r in results])
     loaded = pool4.run_ok(rank_megatron_load, "tp=1", str(path), timeout_s=240)
     problems = check_pieces(full, [r["pieces"] for r in loaded])

@@ -1,0 +1,272 @@
+"""kill -9 of a rank during Megatron's ``dist_checkpointing.save(..., sharded_strategy=("reshard", 1))`` over an
+earlier checkpoint in the same directory, with real processes, real files and the real megatron-core.
+
+Megatron's save writes, in this order: ``common.pt`` (rank 0, ``torch.save`` in place), then the strategy's
+part (here the reshard checkpoint in ``reshard/``), then its ``metadata.json`` (rank 0, in place). Whatever
+point a kill hits, Megatron's ``dist_checkpointing.load`` of the directory must load the complete earlier save,
+the complete new one, or raise: never the new ``common.pt`` (iteration, arguments) with the old tensors.
+
+Each kill runs on a private pool of 2 ranks (a killed rank leaves its group unusable), which is killed
+afterwards; the loads and the saves after the crash run on the session's 4-rank pool. The kill is a real
+``os.kill(os.getpid(), SIGKILL)`` at the chosen point, placed by wrapping the function that runs there (a
+marker file written just before it says where the process died).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.faults import kill_pool, run_with_deaths
+from tests.rankpool import RankContext, RankFailure, RankPool
+
+pytest.importorskip("megatron.core")
+
+ROWS, COLS = 16, 64  # rows per saving rank
+OLD, NEW, AFTER = 1, 2, 3  # iterations: the earlier save, the interrupted one, a save after the crash
+
+
+def _global_w(world: int, iteration: int) -> torch.Tensor:
+    return torch.arange(world * ROWS * COLS, dtype=torch.float32).view(world * ROWS, COLS) + 100000.0 * iteration
+
+
+def _state(rank: int, world: int, iteration: int) -> dict[str, Any]:
+    """What a training job saves: a tensor split over the ranks, a replicated one, an object per rank, and
+    common values that Megatron writes into common.pt (they tell the iteration too)."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    rows = _global_w(world, iteration)[rank * ROWS : (rank + 1) * ROWS].clone()
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", rows, (0, rank, world)),
+        "b": ShardedTensor.from_rank_offsets("b", torch.full((8,), float(iteration)), replica_id=rank),
+        "rng": ShardedObject("rng", {"iteration": iteration, "rank": rank}, (world,), (rank,)),
+        "iteration": iteration,
+        "args": {"lr": 0.5 * iteration},
+    }
+
+
+def _fire(marker: str, point: str, **details: Any) -> None:
+    Path(marker).write_text(json.dumps({"point": point, "pid": os.getpid(), **details}))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(point: str, path: str, marker: str) -> None:
+    """Make this process kill itself at ``point`` of the next save into ``path``."""
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+
+    from reshard.storage import LocalStorage
+
+    root = Path(path)
+    if point == "after_common_pt":  # Megatron wrote common.pt; the strategy has not started
+        save_common = TorchCommonSaveStrategy.save_common
+
+        def common_then_die(self: Any, state_dict: Any, checkpoint_dir: Any) -> None:
+            save_common(self, state_dict, checkpoint_dir)
+            _fire(marker, point, common_pt=state_dict["iteration"])
+
+        TorchCommonSaveStrategy.save_common = common_then_die
+    elif point == "in_data_write":  # a rank opens its data file of the reshard checkpoint
+        open_writer = LocalStorage.open_writer
+
+        def die_on_data(self: Any, name: str, **kwargs: Any) -> Any:
+            if name.startswith("data/"):
+                _fire(marker, point, file=name)
+            return open_writer(self, name, **kwargs)
+
+        LocalStorage.open_writer = die_on_data
+    elif point in ("in_reshard_commit", "before_megatron_metadata"):
+        committed = (root / "reshard" / "metadata.json").read_bytes()  # the earlier save's
+
+        def reshard_committed() -> bool:
+            return (root / "reshard" / "metadata.json").read_bytes() != committed
+
+        if point == "in_reshard_commit":  # the new reshard/metadata.json is written and synced, not yet renamed
+            replace = os.replace
+
+            def die_before_rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+                if Path(dst) == root / "reshard" / "metadata.json":
+                    _fire(marker, point, reshard_committed=reshard_committed(), temporary=Path(src).exists())
+                replace(src, dst, *args, **kwargs)
+
+            os.replace = die_before_rename
+        else:  # the strategy returned; Megatron is about to write its metadata.json
+            save_config = serialization.save_config
+
+            def die_before_config(config: Any, checkpoint_dir: Any) -> None:
+                _fire(marker, point, reshard_committed=reshard_committed())
+                save_config(config, checkpoint_dir)
+
+            serialization.save_config = die_before_config
+
+
+def rank_save_then_crash(ctx: RankContext, path: str, point: str, killed: int, marker: str) -> dict[str, Any]:
+    """Save iteration OLD completely, then iteration NEW into the same directory with rank ``killed`` armed to
+    die at ``point``; a survivor reports how its save ended."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    import reshard.megatron  # noqa: F401
+
+    dist_checkpointing.save(_state(ctx.rank, ctx.world_size, OLD), path, sharded_strategy=("reshard", 1))
+    dist.barrier()
+    if ctx.rank == killed:
+        _arm(point, path, marker)
+    try:
+        dist_checkpointing.save(_state(ctx.rank, ctx.world_size, NEW), path, sharded_strategy=("reshard", 1))
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)[:300]}
+    return {"saved": True}
+
+
+def rank_load_outcome(ctx: RankContext, path: str, world: int) -> dict[str, Any]:
+    """Megatron's dist_checkpointing.load of every saved tensor and object cell (on every rank): which save
+    the common state, the tensors and the objects come from, or the error."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    import reshard.megatron  # noqa: F401
+
+    template = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.zeros(world * ROWS, COLS), replica_id=ctx.rank),
+        "b": ShardedTensor.from_rank_offsets("b", torch.zeros(8), replica_id=ctx.rank),
+        "rng": [ShardedObject("rng", None, (world,), (r,), replica_id=ctx.rank) for r in range(world)],
+    }
+    try:
+        loaded = dist_checkpointing.load(template, path)
+    except Exception as exc:
+        return {"error": type(exc).__name__, "megatron_catches": isinstance(exc, CheckpointingException)}
+    w = next((it for it in (OLD, NEW, AFTER) if torch.equal(loaded["w"], _global_w(world, it))), None)
+    b = {int(v) for v in loaded["b"].tolist()}
+    return {
+        "iteration": loaded["iteration"],
+        "args": loaded["args"]["lr"] / 0.5,
+        "w": w,
+        "b": b.pop() if len(b) == 1 else None,
+        "rng": sorted({cell["iteration"] for cell in loaded["rng"]}),
+    }
+
+
+def rank_save_again(ctx: RankContext, path: str) -> None:
+    """After the crash: the next save into the same directory, on 4 ranks."""
+    from megatron.core import dist_checkpointing
+
+    import reshard.megatron  # noqa: F401
+
+    dist_checkpointing.save(_state(ctx.rank, ctx.world_size, AFTER), path, sharded_strategy=("reshard", 1))
+
+
+@dataclass(frozen=True)
+class Crash:
+    point: str
+    killed: int
+    path: Path
+    marker: dict[str, Any]
+    survivors: dict[int, Any]
+    exitcodes: dict[int, int | None]
+
+
+CRASHES = {
+    # point: (rank killed, what a load of the directory gives afterwards)
+    # The new common.pt beside the old tensors under the old metadata.json, and then a rank dying in the middle
+    # of the reshard save, and the coordinator dying in the reshard commit (before the rename): common.pt is
+    # not the one the committed reshard checkpoint was saved with.
+    "after_common_pt": (0, "IncompleteCheckpointError"),
+    "in_data_write": (1, "IncompleteCheckpointError"),
+    "in_reshard_commit": (0, "IncompleteCheckpointError"),
+    # The reshard checkpoint committed, Megatron has not written its metadata.json yet: the new save.
+    "before_megatron_metadata": (0, NEW),
+}
+WORLD = 2
+
+
+@pytest.fixture(scope="module", params=list(CRASHES))
+def crash(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Crash:
+    point = request.param
+    killed = CRASHES[point][0]
+    base = tmp_path_factory.mktemp(f"megatron-crash-{point}")
+    path = base / "iter"
+    path.mkdir()
+    marker = base / "killed.json"
+    pool = RankPool(WORLD)
+    try:
+        run = run_with_deaths(pool, rank_save_then_crash, str(path), point, killed, str(marker), dead={killed})
+    finally:
+        kill_pool(pool)
+    assert marker.exists(), f"rank {killed} was not killed at {point}: {run.results}"
+    return Crash(point, killed, path, json.loads(marker.read_text()), run.results, run.exitcodes)
+
+
+def test_rank_is_killed_at_the_chosen_point(crash: Crash) -> None:
+    assert crash.exitcodes == {crash.killed: -signal.SIGKILL}
+    assert crash.marker["point"] == crash.point
+    if crash.point == "after_common_pt":
+        assert crash.marker["common_pt"] == NEW  # Megatron had written the new common.pt
+    if crash.point == "in_reshard_commit":
+        assert not crash.marker["reshard_committed"] and crash.marker["temporary"]
+    if crash.point == "before_megatron_metadata":
+        assert crash.marker["reshard_committed"]
+    for rank, result in crash.survivors.items():
+        assert not isinstance(result, RankFailure) and "saved" not in result, (rank, result)
+
+
+def test_load_gives_the_old_save_the_new_one_or_raises_never_a_mix(pool4: RankPool, crash: Crash) -> None:
+    results = pool4.run_ok(rank_load_outcome, str(crash.path), WORLD, timeout_s=120)
+    expected = CRASHES[crash.point][1]
+    for rank, r in enumerate(results):
+        if isinstance(expected, str):
+            assert r == {"error": expected, "megatron_catches": True}, (rank, crash.point, r)
+        else:
+            whole = {"iteration": expected, "args": expected, "w": expected, "b": expected, "rng": [expected]}
+            assert r == whole, (rank, crash.point, r)
+
+
+def test_the_next_save_over_the_crash_loads(pool4: RankPool, crash: Crash, tmp_path: Path) -> None:
+    path = tmp_path / "iter"
+    shutil.copytree(crash.path, path)
+    pool4.run_ok(rank_save_again, str(path), timeout_s=120)
+    for r in pool4.run_ok(rank_load_outcome, str(path), 4, timeout_s=120):
+        assert r == {"iteration": AFTER, "args": AFTER, "w": AFTER, "b": AFTER, "rng": [AFTER]}, r
+
+
+def rank_refused_save(ctx: RankContext, path: str, iteration: int) -> str:
+    """Save iteration OLD, then a save into the same directory that the strategy refuses (a ShardedObject
+    whose value it cannot store without pickle) with the common state of ``iteration``; the refusal's class."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    import reshard.megatron  # noqa: F401
+
+    dist_checkpointing.save(_state(ctx.rank, ctx.world_size, OLD), path, sharded_strategy=("reshard", 1))
+    state = _state(ctx.rank, ctx.world_size, iteration)
+    state["bad"] = ShardedObject("bad", object(), (1,), (0,), replica_id=ctx.rank)
+    try:
+        dist_checkpointing.save(state, path, sharded_strategy=("reshard", 1))
+    except Exception as exc:
+        return type(exc).__name__
+    return "saved"
+
+
+@pytest.mark.parametrize("iteration", [OLD, NEW])
+def test_a_refused_save_over_a_checkpoint_never_leaves_a_mix(pool4: RankPool, tmp_path: Path, iteration: int) -> None:
+    """A save refused with an error (not a kill) over an earlier checkpoint: Megatron has already rewritten
+    common.pt by the time the strategy sees the state. With the same common state as before (a step saved
+    again), the earlier checkpoint stays whole and loadable; with another, the directory is refused, never
+    loaded as the new common state with the old tensors."""
+    path = tmp_path / "iter"
+    path.mkdir()
+    assert pool4.run_ok(rank_refused_save, str(path), iteration, timeout_s=120) == ["StateDictError"] * 4
+    for r in pool4.run_ok(rank_load_outcome, str(path), 4, timeout_s=120):
+        if iteration == OLD:
+            assert r == {"iteration": OLD, "args": OLD, "w": OLD, "b": OLD, "rng": [OLD]}, r
+        else:
+            assert r == {"error": "IncompleteCheckpointError", "megatron_catches": True}, r
