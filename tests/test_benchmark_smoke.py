@@ -13,7 +13,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -52,11 +51,8 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
     command = _tiny_compare(ckpt_dir, out, "--ranks", "2", "--load-world", "1", "--dp-replicas", "--mode", "warm")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    started = time.monotonic()
     proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=170, cwd=tmp_path, env=env)
-    elapsed = time.monotonic() - started
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert elapsed < 60, f"the tiny benchmark took {elapsed:.1f} s"
     assert "ratio" in proc.stdout  # the human-readable table was printed
 
     report = json.loads(out.read_text())

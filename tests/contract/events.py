@@ -131,6 +131,12 @@ class Events:
             self.marker.write_text(json.dumps({"where": where, "events": len(self.names), "pid": os.getpid()}))
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def kill_if_armed(self, where: str) -> None:
+        """A timed kill: only while the flow's operation runs (not while the harness regroups the ranks:
+        a rank dying in the harness's own rendezvous tests torch.distributed, not reshard)."""
+        if self.armed:
+            self.kill(where)
+
     @contextlib.contextmanager
     def event(self, name: str) -> Iterator[None]:
         """One event around a call: counted before and after, file-system calls inside it not counted."""

@@ -146,7 +146,7 @@ def _worker(rank: int, port: int, spec: dict[str, Any], answer_path: Path) -> No
     instrument(events)
     timer = None
     if mine is not None and mine.delay_s is not None:
-        timer = threading.Timer(mine.delay_s, events.kill, args=(f"after {mine.delay_s:.3f} s",))
+        timer = threading.Timer(mine.delay_s, events.kill_if_armed, args=(f"after {mine.delay_s:.3f} s",))
         timer.daemon = True
     run = RankRun(
         rank=rank,
