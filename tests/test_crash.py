@@ -149,11 +149,12 @@ class Crash:
 
 CRASHES = {
     # point: (world size, rank killed, after_bytes)
-    "before_write": (2, 1, 0),
     "mid_write": (4, 2, 20000),  # 4 ranks: three survivors must all fail
-    "after_write": (2, 1, 0),
     "in_commit": (2, 0, 0),  # the coordinator, inside Storage.commit of metadata.json
 }
+"""The crashes of ``make test`` here; the contract suite's "manager" flow (tests/contract/flows.py) kills every
+rank before and after a sample of every event of a manager's save (before and after its data write among
+them), with the same checks of the root afterwards."""
 
 
 @pytest.fixture(scope="module", params=list(CRASHES))
