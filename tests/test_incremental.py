@@ -209,11 +209,15 @@ def test_a_base_that_cannot_be_referenced_is_an_error_and_nothing_is_written(tmp
 
 
 def test_a_base_that_lost_a_file_fails_the_save_and_leaves_no_marker(tmp_path: Path) -> None:
+    """A save that trusts its base (``verify_base=False``) learns of the lost file only from the check of the
+    referenced files' sizes before its commit: it fails there. (A verifying save, the default, cannot read the
+    boxes back and writes them instead: tests/test_incremental_verify.py.)"""
     reshard.save(frozen_and_trained(1), tmp_path / "a", options=HASHED)
     for data_file in (tmp_path / "a" / "data").iterdir():
         data_file.unlink()
+    trusting = reshard.SaveOptions(verify_base=False)
     with pytest.raises(reshard.CheckpointError, match=r"cannot reference its base: data file .* of checkpoint a"):
-        reshard.save(frozen_and_trained(2), tmp_path / "b", base=tmp_path / "a")
+        reshard.save(frozen_and_trained(2), tmp_path / "b", base=tmp_path / "a", options=trusting)
     assert not (tmp_path / "b" / "metadata.json").exists() and not list((tmp_path / "b").rglob("*.bin"))
     assert not list((tmp_path / "a" / REFERENCES_DIR).iterdir())
 

@@ -335,8 +335,9 @@ class CheckpointManager:
     def _usable_base(self, name: str) -> bool:
         """Whether checkpoint ``name`` can be an incremental save's base: its references are tied to it by
         markers (it was not copied or moved here) and its data files, and those it references, have their
-        sizes (checksums are not read: a save must not cost a read of its base). Else the save is made in full,
-        so that a damaged or moved base never keeps a job from saving."""
+        sizes (no byte is read here: the save itself reads back each box it would reference, unless
+        ``SaveOptions(verify_base=False)``, and writes the ones whose stored copy is damaged). Else the save is
+        made in full, so that a damaged or moved base never keeps a job from saving."""
         child = self.root.child(name)
         try:
             problems = validate_checkpoint(child, quick=True)

@@ -55,6 +55,14 @@ class SaveOptions:
             :class:`~reshard.StorageError` and nothing is committed. Not in it: the state itself, the
             encoded values of ShardedObjects, and the snapshot of an asynchronous save (the state's size,
             by design).
+        verify_base: for an incremental save (``base=``), before a box is referenced instead of written, its
+            writer reads the copy the base stores back (exactly the box's bytes; ranged GETs on object stores,
+            streamed through the memory budget) and references it only if its XXH3-128 equals that of the
+            bytes in memory; a copy that is damaged, missing or unreadable is written anew (a warning names its
+            file; ``SaveResult.rewritten_bytes`` counts it), so the new checkpoint is complete and loads. This
+            reads every referenced byte on every save. False trusts the base's recorded hashes and reads
+            nothing of it (the behaviour before this option): a base damaged after its commit then makes the
+            new checkpoint unloadable. Every rank passes the same.
 
     Raises (on construction):
         ValueError: ``memory_budget_bytes`` below 1 MiB.
@@ -64,6 +72,7 @@ class SaveOptions:
     checksum_chunk_bytes: int = DEFAULT_CHECKSUM_CHUNK_BYTES
     content_hash: bool = False
     memory_budget_bytes: int = DEFAULT_SAVE_MEMORY_BUDGET
+    verify_base: bool = True
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes < MIN_SAVE_MEMORY_BUDGET:

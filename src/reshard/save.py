@@ -17,12 +17,14 @@ committed):
    stays. The other ranks get a summary (:class:`SaveResult`), never the whole metadata.
 
 The per-save arguments (path, ``overwrite``, ``fingerprint``, ``checksum_chunk_bytes``, ``content_hash``,
-``base``) travel with the descriptions and must agree across ranks, or nothing is written.
+``verify_base``, ``base``) travel with the descriptions and must agree across ranks, or nothing is written.
 
 An *incremental* save (``base=``) differs in two places: planning looks every assigned box up in the base
-(:mod:`reshard.planning.incremental`) and tells its writer the base's content hash, and a writer whose
-box hashes the same skips it; before the commit, the coordinator leaves reference markers in the
-checkpoints it references and checks that their files are still there (:mod:`reshard.references`).
+(:mod:`reshard.planning.incremental`) and tells its writer the base's content hash and where the base stores
+the box, and a writer whose box hashes the same, and whose stored copy reads back as its bytes, references it
+instead of writing it (:mod:`reshard.io.reuse`; a copy damaged since its commit is written anew); before the
+commit, the coordinator leaves reference markers in the checkpoints it references and checks that their files
+are still there (:mod:`reshard.references`).
 
 So what a rank other than the coordinator sends and receives does not grow with the number of ranks
 (docs/scale.md measures it, with the coordinator's planning time and memory, up to 8192 ranks).
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -53,7 +54,8 @@ from reshard.errors import (
 )
 from reshard.fingerprint import fingerprint
 from reshard.io.commit import CommitOutcome, SaveCommit
-from reshard.io.datafile import DataFileWriter, content_digest, data_file_name, staging_slabs, tensor_bytes
+from reshard.io.datafile import DataFileWriter, data_file_name, staging_slabs, tensor_bytes
+from reshard.io.reuse import Reuse, base_name_of, choose_reused
 from reshard.locking import LockTiming
 from reshard.metadata import (
     MAX_METADATA_BYTES,
@@ -75,7 +77,7 @@ from reshard.references import check_referenced_files, remove_markers, verify_re
 from reshard.sources import read_metadata_bytes
 from reshard.statedict import FlatStateDict, flatten_state_dict
 from reshard.stats import PhaseClock, SaveStats, fill_save_stats
-from reshard.storage import CheckpointLocation, LocalStorage, Storage, storage_for
+from reshard.storage import CheckpointLocation, Storage, storage_for
 from reshard.transports import Group
 
 __all__ = ["SaveResult", "save", "tensor_bytes"]
@@ -103,6 +105,8 @@ class _SaveState:
     """For an incremental save, the base's box of every table row that may be reused; on the coordinator."""
     written: list[int] = field(default_factory=list)
     """The indices (in ``views``) of the boxes this rank wrote (an incremental save reuses others)."""
+    reuse: Reuse = field(default_factory=Reuse)
+    """For an incremental save, how this rank's boxes divided and what reading the base back cost."""
     marked: list[str] = field(default_factory=list)
     """The checkpoints this save left reference markers in; on the coordinator."""
 
@@ -120,6 +124,9 @@ class SaveResult:
         total_bytes: bytes of tensor data in the checkpoint (each box once), written or referenced.
         referenced_bytes: of those, the bytes an incremental save did not write because its base held them
             (they stay in the files of the checkpoints that hold them).
+        rewritten_bytes: of the bytes written, those an incremental save wrote although its base records the
+            same content, because the copy the base stores did not read back as it (damaged after its commit,
+            missing, unreadable; ``SaveOptions(verify_base=True)``, the default): 0 when the base is sound.
         metadata: on the coordinator (rank 0 of the group), the committed metadata; None on the other ranks,
             which never receive the whole checkpoint's metadata (at ten thousand ranks that would be every
             rank holding everyone's plan): use :func:`reshard.read_metadata` where it is needed.
@@ -133,6 +140,7 @@ class SaveResult:
     total_bytes: int
     metadata: Metadata | None
     referenced_bytes: int = 0
+    rewritten_bytes: int = 0
 
 
 def save(
@@ -161,7 +169,7 @@ def save(
         overwrite: replace a complete checkpoint at ``path``. The old one stays loadable until the new
             ``metadata.json`` replaces it; its data files are removed after that.
         options: how to write (:class:`~reshard.SaveOptions`: content fingerprints, the checksum chunk
-            size); every rank passes equal ones.
+            size, whether an incremental save reads its base back); every rank passes equal ones.
         timeout: how long any collective may wait for the slowest rank (default 10 minutes).
         storage_options: passed to the object-store client (fsspec ``s3``/``gs`` filesystem options such
             as ``endpoint_url``); credentials otherwise come from the client's usual configuration.
@@ -169,8 +177,9 @@ def save(
             :class:`~reshard.SaveStats`) once the save has committed.
         base: save incrementally against this earlier checkpoint, a sibling of ``path`` (same parent
             directory or prefix) saved with content hashes: a box whose place and content hash equal the
-            base's is not written, and the metadata references the file that holds it (docs/format.md
-            section 15); the new checkpoint records content hashes too. Every rank passes the same.
+            base's, and whose stored copy reads back as its bytes (unless ``SaveOptions(verify_base=False)``),
+            is not written, and the metadata references the file that holds it (docs/format.md section 15);
+            the new checkpoint records content hashes too. Every rank passes the same.
 
     Returns:
         A :class:`SaveResult` on every rank: the checkpoint's id, size and files; on the coordinator also
@@ -181,7 +190,8 @@ def save(
         CheckpointExistsError: ``path`` holds a complete checkpoint and ``overwrite`` is off.
         CheckpointLockedError: another save holds ``path``.
         CheckpointError: ``base`` is not a sibling of ``path``, has no content hashes, or checksums in
-            chunks of another size; or a data file it references is missing (nothing is written then);
+            chunks of another size; or a data file it references is missing at the commit (nothing is
+            written then; a file already missing when it is read back is not referenced);
             CorruptCheckpointError when ``base`` itself references files that no marker ties to it (a
             copied or moved checkpoint).
         StorageError: a file could not be written on some rank.
@@ -194,7 +204,7 @@ def save(
     comm = Communicator(group, timeout=timeout)
     storage = storage_for(path, storage_options)
     try:
-        base_name = None if base is None else _sibling_name(storage, base, storage_options)
+        base_name = None if base is None else base_name_of(storage, base, storage_options)
         with collector_paused():
             return _save_to(
                 storage,
@@ -208,47 +218,20 @@ def save(
                 stats=stats,
                 content_hashes=options.content_hash or base_name is not None,
                 base_name=base_name,
+                verify_base=options.verify_base,
             )
     finally:
         if storage is not path:
             storage.close()
 
 
-def _sibling_name(storage: Storage, base: CheckpointLocation, storage_options: dict[str, Any] | None = None) -> str:
-    """The name of checkpoint ``base`` beside ``storage`` (an incremental save's base).
-
-    Raises:
-        CheckpointError: ``base`` is not a sibling of ``storage``, or is ``storage`` itself.
-    """
-    base_storage = storage_for(base, storage_options)
-    try:
-        name = base_storage.name
-        sibling = storage.sibling(name)
-        try:
-            same = _same_place(sibling, base_storage)
-        finally:
-            sibling.close()
-        if not same:
-            raise CheckpointError(
-                f"the base {base_storage.describe()} of an incremental save must be a sibling of {storage.describe()} "
-                "(in the same directory or prefix): references name sibling checkpoints only"
-            )
-        if _same_place(storage, base_storage):
-            raise CheckpointError(f"{storage.describe()} cannot be its own base")
-        return name
-    finally:
-        if base_storage is not base:
-            base_storage.close()
-
-
-def _same_place(a: Storage, b: Storage) -> bool:
-    if isinstance(a, LocalStorage) and isinstance(b, LocalStorage):
-        return os.path.abspath(a.root) == os.path.abspath(b.root)
-    return type(a) is type(b) and a.describe().rstrip("/") == b.describe().rstrip("/")
-
-
 def _save_options(
-    overwrite: bool, with_fingerprints: bool, checksum_chunk_bytes: int, content_hashes: bool, base_name: str | None
+    overwrite: bool,
+    with_fingerprints: bool,
+    checksum_chunk_bytes: int,
+    content_hashes: bool,
+    base_name: str | None,
+    verify_base: bool = True,
 ) -> dict[str, Any]:
     """The per-save parameters every rank must pass alike (agreed in the first collective)."""
     if isinstance(checksum_chunk_bytes, bool) or not isinstance(checksum_chunk_bytes, int) or checksum_chunk_bytes < 1:
@@ -258,6 +241,7 @@ def _save_options(
         "fingerprint": bool(with_fingerprints),
         "checksum_chunk_bytes": checksum_chunk_bytes,
         "content_hash": bool(content_hashes),
+        "verify_base": bool(verify_base),
         "base": base_name,
     }
 
@@ -265,7 +249,7 @@ def _save_options(
 def _check_agreement(contexts: list[Any]) -> None:
     """On the coordinator: every rank passed the same path and options (else nothing is written)."""
     problems = []
-    for what in ("path", "overwrite", "fingerprint", "checksum_chunk_bytes", "content_hash", "base"):
+    for what in ("path", "overwrite", "fingerprint", "checksum_chunk_bytes", "content_hash", "verify_base", "base"):
         by_value: dict[Any, list[int]] = {}
         for rank, context in enumerate(contexts):
             value = context[what] if what == "path" else context["options"][what]
@@ -292,6 +276,7 @@ def _save_to(
     lock_timing: LockTiming | None = None,
     content_hashes: bool = False,
     base_name: str | None = None,
+    verify_base: bool = True,
 ) -> SaveResult:
     """The body of :func:`save` once the storage is open."""
     clock = PhaseClock("save", comm.rank, started)
@@ -299,7 +284,9 @@ def _save_to(
     state = _SaveState()
 
     def describe() -> bytes:
-        options = _save_options(overwrite, with_fingerprints, checksum_chunk_bytes, content_hashes, base_name)
+        options = _save_options(
+            overwrite, with_fingerprints, checksum_chunk_bytes, content_hashes, base_name, verify_base
+        )
         description = _prepare_rank_state(state, state_dict, rank=comm.rank, is_coordinator=comm.is_coordinator)
         return encode_description(description, {"path": location, "options": options})
 
@@ -316,6 +303,7 @@ def _save_to(
                 base_name=base_name,
                 target_name=storage.name,
                 chunk_bytes=checksum_chunk_bytes,
+                places=verify_base,
             )
         save_id = uuid.uuid4().hex
         state.commit = SaveCommit(storage, save_id, overwrite=overwrite, lock_timing=lock_timing)
@@ -348,6 +336,7 @@ def _save_to(
             with_fingerprints,
             memory_budget_bytes,
             content_hashes,
+            verify_base,
         )
         return report.to_json()
 
@@ -358,9 +347,10 @@ def _save_to(
             raise CheckpointError("the coordinator has no commit protocol (planning did not run here)")
         if state.table is None:
             raise CheckpointError("the coordinator has no descriptions (planning did not run here)")
+        reports = [WriteReport.from_json(r) for r in results]
         metadata = assemble_metadata(
             state.table,
-            [WriteReport.from_json(r) for r in results],
+            reports,
             save_id=save_id,
             world_size=comm.size,
             chunk_bytes=checksum_chunk_bytes,
@@ -382,7 +372,7 @@ def _save_to(
         except StorageError as exc:
             raise StorageError(f"on the coordinator (rank {comm.rank}): {exc}") from exc
         committed.append(metadata)
-        return _summary(metadata)
+        return {**_summary(metadata), "rewritten_bytes": sum(r.rewritten_bytes for r in reports)}
 
     try:
         with clock.exchange():
@@ -416,13 +406,12 @@ def _save_to(
         total_bytes=summary["total_bytes"],
         metadata=committed[0] if committed else None,
         referenced_bytes=summary["referenced_bytes"],
+        rewritten_bytes=summary["rewritten_bytes"],
     )
     with clock.phase("commit"):
         if result.metadata is not None and state.commit is not None:
             state.commit.remove_replaced({f.path for f in result.metadata.files if f.checkpoint is None})
-    stats = stats if stats is not None else SaveStats()
-    written = [state.views[i].nbytes for i in state.written]
-    fill_save_stats(stats, clock, file_bytes=state.file_bytes, checkpoint_bytes=result.total_bytes, written=written)
+    stats = _fill_stats(stats if stats is not None else SaveStats(), clock, state, result.total_bytes)
     logger.info(
         "[rank=%d] saved %s in %.3f s (%s): this rank wrote %d bytes (%.1f MB/s); the checkpoint holds %d bytes "
         "in %d files",
@@ -436,6 +425,21 @@ def _save_to(
         result.num_files,
     )
     return result
+
+
+def _fill_stats(stats: SaveStats, clock: PhaseClock, state: _SaveState, checkpoint_bytes: int) -> SaveStats:
+    """This rank's statistics of a committed save."""
+    reuse = state.reuse
+    rewritten = sum(state.views[i].nbytes for i in reuse.rewritten)
+    fill_save_stats(
+        stats,
+        clock,
+        file_bytes=state.file_bytes,
+        checkpoint_bytes=checkpoint_bytes,
+        written=[state.views[i].nbytes for i in state.written],
+        base_read=(reuse.bytes_read, reuse.bytes_verified, rewritten, reuse.seconds),
+    )
+    return stats
 
 
 def _committed_as(storage: Storage, save_id: str) -> bool:
@@ -488,22 +492,24 @@ def _write_assigned(
     with_fingerprints: bool,
     memory_budget_bytes: int,
     content_hashes: bool = False,
+    verify_base: bool = True,
 ) -> WriteReport:
     """Write this rank's assigned boxes and objects into its data file; where they went. A box whose
-    content hash equals the base's (an incremental save) is not written but reported as reused."""
-    reused: list[int] = []
-    reused_prints: list[int] = []
-    to_write: list[int] = []
+    content hash equals the base's (an incremental save), and whose stored copy reads back as its bytes
+    (``verify_base``), is not written but reported as reused (:func:`~reshard.io.reuse.choose_reused`)."""
     slabs = staging_slabs(memory_budget_bytes)  # for hashing here, then for writing
-    for position, index in enumerate(assignment.tensors):
-        base_hash = assignment.base_hash(position)
-        if base_hash is not None and content_digest(state.views[index], slabs) == base_hash:
-            reused.append(index)
-            if with_fingerprints:
-                piece = state.description.tensors[index]
-                reused_prints.append(fingerprint(state.views[index], piece.box, piece.global_shape))
-        else:
-            to_write.append(index)
+    state.reuse = choose_reused(
+        storage,
+        assignment,
+        state.views,
+        slabs=slabs,
+        memory_budget_bytes=memory_budget_bytes,
+        verify=verify_base,
+        what=lambda index: _box_name(state, index),
+        rank=rank,
+    )
+    reused, to_write = state.reuse.reused, state.reuse.to_write
+    reused_prints = [_fingerprint_of(state, index) for index in reused] if with_fingerprints else []
     state.written = to_write
     if not to_write and not assignment.objects:
         return WriteReport(
@@ -527,9 +533,7 @@ def _write_assigned(
             if stored.content_hash is not None:
                 digests.append(stored.content_hash)
         if with_fingerprints:
-            for index in to_write:
-                piece = state.description.tensors[index]
-                prints.append(fingerprint(state.views[index], piece.box, piece.global_shape))
+            prints += [_fingerprint_of(state, index) for index in to_write]
         for index in assignment.objects:
             stored = writer.append(memoryview(state.blobs[index]))
             written_objects.append(
@@ -555,7 +559,18 @@ def _write_assigned(
         reused=reused,
         reused_fingerprint=reused_prints if with_fingerprints else None,
     )
-    return WriteReport(file=name, size=size, tensors=report, objects=tuple(written_objects))
+    rewritten = sum(state.views[i].nbytes for i in state.reuse.rewritten)  # a subset of to_write
+    return WriteReport(file=name, size=size, tensors=report, objects=tuple(written_objects), rewritten_bytes=rewritten)
+
+
+def _box_name(state: _SaveState, index: int) -> str:
+    piece = state.description.tensors[index]
+    return f"tensor {piece.key!r} box at {list(piece.box.offset)}"
+
+
+def _fingerprint_of(state: _SaveState, index: int) -> int:
+    piece = state.description.tensors[index]
+    return fingerprint(state.views[index], piece.box, piece.global_shape)
 
 
 def _read_base(storage: Storage, base_name: str) -> Metadata:

@@ -42,11 +42,20 @@ class SaveStats:
         file_bytes: size of the data file this rank wrote (its boxes, its ShardedObject values and alignment
             padding); 0 when it wrote none (everything it holds is written by other replicas).
         checkpoint_bytes: bytes of tensor data in the whole checkpoint (the same on every rank).
+        bytes_base_read: for an incremental save that verifies its base (``SaveOptions(verify_base=True)``),
+            bytes this rank read back from the base's data files: the stored copy of every box it would
+            reference, read before it references it.
+        bytes_base_verified: of those, the bytes that read back as the state's (referenced).
+        bytes_rewritten: bytes of tensor data this rank wrote although the base records the same content,
+            because the base's stored copy did not read back as it (damaged, missing, unreadable); counted in
+            ``bytes_written`` too.
         seconds_plan: flattening the state dict and describing its boxes; on the coordinator also
             validating the global layout, electing writers and preparing the directory (with its lock).
         seconds_exchange: time in collectives beyond this rank's own work: gathering descriptions and
             write reports, broadcasting plans and the committed metadata, waiting for the slowest rank.
-        seconds_write: writing and checksumming this rank's data file, and syncing it.
+        seconds_write: writing and checksumming this rank's data file, and syncing it; for an incremental
+            save also hashing the boxes it holds and reading back the base's copies.
+        seconds_verify_base: of ``seconds_write``, reading back and hashing the base's copies.
         seconds_commit: on the coordinator, building and committing ``metadata.json`` (and removing the
             files of an overwritten checkpoint); on the others, nothing (they get a summary, not the metadata).
         seconds: wall time of the whole save on this rank.
@@ -56,10 +65,14 @@ class SaveStats:
     boxes_written: int = 0
     file_bytes: int = 0
     checkpoint_bytes: int = 0
+    bytes_base_read: int = 0
+    bytes_base_verified: int = 0
+    bytes_rewritten: int = 0
     seconds_plan: float = 0.0
     seconds_exchange: float = 0.0
     seconds_write: float = 0.0
     seconds_commit: float = 0.0
+    seconds_verify_base: float = 0.0
     seconds: float = 0.0
 
     @property
@@ -135,7 +148,13 @@ class PhaseClock:
 
 
 def fill_save_stats(
-    stats: SaveStats, clock: PhaseClock, *, file_bytes: int, checkpoint_bytes: int, written: Sequence[int]
+    stats: SaveStats,
+    clock: PhaseClock,
+    *,
+    file_bytes: int,
+    checkpoint_bytes: int,
+    written: Sequence[int],
+    base_read: tuple[int, int, int, float] = (0, 0, 0, 0.0),
 ) -> None:
     """Fill ``stats`` once the save has committed.
 
@@ -143,7 +162,10 @@ def fill_save_stats(
         file_bytes: the size of this rank's data file (0 if it wrote none).
         checkpoint_bytes: the bytes of tensor data of the whole checkpoint.
         written: the bytes of each tensor box this rank wrote.
+        base_read: for an incremental save, the bytes this rank read back from its base, of those the bytes
+            verified, the bytes it rewrote because their copy was bad, and the seconds reading back took.
     """
+    stats.bytes_base_read, stats.bytes_base_verified, stats.bytes_rewritten, stats.seconds_verify_base = base_read
     stats.bytes_written = sum(written)
     stats.boxes_written = len(written)
     stats.file_bytes = file_bytes

@@ -16,6 +16,10 @@ After one seeded change the tools run in order:
   loaded before them and that the policy keeps (step 3, the newest complete one before step 4) may stop
   loading, step 4 must load, and the user's files in the root must be intact.
 
+:func:`corrupt_held` damages the held file of the frozen base without changing its size (a flipped bit in the
+referenced box, other bytes of the same size), which no size check sees: the save of step 4 must not reference
+it (it reads what it references back, and writes what does not read back as the state's bytes).
+
 The plain checkpoint's damage (nine tools, including export and diff) is :mod:`tests.corruption`.
 """
 
@@ -99,6 +103,28 @@ def corrupt(root: Path, rng: random.Random) -> Damage:
         others = [p for p in artefacts[kind] if p != path] or artefacts[kind]
         path.write_bytes(rng.choice(others).read_bytes())
     return Damage(f"{kind}:{how}", str(path.relative_to(root)))
+
+
+def corrupt_held(root: Path, how: str, rng: random.Random) -> Damage:
+    """Damage that keeps the size of the file holding the frozen base (step 1's, which steps 2 and 3 reference):
+    ``flip`` one bit inside the referenced box, or ``same_size``: replace the file by other bytes of its size.
+    Sizes are all a quick check sees; only reading the bytes back can tell."""
+    import reshard
+
+    metadata = reshard.read_metadata(root / "step_000000003")
+    box = metadata.tensors["frozen"].boxes[0]
+    entry = metadata.files[box.file]
+    assert entry.checkpoint == "step_000000001", entry
+    path = root / entry.checkpoint / entry.path
+    raw = path.read_bytes()
+    if how == "flip":
+        at = box.byte_offset + rng.randrange(box.byte_length)
+        path.write_bytes(raw[:at] + bytes([raw[at] ^ (1 << rng.randrange(8))]) + raw[at + 1 :])
+    elif how == "same_size":
+        path.write_bytes(rng.randbytes(len(raw)))
+    else:
+        raise ValueError(how)
+    return Damage(f"held:{how}", str(path.relative_to(root)))
 
 
 def _steps(root: Path) -> list[Path]:

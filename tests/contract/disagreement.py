@@ -52,6 +52,7 @@ ALTERNATES: dict[str, dict[str, Any]] = {
         "checksum_chunk_bytes": 1024,
         "content_hash": True,
         "memory_budget_bytes": (PER_RANK, "the size of this rank's own write buffers"),
+        "verify_base": False,
     },
     "LoadOptions": {
         "allow_dtype_cast": False,

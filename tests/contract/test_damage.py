@@ -43,3 +43,15 @@ def test_damage_is_refused_or_harmless_and_never_costs_a_kept_checkpoint(pristin
     summary = damage.summarize(verdicts)
     assert summary["silent"] == summary["lost"] == summary["outside"] == summary["other"] == 0, summary["failures"]
     assert len(summary["by_kind"]) >= 10, summary["by_kind"]
+
+
+@pytest.mark.parametrize("how", ["flip", "same_size"])
+def test_damage_to_the_held_file_is_not_referenced_by_the_next_save(pristine: Path, tmp_path: Path, how: str) -> None:
+    """The frozen base's held file damaged without a change of size: the steps that reference it are refused,
+    and the manager's next save writes what it cannot prove is stored, so step 4 loads."""
+    root = tmp_path / "root"
+    damage.copy(pristine, root)
+    hurt = damage.corrupt_held(root, how, random.Random(SEED))
+    verdict = damage.run_tools(root, hurt)
+    assert not verdict.findings, verdict.results
+    assert verdict.results["load step_000000003"] == "error" and verdict.results["save"] == "exact"

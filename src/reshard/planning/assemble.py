@@ -116,12 +116,14 @@ class ObjectReport:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WriteReport:
-    """What one rank wrote (``file`` None: nothing was assigned to it)."""
+    """What one rank wrote (``file`` None: nothing was assigned to it). ``rewritten_bytes``: of the tensor bytes
+    it wrote, those an incremental save wrote because the base's stored copy did not read back as the state's."""
 
     file: str | None = None
     size: int = 0
     tensors: TensorReport = TensorReport()
     objects: tuple[ObjectReport, ...] = ()
+    rewritten_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -129,6 +131,7 @@ class WriteReport:
             "size": self.size,
             "tensors": self.tensors.to_json(),
             "objects": [[o.index, o.byte_offset, o.byte_length, list(o.checksums)] for o in self.objects],
+            "rewritten_bytes": self.rewritten_bytes,
         }
 
     @classmethod
@@ -140,6 +143,7 @@ class WriteReport:
             objects=tuple(
                 ObjectReport(index=i, byte_offset=o, byte_length=n, checksums=tuple(c)) for i, o, n, c in doc["objects"]
             ),
+            rewritten_bytes=int(doc.get("rewritten_bytes", 0)),
         )
 
 

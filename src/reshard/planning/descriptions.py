@@ -109,26 +109,39 @@ class LocalSaveDescription:
 class WriteAssignment:
     """What one rank writes: indices into its own description's ``tensors`` and ``objects``; for an
     incremental save, ``base_hashes[i]`` is the content hash (32 hex digits) of the base checkpoint's box
-    equal in place to ``tensors[i]`` (None: the base has none), which the rank compares before it writes."""
+    equal in place to ``tensors[i]`` (None: the base has none), which the rank compares before it writes,
+    and, for a save that reads its base back (``SaveOptions(verify_base=True)``), ``base_places[i]`` says
+    where that box is stored: ``(file, byte offset, byte length)``, ``file`` indexing ``base_files``, whose
+    elements are ``(name, size)``: the data file's name for the new checkpoint's storage
+    (``../<holder>/<path>``) and the size its metadata records."""
 
     tensors: tuple[int, ...]
     objects: tuple[int, ...]
     base_hashes: tuple[str | None, ...] = ()
+    base_files: tuple[tuple[str, int], ...] = ()
+    base_places: tuple[tuple[int, int, int] | None, ...] = ()
 
     def to_bytes(self) -> bytes:
         """The assignment as the coordinator sends it (to that rank only)."""
         doc: list[Any] = [list(self.tensors), list(self.objects)]
         if any(h is not None for h in self.base_hashes):
             doc.append(list(self.base_hashes))
+            if self.base_files:
+                doc.append([list(f) for f in self.base_files])
+                doc.append([list(p) if p is not None else None for p in self.base_places])
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> WriteAssignment:
         tensors, objects, *rest = json.loads(raw)
+        files = rest[1] if len(rest) > 1 else []
+        places = rest[2] if len(rest) > 2 else []
         return cls(
             tensors=tuple(int(t) for t in tensors),
             objects=tuple(int(o) for o in objects),
             base_hashes=tuple(rest[0]) if rest else (),
+            base_files=tuple((str(name), int(size)) for name, size in files),
+            base_places=tuple((int(p[0]), int(p[1]), int(p[2])) if p is not None else None for p in places),
         )
 
     def base_hash(self, position: int) -> bytes | None:
@@ -136,6 +149,15 @@ class WriteAssignment:
         if position >= len(self.base_hashes) or self.base_hashes[position] is None:
             return None
         return bytes.fromhex(str(self.base_hashes[position]))
+
+    def base_copy(self, position: int) -> tuple[str, int, int, int] | None:
+        """Where the base stores ``tensors[position]``: its data file's name and recorded size, the byte offset
+        and length; None when the assignment does not say (no base box, or a save that trusts its base)."""
+        if position >= len(self.base_places) or self.base_places[position] is None:
+            return None
+        file, offset, length = self.base_places[position]  # type: ignore[misc]
+        name, size = self.base_files[file]
+        return name, size, offset, length
 
 
 def describe_state(flat: FlatStateDict) -> tuple[LocalSaveDescription, list[torch.Tensor]]:

@@ -3,7 +3,9 @@
 On the coordinator, after the writers are elected: every box a rank is to write is looked up in the base
 checkpoint's metadata by key, dtype, global shape, offset and shape. Where the base stores that very box
 with a content hash, the rank is told the hash (:attr:`WriteAssignment.base_hashes`); the rank hashes its
-own bytes and writes the box only when the hashes differ. The content hash is XXH3-128 over the box's
+own bytes and writes the box when the hashes differ, or when the copy the base stores does not read back as
+those bytes (:mod:`reshard.io.reuse`; for that the rank is told where the copy lies,
+:attr:`WriteAssignment.base_places`, unless the save trusts its base). The content hash is XXH3-128 over the box's
 bytes, never the CRC-32C: a CRC can be made to collide by changing four bytes, and a box rewritten on a
 matching CRC alone would silently keep stale data. A box the base does not hold in the same place (the
 layout changed, the tensor is new, or its dtype or shape changed) is written as in a full save.
@@ -23,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from reshard.errors import CheckpointError
-from reshard.metadata import BoxColumns, Metadata
+from reshard.metadata import BoxColumns, DataFile, Metadata
 from reshard.planning.descriptions import DescriptionTable, WriteAssignment
 
 __all__ = ["ReferencedBox", "match_base"]
@@ -51,8 +53,10 @@ def match_base(
     base_name: str,
     target_name: str,
     chunk_bytes: int,
+    places: bool = False,
 ) -> tuple[list[WriteAssignment], dict[int, ReferencedBox]]:
-    """The assignments with the base's hashes filled in, and the referable base box of each table row
+    """The assignments with the base's hashes filled in (with ``places``, also where each of those boxes is
+    stored, which a writer that reads the base back needs), and the referable base box of each table row
     that has one. Pure: no I/O.
 
     Raises:
@@ -68,15 +72,18 @@ def match_base(
             f"the base checkpoint {base_name!r} checksums in chunks of {base.checksum_chunk_bytes} bytes, this save "
             f"in chunks of {chunk_bytes}: a referenced box would carry checksums of another size"
         )
-    places: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], int]] = {}
+    boxes_at: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], int]] = {}
     columns_of: dict[str, BoxColumns] = {}
     references: dict[int, ReferencedBox] = {}
     out = []
     for rank, assignment in enumerate(assignments):
         hashes: list[str | None] = []
+        files: dict[tuple[str, int], int] = {}
+        where: list[tuple[int, int, int] | None] = []
         for index in assignment.tensors:
             row = int(table.rank_start[rank]) + index
-            found = _lookup(table, row, base, places, columns_of)
+            found = _lookup(table, row, base, boxes_at, columns_of)
+            where.append(None)
             if found is None:
                 hashes.append(None)
                 continue
@@ -98,7 +105,18 @@ def match_base(
             )
             references[row] = reference
             hashes.append(reference.content_hash.hex())
-        out.append(dataclasses.replace(assignment, base_hashes=tuple(hashes)))
+            if places:
+                name = DataFile(path=entry.path, size=entry.size, checkpoint=holder).location
+                file = files.setdefault((name, entry.size), len(files))
+                where[-1] = (file, reference.byte_offset, reference.byte_length)
+        out.append(
+            dataclasses.replace(
+                assignment,
+                base_hashes=tuple(hashes),
+                base_files=tuple(files) if places else (),
+                base_places=tuple(where) if places else (),
+            )
+        )
     return out, references
 
 
