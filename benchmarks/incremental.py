@@ -11,14 +11,20 @@ Systems, each saving every step into its own directory:
 
 - ``reshard``: ``reshard.save`` of the whole state (what reshard does without ``base``);
 - ``reshard_hashed``: the same with ``SaveOptions(content_hash=True)`` (the cost of hashing alone);
-- ``incremental``: ``reshard.save(..., base=<previous step>)`` (the first step is a hashed full save);
+- ``incremental``: ``reshard.save(..., base=<previous step>)`` (the first step is a hashed full save), which reads
+  back every box it references from the base's files and checks its XXH3-128 before referencing it (the default,
+  ``SaveOptions(verify_base=True)``);
+- ``incremental_trusted``: the same with ``SaveOptions(verify_base=False)``, which trusts the base's recorded hashes
+  and reads nothing of it (the cost of verifying is the difference);
 - ``dcp``: ``torch.distributed.checkpoint.save`` of the same tensors as DTensors (``Shard(0)`` over the ranks).
 
-Measured per save: the slowest rank's seconds and the bytes the save added to storage (the sizes of the files
-it created). Two modes, as users meet saves: ``warm`` (one set of processes saves every step of every system:
-medians over the steps after the first) and ``cold`` (a fresh set of processes for every single save, as after a
-restart or in a short job; the save call itself is timed, the imports are reported apart). Ratios are
-incremental / reshard and incremental / DCP (below 1: incremental is smaller or faster).
+Measured per save: the slowest rank's seconds, the bytes the save added to storage (the sizes of the files
+it created) and the bytes it read back from its base (all ranks together). Two modes, as users meet saves:
+``warm`` (one set of processes saves every step of every system: medians over the steps after the first) and
+``cold`` (a fresh set of processes for every single save, as after a restart or in a short job; the save call
+itself is timed, the imports are reported apart). The base's files were written moments before, so its bytes are
+read back from the page cache in both modes. Ratios are incremental / reshard, incremental / DCP and
+incremental / incremental_trusted (below 1: incremental is smaller or faster).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-SYSTEMS = ("reshard", "reshard_hashed", "incremental", "dcp")
+SYSTEMS = ("reshard", "reshard_hashed", "incremental", "incremental_trusted", "dcp")
 SCENARIOS = ("lora", "ten_percent")
 TENSORS = 40
 """The state is this many equally sized fp32 matrices (the LoRA scenario's trained part is its last ones)."""
@@ -71,6 +77,12 @@ def _slowest(seconds: float) -> float:
     value = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value.item())
+
+
+def _total(count: int) -> int:
+    value = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return int(value.item())
 
 
 def _new_bytes(directory: Path) -> int:
@@ -106,6 +118,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], jobs: list[tup
             full = global_tensor(args["scenario"], i, step, rows * world, args["frozen_fraction"])
             local[f"layer{i}.weight"] = full[rank * rows : (rank + 1) * rows].clone()
         target = root / system / f"step_{step:04d}"
+        stats = reshard.SaveStats()
         dist.barrier()
         started = time.perf_counter()
         if system == "dcp":
@@ -114,12 +127,15 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], jobs: list[tup
         else:
             sharded = {k: reshard.ShardedTensor.from_rank_offsets(k, v, (0, rank, world)) for k, v in local.items()}
             hashed = system != "reshard"
-            base = root / system / f"step_{step - 1:04d}" if system == "incremental" and step > 1 else None
-            reshard.save(sharded, target, options=reshard.SaveOptions(content_hash=hashed), base=base)
+            base = root / system / f"step_{step - 1:04d}" if system.startswith("incremental") and step > 1 else None
+            options = reshard.SaveOptions(content_hash=hashed, verify_base=system != "incremental_trusted")
+            reshard.save(sharded, target, options=options, base=base, stats=stats)
         seconds = _slowest(time.perf_counter() - started)
+        read_back = _total(stats.bytes_base_read)
         dist.barrier()
         if rank == 0:
-            out.append({"system": system, "step": step, "seconds": seconds, "bytes": _new_bytes(target)})
+            row = {"system": system, "step": step, "seconds": seconds, "bytes": _new_bytes(target)}
+            out.append({**row, "read_back": read_back})
     if rank == 0:
         results.put({"saves": out, "imports_seconds": imports})
     dist.destroy_process_group()
@@ -171,10 +187,11 @@ def measure(
             "first_bytes": mine[0]["bytes"],
             "seconds": statistics.median(s["seconds"] for s in later) if later else None,
             "bytes": statistics.median(s["bytes"] for s in later) if later else None,
+            "read_back": statistics.median(s["read_back"] for s in later) if later else None,
         }
     ratios = {}
     inc = figures.get("incremental")
-    for other in ("reshard", "dcp"):
+    for other in ("reshard", "dcp", "incremental_trusted"):
         if inc is not None and inc["seconds"] is not None and other in figures:
             ratios[f"incremental/{other}.bytes"] = inc["bytes"] / figures[other]["bytes"]
             ratios[f"incremental/{other}.seconds"] = inc["seconds"] / figures[other]["seconds"]
@@ -223,11 +240,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 report["results"][f"{scenario}.{mode}"] = result
                 print(f"\n{scenario}, {mode} ({args.ranks} ranks, {report['config']['bytes'] / 2**20:.0f} MiB state)")
-                print(f"  {'system':<16}{'MiB written':>12}{'seconds':>10}   (first save: MiB, seconds)")
+                print(
+                    f"  {'system':<20}{'MiB written':>12}{'MiB read back':>14}{'seconds':>10}"
+                    "   (first save: MiB, seconds)"
+                )
                 for system, f in result["figures"].items():
                     seconds = "-" if f["seconds"] is None else f"{f['seconds']:10.3f}"
                     first = f"({_mib(f['first_bytes'])}, {f['first_seconds']:.3f})"
-                    print(f"  {system:<16}{_mib(f['bytes']):>12}{seconds:>10}   {first}")
+                    print(f"  {system:<20}{_mib(f['bytes']):>12}{_mib(f['read_back']):>14}{seconds:>10}   {first}")
                 for name, value in result["ratios"].items():
                     print(f"  ratio {name}: {value:.3f}")
     if args.json:

@@ -238,8 +238,8 @@ def test_replicas_benchmark_runs_at_a_tiny_size(tmp_path: Path) -> None:
 def test_incremental_benchmark_runs_at_a_tiny_size(tmp_path: Path) -> None:
     """benchmarks/incremental.py at 1 MiB, two steps of the LoRA scenario in warm mode (one set of ranks; the
     cold mode runs the same saves, one set of fresh ranks each, which the suite's budget cannot pay for): the
-    incremental save writes the trained share of the bytes, DCP everything (the full reshard saves run the
-    same loop)."""
+    incremental save writes the trained share of the bytes and reads back the frozen share it references, DCP
+    writes everything (the full reshard saves run the same loop)."""
     out = tmp_path / "incremental.json"
     command = [sys.executable, str(REPO / "benchmarks" / "incremental.py"), "--size-mib", "1", "--steps", "2"]
     command += ["--scenarios", "lora", "--systems", "incremental", "dcp", "--mode", "warm"]
@@ -254,6 +254,8 @@ def test_incremental_benchmark_runs_at_a_tiny_size(tmp_path: Path) -> None:
         assert figures["incremental"]["bytes"] < 1.5 * trained + 16384  # its data and its metadata
         assert figures["dcp"]["bytes"] >= report["config"]["bytes"]
         assert figures["incremental"]["first_bytes"] >= report["config"]["bytes"]  # the first save is full
+        frozen = report["config"]["bytes"] * report["config"]["frozen_fraction"]
+        assert 0.9 * frozen <= figures["incremental"]["read_back"] <= report["config"]["bytes"]  # what it references
         assert all(f["seconds"] > 0 for f in figures.values())
         assert 0 < result["ratios"]["incremental/dcp.bytes"] < 0.2
     assert "ratio incremental/dcp.bytes" in proc.stdout

@@ -42,14 +42,18 @@ from reshard.io.device import HostSlabs
 from reshard.planning.descriptions import WriteAssignment
 from reshard.storage import CheckpointLocation, LocalStorage, ReadRequest, Storage, storage_for
 
-__all__ = ["MAX_READBACK_BYTES", "CopyVerifier", "Reuse", "base_name_of", "choose_reused"]
+__all__ = ["MAX_MAPPED_BYTES", "MAX_READBACK_BYTES", "CopyVerifier", "Reuse", "base_name_of", "choose_reused"]
 
 logger = logging.getLogger("reshard")
 
 MAX_READBACK_BYTES = 64 * 1024 * 1024
 """The read-back buffer of a storage that serves reads concurrently (object stores: its ranged GETs of one fill
-run in parallel) takes at most this much of the budget; on local files a piece of :data:`WRITE_PIECE_BYTES`,
-hashed while it is still in the CPU's cache."""
+run in parallel) takes at most this much of the budget."""
+
+MAX_MAPPED_BYTES = 16 * 1024 * 1024
+"""A storage that maps files (local files) is hashed through mapped windows of at most this much of the budget; one
+that neither maps nor reads concurrently, through a buffer of :data:`WRITE_PIECE_BYTES`, hashed while it is still
+in the CPU's cache."""
 
 
 class CopyVerifier:
@@ -57,14 +61,20 @@ class CopyVerifier:
     checkpoint is ``../<holder>/<path>`` there) and says whether they hold given bytes. One per save and rank;
     not thread-safe.
 
-    Memory: one buffer of at most a quarter of ``memory_budget_bytes`` (and of :data:`MAX_READBACK_BYTES`), plus
-    what an object store holds of answers in flight (at most another quarter).
+    Memory: one buffer, or one mapped window of a local file (whose pages count in the resident set while
+    mapped), of at most a quarter of ``memory_budget_bytes`` (and of :data:`MAX_READBACK_BYTES`), plus what an
+    object store holds of answers in flight (at most another quarter).
     """
 
     def __init__(self, storage: Storage, memory_budget_bytes: int) -> None:
         self.storage = storage
         share = max(1, memory_budget_bytes // 4)
-        self.buffer_bytes = min(share, MAX_READBACK_BYTES if storage.concurrent_reads else WRITE_PIECE_BYTES)
+        if storage.supports_mapping:
+            cap = MAX_MAPPED_BYTES
+        else:
+            cap = MAX_READBACK_BYTES if storage.concurrent_reads else WRITE_PIECE_BYTES
+        self.buffer_bytes = min(share, cap)
+        """The most bytes read (or mapped) and hashed at a time."""
         self.in_flight_bytes = share
         self.bytes_read = 0
         """Bytes read back."""
@@ -86,6 +96,8 @@ class CopyVerifier:
                 return found
             if found != size:
                 return f"has {found} bytes, the metadata says {size}"
+            if offset + length > size:
+                return f"ends at byte {size}, before the end of the box at [{offset}, {offset + length})"
             return self._hash_problem(name, offset, length, digest)
         finally:
             self.seconds += time.perf_counter() - started
@@ -102,26 +114,40 @@ class CopyVerifier:
         return self._sizes[name]
 
     def _hash_problem(self, name: str, offset: int, length: int, digest: bytes) -> str | None:
-        if self._buffer.numel() < min(length, self.buffer_bytes):
-            self._buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8)
-        buffer = byte_view(self._buffer) if length else memoryview(b"")
         hasher = xxhash.xxh3_128()
         for start in range(0, length, self.buffer_bytes):
-            view = buffer[: min(self.buffer_bytes, length - start)]
+            count = min(self.buffer_bytes, length - start)
             try:
-                (got,) = self.storage.read_ranges(
-                    [ReadRequest(name, offset + start, view)], max_buffered_bytes=self.in_flight_bytes
-                )
+                got = self._hash_piece(hasher, name, offset + start, count)
             except OSError as exc:
                 return f"cannot be read: {exc}"
             self.bytes_read += got
-            if got != len(view):
+            if got != count:
                 return f"ends at byte {offset + start + got}, inside the box at [{offset}, {offset + length})"
-            hasher.update(view)
         if hasher.digest() != digest:
             return f"holds other bytes at [{offset}, {offset + length}) than the content hash the base records"
         self.bytes_verified += length
         return None
+
+    def _hash_piece(self, hasher: Any, name: str, offset: int, count: int) -> int:
+        """Feed ``count`` bytes at ``offset`` of ``name`` to ``hasher``, through a mapping where the storage maps
+        files (hashed in the page cache, no copy: twice as fast as reading into a buffer), else read into the
+        buffer; the bytes fed (fewer: the file ends)."""
+        mapped = self.storage.map_range(name, offset, count) if self.storage.supports_mapping else None
+        if mapped is not None:
+            try:
+                view = byte_view(mapped.tensor)
+                hasher.update(view)
+                del view  # release the buffer export, so that the mapping can be closed now
+            finally:
+                mapped.close()
+            return count
+        if self._buffer.numel() < count:
+            self._buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8)
+        view = byte_view(self._buffer)[:count]
+        (got,) = self.storage.read_ranges([ReadRequest(name, offset, view)], max_buffered_bytes=self.in_flight_bytes)
+        hasher.update(view[:got])
+        return int(got)
 
 
 @dataclass
