@@ -19,7 +19,8 @@ Systems, each saving every step into its own directory:
 - ``dcp``: ``torch.distributed.checkpoint.save`` of the same tensors as DTensors (``Shard(0)`` over the ranks).
 
 Measured per save: the slowest rank's seconds, the bytes the save added to storage (the sizes of the files
-it created) and the bytes it read back from its base (all ranks together). Two modes, as users meet saves:
+it created), the bytes it read back from its base (all ranks together) and the slowest rank's seconds reading
+them back and hashing them (``SaveStats.seconds_verify_base``). Two modes, as users meet saves:
 ``warm`` (one set of processes saves every step of every system: medians over the steps after the first) and
 ``cold`` (a fresh set of processes for every single save, as after a restart or in a short job; the save call
 itself is timed, the imports are reported apart). The base's files were written moments before, so its bytes are
@@ -132,10 +133,11 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], jobs: list[tup
             reshard.save(sharded, target, options=options, base=base, stats=stats)
         seconds = _slowest(time.perf_counter() - started)
         read_back = _total(stats.bytes_base_read)
+        verify_seconds = _slowest(stats.seconds_verify_base)
         dist.barrier()
         if rank == 0:
             row = {"system": system, "step": step, "seconds": seconds, "bytes": _new_bytes(target)}
-            out.append({**row, "read_back": read_back})
+            out.append({**row, "read_back": read_back, "verify_seconds": verify_seconds})
     if rank == 0:
         results.put({"saves": out, "imports_seconds": imports})
     dist.destroy_process_group()
@@ -188,6 +190,7 @@ def measure(
             "seconds": statistics.median(s["seconds"] for s in later) if later else None,
             "bytes": statistics.median(s["bytes"] for s in later) if later else None,
             "read_back": statistics.median(s["read_back"] for s in later) if later else None,
+            "verify_seconds": statistics.median(s["verify_seconds"] for s in later) if later else None,
         }
     ratios = {}
     inc = figures.get("incremental")
@@ -241,13 +244,15 @@ def main(argv: list[str] | None = None) -> int:
                 report["results"][f"{scenario}.{mode}"] = result
                 print(f"\n{scenario}, {mode} ({args.ranks} ranks, {report['config']['bytes'] / 2**20:.0f} MiB state)")
                 print(
-                    f"  {'system':<20}{'MiB written':>12}{'MiB read back':>14}{'seconds':>10}"
+                    f"  {'system':<20}{'MiB written':>12}{'MiB read back':>14}{'seconds':>10}{'of which verify':>16}"
                     "   (first save: MiB, seconds)"
                 )
                 for system, f in result["figures"].items():
                     seconds = "-" if f["seconds"] is None else f"{f['seconds']:10.3f}"
+                    verify = "-" if f["verify_seconds"] is None else f"{f['verify_seconds']:16.3f}"
                     first = f"({_mib(f['first_bytes'])}, {f['first_seconds']:.3f})"
-                    print(f"  {system:<20}{_mib(f['bytes']):>12}{_mib(f['read_back']):>14}{seconds:>10}   {first}")
+                    read_back = _mib(f["read_back"])
+                    print(f"  {system:<20}{_mib(f['bytes']):>12}{read_back:>14}{seconds:>10}{verify}   {first}")
                 for name, value in result["ratios"].items():
                     print(f"  ratio {name}: {value:.3f}")
     if args.json:
