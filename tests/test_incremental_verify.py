@@ -272,3 +272,76 @@ def test_reading_the_base_back_keeps_within_the_save_budget(tmp_path: Path) -> N
         reshard.save({"frozen": frozen, "step": 2}, tmp_path / "b", base=tmp_path / "a", options=options, stats=stats)
     assert stats.bytes_base_verified == frozen.nbytes
     assert grown() < 16 * 2**20, f"peak RSS grew by {grown() / 2**20:.1f} MiB"
+
+
+def test_reading_back_from_an_object_store_takes_one_ranged_get_per_run_of_boxes(
+    object_store: Any, fault_proxy: Any
+) -> None:
+    """64 small boxes side by side in the base's object are read back by one ranged GET (not one per box); one of
+    them damaged is still told apart from its neighbours and written anew."""
+    proxy = fault_proxy(object_store)
+    url = f"{object_store.protocol}://{object_store.new_bucket()}/run"
+    options = object_store.options(proxy.url)
+    g = torch.Generator().manual_seed(9)
+    state = {f"small{i:02d}": torch.randn(1024, generator=g) for i in range(64)}
+    reshard.save(state, f"{url}/a", options=HASHED, storage_options=options)
+    metadata = reshard.read_metadata(f"{url}/a", storage_options=options)
+    box = metadata.tensors["small17"].boxes[0]
+    name = metadata.files[box.file].path
+    holder = storage_for(f"{url}/a", options)
+    try:
+        raw = bytearray(holder.read_bytes(name))
+        raw[box.byte_offset + 100] ^= 4
+        holder.commit(name, bytes(raw), replace=True)
+    finally:
+        holder.close()
+    proxy.reset()
+    stats = reshard.SaveStats()
+    result = reshard.save(state, f"{url}/b", base=f"{url}/a", storage_options=options, stats=stats)
+    gets = [r for r in proxy.records if r.method == "GET" and r.range and "/a/data/" in r.path]
+    assert len(gets) == 1, [r.range for r in gets]
+    assert result.rewritten_bytes == box.byte_length == 4096
+    assert stats.bytes_base_verified == 63 * 4096
+    loaded = reshard.load({k: torch.zeros(1024) for k in state}, f"{url}/b", storage_options=options)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_a_failed_read_back_is_read_again_box_by_box(object_store: Any, fault_proxy: Any) -> None:
+    """The one ranged GET of a run fails (a 503, no retries left): the boxes are read back one by one, so the
+    failure costs no box its reference; only the damaged one is written anew."""
+    from reshard.storage import ObjectStorage, RetryPolicy
+
+    failed: list[str] = []
+
+    def first_ranged_get(record: Any) -> bool:
+        hit = bool(record.range) and "/a/data/" in record.path and not failed
+        if hit:
+            failed.append(record.range)
+        return hit
+
+    proxy = fault_proxy(object_store, fault_filter=first_ranged_get, fault_mix={"503": 1.0})
+    url = f"{object_store.protocol}://{object_store.new_bucket()}/run"
+    options = object_store.options(proxy.url)
+    state = {f"small{i:02d}": torch.full((1024,), float(i)) for i in range(8)}
+    reshard.save(state, f"{url}/a", options=HASHED, storage_options=options)
+    metadata = reshard.read_metadata(f"{url}/a", storage_options=options)
+    box = metadata.tensors["small03"].boxes[0]
+    name = metadata.files[box.file].path
+    holder = storage_for(f"{url}/a", options)
+    try:
+        raw = bytearray(holder.read_bytes(name))
+        raw[box.byte_offset] ^= 1
+        holder.commit(name, bytes(raw), replace=True)
+    finally:
+        holder.close()
+    target = ObjectStorage(f"{url}/b", options, retry=RetryPolicy(max_attempts=1))
+    proxy.fault_rate = 1.0
+    try:
+        result = reshard.save(state, target, base=f"{url}/a", storage_options=options)
+    finally:
+        proxy.fault_rate = 0.0
+        target.close()
+    assert len(failed) == 1
+    assert result.rewritten_bytes == box.byte_length and result.referenced_bytes == 7 * box.byte_length
+    loaded = reshard.load({k: torch.zeros(1024) for k in state}, f"{url}/b", storage_options=options)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())

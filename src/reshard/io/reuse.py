@@ -42,7 +42,15 @@ from reshard.io.device import HostSlabs
 from reshard.planning.descriptions import WriteAssignment
 from reshard.storage import CheckpointLocation, LocalStorage, ReadRequest, Storage, storage_for
 
-__all__ = ["MAX_MAPPED_BYTES", "MAX_READBACK_BYTES", "CopyVerifier", "Reuse", "base_name_of", "choose_reused"]
+__all__ = [
+    "MAX_MAPPED_BYTES",
+    "MAX_READBACK_BYTES",
+    "CopyVerifier",
+    "Reuse",
+    "StoredCopy",
+    "base_name_of",
+    "choose_reused",
+]
 
 logger = logging.getLogger("reshard")
 
@@ -56,10 +64,27 @@ that neither maps nor reads concurrently, through a buffer of :data:`WRITE_PIECE
 in the CPU's cache."""
 
 
+@dataclass(frozen=True, slots=True)
+class StoredCopy:
+    """The copy a base stores of a box: ``length`` bytes at ``offset`` of data file ``name`` (for the new
+    checkpoint's storage: ``../<holder>/<path>``), whose metadata says it has ``size`` bytes; ``digest``: the
+    XXH3-128 those bytes must have (the bytes in memory's)."""
+
+    name: str
+    size: int
+    offset: int
+    length: int
+    digest: bytes
+
+
 class CopyVerifier:
-    """Reads stored copies of boxes back through ``storage`` (the new checkpoint's: a file of a sibling
-    checkpoint is ``../<holder>/<path>`` there) and says whether they hold given bytes. One per save and rank;
-    not thread-safe.
+    """Reads stored copies of boxes back through ``storage`` (the new checkpoint's) and says whether they hold
+    the bytes of given digests. One per save and rank; not thread-safe.
+
+    How it reads: a local file through mapped windows (hashed in the page cache, no copy: twice as fast as
+    reading into a buffer); an object store in batches of whole boxes, one ranged GET per run of neighbouring
+    boxes of one file (gaps cheaper to read than another request are read too), the batch's GETs in flight
+    together; a box larger than the buffer piece by piece.
 
     Memory: one buffer, or one mapped window of a local file (whose pages count in the resident set while
     mapped), of at most a quarter of ``memory_budget_bytes`` (and of :data:`MAX_READBACK_BYTES`), plus what an
@@ -77,62 +102,84 @@ class CopyVerifier:
         """The most bytes read (or mapped) and hashed at a time."""
         self.in_flight_bytes = share
         self.bytes_read = 0
-        """Bytes read back."""
+        """Bytes read back (with the gaps between boxes read in one request)."""
         self.bytes_verified = 0
-        """Bytes read back that hashed as expected."""
+        """Bytes of copies that hashed as expected."""
         self.seconds = 0.0
         """Time spent reading back and hashing."""
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._sizes: dict[str, int | str] = {}
 
-    def problem(self, name: str, size: int, offset: int, length: int, digest: bytes) -> str | None:
-        """None when the ``length`` bytes at ``offset`` of data file ``name`` (whose metadata says it has
-        ``size`` bytes) have the XXH3-128 ``digest``; else what is wrong with them. Never raises for the
-        storage's errors: a copy that cannot be read is one that cannot be proven."""
+    def problems(self, copies: Sequence[StoredCopy]) -> list[str | None]:
+        """For each copy, None when its bytes have its digest, else what is wrong with them (another size of
+        its file, other bytes, a read that failed). Never raises for the storage's errors: a copy that cannot be
+        read is one that cannot be proven."""
         started = time.perf_counter()
         try:
-            found = self._size(name)
-            if isinstance(found, str):
-                return found
-            if found != size:
-                return f"has {found} bytes, the metadata says {size}"
-            if offset + length > size:
-                return f"ends at byte {size}, before the end of the box at [{offset}, {offset + length})"
-            return self._hash_problem(name, offset, length, digest)
+            out: list[str | None] = [None] * len(copies)
+            batched = []
+            for i, copy in enumerate(copies):
+                out[i] = self._place_problem(copy)
+                if out[i] is not None:
+                    continue
+                if (
+                    self.storage.concurrent_reads
+                    and not self.storage.supports_mapping
+                    and copy.length <= self.buffer_bytes
+                ):
+                    batched.append(i)
+                else:
+                    out[i] = self._hash_problem(copy)
+            for batch in self._batches(copies, batched):
+                self._verify_batch(copies, batch, out)
+            return out
         finally:
             self.seconds += time.perf_counter() - started
 
-    def _size(self, name: str) -> int | str:
-        """The file's size (asked once per file), or why it has none."""
-        if name not in self._sizes:
+    def _place_problem(self, copy: StoredCopy) -> str | None:
+        """Why the copy cannot be where the metadata says, before any of it is read (its file's size is asked
+        once per file)."""
+        if copy.name not in self._sizes:
             try:
-                self._sizes[name] = self.storage.size(name)
+                self._sizes[copy.name] = self.storage.size(copy.name)
             except FileNotFoundError:
-                self._sizes[name] = "is missing"
+                self._sizes[copy.name] = "is missing"
             except OSError as exc:
-                self._sizes[name] = f"cannot be read: {exc}"
-        return self._sizes[name]
+                self._sizes[copy.name] = f"cannot be read: {exc}"
+        found = self._sizes[copy.name]
+        if isinstance(found, str):
+            return found
+        if found != copy.size:
+            return f"has {found} bytes, the metadata says {copy.size}"
+        if copy.offset + copy.length > copy.size:
+            return (
+                f"ends at byte {copy.size}, before the end of the box at [{copy.offset}, {copy.offset + copy.length})"
+            )
+        return None
 
-    def _hash_problem(self, name: str, offset: int, length: int, digest: bytes) -> str | None:
+    def _hash_problem(self, copy: StoredCopy) -> str | None:
+        """One copy, read (or mapped) and hashed a piece at a time."""
         hasher = xxhash.xxh3_128()
-        for start in range(0, length, self.buffer_bytes):
-            count = min(self.buffer_bytes, length - start)
+        for start in range(0, copy.length, self.buffer_bytes):
+            count = min(self.buffer_bytes, copy.length - start)
             try:
-                got = self._hash_piece(hasher, name, offset + start, count)
+                got = self._hash_piece(hasher, copy.name, copy.offset + start, count)
             except OSError as exc:
                 return f"cannot be read: {exc}"
             self.bytes_read += got
             if got != count:
-                return f"ends at byte {offset + start + got}, inside the box at [{offset}, {offset + length})"
-        if hasher.digest() != digest:
-            return f"holds other bytes at [{offset}, {offset + length}) than the content hash the base records"
-        self.bytes_verified += length
+                return f"ends at byte {copy.offset + start + got}, inside the box at {_span(copy)}"
+        return self._compare(copy, hasher.digest())
+
+    def _compare(self, copy: StoredCopy, digest: bytes) -> str | None:
+        if digest != copy.digest:
+            return f"holds other bytes at {_span(copy)} than the content hash the base records"
+        self.bytes_verified += copy.length
         return None
 
     def _hash_piece(self, hasher: Any, name: str, offset: int, count: int) -> int:
-        """Feed ``count`` bytes at ``offset`` of ``name`` to ``hasher``, through a mapping where the storage maps
-        files (hashed in the page cache, no copy: twice as fast as reading into a buffer), else read into the
-        buffer; the bytes fed (fewer: the file ends)."""
+        """Feed ``count`` bytes at ``offset`` of ``name`` to ``hasher`` (mapped where the storage maps files,
+        else read into the buffer); the bytes fed (fewer: the file ends)."""
         mapped = self.storage.map_range(name, offset, count) if self.storage.supports_mapping else None
         if mapped is not None:
             try:
@@ -142,12 +189,81 @@ class CopyVerifier:
             finally:
                 mapped.close()
             return count
-        if self._buffer.numel() < count:
-            self._buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8)
-        view = byte_view(self._buffer)[:count]
+        view = self._view(count)
         (got,) = self.storage.read_ranges([ReadRequest(name, offset, view)], max_buffered_bytes=self.in_flight_bytes)
         hasher.update(view[:got])
         return int(got)
+
+    def _view(self, count: int) -> memoryview:
+        if self._buffer.numel() < count:
+            self._buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8)
+        return byte_view(self._buffer)[:count]
+
+    def _batches(self, copies: Sequence[StoredCopy], indices: list[int]) -> list[list[list[int]]]:
+        """``indices`` (copies no larger than the buffer) in batches that fit the buffer, each batch a list of
+        runs: neighbouring copies of one file, in file order, read by one request (a gap between two is read
+        when it costs less than another request, ``Storage.request_cost_bytes``)."""
+        order = sorted(indices, key=lambda i: (copies[i].name, copies[i].offset))
+        runs: list[list[int]] = []
+        start = end = 0
+        for i in order:
+            copy = copies[i]
+            stop = copy.offset + copy.length
+            if (
+                runs
+                and copies[runs[-1][0]].name == copy.name
+                and copy.offset - end <= self.storage.request_cost_bytes
+                and max(end, stop) - start <= self.buffer_bytes
+            ):
+                runs[-1].append(i)
+                end = max(end, stop)
+            else:
+                runs.append([i])
+                start, end = copy.offset, stop
+        batches: list[list[list[int]]] = []
+        filled = self.buffer_bytes
+        for run in runs:
+            length = _run_end(copies, run) - copies[run[0]].offset
+            if filled + length > self.buffer_bytes:
+                batches.append([])
+                filled = 0
+            batches[-1].append(run)
+            filled += length
+        return batches
+
+    def _verify_batch(self, copies: Sequence[StoredCopy], runs: list[list[int]], out: list[str | None]) -> None:
+        """Read the runs of one batch together and compare each copy in them; where the batch's read fails,
+        each copy is read again alone, so that the failure is told apart from the others."""
+        lengths = [_run_end(copies, run) - copies[run[0]].offset for run in runs]
+        buffer = self._view(sum(lengths))
+        requests, at = [], 0
+        for run, length in zip(runs, lengths, strict=True):
+            requests.append(ReadRequest(copies[run[0]].name, copies[run[0]].offset, buffer[at : at + length]))
+            at += length
+        try:
+            got = self.storage.read_ranges(requests, max_buffered_bytes=self.in_flight_bytes)
+        except OSError:
+            for run in runs:
+                for i in run:
+                    out[i] = self._hash_problem(copies[i])
+            return
+        self.bytes_read += sum(got)
+        for run, request, count in zip(runs, requests, got, strict=True):
+            for i in run:
+                copy = copies[i]
+                lo = copy.offset - request.offset
+                if lo + copy.length > count:
+                    out[i] = f"ends at byte {request.offset + count}, inside the box at {_span(copy)}"
+                else:
+                    out[i] = self._compare(copy, xxhash.xxh3_128_digest(request.buffer[lo : lo + copy.length]))
+
+
+def _run_end(copies: Sequence[StoredCopy], run: list[int]) -> int:
+    return max(copies[i].offset + copies[i].length for i in run)
+
+
+def _span(copy: StoredCopy) -> str:
+    return f"[{copy.offset}, {copy.offset + copy.length})"
 
 
 @dataclass
@@ -165,13 +281,6 @@ class Reuse:
     seconds: float = 0.0
 
 
-@dataclass
-class _Damaged:
-    boxes: int = 0
-    nbytes: int = 0
-    first: str = ""
-
-
 def choose_reused(
     storage: Storage,
     assignment: WriteAssignment,
@@ -187,41 +296,54 @@ def choose_reused(
     and which it writes (see the module doc); with ``verify``, reading back the base's copy of each box it would
     reference, and logging a warning per damaged file. ``what(index)`` names a box for the warning; ``slabs``
     stage the bytes in memory that are not plain host bytes while they are hashed. Not collective."""
-    out = Reuse()
-    verifier = CopyVerifier(storage, memory_budget_bytes) if verify else None
-    damaged: dict[str, _Damaged] = {}
+    candidates: list[tuple[int, int, bytes]] = []  # (position, index, digest) of the boxes the base holds alike
     for position, index in enumerate(assignment.tensors):
         base_hash = assignment.base_hash(position)
-        if base_hash is None or content_digest(views[index], slabs) != base_hash:
-            out.to_write.append(index)
-            continue
-        if verifier is not None:
-            copy = assignment.base_copy(position)
-            problem = "its place in the base is unknown" if copy is None else verifier.problem(*copy, base_hash)
+        if base_hash is not None and content_digest(views[index], slabs) == base_hash:
+            candidates.append((position, index, base_hash))
+    problems: dict[int, tuple[str, str]] = {}  # index: (file, problem)
+    out = Reuse()
+    if verify and candidates:
+        verifier = CopyVerifier(storage, memory_budget_bytes)
+        places = [(index, assignment.base_copy(position), digest) for position, index, digest in candidates]
+        checked = [(index, StoredCopy(*place, digest)) for index, place, digest in places if place is not None]
+        problems.update({index: ("?", "its place in the base is unknown") for index, place, _ in places if not place})
+        for (index, copy), problem in zip(checked, verifier.problems([c for _, c in checked]), strict=True):
             if problem is not None:
-                out.to_write.append(index)
-                out.rewritten.append(index)
-                entry = damaged.setdefault(copy[0] if copy is not None else "?", _Damaged())
-                entry.boxes += 1
-                entry.nbytes += views[index].nbytes
-                entry.first = entry.first or f"{what(index)}: {problem}"
-                continue
-        out.reused.append(index)
-    if verifier is not None:
+                problems[index] = (copy.name, problem)
         out.bytes_read, out.bytes_verified, out.seconds = verifier.bytes_read, verifier.bytes_verified, verifier.seconds
-    for name, entry in damaged.items():
+    reusable = {index for _, index, _ in candidates} - set(problems)
+    for index in assignment.tensors:
+        (out.reused if index in reusable else out.to_write).append(index)
+    out.rewritten = [index for index in out.to_write if index in problems]
+    _warn(storage, rank, {index: problems[index] for index in out.rewritten}, views, what)
+    return out
+
+
+def _warn(
+    storage: Storage,
+    rank: int,
+    problems: dict[int, tuple[str, str]],
+    views: Sequence[torch.Tensor],
+    what: Callable[[int], str],
+) -> None:
+    """One warning per data file whose copies did not read back as the state's bytes."""
+    by_file: dict[str, list[int]] = {}
+    for index, (name, _) in problems.items():
+        by_file.setdefault(name, []).append(index)
+    for name, indices in by_file.items():
         logger.warning(
             "[rank=%d] incremental save into %s: the base's copy of %d box(es) (%d bytes) in data file %s is not the "
             "state's bytes (damaged after its commit?), so they are written into this checkpoint instead of "
-            "referenced; first: %s",
+            "referenced; first: %s: %s",
             rank,
             storage.describe(),
-            entry.boxes,
-            entry.nbytes,
+            len(indices),
+            sum(views[i].nbytes for i in indices),
             storage.describe(name) if name != "?" else "(unknown)",
-            entry.first,
+            what(indices[0]),
+            problems[indices[0]][1],
         )
-    return out
 
 
 def base_name_of(storage: Storage, base: CheckpointLocation, storage_options: dict[str, Any] | None = None) -> str:
