@@ -56,13 +56,13 @@ class SaveOptions:
             encoded values of ShardedObjects, and the snapshot of an asynchronous save (the state's size,
             by design).
         verify_base: for an incremental save (``base=``), before a box is referenced instead of written, its
-            writer reads the copy the base stores back (exactly the box's bytes; ranged GETs on object stores,
-            streamed through the memory budget) and references it only if its XXH3-128 equals that of the
-            bytes in memory; a copy that is damaged, missing or unreadable is written anew (a warning names its
-            file; ``SaveResult.rewritten_bytes`` counts it), so the new checkpoint is complete and loads. This
-            reads every referenced byte on every save. False trusts the base's recorded hashes and reads
-            nothing of it (the behaviour before this option): a base damaged after its commit then makes the
-            new checkpoint unloadable. Every rank passes the same.
+            writer reads the copy the base stores back (the box's bytes, streamed through the memory budget; on
+            object stores ranged GETs, one per run of neighbouring boxes) and references it only if its
+            XXH3-128 equals that of the bytes in memory; a copy that is damaged, missing or unreadable is written
+            anew (a warning names its file; ``SaveResult.rewritten_bytes`` counts it), so the new checkpoint is
+            complete and loads. This reads every referenced byte on every save. False trusts the base's
+            recorded hashes and reads nothing of it (the behaviour before this option): a base damaged after
+            its commit then makes the new checkpoint unloadable. Every rank passes the same.
 
     Raises (on construction):
         ValueError: ``memory_budget_bytes`` below 1 MiB.
