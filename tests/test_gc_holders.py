@@ -23,9 +23,9 @@ from reshard.cli import main as cli_main
 from reshard.interop import convert_checkpoint
 from reshard.maintenance import collect_garbage, validate_checkpoint
 from reshard.manager import step_name
-from reshard.references import REFERENCES_DIR
+from reshard.references import REFERENCES_DIR, RETIRED_FILE
 from tests.metadata_docs import read_doc, write_doc
-from tests.test_incremental import assert_loads_as, frozen_and_trained, template
+from tests.test_incremental import HASHED, assert_loads_as, frozen_and_trained, template
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD = 1_000_000_000.0  # 2001: older than any --min-age
@@ -54,6 +54,73 @@ def _three_steps(root: Path, *, keep_last: int | None = 1) -> reshard.Checkpoint
     for step in (1, 2, 3):
         manager.save(step, frozen_and_trained(step))
     return manager
+
+
+# ---- 1: a holder moved to another disk and linked back ---------------------------------------------------------
+
+
+def test_gc_of_a_holder_reached_through_a_link_deletes_nothing_and_the_reference_is_not_followed(
+    tmp_path: Path,
+) -> None:
+    """``mv step_1 /other/; ln -s /other/step_1 root/step_1``: gc of the link (any options, the command line too)
+    refuses naming the link and deletes nothing; a reader refuses the reference through the link instead of
+    reading what no deletion would keep; moved back, step 3 loads."""
+    root, other = tmp_path / "root", tmp_path / "other_disk"
+    _three_steps(root)
+    holder = root / step_name(1)
+    assert (holder / RETIRED_FILE).exists()
+    other.mkdir()
+    holder.rename(other / step_name(1))
+    holder.symlink_to(other / step_name(1))
+    before = _snapshot(other)
+    for options in ({}, {"min_age_s": 0}, {"min_age_s": 0, "include_incomplete": True}, {"dry_run": True}):
+        with pytest.raises(reshard.CheckpointError, match=f"{step_name(1)}.*symbolic link"):
+            collect_garbage(holder, **options)  # type: ignore[arg-type]
+    for extra in ([], ["--min-age", "0"], ["--min-age", "0", "--incomplete"]):
+        code, _, err = _cli("gc", str(holder), *extra)
+        assert code == 3 and str(holder) in err and "symbolic link" in err, err
+    assert _snapshot(other) == before
+    step3 = root / step_name(3)
+    with pytest.raises(reshard.CorruptCheckpointError, match=f"{step_name(1)} is a symbolic link"):
+        reshard.load(template(), step3)
+    problems = validate_checkpoint(step3)
+    assert len(problems) == 1 and "symbolic link" in problems[0], problems
+    holder.unlink()
+    (other / step_name(1)).rename(holder)
+    assert_loads_as(step3, 3)
+    assert validate_checkpoint(step3) == []
+
+
+def test_an_overwrite_of_a_holder_reached_through_a_link_keeps_the_files_others_reference(tmp_path: Path) -> None:
+    """``b`` references ``a``'s file; ``a`` is moved away and linked back, then overwritten through the link: the
+    overwrite's cleanup deletes nothing through the link (its referrers are not beside the directory it points
+    to), so once moved back ``b`` loads."""
+    reshard.save(frozen_and_trained(1), tmp_path / "a", options=HASHED)
+    reshard.save(frozen_and_trained(2), tmp_path / "b", base=tmp_path / "a")
+    old = _bins(tmp_path / "a")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "a").rename(tmp_path / "other" / "a")
+    (tmp_path / "a").symlink_to(tmp_path / "other" / "a")
+    reshard.save(frozen_and_trained(7), tmp_path / "a", overwrite=True, options=HASHED)
+    assert old < _bins(tmp_path / "other" / "a")
+    (tmp_path / "a").unlink()
+    (tmp_path / "other" / "a").rename(tmp_path / "a")
+    assert_loads_as(tmp_path / "b", 2)
+    assert_loads_as(tmp_path / "a", 7)
+
+
+def test_a_manager_whose_newest_step_is_a_link_saves_in_full(tmp_path: Path) -> None:
+    """The newest step moved to another disk and linked back: it cannot be a base (nothing would be referenced
+    through the link), so the next save is made in full, with a warning, and loads; retention leaves the link."""
+    root, other = tmp_path / "root", tmp_path / "other_disk"
+    manager = reshard.CheckpointManager(root, keep_last=1, incremental=True)
+    manager.save(1, frozen_and_trained(1))
+    other.mkdir()
+    (root / step_name(1)).rename(other / step_name(1))
+    (root / step_name(1)).symlink_to(other / step_name(1))
+    assert manager.save(2, frozen_and_trained(2)).referenced_bytes == 0
+    assert_loads_as(root / step_name(2), 2)
+    assert (root / step_name(1)).is_symlink() and (other / step_name(1) / "metadata.json").exists()
 
 
 # ---- 3: stray entries in a holder's refs/ ---------------------------------------------------------------------------

@@ -11,8 +11,9 @@ is in ``refs/``, :mod:`reshard.references`) are never candidates. A *retired* di
 deletes only the files that something reshard wrote ties to a reshard save (a retirement record, the lock of a
 save that died, a reference marker) and removes the directory only once it is empty: a directory reshard did
 not make (a project with its own ``retired.json`` or files named like data files) is refused, untouched.
-Symbolic links are never followed: a ``data`` directory that is a link is refused, so that nothing outside the
-checkpoint can be deleted.
+Symbolic links are never followed: a ``data`` directory that is a link, or a ``path`` that is one, is refused, so
+that nothing outside the checkpoint can be deleted (and a checkpoint's referrers are looked for beside it, where
+their references resolve).
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.io.reader import ReadExecutor
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
 from reshard.progress import Progress, reporting
-from reshard.references import RETIRED_FILE, check_referenced_files, protected_files, reference_problems
+from reshard.references import (
+    RETIRED_FILE,
+    check_referenced_files,
+    protected_files,
+    reference_problems,
+    refuse_a_link,
+)
 from reshard.retirement import remove_checkpoint
 from reshard.sources import read_metadata_bytes
 from reshard.storage import CheckpointLocation, Storage, storage_for
@@ -60,6 +67,7 @@ def collect_garbage(
         The relative names removed (or that would be).
 
     Raises:
+        CheckpointError: ``path`` is a symbolic link (nothing is deleted through one).
         CheckpointNotFoundError: no checkpoint at ``path`` (also: a ``retired.json`` that reshard did not
             write); nothing is removed.
         IncompleteCheckpointError: data files but no ``metadata.json`` (without ``include_incomplete``, or
@@ -70,6 +78,7 @@ def collect_garbage(
     storage = storage_for(path, storage_options)
     try:
         try:
+            refuse_a_link(storage)
             if storage.exists(RETIRED_FILE):  # metadata.json too: a retirement cut short before it deleted it
                 return remove_checkpoint(storage, dry_run=dry_run).removed
             try:

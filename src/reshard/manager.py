@@ -336,7 +336,11 @@ class CheckpointManager:
         """Whether checkpoint ``name`` can be an incremental save's base: its references are tied to it by
         markers (it was not copied or moved here) and its data files, and those it references, have their
         sizes (checksums are not read: a save must not cost a read of its base). Else the save is made in full,
-        so that a damaged or moved base never keeps a job from saving."""
+        so that a damaged or moved base never keeps a job from saving. A step that is a symbolic link is no base: no
+        reference resolves through a link."""
+        if self.root.is_link(name):
+            logger.warning("%s is a symbolic link: it cannot be the base of an incremental save, saving in full", name)
+            return False
         child = self.root.child(name)
         try:
             problems = validate_checkpoint(child, quick=True)

@@ -54,6 +54,7 @@ __all__ = [
     "marker_state",
     "protected_files",
     "reference_problems",
+    "refuse_a_link",
     "remove_markers",
     "verify_references",
     "write_markers",
@@ -89,6 +90,16 @@ class ReferenceMarker:
 
 def marker_name(referrer: str, save_id: str) -> str:
     return f"{REFERENCES_DIR}/{referrer}.{save_id}.json"
+
+
+def refuse_a_link(storage: Storage) -> None:
+    """Raise CheckpointError when ``storage`` is reached through a symbolic link: nothing is deleted or marked
+    through one (a checkpoint's referrers are looked for beside it, and the link is not where it lies)."""
+    if storage.root_is_link():
+        raise CheckpointError(
+            f"{storage.describe()} is a symbolic link: reshard deletes nothing through a link (the checkpoints that "
+            "reference it look for it where the link is, and it for its referrers where it lies); nothing deleted"
+        )
 
 
 def write_markers(storage: Storage, metadata: Metadata) -> list[str]:
@@ -186,6 +197,12 @@ def _holder_problem(storage: Storage, save_id: str, holder: str, paths: set[str]
 
 def _tie_problem(target: Storage, name: str, holder: str, paths: set[str]) -> str | None:
     """:func:`_holder_problem` of the holder at ``target``, whose marker for this checkpoint is ``name``."""
+    if target.root_is_link():
+        return (
+            f"is refused unread: {holder} is a symbolic link, and reshard resolves no reference through a link "
+            "(retention and gc delete nothing through one, and look for a checkpoint's referrers beside it): move the "
+            "checkpoint back beside the checkpoints that reference it"
+        )
     try:
         marker = _parse_marker(name, target.read_bytes(name, max_bytes=MAX_MARKER_BYTES))
     except FileNotFoundError:

@@ -46,7 +46,7 @@ from reshard.errors import CheckpointLockedError, CheckpointNotFoundError, Corru
 from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.locking import DEFAULT_STALE_AFTER_S, LockInfo, lock_markers
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
-from reshard.references import REFERENCES_DIR, RETIRED_FILE, marker_state
+from reshard.references import REFERENCES_DIR, RETIRED_FILE, marker_state, refuse_a_link
 from reshard.storage import FileTooLargeError, Storage
 
 __all__ = ["MAX_RECORD_BYTES", "Removal", "RetiredRecord", "delete_checkpoint", "read_record", "remove_checkpoint"]
@@ -249,11 +249,13 @@ def remove_checkpoint(storage: Storage, *, dry_run: bool = False, min_age_s: flo
     save; the directory goes once empty. ``min_age_s``: also keep tied files younger than this (``gc``).
 
     Raises:
+        CheckpointError: ``storage`` is reached through a symbolic link (nothing deleted).
         CheckpointNotFoundError: ``retired.json`` is not a record reshard wrote (nothing deleted).
         CorruptCheckpointError: ``metadata.json`` is not valid, or of another save than the record's.
         CheckpointLockedError: a live save holds the directory.
         OSError: listing, reading or deleting failed (what was deleted stays deleted).
     """
+    refuse_a_link(storage)
     protected, stale, named = marker_state(storage)
     ties = _ties(storage, named)
     removal = Removal(left=ties.untied, proven=ties.proven)

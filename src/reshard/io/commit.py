@@ -34,7 +34,7 @@ from reshard.errors import CheckpointError, CheckpointExistsError, CheckpointLoc
 from reshard.io.datafile import is_data_file_of
 from reshard.locking import Lock, LockTiming, acquire_lock
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
-from reshard.references import RETIRED_FILE, protected_files
+from reshard.references import RETIRED_FILE, protected_files, refuse_a_link
 
 if TYPE_CHECKING:
     from reshard.storage import Storage
@@ -210,10 +210,15 @@ class SaveCommit:
 
     def remove_replaced(self, keep: set[str]) -> None:
         """After a committed overwrite: remove the replaced checkpoint's data files that the new one does
-        not name (``keep``) and that no other checkpoint references (:mod:`reshard.references`). Only names
-        under ``data/`` are touched; a failure is logged, never raised, because the new checkpoint is already
-        committed and complete."""
+        not name (``keep``) and that no other checkpoint references (:mod:`reshard.references`); nothing through a
+        symbolic link. Only names under ``data/`` are touched; a failure is logged, never raised, because the new
+        checkpoint is already committed and complete."""
         if self.outcome is not CommitOutcome.COMMITTED or not self.replaced - keep:
+            return
+        try:
+            refuse_a_link(self.storage)  # its referrers are beside the link, not beside the directory it points to
+        except CheckpointError as exc:
+            logger.warning("the replaced checkpoint's files are kept: %s", exc)
             return
         try:
             referenced, _ = protected_files(self.storage)
