@@ -14,7 +14,10 @@ import contextlib
 import io
 import os
 import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +27,8 @@ from reshard.interop import convert_checkpoint
 from reshard.maintenance import collect_garbage, validate_checkpoint
 from reshard.manager import step_name
 from reshard.references import REFERENCES_DIR, RETIRED_FILE
+from reshard.retirement import delete_checkpoint
+from reshard.storage import FileWriter, LocalStorage
 from tests.metadata_docs import read_doc, write_doc
 from tests.test_incremental import HASHED, assert_loads_as, frozen_and_trained, template
 
@@ -121,6 +126,149 @@ def test_a_manager_whose_newest_step_is_a_link_saves_in_full(tmp_path: Path) -> 
     assert manager.save(2, frozen_and_trained(2)).referenced_bytes == 0
     assert_loads_as(root / step_name(2), 2)
     assert (root / step_name(1)).is_symlink() and (other / step_name(1) / "metadata.json").exists()
+
+
+# ---- 2: gc racing a save that references the holder -------------------------------------------------------------
+
+
+class PausedAt(LocalStorage):
+    """A real checkpoint directory whose first ``list_files(prefix)`` (``on="list"``) or first ``open_writer``
+    (``on="write"``) stops its thread, after the call, until ``go`` is set; ``reached`` says it got there."""
+
+    def __init__(self, root: str | os.PathLike[str], on: str, prefix: str = "") -> None:
+        super().__init__(root)
+        self.on, self.prefix = on, prefix
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def _pause(self) -> None:
+        if not self.reached.is_set():
+            self.reached.set()
+            assert self.go.wait(120), "the test never let the paused thread go"
+
+    def list_files(self, prefix: str = "") -> list[str]:
+        names = super().list_files(prefix)
+        if self.on == "list" and prefix == self.prefix:
+            self._pause()
+        return names
+
+    def open_writer(self, name: str, *, max_buffered_bytes: int | None = None) -> FileWriter:
+        writer = super().open_writer(name, max_buffered_bytes=max_buffered_bytes)
+        if self.on == "write":
+            self._pause()
+        return writer
+
+
+def _in_thread(run: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """``run()`` in a thread; the list receives its result or the exception it raised."""
+    outcome: list[Any] = []
+
+    def body() -> None:
+        try:
+            outcome.append(run())
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    return thread, outcome
+
+
+def _assert_references_there(path: Path) -> None:
+    """Every file of another checkpoint that ``path`` references exists, with its recorded size."""
+    for entry in reshard.read_metadata(path).files:
+        if entry.checkpoint is not None:
+            held = path.parent / entry.checkpoint / entry.path
+            assert held.stat().st_size == entry.size, held
+
+
+def test_gc_that_listed_a_holders_markers_before_a_save_referenced_it_never_deletes_what_the_save_uses(
+    tmp_path: Path,
+) -> None:
+    """gc of retired step 1 stops right after it listed ``refs/`` (step 2's marker only); meanwhile the job saves
+    step 3 (incremental, keep_last=1), whose retention would delete step 2. gc holds step 1's save lock for its
+    whole run, so the save cannot reference step 1: it fails cleanly (CheckpointLockedError, nothing committed,
+    step 2 still there); gc then keeps the file step 2 uses, and the save made again references it and loads."""
+    root = tmp_path / "root"
+    manager = reshard.CheckpointManager(root, keep_last=1, incremental=True)
+    for step in (1, 2):
+        manager.save(step, frozen_and_trained(step))
+    held = _bins(root / step_name(1))
+    paused = PausedAt(root / step_name(1), on="list", prefix=REFERENCES_DIR)
+    thread, outcome = _in_thread(lambda: collect_garbage(paused, min_age_s=0))
+    assert paused.reached.wait(120)
+    try:
+        with pytest.raises(reshard.CheckpointLockedError, match=step_name(1)):
+            manager.save(3, frozen_and_trained(3))
+    finally:
+        paused.go.set()
+        thread.join()
+    assert outcome == [[]], outcome  # step 2 still references the file: nothing to delete
+    assert not (root / step_name(3) / "metadata.json").exists()
+    assert_loads_as(root / step_name(2), 2)
+    assert manager.save(3, frozen_and_trained(3)).referenced_bytes > 0
+    assert_loads_as(root / step_name(3), 3)
+    _assert_references_there(root / step_name(3))
+    assert _bins(root / step_name(1)) == held
+    assert collect_garbage(root / step_name(1), min_age_s=0) == []
+
+
+def test_a_save_that_referenced_a_holder_before_gc_listed_it_is_protected_from_planning_on(tmp_path: Path) -> None:
+    """``a`` is retired, keeping the file ``b`` references; ``c`` (base ``b``, so referencing ``a``'s file) is saving
+    and stops at its first data write, after its planning; meanwhile ``b`` is deleted and gc runs on ``a``: the
+    marker ``c`` left at planning (live through ``c``'s save lock) keeps the file ``c`` is about to reference, so
+    ``c`` commits and loads; its marker in ``b``, which it ended up not referencing, is gone after its commit, so
+    ``b`` is swept whole."""
+    reshard.save(frozen_and_trained(1), tmp_path / "a", options=HASHED)
+    reshard.save(frozen_and_trained(2), tmp_path / "b", base=tmp_path / "a")
+    held = _bins(tmp_path / "a")
+    assert delete_checkpoint(LocalStorage(tmp_path / "a")) is True  # retired: b references its file
+    paused = PausedAt(tmp_path / "c", on="write")
+    thread, outcome = _in_thread(lambda: reshard.save(frozen_and_trained(3), paused, base=tmp_path / "b"))
+    assert paused.reached.wait(120)
+    try:
+        delete_checkpoint(LocalStorage(tmp_path / "b"))
+        collect_garbage(tmp_path / "a", min_age_s=0)
+        assert _bins(tmp_path / "a") == held
+    finally:
+        paused.go.set()
+        thread.join()
+    (result,) = outcome
+    assert isinstance(result, reshard.SaveResult), result
+    assert result.referenced_bytes == 9 * 64 * 64 * 4
+    assert_loads_as(tmp_path / "c", 3)
+    _assert_references_there(tmp_path / "c")
+    collect_garbage(tmp_path / "b", min_age_s=0)
+    assert not (tmp_path / "b").exists()
+    collect_garbage(tmp_path / "a", min_age_s=0)
+    assert _bins(tmp_path / "a") == held
+    assert_loads_as(tmp_path / "c", 3)
+
+
+def test_gc_of_an_overwritten_holder_holds_its_lock_while_it_judges_the_markers(tmp_path: Path) -> None:
+    """``a`` was overwritten and keeps its old file only for ``b``; gc of ``a`` (a committed checkpoint) stops after
+    listing ``refs/``: a save that would reference that file through ``b`` fails cleanly, so when ``b`` is deleted
+    meanwhile and gc goes on, the file it removes is referenced by nothing; ``a`` still loads."""
+    reshard.save(frozen_and_trained(1), tmp_path / "a", options=HASHED)
+    reshard.save(frozen_and_trained(2), tmp_path / "b", base=tmp_path / "a")
+    old = _bins(tmp_path / "a")
+    changed = frozen_and_trained(7)
+    changed["frozen"] = {k: v + 1 for k, v in changed["frozen"].items()}
+    reshard.save(changed, tmp_path / "a", overwrite=True, options=HASHED)
+    assert old < _bins(tmp_path / "a")
+    paused = PausedAt(tmp_path / "a", on="list", prefix=REFERENCES_DIR)
+    thread, outcome = _in_thread(lambda: collect_garbage(paused, min_age_s=0))
+    assert paused.reached.wait(120)
+    try:
+        with pytest.raises(reshard.CheckpointLockedError, match="cannot reference a now"):
+            reshard.save(frozen_and_trained(3), tmp_path / "c", base=tmp_path / "b")
+        delete_checkpoint(LocalStorage(tmp_path / "b"))
+    finally:
+        paused.go.set()
+        thread.join()
+    (removed,) = outcome
+    assert {Path(n).name for n in removed if n.endswith(".bin")} == old, removed
+    assert not (tmp_path / "c" / "metadata.json").exists()
+    assert reshard.load(template(), tmp_path / "a")["step"] == 7
 
 
 # ---- 3: stray entries in a holder's refs/ ---------------------------------------------------------------------------

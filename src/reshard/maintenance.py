@@ -13,7 +13,8 @@ save that died, a reference marker) and removes the directory only once it is em
 not make (a project with its own ``retired.json`` or files named like data files) is refused, untouched.
 Symbolic links are never followed: a ``data`` directory that is a link, or a ``path`` that is one, is refused, so
 that nothing outside the checkpoint can be deleted (and a checkpoint's referrers are looked for beside it, where
-their references resolve).
+their references resolve). Deletions run under the checkpoint's save lock
+(:func:`reshard.references.lock_for_deletion`), so that no incremental save adds a reference marker meanwhile.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from reshard.progress import Progress, reporting
 from reshard.references import (
     RETIRED_FILE,
     check_referenced_files,
+    lock_for_deletion,
     protected_files,
     reference_problems,
     refuse_a_link,
@@ -72,7 +74,7 @@ def collect_garbage(
             write); nothing is removed.
         IncompleteCheckpointError: data files but no ``metadata.json`` (without ``include_incomplete``, or
             when nothing ties them to a reshard save); nothing is removed.
-        CheckpointLockedError: a live save holds a retired or interrupted ``path``.
+        CheckpointLockedError: a live save (or another deletion, or a save referencing it) holds ``path``.
         StorageError: listing or deleting failed.
     """
     storage = storage_for(path, storage_options)
@@ -113,6 +115,22 @@ def _collect_committed(storage: Storage, metadata: Metadata, *, dry_run: bool, m
     Raises:
         OSError: listing or deleting failed.
     """
+    if dry_run:
+        return _garbage(storage, metadata, min_age_s)
+    lock = lock_for_deletion(storage)
+    lock.start_renewing()
+    try:
+        # Under the lock: the metadata (an overwrite may have committed meanwhile), then the markers.
+        metadata = Metadata.from_json_bytes(read_metadata_bytes(storage))
+        garbage = _garbage(storage, metadata, min_age_s)
+        for name in garbage:
+            storage.delete(name)
+    finally:
+        lock.release(hand_back=False)  # the metadata ties every data file here: a dead save's lock ties nothing more
+    return garbage
+
+
+def _garbage(storage: Storage, metadata: Metadata, min_age_s: float) -> list[str]:
     referenced = {f.path for f in metadata.files if f.checkpoint is None}
     protected, stale = protected_files(storage)
     referenced |= protected
@@ -122,11 +140,7 @@ def _collect_committed(storage: Storage, metadata: Metadata, *, dry_run: bool, m
         for name in storage.list_files(DATA_DIR)
         if name not in referenced and DATA_FILE_PATTERN.match(name) and now - storage.modified_time(name) >= min_age_s
     ]
-    garbage += stale
-    if not dry_run:
-        for name in garbage:
-            storage.delete(name)
-    return garbage
+    return garbage + stale
 
 
 def validate_checkpoint(

@@ -20,6 +20,15 @@ only while each holder keeps the marker of that very checkpoint (its name) and s
 (:func:`verify_references`); a checkpoint copied or moved away from its name, or a document naming a
 directory that is no checkpoint, is refused before any referenced file is opened.
 
+**Who may change a holder's files.** Whoever deletes files of a checkpoint (retention, ``reshard gc``, an
+overwrite's cleanup) holds that checkpoint's save lock (:mod:`reshard.locking`) for its whole run, and judges the
+markers under it; a save that references a holder takes the holder's lock briefly to write its marker and check
+that the files it will reference are there (:func:`mark_holders`, at the save's planning, before any writer skips
+a box: from then on the marker is live through the save's own lock). So a deleter either sees the marker, or the
+save cannot take the lock and fails cleanly before anything is committed. Nothing is deleted through a symbolic
+link, and no reference resolves through one (:func:`lock_for_deletion`, :func:`verify_references`): a holder's
+referrers are looked for beside it, where their references resolve.
+
 All functions here run in one process (the coordinator of a save or load, retention, ``reshard gc``,
 ``validate``); none is collective.
 """
@@ -30,11 +39,12 @@ import errno
 import json
 import logging
 import re
-from collections.abc import Collection
+import uuid
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from reshard.errors import CheckpointError, CorruptCheckpointError, StorageError
-from reshard.locking import DEFAULT_STALE_AFTER_S, read_lock
+from reshard.errors import CheckpointError, CheckpointLockedError, CorruptCheckpointError, StorageError
+from reshard.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
 from reshard.metadata import (
     MAX_METADATA_BYTES,
     METADATA_FILE,
@@ -43,6 +53,7 @@ from reshard.metadata import (
     Metadata,
     check_relative_path,
 )
+from reshard.planning.incremental import ReferencedBox
 from reshard.storage import FileTooLargeError, Storage
 
 __all__ = [
@@ -51,13 +62,15 @@ __all__ = [
     "ReferenceMarker",
     "check_referenced_files",
     "is_retired",
+    "lock_for_deletion",
+    "mark_holders",
     "marker_state",
     "protected_files",
     "reference_problems",
     "refuse_a_link",
     "remove_markers",
+    "settle_markers",
     "verify_references",
-    "write_markers",
 ]
 
 logger = logging.getLogger("reshard")
@@ -92,6 +105,19 @@ def marker_name(referrer: str, save_id: str) -> str:
     return f"{REFERENCES_DIR}/{referrer}.{save_id}.json"
 
 
+def lock_for_deletion(storage: Storage) -> Lock:
+    """Take the save lock of the checkpoint at ``storage`` for a run that deletes its files or adds a reference
+    marker to it (see the module doc), inheriting a stale holder's token (:func:`reshard.locking.acquire_lock`).
+
+    Raises:
+        CheckpointError: ``storage`` is reached through a symbolic link (nothing is deleted or marked through one).
+        CheckpointLockedError: a live save, deletion or referencing save holds it.
+        StorageError: the lock cannot be written.
+    """
+    refuse_a_link(storage)
+    return acquire_lock(storage, uuid.uuid4().hex, what="save", inherit=True)
+
+
 def refuse_a_link(storage: Storage) -> None:
     """Raise CheckpointError when ``storage`` is reached through a symbolic link: nothing is deleted or marked
     through one (a checkpoint's referrers are looked for beside it, and the link is not where it lies)."""
@@ -102,34 +128,103 @@ def refuse_a_link(storage: Storage) -> None:
         )
 
 
-def write_markers(storage: Storage, metadata: Metadata) -> list[str]:
-    """Before the commit of ``metadata`` into ``storage``: leave a marker in every checkpoint whose files
-    it references. Returns the holders marked (for :func:`remove_markers` if the save then fails).
+def _marker_document(referrer: str, save_id: str, paths: Iterable[str]) -> bytes:
+    return json.dumps(
+        {"checkpoint": referrer, "save_id": save_id, "files": sorted(paths)}, separators=(",", ":")
+    ).encode()
+
+
+def mark_holders(storage: Storage, save_id: str, references: Iterable[ReferencedBox]) -> list[str]:
+    """At the planning of an incremental save of ``storage`` (save ``save_id``, whose save lock is held, so that the
+    markers are live from the start), before any writer skips a box: in every holder of ``references``, under the
+    holder's lock, leave a marker naming every file the save may reference there, then check that those files are
+    there with their sizes. Returns the holders marked (narrowed by :func:`settle_markers` at the commit).
 
     Raises:
-        StorageError: a marker could not be written (nothing is committed then).
+        CheckpointLockedError: a holder's lock is held (a gc, retention or save is changing its files).
+        CheckpointError: a holder is a symbolic link or missing, or a file is missing or of another size.
+        StorageError: a lock or marker could not be written.
+        On any error the markers already left are removed, and nothing else was written.
     """
-    referrer = storage.name
-    by_holder: dict[str, list[str]] = {}
+    by_holder: dict[str, dict[str, int]] = {}
+    for box in references:
+        by_holder.setdefault(box.checkpoint, {})[box.path] = box.size
+    marked: list[str] = []
+    try:
+        for holder, files in sorted(by_holder.items()):
+            _mark_holder(storage, save_id, holder, files, marked)
+    except BaseException:
+        remove_markers(storage, save_id, marked)
+        raise
+    return marked
+
+
+def _mark_holder(storage: Storage, save_id: str, holder: str, files: dict[str, int], marked: list[str]) -> None:
+    """:func:`mark_holders` for one holder (appended to ``marked`` once its marker is written)."""
+    target = storage.sibling(holder)
+    try:
+        if target.root_is_link():
+            raise CheckpointError(
+                f"the incremental save cannot reference {holder}: {target.describe()} is a symbolic link, and no "
+                "reference resolves through one"
+            )
+        if not target.root_exists():
+            raise CheckpointError(f"the incremental save cannot reference its base: {target.describe()} is missing")
+        try:
+            lock = lock_for_deletion(target)
+        except CheckpointLockedError:
+            held_by = read_lock(target)
+            who = held_by.describe() if held_by is not None else "another process"
+            raise CheckpointLockedError(
+                f"the incremental save of {storage.describe()} cannot reference {holder} now: {target.describe()} is "
+                f"locked by {who} (a gc, retention or save changing its files); nothing was written or committed: "
+                "save again"
+            ) from None
+        try:
+            name = marker_name(storage.name, save_id)
+            try:
+                target.commit(name, _marker_document(storage.name, save_id, files), replace=True)
+            except OSError as exc:
+                raise StorageError(
+                    f"cannot leave the reference marker of {storage.describe()} in {target.describe()}: {exc}"
+                ) from exc
+            marked.append(holder)
+            entries = [DataFile(path=path, size=size, checkpoint=holder) for path, size in sorted(files.items())]
+            problems = [p for p in (_file_problem(storage, e) for e in entries) if p is not None]
+            if problems:
+                raise CheckpointError(f"the incremental save cannot reference its base: {'; '.join(problems)}")
+        finally:
+            lock.release()
+    finally:
+        target.close()
+
+
+def settle_markers(storage: Storage, metadata: Metadata, marked: list[str]) -> None:
+    """At the commit of ``metadata`` (of the checkpoint at ``storage``), whose save marked the holders ``marked`` at
+    its planning: the marker in each holder it references names exactly the files it references there, and the
+    holders it does not reference lose theirs. Under each holder's lock; a holder whose lock is held, or whose marker
+    cannot be rewritten, keeps the wider marker (which protects more than is used, never less). Never raises."""
+    referenced: dict[str, list[str]] = {}
     for entry in metadata.files:
         if entry.checkpoint is not None:
-            by_holder.setdefault(entry.checkpoint, []).append(entry.path)
-    marked = []
-    for holder, paths in sorted(by_holder.items()):
-        document = json.dumps(
-            {"checkpoint": referrer, "save_id": metadata.save_id, "files": sorted(paths)}, separators=(",", ":")
-        ).encode()
+            referenced.setdefault(entry.checkpoint, []).append(entry.path)
+    name = marker_name(storage.name, metadata.save_id)
+    for holder in sorted(set(marked)):
         target = storage.sibling(holder)
         try:
-            target.commit(marker_name(referrer, metadata.save_id), document, replace=True)
-        except OSError as exc:
-            raise StorageError(
-                f"cannot leave the reference marker of {storage.describe()} in {target.describe()}: {exc}"
-            ) from exc
+            lock = lock_for_deletion(target)
+            try:
+                if holder in referenced:
+                    document = _marker_document(storage.name, metadata.save_id, referenced[holder])
+                    target.commit(name, document, replace=True)
+                else:
+                    target.delete(name)
+            finally:
+                lock.release()
+        except (OSError, CheckpointError) as exc:
+            logger.info("the reference marker %s keeps the files this save might have referenced: %s", name, exc)
         finally:
             target.close()
-        marked.append(holder)
-    return marked
 
 
 def remove_markers(storage: Storage, save_id: str, holders: list[str]) -> None:
@@ -160,18 +255,24 @@ def check_referenced_files(storage: Storage, metadata: Metadata, *, skip: Collec
     for index, entry in enumerate(metadata.files):
         if entry.checkpoint is None or index in skip:
             continue
-        where = _where(storage, entry)
-        try:
-            size = storage.size(entry.location)
-        except FileNotFoundError:
-            problems[index] = f"{where} is missing"
-            continue
-        except OSError as exc:
-            problems[index] = f"{where} cannot be read: {exc}"
-            continue
-        if size != entry.size:
-            problems[index] = f"{where} has {size} bytes, the metadata says {entry.size}"
+        problem = _file_problem(storage, entry)
+        if problem is not None:
+            problems[index] = problem
     return problems
+
+
+def _file_problem(storage: Storage, entry: DataFile) -> str | None:
+    """Why the file of another checkpoint that ``entry`` names is not there as recorded, or None."""
+    where = _where(storage, entry)
+    try:
+        size = storage.size(entry.location)
+    except FileNotFoundError:
+        return f"{where} is missing"
+    except OSError as exc:
+        return f"{where} cannot be read: {exc}"
+    if size != entry.size:
+        return f"{where} has {size} bytes, the metadata says {entry.size}"
+    return None
 
 
 def _holder_problem(storage: Storage, save_id: str, holder: str, paths: set[str]) -> str | None:
