@@ -14,6 +14,9 @@ import contextlib
 import io
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +28,7 @@ import reshard
 from reshard.cli import main as cli_main
 from reshard.interop import convert_checkpoint
 from reshard.maintenance import collect_garbage, validate_checkpoint
-from reshard.manager import step_name
+from reshard.manager import scan_root, step_name
 from reshard.references import REFERENCES_DIR, RETIRED_FILE
 from reshard.retirement import delete_checkpoint
 from reshard.storage import FileWriter, LocalStorage
@@ -362,3 +365,78 @@ def test_a_reference_that_names_a_file_or_an_impossible_name_is_corrupt_and_load
     with pytest.warns(UserWarning, match=f"skipping checkpoint .*{step_name(3)}"):
         found = manager.load_latest_with_state(template(), skipped=skipped)
     assert found is not None and found[0] == 2 and [s for s, _ in skipped] == [3]
+
+
+# ---- 5: a gc killed before it removed its directory -----------------------------------------------------------------
+
+KILL_BEFORE_RMDIR = textwrap.dedent(
+    """
+    import os, signal, sys
+    from reshard.maintenance import collect_garbage
+
+    holder = os.path.abspath(sys.argv[1])
+
+    def hook(event, args):
+        if event == "os.rmdir" and os.path.abspath(os.fsdecode(args[0])) == holder:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    sys.addaudithook(hook)
+    collect_garbage(holder, min_age_s=0)
+    print("not killed")
+    """
+)
+
+
+def test_gc_killed_before_it_removed_the_directory_leaves_one_that_the_next_gc_calls_empty(tmp_path: Path) -> None:
+    """A retired step whose only referrer is gone: ``kill -9`` of its gc right before the directory itself is
+    removed leaves an empty directory; gc of it (any options) says there is nothing to collect and exits 0,
+    and the next retention removes it."""
+    root = tmp_path / "root"
+    _three_steps(root)
+    shutil.rmtree(root / step_name(3))
+    holder = root / step_name(1)
+    child = subprocess.run(
+        [sys.executable, "-c", KILL_BEFORE_RMDIR, str(holder)],
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -9, child.stderr
+    assert holder.is_dir() and not [p for p in holder.rglob("*") if not p.is_dir()]
+    for options in ({}, {"min_age_s": 0, "include_incomplete": True}, {"dry_run": True}):
+        assert collect_garbage(holder, **options) == []  # type: ignore[arg-type]
+    for extra in ([], ["--incomplete", "--min-age", "0"]):
+        code, out, err = _cli("gc", str(holder), *extra)
+        assert code == 0 and "nothing to collect" in out, (out, err)
+    assert holder.is_dir()
+    reshard.CheckpointManager(root, keep_last=1).save(4, frozen_and_trained(4))
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [step_name(4)]
+
+
+# ---- 6: what gc says it removed ------------------------------------------------------------------------------------
+
+
+def test_gc_says_what_it_removed_by_kind(tmp_path: Path) -> None:
+    """gc of a retired step whose referrer is gone removes one data file, one stale marker and the record, and
+    says so (not "3 unreferenced data files"); a dry run says the same with "would remove"; gc of a checkpoint
+    with nothing to remove says so."""
+    root = tmp_path / "root"
+    _three_steps(root)
+    shutil.rmtree(root / step_name(3))
+    holder = str(root / step_name(1))
+    code, out, _ = _cli("gc", holder, "--min-age", "0", "--dry-run")
+    assert code == 0 and out.splitlines()[-1] == (
+        "would remove 1 data file, 1 stale reference marker and the retirement record"
+    ), out
+    code, out, _ = _cli("gc", holder, "--min-age", "0")
+    assert code == 0 and out.splitlines()[-1] == (
+        "removed 1 data file, 1 stale reference marker and the retirement record"
+    ), out
+    assert not Path(holder).exists()
+    reshard.save(frozen_and_trained(1), tmp_path / "plain")
+    code, out, _ = _cli("gc", str(tmp_path / "plain"), "--min-age", "0")
+    assert code == 0 and out.splitlines() == ["nothing to collect"], out
+    assert scan_root(LocalStorage(root)) == []
