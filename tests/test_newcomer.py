@@ -305,9 +305,7 @@ def test_diff_compares_bytes_first_and_values_where_bytes_differ(tmp_path: Path)
     assert diff_checkpoints(tmp_path / "a", tmp_path / "a", slab_bytes=1024).ok
 
 
-def test_validate_reports_progress_and_is_quiet_on_request(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_validate_reports_progress_and_is_quiet_on_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``validate`` tells a progress object the bytes it checks (the command line draws the bar on a
     terminal); ``-q`` leaves only problems on stdout, and the exit code says the outcome."""
     from reshard.maintenance import validate_checkpoint

@@ -79,9 +79,7 @@ def _template(rank: int, world: int) -> tuple[dict[str, Any], dict[str, torch.Te
     return template, {"w": W[rank * rows : (rank + 1) * rows], "emb": emb_expected, "bias": BIAS}
 
 
-def _check_restore(
-    tier: Any, new_rank: int, world: int, root: str, with_fallback: bool, rank: int
-) -> tuple[Any, ...]:
+def _check_restore(tier: Any, new_rank: int, world: int, root: str, with_fallback: bool, rank: int) -> tuple[Any, ...]:
     """Restore this rank's part of the new layout; what to report."""
     template, expected = _template(new_rank, world)
     stats = reshard.TransferStats()

@@ -44,9 +44,7 @@ def _template(tp: int, tp_size: int) -> dict[str, Any]:
     reads are exactly those it needs) and a replicated ``b``."""
     rows = 10 // tp_size
     return {
-        "w": reshard.ShardedTensor.from_rank_offsets(
-            "w", torch.empty(ROWS // tp_size, COLS), (0, tp, tp_size)
-        ),
+        "w": reshard.ShardedTensor.from_rank_offsets("w", torch.empty(ROWS // tp_size, COLS), (0, tp, tp_size)),
         "b": torch.empty(COLS, dtype=torch.bfloat16),
         "emb": reshard.ShardedTensor.from_rank_offsets(
             "emb", torch.empty(rows, 4, dtype=torch.float64), (0, tp, tp_size)
@@ -103,9 +101,7 @@ def rank_load_uneven(ctx: RankContext, path: str) -> dict[str, int]:
     storage = LocalStorage(Path(path))
     stats = reshard.LoadStats()
     template = {"w": reshard.ShardedTensor("w", torch.empty(hi - lo, COLS), (ROWS, COLS), (lo, 0))}
-    loaded = reshard.load(
-        template, storage, group=group, options=reshard.LoadOptions(read_once=True), stats=stats
-    )
+    loaded = reshard.load(template, storage, group=group, options=reshard.LoadOptions(read_once=True), stats=stats)
     assert torch.equal(loaded["w"], FULL["w"][lo:hi])
     return {"storage": storage.range_bytes_read, "from_peers": stats.bytes_from_peers}
 
@@ -145,9 +141,7 @@ def test_object_store_loads_read_once_by_default(object_store: Any, tmp_path: Pa
     results: list[reshard.LoadStats] = [reshard.LoadStats() for _ in range(4)]
 
     def rank(r: int) -> None:
-        loaded = reshard.load(
-            _template(0, 1), url, group=group.member(r), storage_options=options, stats=results[r]
-        )
+        loaded = reshard.load(_template(0, 1), url, group=group.member(r), storage_options=options, stats=results[r])
         _check(loaded, 0, 1)
 
     on_threads(4, rank)

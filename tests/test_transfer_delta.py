@@ -182,9 +182,9 @@ def _recreate_w_with_old_weights(loop: RLLoop, old: torch.Tensor) -> None:
         before = template["model.w"].data
         recreated = torch.from_numpy(before.view(torch.int16).numpy()).view(torch.bfloat16)
         assert recreated.data_ptr() == before.data_ptr() and recreated._version == 0
-        recreated.view(torch.int16).numpy()[:] = old[e * ROWS // size : (e + 1) * ROWS // size].bfloat16().view(
-            torch.int16
-        ).numpy()
+        recreated.view(torch.int16).numpy()[:] = (
+            old[e * ROWS // size : (e + 1) * ROWS // size].bfloat16().view(torch.int16).numpy()
+        )
         template["model.w"] = reshard.ShardedTensor.from_rank_offsets("model.w", recreated, (0, e, size))
 
 

@@ -29,6 +29,13 @@ token unique to the holder) and when it was written.
 Only the holder deletes markers (its predecessors after taking over, its own on release), so the checks
 above are sound on any storage with create-only commits and consistent listings: local and shared POSIX
 filesystems, S3 and GCS.
+
+**Inheriting a stale lock.** A save's lock token is its save id, so the lock a dead save left behind is what
+ties its data files to it (:mod:`reshard.retirement`). Whoever takes the lock of a checkpoint only to change its
+files briefly (a deletion, a reference marker) acquires with ``inherit=True``: taking over a stale holder, its
+marker keeps that holder's token (so the tie holds at every point of the takeover), and on release it hands the
+lock back to the stale holder (a successor marker with the stale holder's identity and times) unless told that
+nothing needs the tie any more.
 """
 
 from __future__ import annotations
@@ -192,12 +199,23 @@ class Lock:
     """A lock this process holds (see :func:`acquire_lock`). ``renew``, ``check`` and ``release`` may be
     called from any thread; the background renewal of :meth:`start_renewing` stops at ``release``."""
 
-    def __init__(self, storage: Storage, name: str, info: LockInfo, *, what: str, timing: LockTiming) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        name: str,
+        info: LockInfo,
+        *,
+        what: str,
+        timing: LockTiming,
+        inherited: LockInfo | None = None,
+    ) -> None:
         self.storage = storage
         self.name = name
         self.info = info
         self.what = what
         self.timing = timing
+        self.inherited = inherited
+        """The stale holder this lock was taken over from, keeping its token (``inherit=True``), or None."""
         self.lost: str | None = None
         """Why this process no longer holds the lock (None while it does)."""
         self._mutex = threading.Lock()
@@ -261,9 +279,10 @@ class Lock:
         self._thread = threading.Thread(target=run, name="reshard-lock-renewal", daemon=True)
         self._thread.start()
 
-    def release(self) -> None:
-        """Stop renewing and remove this process's marker if it is still the lock's current one; best
-        effort, never raises."""
+    def release(self, *, hand_back: bool = True) -> None:
+        """Stop renewing and remove this process's marker if it is still the lock's current one; a lock
+        :attr:`inherited` from a stale holder goes back to that holder instead, unless ``hand_back`` is False
+        (nothing needs what the stale lock tied any more). Best effort, never raises."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
@@ -271,22 +290,28 @@ class Lock:
             try:
                 generation, holder = _current(self.storage, self.name)
                 if generation == self.info.generation and holder is not None and holder.token == self.token:
-                    self.storage.delete(_marker_name(self.name, generation))
+                    if self.inherited is not None and hand_back:
+                        stale = self.inherited
+                        _take(self.storage, self.name, stale, basis=generation, what=self.what, written=stale.written)
+                    else:
+                        self.storage.delete(_marker_name(self.name, generation))
             except (OSError, CheckpointLockedError) as exc:
                 logger.warning("could not release the %s lock of %s: %s", self.what, self.storage.describe(), exc)
             self.lost = self.lost or "released"
 
 
-def _take(storage: Storage, name: str, holder: LockInfo, *, basis: int | None, what: str) -> LockInfo | None:
-    """Try to move the lock from generation ``basis`` (None: free) to the next one for ``holder``; the new
-    marker on success, None when another writer got there first."""
+def _take(
+    storage: Storage, name: str, holder: LockInfo, *, basis: int | None, what: str, written: float | None = None
+) -> LockInfo | None:
+    """Try to move the lock from generation ``basis`` (None: free) to the next one for ``holder`` (written now,
+    or at ``written``); the new marker on success, None when another writer got there first."""
     generation = 0 if basis is None else basis + 1
     mine = LockInfo(
         host=holder.host,
         pid=holder.pid,
         token=holder.token,
         created=holder.created,
-        written=time.time(),
+        written=time.time() if written is None else written,
         generation=generation,
     )
     marker = _marker_name(name, generation)
@@ -324,10 +349,12 @@ def acquire_lock(
     what: str,
     name: str = LOCK_FILE,
     timing: LockTiming | None = None,
+    inherit: bool = False,
 ) -> Lock:
     """Take the lock ``name`` of ``storage`` for ``token``, taking over from a stale holder (with a
     warning), and waiting up to ``timing.lease_s`` for a holder on another host to release the lock or to
-    prove stale. Not collective: one process (a group's coordinator) calls it.
+    prove stale. With ``inherit``, a stale holder taken over keeps its token (see the module doc). Not
+    collective: one process (a group's coordinator) calls it.
 
     Raises:
         CheckpointLockedError: another live writer holds it.
@@ -369,7 +396,10 @@ def acquire_lock(
                 holder.describe(),
                 f", unchanged for {unmoved:.0f} s" if unmoved >= timing.lease_s else "",
             )
-            taken = _take(storage, name, me, basis=generation, what=what)
+            heir = inherit and bool(holder.token)  # a marker of unknown identity ties nothing: nothing to inherit
+            taken = _take(storage, name, _heir(me, holder) if heir else me, basis=generation, what=what)
+            if taken is not None:
+                return Lock(storage, name, taken, what=what, timing=timing, inherited=holder if heir else None)
             watched = None
         if taken is not None:
             return Lock(storage, name, taken, what=what, timing=timing)
@@ -377,3 +407,8 @@ def acquire_lock(
             raise CheckpointLockedError(
                 f"{storage.describe()}: could not take the {what} lock (other writers keep taking it)"
             )
+
+
+def _heir(me: LockInfo, stale: LockInfo) -> LockInfo:
+    """``me`` holding the token of the ``stale`` holder it takes over from."""
+    return LockInfo(host=me.host, pid=me.pid, token=stale.token, created=me.created)

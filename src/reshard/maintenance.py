@@ -11,26 +11,40 @@ is in ``refs/``, :mod:`reshard.references`) are never candidates. A *retired* di
 deletes only the files that something reshard wrote ties to a reshard save (a retirement record, the lock of a
 save that died, a reference marker) and removes the directory only once it is empty: a directory reshard did
 not make (a project with its own ``retired.json`` or files named like data files) is refused, untouched.
-Symbolic links are never followed: a ``data`` directory that is a link is refused, so that nothing outside the
-checkpoint can be deleted.
+Symbolic links are never followed: a ``data`` directory that is a link, or a ``path`` that is one, is refused, so
+that nothing outside the checkpoint can be deleted (and a checkpoint's referrers are looked for beside it, where
+their references resolve). Deletions run under the checkpoint's save lock
+(:func:`reshard.references.lock_for_deletion`), so that no incremental save adds a reference marker meanwhile. A
+directory that holds no file at all has nothing to collect.
 """
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from reshard.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, StorageError
 from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.io.reader import ReadExecutor
+from reshard.locking import LOCK_FILE
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
 from reshard.progress import Progress, reporting
-from reshard.references import RETIRED_FILE, check_referenced_files, protected_files, reference_problems
+from reshard.references import (
+    REFERENCES_DIR,
+    RETIRED_FILE,
+    check_referenced_files,
+    lock_for_deletion,
+    protected_files,
+    reference_problems,
+    refuse_a_link,
+)
 from reshard.retirement import remove_checkpoint
 from reshard.sources import read_metadata_bytes
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
-__all__ = ["DEFAULT_GC_MIN_AGE_S", "collect_garbage", "validate_checkpoint"]
+__all__ = ["DEFAULT_GC_MIN_AGE_S", "collect_garbage", "describe_removed", "validate_checkpoint"]
 
 DEFAULT_GC_MIN_AGE_S = 3600.0
 """Files younger than this are never collected: a save may still be writing them."""
@@ -57,19 +71,24 @@ def collect_garbage(
         storage_options: passed to the object-store client.
 
     Returns:
-        The relative names removed (or that would be).
+        The relative names removed (or that would be); none for a directory that holds no file at all (nothing to
+        collect: it is not removed, since nothing ties it to a save).
 
     Raises:
+        CheckpointError: ``path`` is a symbolic link (nothing is deleted through one).
         CheckpointNotFoundError: no checkpoint at ``path`` (also: a ``retired.json`` that reshard did not
             write); nothing is removed.
         IncompleteCheckpointError: data files but no ``metadata.json`` (without ``include_incomplete``, or
             when nothing ties them to a reshard save); nothing is removed.
-        CheckpointLockedError: a live save holds a retired or interrupted ``path``.
+        CheckpointLockedError: a live save (or another deletion, or a save referencing it) holds ``path``.
         StorageError: listing or deleting failed.
     """
     storage = storage_for(path, storage_options)
     try:
         try:
+            refuse_a_link(storage)
+            if storage.root_exists() and not storage.list_files():
+                return []  # no file at all (a deletion cut short before it removed the directory): nothing to collect
             if storage.exists(RETIRED_FILE):  # metadata.json too: a retirement cut short before it deleted it
                 return remove_checkpoint(storage, dry_run=dry_run).removed
             try:
@@ -104,6 +123,22 @@ def _collect_committed(storage: Storage, metadata: Metadata, *, dry_run: bool, m
     Raises:
         OSError: listing or deleting failed.
     """
+    if dry_run:
+        return _garbage(storage, metadata, min_age_s)
+    lock = lock_for_deletion(storage)
+    lock.start_renewing()
+    try:
+        # Under the lock: the metadata (an overwrite may have committed meanwhile), then the markers.
+        metadata = Metadata.from_json_bytes(read_metadata_bytes(storage))
+        garbage = _garbage(storage, metadata, min_age_s)
+        for name in garbage:
+            storage.delete(name)
+    finally:
+        lock.release(hand_back=False)  # the metadata ties every data file here: a dead save's lock ties nothing more
+    return garbage
+
+
+def _garbage(storage: Storage, metadata: Metadata, min_age_s: float) -> list[str]:
     referenced = {f.path for f in metadata.files if f.checkpoint is None}
     protected, stale = protected_files(storage)
     referenced |= protected
@@ -113,11 +148,34 @@ def _collect_committed(storage: Storage, metadata: Metadata, *, dry_run: bool, m
         for name in storage.list_files(DATA_DIR)
         if name not in referenced and DATA_FILE_PATTERN.match(name) and now - storage.modified_time(name) >= min_age_s
     ]
-    garbage += stale
-    if not dry_run:
-        for name in garbage:
-            storage.delete(name)
-    return garbage
+    return garbage + stale
+
+
+_TEMPORARY = re.compile(r"(?:^|/)\.[^/]+\.tmp-[0-9a-f]{32}$")
+_KINDS: tuple[tuple[str, str, Callable[[str], bool]], ...] = (
+    ("commit temporary file", "commit temporary files", lambda n: _TEMPORARY.search(n) is not None),
+    ("data file", "data files", lambda n: n.startswith(f"{DATA_DIR}/")),
+    ("stale reference marker", "stale reference markers", lambda n: n.startswith(f"{REFERENCES_DIR}/")),
+    ("stale lock marker", "stale lock markers", lambda n: n.startswith(LOCK_FILE)),
+    ("metadata.json", "", lambda n: n == METADATA_FILE),
+    ("the retirement record", "", lambda n: n == RETIRED_FILE),
+    ("other file", "other files", lambda n: True),
+)
+
+
+def describe_removed(names: Sequence[str]) -> str:
+    """What :func:`collect_garbage` removed, by kind: ``"1 data file, 1 stale reference marker and the retirement
+    record"`` (``"nothing"`` for none)."""
+    counts = [0] * len(_KINDS)
+    for name in names:
+        counts[next(i for i, (_, _, match) in enumerate(_KINDS) if match(name))] += 1
+    parts = []
+    for (one, many, _), count in zip(_KINDS, counts, strict=True):
+        if count:
+            parts.append(one if not many else f"{count} {one if count == 1 else many}")
+    if not parts:
+        return "nothing"
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 def validate_checkpoint(

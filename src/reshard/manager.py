@@ -337,7 +337,11 @@ class CheckpointManager:
         markers (it was not copied or moved here) and its data files, and those it references, have their
         sizes (no byte is read here: the save itself reads back each box it would reference, unless
         ``SaveOptions(verify_base=False)``, and writes the ones whose stored copy is damaged). Else the save is
-        made in full, so that a damaged or moved base never keeps a job from saving."""
+        made in full, so that a damaged or moved base never keeps a job from saving. A step that is a symbolic
+        link is no base: no reference resolves through a link."""
+        if self.root.is_link(name):
+            logger.warning("%s is a symbolic link: it cannot be the base of an incremental save, saving in full", name)
+            return False
         child = self.root.child(name)
         try:
             problems = validate_checkpoint(child, quick=True)

@@ -20,20 +20,31 @@ only while each holder keeps the marker of that very checkpoint (its name) and s
 (:func:`verify_references`); a checkpoint copied or moved away from its name, or a document naming a
 directory that is no checkpoint, is refused before any referenced file is opened.
 
+**Who may change a holder's files.** Whoever deletes files of a checkpoint (retention, ``reshard gc``, an
+overwrite's cleanup) holds that checkpoint's save lock (:mod:`reshard.locking`) for its whole run, and judges the
+markers under it; a save that references a holder takes the holder's lock briefly to write its marker and check
+that the files it will reference are there (:func:`mark_holders`, at the save's planning, before any writer skips
+a box: from then on the marker is live through the save's own lock). So a deleter either sees the marker, or the
+save cannot take the lock and fails cleanly before anything is committed. Nothing is deleted through a symbolic
+link, and no reference resolves through one (:func:`lock_for_deletion`, :func:`verify_references`): a holder's
+referrers are looked for beside it, where their references resolve.
+
 All functions here run in one process (the coordinator of a save or load, retention, ``reshard gc``,
 ``validate``); none is collective.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
-from collections.abc import Collection
+import uuid
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from reshard.errors import CheckpointError, CorruptCheckpointError, StorageError
-from reshard.locking import DEFAULT_STALE_AFTER_S, read_lock
+from reshard.errors import CheckpointError, CheckpointLockedError, CorruptCheckpointError, StorageError
+from reshard.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
 from reshard.metadata import (
     MAX_METADATA_BYTES,
     METADATA_FILE,
@@ -42,6 +53,7 @@ from reshard.metadata import (
     Metadata,
     check_relative_path,
 )
+from reshard.planning.incremental import ReferencedBox
 from reshard.storage import FileTooLargeError, Storage
 
 __all__ = [
@@ -50,12 +62,15 @@ __all__ = [
     "ReferenceMarker",
     "check_referenced_files",
     "is_retired",
+    "lock_for_deletion",
+    "mark_holders",
     "marker_state",
     "protected_files",
     "reference_problems",
+    "refuse_a_link",
     "remove_markers",
+    "settle_markers",
     "verify_references",
-    "write_markers",
 ]
 
 logger = logging.getLogger("reshard")
@@ -66,6 +81,13 @@ RETIRED_FILE = "retired.json"
 """Written into a checkpoint that was deleted while others reference its files (see the module doc)."""
 MAX_MARKER_BYTES = 64 * 1024 * 1024
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
+_MARKER_NAME = re.compile(rf"^{REFERENCES_DIR}/[^/]+\.[0-9a-f]{{32}}\.json$")
+"""The names markers have (anything else in ``refs/`` is no marker: left alone, never read)."""
+_NOT_A_REGULAR_FILE = (errno.ELOOP, errno.EINVAL)
+"""How a local storage refuses to read a symbolic link or a FIFO (see reshard.storage.local)."""
+_NAMED_BY_THE_DOCUMENT = (errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP)
+"""Why a sibling that a document names cannot be looked at, because of the name itself (a file, a name too long, a
+link loop): the reference is unusable, not the storage."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,34 +105,136 @@ def marker_name(referrer: str, save_id: str) -> str:
     return f"{REFERENCES_DIR}/{referrer}.{save_id}.json"
 
 
-def write_markers(storage: Storage, metadata: Metadata) -> list[str]:
-    """Before the commit of ``metadata`` into ``storage``: leave a marker in every checkpoint whose files
-    it references. Returns the holders marked (for :func:`remove_markers` if the save then fails).
+def lock_for_deletion(storage: Storage) -> Lock:
+    """Take the save lock of the checkpoint at ``storage`` for a run that deletes its files or adds a reference
+    marker to it (see the module doc), inheriting a stale holder's token (:func:`reshard.locking.acquire_lock`).
 
     Raises:
-        StorageError: a marker could not be written (nothing is committed then).
+        CheckpointError: ``storage`` is reached through a symbolic link (nothing is deleted or marked through one).
+        CheckpointLockedError: a live save, deletion or referencing save holds it.
+        StorageError: the lock cannot be written.
     """
-    referrer = storage.name
-    by_holder: dict[str, list[str]] = {}
+    refuse_a_link(storage)
+    return acquire_lock(storage, uuid.uuid4().hex, what="save", inherit=True)
+
+
+def refuse_a_link(storage: Storage) -> None:
+    """Raise CheckpointError when ``storage`` is reached through a symbolic link: nothing is deleted or marked
+    through one (a checkpoint's referrers are looked for beside it, and the link is not where it lies)."""
+    if storage.root_is_link():
+        raise CheckpointError(
+            f"{storage.describe()} is a symbolic link: reshard deletes nothing through a link (the checkpoints that "
+            "reference it look for it where the link is, and it for its referrers where it lies); nothing deleted"
+        )
+
+
+def _marker_document(referrer: str, save_id: str, paths: Iterable[str]) -> bytes:
+    return json.dumps(
+        {"checkpoint": referrer, "save_id": save_id, "files": sorted(paths)}, separators=(",", ":")
+    ).encode()
+
+
+def mark_holders(
+    storage: Storage, save_id: str, references: Iterable[ReferencedBox], *, check_files: bool = True
+) -> list[str]:
+    """At the planning of an incremental save of ``storage`` (save ``save_id``, whose save lock is held, so that the
+    markers are live from the start), before any writer skips a box: in every holder of ``references``, under the
+    holder's lock, leave a marker naming every file the save may reference there, then (``check_files``) check that
+    those files are there with their sizes. A save that reads back what it references (``verify_base``) passes
+    ``check_files=False``: its writers write anew what is missing, and the commit checks what is referenced.
+    Returns the holders marked (narrowed by :func:`settle_markers` at the commit).
+
+    Raises:
+        CheckpointLockedError: a holder's lock is held (a gc, retention or save is changing its files).
+        CheckpointError: a holder is a symbolic link or missing, or a file is missing or of another size.
+        StorageError: a lock or marker could not be written.
+        On any error the markers already left are removed, and nothing else was written.
+    """
+    by_holder: dict[str, dict[str, int]] = {}
+    for box in references:
+        by_holder.setdefault(box.checkpoint, {})[box.path] = box.size
+    marked: list[str] = []
+    try:
+        for holder, files in sorted(by_holder.items()):
+            _mark_holder(storage, save_id, holder, files, marked, check_files)
+    except BaseException:
+        remove_markers(storage, save_id, marked)
+        raise
+    return marked
+
+
+def _mark_holder(
+    storage: Storage, save_id: str, holder: str, files: dict[str, int], marked: list[str], check_files: bool
+) -> None:
+    """:func:`mark_holders` for one holder (appended to ``marked`` once its marker is written)."""
+    target = storage.sibling(holder)
+    try:
+        if target.root_is_link():
+            raise CheckpointError(
+                f"the incremental save cannot reference {holder}: {target.describe()} is a symbolic link, and no "
+                "reference resolves through one"
+            )
+        if not target.root_exists():
+            if not check_files:  # nothing there to reference: the writers write those boxes anew
+                return
+            raise CheckpointError(f"the incremental save cannot reference its base: {target.describe()} is missing")
+        try:
+            lock = lock_for_deletion(target)
+        except CheckpointLockedError:
+            held_by = read_lock(target)
+            who = held_by.describe() if held_by is not None else "another process"
+            raise CheckpointLockedError(
+                f"the incremental save of {storage.describe()} cannot reference {holder} now: {target.describe()} is "
+                f"locked by {who} (a gc, retention or save changing its files); nothing was written or committed: "
+                "save again"
+            ) from None
+        try:
+            name = marker_name(storage.name, save_id)
+            try:
+                target.commit(name, _marker_document(storage.name, save_id, files), replace=True)
+            except OSError as exc:
+                raise StorageError(
+                    f"cannot leave the reference marker of {storage.describe()} in {target.describe()}: {exc}"
+                ) from exc
+            marked.append(holder)
+            if not check_files:
+                return
+            entries = [DataFile(path=path, size=size, checkpoint=holder) for path, size in sorted(files.items())]
+            problems = [p for p in (_file_problem(storage, e) for e in entries) if p is not None]
+            if problems:
+                raise CheckpointError(f"the incremental save cannot reference its base: {'; '.join(problems)}")
+        finally:
+            lock.release()
+    finally:
+        target.close()
+
+
+def settle_markers(storage: Storage, metadata: Metadata, marked: list[str]) -> None:
+    """At the commit of ``metadata`` (of the checkpoint at ``storage``), whose save marked the holders ``marked`` at
+    its planning: the marker in each holder it references names exactly the files it references there, and the
+    holders it does not reference lose theirs. Under each holder's lock; a holder whose lock is held, or whose marker
+    cannot be rewritten, keeps the wider marker (which protects more than is used, never less). Never raises."""
+    referenced: dict[str, list[str]] = {}
     for entry in metadata.files:
         if entry.checkpoint is not None:
-            by_holder.setdefault(entry.checkpoint, []).append(entry.path)
-    marked = []
-    for holder, paths in sorted(by_holder.items()):
-        document = json.dumps(
-            {"checkpoint": referrer, "save_id": metadata.save_id, "files": sorted(paths)}, separators=(",", ":")
-        ).encode()
+            referenced.setdefault(entry.checkpoint, []).append(entry.path)
+    name = marker_name(storage.name, metadata.save_id)
+    for holder in sorted(set(marked)):
         target = storage.sibling(holder)
         try:
-            target.commit(marker_name(referrer, metadata.save_id), document, replace=True)
-        except OSError as exc:
-            raise StorageError(
-                f"cannot leave the reference marker of {storage.describe()} in {target.describe()}: {exc}"
-            ) from exc
+            lock = lock_for_deletion(target)
+            try:
+                if holder in referenced:
+                    document = _marker_document(storage.name, metadata.save_id, referenced[holder])
+                    target.commit(name, document, replace=True)
+                else:
+                    target.delete(name)
+            finally:
+                lock.release()
+        except (OSError, CheckpointError) as exc:
+            logger.info("the reference marker %s keeps the files this save might have referenced: %s", name, exc)
         finally:
             target.close()
-        marked.append(holder)
-    return marked
 
 
 def remove_markers(storage: Storage, save_id: str, holders: list[str]) -> None:
@@ -141,18 +265,24 @@ def check_referenced_files(storage: Storage, metadata: Metadata, *, skip: Collec
     for index, entry in enumerate(metadata.files):
         if entry.checkpoint is None or index in skip:
             continue
-        where = _where(storage, entry)
-        try:
-            size = storage.size(entry.location)
-        except FileNotFoundError:
-            problems[index] = f"{where} is missing"
-            continue
-        except OSError as exc:
-            problems[index] = f"{where} cannot be read: {exc}"
-            continue
-        if size != entry.size:
-            problems[index] = f"{where} has {size} bytes, the metadata says {entry.size}"
+        problem = _file_problem(storage, entry)
+        if problem is not None:
+            problems[index] = problem
     return problems
+
+
+def _file_problem(storage: Storage, entry: DataFile) -> str | None:
+    """Why the file of another checkpoint that ``entry`` names is not there as recorded, or None."""
+    where = _where(storage, entry)
+    try:
+        size = storage.size(entry.location)
+    except FileNotFoundError:
+        return f"{where} is missing"
+    except OSError as exc:
+        return f"{where} cannot be read: {exc}"
+    if size != entry.size:
+        return f"{where} has {size} bytes, the metadata says {entry.size}"
+    return None
 
 
 def _holder_problem(storage: Storage, save_id: str, holder: str, paths: set[str]) -> str | None:
@@ -167,30 +297,48 @@ def _holder_problem(storage: Storage, save_id: str, holder: str, paths: set[str]
     """
     target = storage.sibling(holder)
     try:
-        name = marker_name(storage.name, save_id)
-        try:
-            marker = _parse_marker(name, target.read_bytes(name, max_bytes=MAX_MARKER_BYTES))
-        except FileNotFoundError:
-            if not (target.exists(METADATA_FILE) or target.exists(RETIRED_FILE)):
-                if not target.root_exists():
-                    return "is missing"
-                return (
-                    f"is refused unread: {holder} is not a reshard checkpoint (it has neither {METADATA_FILE} nor "
-                    f"{RETIRED_FILE}) and holds no reference marker {name} for this checkpoint"
-                )
-            return (
-                f"is not protected and refused unread: {holder} holds no reference marker {name} for this "
-                "checkpoint, so its retention and gc may delete the file at any time (a checkpoint copied or "
-                "moved keeps no protection under its new name or place: copy or move the whole directory of "
-                "checkpoints, whose markers name each other)"
-            )
-        except (FileTooLargeError, ValueError, KeyError, TypeError, RecursionError) as exc:
-            return f"is refused unread: the reference marker {name} in {holder} is malformed ({exc})"
-        if not paths <= marker.files:
-            return f"is not protected and refused unread: the reference marker {name} in {holder} does not name it"
-        return None
+        return _tie_problem(target, marker_name(storage.name, save_id), holder, paths)
+    except OSError as exc:
+        if isinstance(exc, StorageError) or exc.errno not in _NAMED_BY_THE_DOCUMENT:
+            raise
+        return f"is refused unread: {holder} cannot be a sibling checkpoint ({exc.strerror}: {exc.filename})"
     finally:
         target.close()
+
+
+def _tie_problem(target: Storage, name: str, holder: str, paths: set[str]) -> str | None:
+    """:func:`_holder_problem` of the holder at ``target``, whose marker for this checkpoint is ``name``."""
+    if target.root_is_link():
+        return (
+            f"is refused unread: {holder} is a symbolic link, and reshard resolves no reference through a link "
+            "(retention and gc delete nothing through one, and look for a checkpoint's referrers beside it): move the "
+            "checkpoint back beside the checkpoints that reference it"
+        )
+    try:
+        marker = _parse_marker(name, target.read_bytes(name, max_bytes=MAX_MARKER_BYTES))
+    except FileNotFoundError:
+        if not (target.exists(METADATA_FILE) or target.exists(RETIRED_FILE)):
+            if not target.root_exists():
+                return "is missing"
+            return (
+                f"is refused unread: {holder} is not a reshard checkpoint (it has neither {METADATA_FILE} nor "
+                f"{RETIRED_FILE}) and holds no reference marker {name} for this checkpoint"
+            )
+        return (
+            f"is not protected and refused unread: {holder} holds no reference marker {name} for this "
+            "checkpoint, so its retention and gc may delete the file at any time (a checkpoint copied or "
+            "moved keeps no protection under its new name or place: copy or move the whole directory of "
+            "checkpoints, whose markers name each other)"
+        )
+    except (FileTooLargeError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        return f"is refused unread: the reference marker {name} in {holder} is malformed ({exc})"
+    except OSError as exc:
+        if exc.errno not in _NOT_A_REGULAR_FILE:
+            raise
+        return f"is refused unread: the reference marker {name} in {holder} is not a regular file ({exc.strerror})"
+    if not paths <= marker.files:
+        return f"is not protected and refused unread: the reference marker {name} in {holder} does not name it"
+    return None
 
 
 def reference_problems(storage: Storage, metadata: Metadata) -> dict[int, str]:
@@ -238,21 +386,30 @@ def verify_references(storage: Storage, metadata: Metadata) -> None:
 
 
 def read_markers(holder: Storage) -> list[ReferenceMarker]:
-    """The reference markers in ``holder``. Malformed ones (too large, not JSON, not at the name their content
-    gives, naming other files than data files) are skipped with a warning: they protect nothing a well-formed
-    one does not, since a referrer writes a well-formed one before it commits, and nothing ever deletes them.
+    """The reference markers in ``holder``. Anything else in ``refs/`` (a name no marker has, a symbolic link, a
+    FIFO, a directory) and malformed markers (too large, not JSON, not at the name their content gives, naming other
+    files than data files) are skipped with a warning, never followed: they protect nothing a well-formed one does
+    not, since a referrer writes a well-formed one (a regular file) before it commits, and nothing ever deletes them.
 
     Raises:
         OSError: the markers cannot be listed, or one cannot be read (then nothing may be deleted on a guess).
     """
     out = []
     for name in holder.list_files(REFERENCES_DIR):
+        if not _MARKER_NAME.match(name):
+            logger.warning("ignoring %s: not a reference marker (no marker has this name)", holder.describe(name))
+            continue
         try:
             marker = _parse_marker(name, holder.read_bytes(name, max_bytes=MAX_MARKER_BYTES))
         except FileNotFoundError:
             continue
         except (FileTooLargeError, ValueError, KeyError, TypeError, RecursionError) as exc:
             logger.warning("ignoring the malformed reference marker %s: %s", holder.describe(name), exc)
+            continue
+        except OSError as exc:
+            if exc.errno not in _NOT_A_REGULAR_FILE:
+                raise
+            logger.warning("ignoring %s: not a regular file (%s)", holder.describe(name), exc.strerror)
             continue
         out.append(marker)
     return out

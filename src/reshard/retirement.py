@@ -40,13 +40,21 @@ import logging
 import math
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from reshard.errors import CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError
 from reshard.io.datafile import DATA_FILE_PATTERN
-from reshard.locking import DEFAULT_STALE_AFTER_S, LockInfo, lock_markers
+from reshard.locking import DEFAULT_STALE_AFTER_S, Lock, LockInfo, lock_markers
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
-from reshard.references import REFERENCES_DIR, RETIRED_FILE, marker_state
+from reshard.references import (
+    REFERENCES_DIR,
+    RETIRED_FILE,
+    lock_for_deletion,
+    marker_state,
+    read_markers,
+    refuse_a_link,
+)
 from reshard.storage import FileTooLargeError, Storage
 
 __all__ = ["MAX_RECORD_BYTES", "Removal", "RetiredRecord", "delete_checkpoint", "read_record", "remove_checkpoint"]
@@ -220,11 +228,12 @@ def _stale_save_lock(storage: Storage) -> tuple[set[str], list[str]]:
     return tokens, names
 
 
-def _ties(storage: Storage, named: set[str]) -> _Ties:
-    """What ties the files of ``storage`` (``named``: the files its well-formed reference markers name)."""
+def _ties(storage: Storage, named: set[str], tokens: set[str], locks: list[str], held: bool) -> _Ties:
+    """What ties the files of ``storage`` (``named``: the files its well-formed reference markers name; ``tokens``
+    and ``locks``: the save ids and the markers of the stale save locks here; ``held``: this process holds the
+    lock, whose markers are neither tied files nor untied ones)."""
     record = read_record(storage)
     metadata = _tied_metadata(storage, record)
-    tokens, locks = _stale_save_lock(storage)
     storage.list_files(DATA_DIR)  # OSError (ELOOP) where data/ is a link: nothing is deleted through it
     names = storage.list_files()
     tied = set(record.files if record is not None else ()) | named
@@ -233,9 +242,9 @@ def _ties(storage: Storage, named: set[str]) -> _Ties:
     for name in names:
         if DATA_FILE_PATTERN.match(name) and (metadata is not None or name[5:].partition("-r")[0] in tokens):
             tied.add(name)
-    proven = record is not None or metadata is not None or bool(locks or named)
+    proven = record is not None or metadata is not None or bool(locks or named or (held and tokens))
     extra = [n for n in names if proven and _TEMPORARY.match(n)]
-    special = {METADATA_FILE, RETIRED_FILE, *locks, *extra}
+    special = {METADATA_FILE, RETIRED_FILE, *locks, *extra, *(lock_markers(storage).values() if held else ())}
     files = {n for n in names if n in tied}
     untied = [n for n in names if n not in tied and n not in special and not n.startswith(f"{REFERENCES_DIR}/")]
     return _Ties(
@@ -243,22 +252,70 @@ def _ties(storage: Storage, named: set[str]) -> _Ties:
     )
 
 
+def _worth_a_lock(storage: Storage, locks: list[str]) -> bool:
+    """Whether something reshard wrote may tie files here: only then is the lock written (never into a directory
+    that is not reshard's).
+
+    Raises:
+        CheckpointNotFoundError: ``retired.json`` is not a record reshard wrote.
+    """
+    if locks or read_record(storage) is not None or storage.exists(METADATA_FILE):
+        return True
+    return bool(read_markers(storage))
+
+
 def remove_checkpoint(storage: Storage, *, dry_run: bool = False, min_age_s: float | None = None) -> Removal:
     """Delete what reshard wrote at ``storage`` (a checkpoint, a retired one, an interrupted save), keeping the
     files that live referrers use (the directory is then retired) and every file nothing ties to a reshard
     save; the directory goes once empty. ``min_age_s``: also keep tied files younger than this (``gc``).
 
+    Deletes under the checkpoint's save lock (:func:`reshard.references.lock_for_deletion`), held from before the
+    reference markers are read until the last tied file is gone, so that no save adds a marker meanwhile. The lock
+    of a save that died is taken over keeping its token, which ties that save's files until they are deleted or
+    recorded (else it is handed back). The lock is released before the record and the empty directories go.
+
     Raises:
+        CheckpointError: ``storage`` is reached through a symbolic link (nothing deleted).
         CheckpointNotFoundError: ``retired.json`` is not a record reshard wrote (nothing deleted).
         CorruptCheckpointError: ``metadata.json`` is not valid, or of another save than the record's.
-        CheckpointLockedError: a live save holds the directory.
+        CheckpointLockedError: a live save (or another deletion, or a save marking it) holds the directory.
         OSError: listing, reading or deleting failed (what was deleted stays deleted).
     """
+    refuse_a_link(storage)
+    tokens, locks = _stale_save_lock(storage)
+    if dry_run or not _worth_a_lock(storage, locks):
+        return _remove(storage, tokens, locks, dry_run=dry_run, min_age_s=min_age_s, lock=None)
+    lock = lock_for_deletion(storage)
+    lock.start_renewing()
+    if lock.inherited is not None:
+        tokens.add(lock.token)
+    try:
+        return _remove(storage, tokens, [], dry_run=False, min_age_s=min_age_s, lock=lock, taken_over=locks)
+    except BaseException:
+        lock.release()  # an inherited lock goes back: it still ties what it tied
+        raise
+
+
+def _remove(
+    storage: Storage,
+    tokens: set[str],
+    locks: list[str],
+    *,
+    dry_run: bool,
+    min_age_s: float | None,
+    lock: Lock | None,
+    taken_over: Sequence[str] = (),
+) -> Removal:
+    """:func:`remove_checkpoint` once the lock is held (``lock``, which took over the stale markers ``taken_over``),
+    or without deleting (``dry_run``, or a directory that nothing ties: only one with no file at all is removed).
+    Releases ``lock``."""
     protected, stale, named = marker_state(storage)
-    ties = _ties(storage, named)
+    ties = _ties(storage, named, tokens, locks, held=lock is not None)
     removal = Removal(left=ties.untied, proven=ties.proven)
-    if not removal.proven:
-        if not ties.untied and not dry_run and not storage.list_files():
+    if not removal.proven or (lock is None and not dry_run):
+        if lock is not None:
+            lock.release()
+        elif not ties.untied and not dry_run and not storage.list_files():
             storage.remove_empty_dirs()  # only directories, no file at all (a save that failed cleaned up)
         return removal  # else nothing here is reshard's: nothing is deleted
     now = time.time()
@@ -282,15 +339,23 @@ def remove_checkpoint(storage: Storage, *, dry_run: bool = False, min_age_s: flo
             storage.commit(RETIRED_FILE, record.to_bytes(), replace=True)
             has_record = True
     steps = ([METADATA_FILE] if ties.metadata is not None else []) + doomed + sorted(stale)
-    if has_record or not (kept or young):  # the record (or nothing left) ties what the lock of a dead save tied
+    done = not (kept or young)
+    if has_record or done:  # the record (or nothing left) ties what the lock of a dead save tied
         steps += ties.extra + ties.lock_markers
-    if has_record and not (kept or young):
-        steps.append(RETIRED_FILE)
     for name in steps:
         if not dry_run:
             storage.delete(name)
         removal.removed.append(name)
-    if not (kept or young or dry_run):
+    if lock is not None:
+        # Files left that only the lock of a dead save ties: it goes back to that save.
+        lock.release(hand_back=not (has_record or done))
+        if (has_record or done) and lock.inherited is not None:
+            removal.removed += taken_over  # the lock the dead save left, carried by this one until now
+    if has_record and done:  # after the lock: a cut here leaves the record, which the next deletion finishes
+        if not dry_run:
+            storage.delete(RETIRED_FILE)
+        removal.removed.append(RETIRED_FILE)
+    if done and not dry_run:
         storage.remove_empty_dirs()  # the directory goes only if nothing is left in it
     return removal
 

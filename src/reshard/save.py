@@ -22,9 +22,10 @@ The per-save arguments (path, ``overwrite``, ``fingerprint``, ``checksum_chunk_b
 An *incremental* save (``base=``) differs in two places: planning looks every assigned box up in the base
 (:mod:`reshard.planning.incremental`) and tells its writer the base's content hash and where the base stores
 the box, and a writer whose box hashes the same, and whose stored copy reads back as its bytes, references it
-instead of writing it (:mod:`reshard.io.reuse`; a copy damaged since its commit is written anew); before the
-commit, the coordinator leaves reference markers in the checkpoints it references and checks that their files
-are still there (:mod:`reshard.references`).
+instead of writing it (:mod:`reshard.io.reuse`; a copy damaged since its commit is written anew); at planning,
+before any box is skipped, the coordinator leaves reference markers in the checkpoints it may reference, under
+each one's lock, and checks that their files are there; at the commit the markers are narrowed to what is
+referenced (:mod:`reshard.references`).
 
 So what a rank other than the coordinator sends and receives does not grow with the number of ranks
 (docs/scale.md measures it, with the coordinator's planning time and memory, up to 8192 ranks).
@@ -73,7 +74,7 @@ from reshard.planning.descriptions import (
 )
 from reshard.planning.incremental import ReferencedBox, match_base
 from reshard.planning.save_plan import plan_save_table
-from reshard.references import check_referenced_files, remove_markers, verify_references, write_markers
+from reshard.references import check_referenced_files, mark_holders, remove_markers, settle_markers, verify_references
 from reshard.sources import read_metadata_bytes
 from reshard.statedict import FlatStateDict, flatten_state_dict
 from reshard.stats import PhaseClock, SaveStats, fill_save_stats
@@ -188,7 +189,8 @@ def save(
     Raises:
         ShardingError: the ranks' boxes do not tile their tensors (same on every rank).
         CheckpointExistsError: ``path`` holds a complete checkpoint and ``overwrite`` is off.
-        CheckpointLockedError: another save holds ``path``.
+        CheckpointLockedError: another save holds ``path``, or (incremental) a checkpoint holding bytes of the base
+            is locked by a gc, retention or save changing its files (nothing is written then).
         CheckpointError: ``base`` is not a sibling of ``path``, has no content hashes, or checksums in
             chunks of another size; or a data file it references is missing at the commit (nothing is
             written then; a file already missing when it is read back is not referenced);
@@ -311,6 +313,8 @@ def _save_to(
             state.commit.begin()
         except StorageError as exc:
             raise StorageError(f"on the coordinator (rank {comm.rank}): {exc}") from exc
+        if state.references:  # before any writer skips a box; live from here on through this save's lock
+            state.marked = mark_holders(storage, save_id, state.references.values(), check_files=not verify_base)
         return save_id, [a.to_bytes() for a in assignments]
 
     try:
@@ -321,6 +325,7 @@ def _save_to(
         # nothing was written, and the lock must not outlive the save.
         if state.commit is not None:
             state.commit.discard()
+            remove_markers(storage, state.commit.save_id, state.marked)
         raise
     assignment = WriteAssignment.from_bytes(mine)
     logger.debug("[rank=%d] save %s: writing %d boxes", comm.rank, save_id, len(assignment.tensors))
@@ -358,10 +363,9 @@ def _save_to(
             content_hashes=content_hashes,
             references=state.references,
         )
+        settle_markers(storage, metadata, state.marked)  # the markers of planning name exactly what is referenced
         if metadata.referenced_checkpoints:
-            # Markers first, so that from the commit on every holder knows of this referrer; then the files
-            # referenced must still be there (a base deleted meanwhile fails the save, not a later load).
-            state.marked = write_markers(storage, metadata)
+            # The files referenced must still be there (a base deleted meanwhile fails the save, not a later load).
             problems = check_referenced_files(storage, metadata)
             if problems:
                 raise CheckpointError(f"the incremental save cannot reference its base: {'; '.join(problems.values())}")

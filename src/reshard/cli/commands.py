@@ -60,7 +60,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from reshard.maintenance import collect_garbage
+    from reshard.maintenance import collect_garbage, describe_removed
 
     removed = collect_garbage(
         args.path,
@@ -72,7 +72,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
         sys.stdout.write(f"{verb} {name}\n")
-    sys.stdout.write(f"{verb} {len(removed)} unreferenced data files\n")
+    sys.stdout.write(f"{verb} {describe_removed(removed)}\n" if removed else "nothing to collect\n")
     return 0
 
 

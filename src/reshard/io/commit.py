@@ -34,7 +34,7 @@ from reshard.errors import CheckpointError, CheckpointExistsError, CheckpointLoc
 from reshard.io.datafile import is_data_file_of
 from reshard.locking import Lock, LockTiming, acquire_lock
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
-from reshard.references import RETIRED_FILE, protected_files
+from reshard.references import RETIRED_FILE, lock_for_deletion, protected_files
 
 if TYPE_CHECKING:
     from reshard.storage import Storage
@@ -210,15 +210,22 @@ class SaveCommit:
 
     def remove_replaced(self, keep: set[str]) -> None:
         """After a committed overwrite: remove the replaced checkpoint's data files that the new one does
-        not name (``keep``) and that no other checkpoint references (:mod:`reshard.references`). Only names
+        not name (``keep``) and that no other checkpoint references (:mod:`reshard.references`), under the save lock
+        taken again (nothing is removed through a symbolic link, or while another holds the lock). Only names
         under ``data/`` are touched; a failure is logged, never raised, because the new checkpoint is already
         committed and complete."""
         if self.outcome is not CommitOutcome.COMMITTED or not self.replaced - keep:
             return
         try:
+            lock = lock_for_deletion(self.storage)  # no save adds a reference marker while the markers are judged
+        except (OSError, CheckpointError) as exc:
+            logger.warning("the replaced checkpoint's files are kept for `reshard gc`: %s", exc)
+            return
+        try:
             referenced, _ = protected_files(self.storage)
         except (OSError, CheckpointError) as exc:
             logger.warning("the replaced checkpoint's files are kept: its reference markers cannot be read: %s", exc)
+            lock.release()
             return
         for name in sorted(self.replaced - keep - referenced):
             if not name.startswith(f"{DATA_DIR}/"):
@@ -227,3 +234,4 @@ class SaveCommit:
                 self.storage.delete(name)
             except OSError as exc:
                 logger.warning("could not remove %s of the replaced checkpoint: %s", self.storage.describe(name), exc)
+        lock.release(hand_back=False)  # the new metadata ties every data file here

@@ -211,6 +211,11 @@ class Storage(ABC):
         """Whether ``name`` (a child of the root) is a symbolic link, which deletions never go through."""
         return False
 
+    def root_is_link(self) -> bool:
+        """Whether the root itself is a symbolic link (a checkpoint reached through a link): nothing is deleted
+        through it, and no reference resolves through it (docs/format.md section 15.2)."""
+        return False
+
     def download(self, name: str, local_path: Path) -> None:
         """Copy the whole of ``name`` into the local file ``local_path`` (created or truncated).
 

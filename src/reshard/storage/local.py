@@ -171,7 +171,14 @@ class LocalStorage(Storage):
 
     def _place(self, name: str) -> tuple[Path, str]:
         """The directory a name is relative to, and the name there: ``../<sibling>/<rest>`` (a file of a
-        sibling checkpoint) is ``<rest>`` of the sibling directory, anything else is below the root."""
+        sibling checkpoint) is ``<rest>`` of the sibling directory, anything else is below the root. A sibling
+        that is a symbolic link is ``OSError(ELOOP)``: a reference never resolves through a link."""
+        place, rest = self._split(name)
+        if place != self.root and place.is_symlink():
+            raise OSError(errno.ELOOP, "a symbolic link: reshard resolves no reference through a link", str(place))
+        return place, rest
+
+    def _split(self, name: str) -> tuple[Path, str]:
         if name.startswith(SIBLING_PREFIX):
             sibling, _, rest = name[len(SIBLING_PREFIX) :].partition("/")
             return self.parent / sibling, rest
@@ -198,7 +205,7 @@ class LocalStorage(Storage):
     def describe(self, name: str = "") -> str:
         if not name:
             return str(self.root)
-        root, name = self._place(name)
+        root, name = self._split(name)
         return str(root / name)
 
     def root_exists(self) -> bool:
@@ -353,6 +360,9 @@ class LocalStorage(Storage):
 
     def is_link(self, name: str) -> bool:
         return os.path.islink(self.root / name)
+
+    def root_is_link(self) -> bool:
+        return self.root.is_symlink()
 
     def sync_dir(self, name: str) -> None:
         _fsync_dir(self.root / name)
