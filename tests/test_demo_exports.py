@@ -7,6 +7,8 @@ restored from the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import shlex
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 import transformers
 
 import reshard
+from reshard import cli
 from reshard.demo.run import DemoOptions
 from reshard.demo.training import Trainer, TrainingConfig, global_batch
 from reshard.models.config import LoraConfig, ModelConfig
@@ -64,11 +67,14 @@ def _reshard(cwd: Path, line: str) -> dict[str, Any] | None:
         argv = ["reshard", "demo"]
     assert argv[0] == "reshard", line
     demo = argv[1] == "demo"
-    command = [sys.executable, "-m", *argv[:2], *(FAST if demo else []), *argv[2:]]  # the line's options win
+    if not demo:  # the command itself, in this process (it starts no ranks): no second import of torch
+        with contextlib.chdir(cwd), contextlib.redirect_stdout(io.StringIO()) as out:
+            code = cli.main(argv[1:])
+        assert code == 0, f"{line}: exit {code}\n{out.getvalue()[-3000:]}"
+        return None
+    command = [sys.executable, "-m", *argv[:2], *FAST, *argv[2:]]  # the line's options win
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, f"{line}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    if not demo:
-        return None
     report: dict[str, Any] = json.loads(done.stdout)
     assert report["phase_a"]["digest_saved"] == report["phase_b"]["digest_loaded"] != "", line  # bit-exact resume
     return report
