@@ -59,6 +59,9 @@ def run_kills(base: Path, flows: list[tuple[str, int]], seed: int, timed: int, l
             harness.remove(iteration.directory)
             if outcome.status != "clean":
                 print(f"  {name}/{world} {outcome.point}: {outcome.status}: {outcome.reason[:300]}", flush=True)
+                for rank, answer in sorted(outcome.answers.items()):  # what each rank said, to rerun it alone
+                    said = "ok" if answer.get("ok") else f"{answer.get('error')}: {str(answer.get('message'))[:200]}"
+                    print(f"    rank {rank}: {said}", flush=True)
         summary = harness.summarize(outcomes)
         row = {"flow": name, "ranks": world, **{k: v for k, v in summary.items() if k not in ("failures", "by_flow")}}
         row["seconds"] = round(time.monotonic() - started, 1)
