@@ -119,8 +119,16 @@ class _Regroup:
             return None
         dist.destroy_process_group()
         new_rank = survivors.index(self.rank)
-        _init_group(new_rank, len(survivors), doc["port"])
+        try:
+            _init_group(new_rank, len(survivors), doc["port"])
+        except Exception as exc:
+            raise GroupTrouble(f"{type(exc).__name__}: {exc}") from exc
         return new_rank, len(survivors)
+
+
+class GroupTrouble(Exception):
+    """The harness's own trouble: a group that could not form (its port taken meanwhile). The iteration is
+    run again; it says nothing of the flow."""
 
 
 def _worker(rank: int, port: int, spec: dict[str, Any], answer_path: Path) -> None:
@@ -136,7 +144,11 @@ def _worker(rank: int, port: int, spec: dict[str, Any], answer_path: Path) -> No
         hold=KillPoint(**spec["hold"]) if spec["hold"] else None,
     )
     torch.set_num_threads(1)
-    _init_group(rank, iteration.world, port)
+    try:
+        _init_group(rank, iteration.world, port)
+    except Exception as exc:  # the harness's own trouble (the port taken meanwhile): the iteration is run again
+        _write_json(answer_path, {"rank": rank, "harness": f"{type(exc).__name__}: {exc}"[:2000]})
+        os._exit(0)
     place = Path(iteration.directory)
     harness = place / HARNESS_DIR
     mine = iteration.point if iteration.point is not None and iteration.point.rank == rank else None
@@ -166,6 +178,8 @@ def _worker(rank: int, port: int, spec: dict[str, Any], answer_path: Path) -> No
         answer.update(error=type(exc).__name__, message=str(exc)[:2000])
     except ForeignFailure as exc:
         answer.update(error=f"foreign {exc.kind}", message=str(exc)[:2000])
+    except GroupTrouble as exc:
+        answer.update(harness=str(exc)[:2000])
     except BaseException as exc:  # reported: an exception that is not reshard's is itself a finding
         answer.update(error=type(exc).__name__, message=str(exc)[:2000], other="".join(traceback.format_exception(exc)))
     finally:
@@ -330,6 +344,9 @@ def run_workers(iteration: Iteration) -> tuple[dict[int, dict[str, Any]], dict[i
         if zygote.exit_code(pid) is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    # Checked only once every rank is gone and reaped: a rank that answered and was then killed still holds
+    # its pid (a zombie) until the zygote reaps it, and a lock naming a live pid is not stale.
+    _wait_until(lambda: len(ended()) == len(pids), time.monotonic() + ANSWER_TIMEOUT_S)
     got = {r: json.loads(path.read_text()) for r, path in paths.items() if path.exists()}
     return got, {r: zygote.exit_code(pid) for r, pid in pids.items()}, in_time
 
@@ -367,11 +384,23 @@ def prepare(iteration: Iteration) -> None:
     FLOWS[iteration.flow].prepare(Path(iteration.directory), iteration.world)
 
 
+HARNESS_ATTEMPTS = 3
+"""Runs of an iteration whose group could not even form (the harness's trouble, not the flow's)."""
+
+
 def run_iteration(iteration: Iteration) -> Outcome:
-    """Prepare, run and check one iteration."""
+    """Prepare, run and check one iteration (again, from scratch, when a rank could not join the group)."""
     started = time.monotonic()
-    prepare(iteration)
-    answers, _codes, in_time = run_workers(iteration)
+    for _attempt in range(HARNESS_ATTEMPTS):
+        prepare(iteration)
+        answers, _codes, in_time = run_workers(iteration)
+        if not any("harness" in answer for answer in answers.values()):
+            break
+        shutil.rmtree(iteration.directory, ignore_errors=True)
+        Path(iteration.directory).mkdir(parents=True)
+    else:
+        failed = {r: a["harness"] for r, a in answers.items() if "harness" in a}
+        raise RuntimeError(f"the ranks of {iteration.flow} could not form a group {HARNESS_ATTEMPTS} times: {failed}")
     victim = iteration.point.rank if iteration.point else None
     killed = victim is not None and (Path(iteration.directory) / HARNESS_DIR / f"killed-{victim}.json").exists()
     outcome = check(iteration, answers, in_time, killed)
