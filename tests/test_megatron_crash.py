@@ -269,3 +269,102 @@ def test_a_refused_save_over_a_checkpoint_never_leaves_a_mix(pool4: RankPool, tm
             assert r == {"iteration": OLD, "args": OLD, "w": OLD, "b": OLD, "rng": [OLD]}, r
         else:
             assert r == {"error": "IncompleteCheckpointError", "megatron_catches": True}, r
+
+
+# ---- a refused save over a checkpoint of Megatron's own torch_dist strategy --------------------------------
+
+# How the strategy refuses a save (every rank raises the class), made on rank 1 only where a variant allows:
+REFUSALS = {
+    "object": "StateDictError",  # a ShardedObject whose value reshard cannot store without pickle (a set)
+    "conversion": "StateDictError",  # a state dict the strategy cannot convert (its own entry's key)
+    "options": "MegatronCheckpointError",  # the ranks' SaveOptions differ (another registration or instance)
+    "shapes": "ShardingError",  # the ranks' global shapes differ (Megatron's own check switched off)
+    "async": "StateDictError",  # "object", through async_sharded_save: refused in the background save
+    "fresh": "StateDictError",  # "object" into a directory that held no checkpoint
+}
+
+
+def _torch_dist_save(state: dict[str, Any], path: str) -> None:
+    """Megatron's own torch_dist save (the CPU variant of its strategy, as in tests/test_megatron.py)."""
+    from benchmarks.compare import _megatron_cpu_save_strategy
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(state, path, sharded_strategy=_megatron_cpu_save_strategy())
+
+
+def _refused_save(ctx: RankContext, variant: str, path: str) -> str:
+    """A reshard-strategy save of iteration OLD (the common state saved before, byte for byte) into ``path``,
+    refused as ``variant`` says (on rank 1 where it can be); the class of the error."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    import reshard
+    from reshard.megatron import ReshardSaveStrategy
+    from reshard.megatron.directory import COMMON_PT_ENTRY
+
+    state = _state(ctx.rank, ctx.world_size, OLD)
+    strategy: Any = ("reshard", 1)
+    if ctx.rank == 1 and variant in ("object", "async", "fresh"):
+        state["bad"] = ShardedObject("bad", {1, 2}, (1,), (0,))
+    if ctx.rank == 1 and variant == "conversion":
+        state[COMMON_PT_ENTRY] = ShardedObject("x", [1], (1,), (0,))
+    if ctx.rank == 1 and variant == "options":
+        chunk = reshard.SaveOptions().checksum_chunk_bytes * 2
+        strategy = ReshardSaveStrategy(options=reshard.SaveOptions(checksum_chunk_bytes=chunk))
+    if ctx.rank == 1 and variant == "shapes":
+        state["w"] = ShardedTensor.from_rank_offsets("w", state["w"].data, (0, 1, ctx.world_size + 1))
+    try:
+        request = dist_checkpointing.save(
+            state,
+            path,
+            sharded_strategy=strategy,
+            validate_access_integrity=variant != "shapes",
+            async_sharded_save=variant == "async",
+        )
+        if request is not None:
+            request.execute_sync()  # Megatron's finalisation: waits for the background save
+    except Exception as exc:
+        return type(exc).__name__
+    return "saved"
+
+
+def rank_refused_over_torch_dist(ctx: RankContext, base: str) -> dict[str, Any]:
+    """For each refusal: Megatron's torch_dist save of iteration OLD (none for "fresh"), then the refused
+    reshard-strategy save into the same directory; the error, whether Megatron's metadata.json is as before
+    (read as soon as the save returned, on every rank) and what dist_checkpointing.load gives then."""
+    import torch.distributed as dist
+
+    import reshard.megatron  # noqa: F401
+
+    out: dict[str, Any] = {}
+    for variant in REFUSALS:
+        path = Path(base) / variant
+        path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        if variant != "fresh":
+            _torch_dist_save(_state(ctx.rank, ctx.world_size, OLD), str(path))
+        config = path / "metadata.json"
+        before = config.read_bytes() if config.exists() else None
+        dist.barrier()
+        error = _refused_save(ctx, variant, str(path))
+        after = config.read_bytes() if config.exists() else None
+        load = rank_load_outcome(ctx, str(path), ctx.world_size) if variant != "fresh" else None
+        out[variant] = {"error": error, "metadata_json_kept": after == before, "load": load}
+    return out
+
+
+def test_a_refused_save_over_a_torch_dist_checkpoint_leaves_it_as_loadable_as_before(
+    pool4: RankPool, tmp_path: Path
+) -> None:
+    """A reshard-strategy save that the strategy refuses (on one rank or all, in the conversion, the planning
+    or the background save) over a checkpoint of Megatron's torch_dist strategy, with the same common state:
+    Megatron's metadata.json is as it was when the save returns on any rank, and the earlier checkpoint loads
+    whole, as before (no metadata.json where there was none)."""
+    whole = {"iteration": OLD, "args": OLD, "w": OLD, "b": OLD, "rng": [OLD]}
+    wrong = []
+    for rank, results in enumerate(pool4.run_ok(rank_refused_over_torch_dist, str(tmp_path), timeout_s=240)):
+        for variant, error in REFUSALS.items():
+            expected = {"error": error, "metadata_json_kept": True, "load": None if variant == "fresh" else whole}
+            if results[variant] != expected:
+                wrong.append((rank, variant, results[variant]))
+    assert not wrong, wrong
