@@ -51,6 +51,7 @@ __all__ = [
     "RESHARD_SUBDIR",
     "Repointed",
     "check_common_pt",
+    "check_started",
     "common_pt_digest",
     "publish_config",
     "put_back",
@@ -152,6 +153,23 @@ def _identity(checkpoint_dir: str | os.PathLike[str]) -> tuple[int, int, int, in
     except FileNotFoundError:
         return None
     return (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)
+
+
+def check_started(checkpoint_dir: str | os.PathLike[str]) -> None:
+    """Called when there is no reshard checkpoint in ``checkpoint_dir/reshard``: refuse a directory whose
+    Megatron ``metadata.json`` is there while ``reshard/`` is not as an interrupted save (the strategy points
+    ``metadata.json`` at itself before it writes anything there), not as a path that does not exist.
+
+    Raises:
+        IncompleteCheckpointError: ``metadata.json`` is there, ``reshard/`` is not.
+    """
+    where = Path(checkpoint_dir)
+    if (where / CONFIG_FNAME).is_file() and not os.path.lexists(where / RESHARD_SUBDIR):
+        raise IncompleteCheckpointError(
+            f"{where / CONFIG_FNAME} is there but {where / RESHARD_SUBDIR} is not: a save with the reshard strategy "
+            "was interrupted after it pointed Megatron's metadata.json at itself and before it wrote its checkpoint "
+            "(the checkpoint that was in the directory before, if any, is no longer loadable from it)"
+        )
 
 
 def check_common_pt(checkpoint_dir: str | os.PathLike[str], stored: Metadata) -> None:

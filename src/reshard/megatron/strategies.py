@@ -23,6 +23,7 @@ import reshard
 from reshard.comm import Communicator
 from reshard.errors import (
     CheckpointError,
+    CheckpointNotFoundError,
     CommunicationError,
     MismatchError,
     StateDictError,
@@ -34,6 +35,7 @@ from reshard.megatron.directory import (
     RESHARD_SUBDIR,
     Repointed,
     check_common_pt,
+    check_started,
     common_pt_digest,
     put_back,
     repoint,
@@ -61,7 +63,8 @@ def _rank0_value(values: list[Any]) -> Any:
 
 
 def _stored_metadata(checkpoint_dir: str | Path, *, check_common: bool = False) -> Metadata:
-    """The reshard checkpoint's metadata on every rank: read once, by rank 0, and broadcast. ``check_common``:
+    """The reshard checkpoint's metadata on every rank: read once, by rank 0, and broadcast (a directory with
+    Megatron's ``metadata.json`` and no ``reshard/`` is an ``IncompleteCheckpointError``). ``check_common``:
     rank 0 also checks that ``common.pt`` belongs to it (``IncompleteCheckpointError`` otherwise). Collective
     over the default group (reshard's agreement: every rank raises the same error, a dead peer is a
     ``CommunicationError``)."""
@@ -76,6 +79,9 @@ def _stored_metadata(checkpoint_dir: str | Path, *, check_common: bool = False) 
         storage = storage_for(directory)
         try:
             raw = read_metadata_bytes(storage)
+        except CheckpointNotFoundError:
+            check_started(checkpoint_dir)
+            raise
         finally:
             storage.close()
         metadata = Metadata.from_json_bytes(raw, where=where)
