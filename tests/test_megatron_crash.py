@@ -74,6 +74,17 @@ def _arm(point: str, path: str, marker: str) -> None:
             _fire(marker, point, common_pt=state_dict["iteration"])
 
         TorchCommonSaveStrategy.save_common = common_then_die
+    elif point == "after_repoint":  # the strategy has pointed Megatron's metadata.json at itself
+        from reshard.megatron import strategies
+
+        repoint = strategies.repoint
+
+        def repoint_then_die(*args: Any, **kwargs: Any) -> Any:
+            before = repoint(*args, **kwargs)
+            _fire(marker, point, backend=json.loads((root / "metadata.json").read_text())["sharded_backend"])
+            return before
+
+        strategies.repoint = repoint_then_die
     elif point == "in_data_write":  # a rank opens its data file of the reshard checkpoint
         open_writer = LocalStorage.open_writer
 
@@ -108,15 +119,21 @@ def _arm(point: str, path: str, marker: str) -> None:
             serialization.save_config = die_before_config
 
 
-def rank_save_then_crash(ctx: RankContext, path: str, point: str, killed: int, marker: str) -> dict[str, Any]:
-    """Save iteration OLD completely, then iteration NEW into the same directory with rank ``killed`` armed to
-    die at ``point``; a survivor reports how its save ended."""
+def rank_save_then_crash(
+    ctx: RankContext, path: str, earlier: str, point: str, killed: int, marker: str
+) -> dict[str, Any]:
+    """Save iteration OLD completely with the ``earlier`` strategy (``"reshard"`` or Megatron's ``"torch_dist"``),
+    then iteration NEW into the same directory with the reshard strategy and rank ``killed`` armed to die at
+    ``point``; a survivor reports how its save ended."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     import reshard.megatron  # noqa: F401
 
-    dist_checkpointing.save(_state(ctx.rank, ctx.world_size, OLD), path, sharded_strategy=("reshard", 1))
+    if earlier == "torch_dist":
+        _torch_dist_save(_state(ctx.rank, ctx.world_size, OLD), path)
+    else:
+        dist_checkpointing.save(_state(ctx.rank, ctx.world_size, OLD), path, sharded_strategy=("reshard", 1))
     dist.barrier()
     if ctx.rank == killed:
         _arm(point, path, marker)
@@ -127,9 +144,10 @@ def rank_save_then_crash(ctx: RankContext, path: str, point: str, killed: int, m
     return {"saved": True}
 
 
-def rank_load_outcome(ctx: RankContext, path: str, world: int) -> dict[str, Any]:
-    """Megatron's dist_checkpointing.load of every saved tensor and object cell (on every rank): which save
-    the common state, the tensors and the objects come from, or the error."""
+def rank_load_outcome(ctx: RankContext, path: str, world: int, strategy: Any = None) -> dict[str, Any]:
+    """Megatron's dist_checkpointing.load of every saved tensor and object cell (on every rank), with the
+    strategy that metadata.json names or ``strategy``: which save the common state, the tensors and the
+    objects come from, or the error."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.core import CheckpointingException
@@ -142,7 +160,7 @@ def rank_load_outcome(ctx: RankContext, path: str, world: int) -> dict[str, Any]
         "rng": [ShardedObject("rng", None, (world,), (r,), replica_id=ctx.rank) for r in range(world)],
     }
     try:
-        loaded = dist_checkpointing.load(template, path)
+        loaded = dist_checkpointing.load(template, path, sharded_strategy=strategy)
     except Exception as exc:
         return {"error": type(exc).__name__, "megatron_catches": isinstance(exc, CheckpointingException)}
     w = next((it for it in (OLD, NEW, AFTER) if torch.equal(loaded["w"], _global_w(world, it))), None)
@@ -167,6 +185,7 @@ def rank_save_again(ctx: RankContext, path: str) -> None:
 
 @dataclass(frozen=True)
 class Crash:
+    name: str
     point: str
     killed: int
     path: Path
@@ -175,34 +194,46 @@ class Crash:
     exitcodes: dict[int, int | None]
 
 
-CRASHES = {
-    # point: (rank killed, what a load of the directory gives afterwards)
-    # The new common.pt beside the old tensors under the old metadata.json: common.pt is not the one the
+MIX = "the new common state with the old tensors"
+INCOMPLETE = "IncompleteCheckpointError"
+CRASHES: dict[str, tuple[str, str, Any, Any]] = {
+    # name: (the earlier checkpoint's strategy, the kill point of rank 0 in the reshard-strategy save over it,
+    #        what dist_checkpointing.load gives afterwards, what it gives with sharded_strategy=("reshard", 1))
+    # (The contract suite's "megatron" flow, tests/contract/flows_edge.py, kills every rank at a sample of every
+    # event of such a save over a reshard-strategy checkpoint, the rank's data write and the reshard commit
+    # among them.)
+    # The new common.pt beside the old tensors, under the old metadata.json: common.pt is not the one the
     # committed reshard checkpoint was saved with.
-    # (The contract suite's "megatron" flow, tests/contract/flows_edge.py, kills every rank at a sample of
-    # every event of such a save, the rank's data write and the reshard commit among them.)
-    "after_common_pt": (0, "IncompleteCheckpointError"),
+    "after_common_pt": ("reshard", "after_common_pt", INCOMPLETE, INCOMPLETE),
     # The reshard checkpoint committed, Megatron has not written its metadata.json yet: the new save.
-    "before_megatron_metadata": (0, NEW),
+    "before_megatron_metadata": ("reshard", "before_megatron_metadata", NEW, NEW),
+    # Over Megatron's torch_dist: the kill comes inside Megatron's save, before any strategy code runs, and
+    # metadata.json still names torch_dist, whose load reads the new common.pt with the old tensors, as after
+    # the same kill in a torch_dist save over a torch_dist checkpoint. A reshard-strategy load refuses.
+    "torch_dist_after_common_pt": ("torch_dist", "after_common_pt", MIX, "MismatchError"),
+    # Over Megatron's torch_dist, right after the strategy pointed metadata.json at itself (it has written
+    # nothing in reshard/ yet): refused as an interrupted save.
+    "torch_dist_after_repoint": ("torch_dist", "after_repoint", INCOMPLETE, INCOMPLETE),
 }
 WORLD = 2
 
 
 @pytest.fixture(scope="module", params=list(CRASHES))
 def crash(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Crash:
-    point = request.param
-    killed = CRASHES[point][0]
-    base = tmp_path_factory.mktemp(f"megatron-crash-{point}")
+    name = request.param
+    earlier, point, _, _ = CRASHES[name]
+    killed = 0
+    base = tmp_path_factory.mktemp(f"megatron-crash-{name}")
     path = base / "iter"
     path.mkdir()
     marker = base / "killed.json"
     pool = RankPool(WORLD)
     try:
-        run = run_with_deaths(pool, rank_save_then_crash, str(path), point, killed, str(marker), dead={killed})
+        run = run_with_deaths(pool, rank_save_then_crash, str(path), earlier, point, killed, str(marker), dead={killed})
     finally:
         kill_pool(pool)
     assert marker.exists(), f"rank {killed} was not killed at {point}: {run.results}"
-    return Crash(point, killed, path, json.loads(marker.read_text()), run.results, run.exitcodes)
+    return Crash(name, point, killed, path, json.loads(marker.read_text()), run.results, run.exitcodes)
 
 
 def test_rank_is_killed_at_the_chosen_point(crash: Crash) -> None:
@@ -214,19 +245,37 @@ def test_rank_is_killed_at_the_chosen_point(crash: Crash) -> None:
         assert not crash.marker["reshard_committed"] and crash.marker["temporary"]
     if crash.point == "before_megatron_metadata":
         assert crash.marker["reshard_committed"]
+    if crash.point == "after_repoint":
+        assert crash.marker["backend"] == "reshard"
     for rank, result in crash.survivors.items():
         assert not isinstance(result, RankFailure) and "saved" not in result, (rank, result)
 
 
-def test_load_gives_the_old_save_the_new_one_or_raises_never_a_mix(pool4: RankPool, crash: Crash) -> None:
-    results = pool4.run_ok(rank_load_outcome, str(crash.path), WORLD, timeout_s=120)
-    expected = CRASHES[crash.point][1]
-    for rank, r in enumerate(results):
-        if isinstance(expected, str):
-            assert r == {"error": expected, "megatron_catches": True}, (rank, crash.point, r)
-        else:
-            whole = {"iteration": expected, "args": expected, "w": expected, "b": expected, "rng": [expected]}
-            assert r == whole, (rank, crash.point, r)
+def _expected_load(expected: Any) -> dict[str, Any]:
+    if expected == MIX:
+        return {"iteration": NEW, "args": NEW, "w": OLD, "b": OLD, "rng": [OLD]}
+    if isinstance(expected, str):
+        return {"error": expected, "megatron_catches": True}
+    return {"iteration": expected, "args": expected, "w": expected, "b": expected, "rng": [expected]}
+
+
+def test_load_after_the_crash(pool4: RankPool, crash: Crash) -> None:
+    """dist_checkpointing.load of the directory loads the earlier save, the new one, or raises; never a mix,
+    except where the save died inside Megatron's own code over a checkpoint of Megatron's torch_dist strategy,
+    before the strategy started (documented: as with Megatron's own strategies)."""
+    backend = json.loads((crash.path / "metadata.json").read_text())["sharded_backend"]
+    assert backend == ("torch_dist" if crash.name == "torch_dist_after_common_pt" else "reshard")
+    expected = _expected_load(CRASHES[crash.name][2])
+    for rank, r in enumerate(pool4.run_ok(rank_load_outcome, str(crash.path), WORLD, timeout_s=120)):
+        assert r == expected, (rank, crash.name, r)
+
+
+def test_a_reshard_strategy_load_after_the_crash_never_mixes(pool4: RankPool, crash: Crash) -> None:
+    """dist_checkpointing.load(..., sharded_strategy=("reshard", 1)) of the directory: the earlier save, the new
+    one, or an error, whatever strategy saved the earlier checkpoint."""
+    expected = _expected_load(CRASHES[crash.name][3])
+    for rank, r in enumerate(pool4.run_ok(rank_load_outcome, str(crash.path), WORLD, ("reshard", 1), timeout_s=120)):
+        assert r == expected, (rank, crash.name, r)
 
 
 def test_the_next_save_over_the_crash_loads(pool4: RankPool, crash: Crash, tmp_path: Path) -> None:
@@ -269,3 +318,102 @@ def test_a_refused_save_over_a_checkpoint_never_leaves_a_mix(pool4: RankPool, tm
             assert r == {"iteration": OLD, "args": OLD, "w": OLD, "b": OLD, "rng": [OLD]}, r
         else:
             assert r == {"error": "IncompleteCheckpointError", "megatron_catches": True}, r
+
+
+# ---- a refused save over a checkpoint of Megatron's own torch_dist strategy --------------------------------
+
+# How the strategy refuses a save (every rank raises the class), made on rank 1 only where a variant allows:
+REFUSALS = {
+    "object": "StateDictError",  # a ShardedObject whose value reshard cannot store without pickle (a set)
+    "conversion": "StateDictError",  # a state dict the strategy cannot convert (its own entry's key)
+    "options": "MegatronCheckpointError",  # the ranks' SaveOptions differ (another registration or instance)
+    "shapes": "ShardingError",  # the ranks' global shapes differ (Megatron's own check switched off)
+    "async": "StateDictError",  # "object", through async_sharded_save: refused in the background save
+    "fresh": "StateDictError",  # "object" into a directory that held no checkpoint
+}
+
+
+def _torch_dist_save(state: dict[str, Any], path: str) -> None:
+    """Megatron's own torch_dist save (the CPU variant of its strategy, as in tests/test_megatron.py)."""
+    from benchmarks.compare import _megatron_cpu_save_strategy
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(state, path, sharded_strategy=_megatron_cpu_save_strategy())
+
+
+def _refused_save(ctx: RankContext, variant: str, path: str) -> str:
+    """A reshard-strategy save of iteration OLD (the common state saved before, byte for byte) into ``path``,
+    refused as ``variant`` says (on rank 1 where it can be); the class of the error."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    import reshard
+    from reshard.megatron import ReshardSaveStrategy
+    from reshard.megatron.directory import COMMON_PT_ENTRY
+
+    state = _state(ctx.rank, ctx.world_size, OLD)
+    strategy: Any = ("reshard", 1)
+    if ctx.rank == 1 and variant in ("object", "async", "fresh"):
+        state["bad"] = ShardedObject("bad", {1, 2}, (1,), (0,))
+    if ctx.rank == 1 and variant == "conversion":
+        state[COMMON_PT_ENTRY] = ShardedObject("x", [1], (1,), (0,))
+    if ctx.rank == 1 and variant == "options":
+        chunk = reshard.SaveOptions().checksum_chunk_bytes * 2
+        strategy = ReshardSaveStrategy(options=reshard.SaveOptions(checksum_chunk_bytes=chunk))
+    if ctx.rank == 1 and variant == "shapes":
+        state["w"] = ShardedTensor.from_rank_offsets("w", state["w"].data, (0, 1, ctx.world_size + 1))
+    try:
+        request = dist_checkpointing.save(
+            state,
+            path,
+            sharded_strategy=strategy,
+            validate_access_integrity=variant != "shapes",
+            async_sharded_save=variant == "async",
+        )
+        if request is not None:
+            request.execute_sync()  # Megatron's finalisation: waits for the background save
+    except Exception as exc:
+        return type(exc).__name__
+    return "saved"
+
+
+def rank_refused_over_torch_dist(ctx: RankContext, base: str) -> dict[str, Any]:
+    """For each refusal: Megatron's torch_dist save of iteration OLD (none for "fresh"), then the refused
+    reshard-strategy save into the same directory; the error, whether Megatron's metadata.json is as before
+    (read as soon as the save returned, on every rank) and what dist_checkpointing.load gives then."""
+    import torch.distributed as dist
+
+    import reshard.megatron  # noqa: F401
+
+    out: dict[str, Any] = {}
+    for variant in REFUSALS:
+        path = Path(base) / variant
+        path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        if variant != "fresh":
+            _torch_dist_save(_state(ctx.rank, ctx.world_size, OLD), str(path))
+        config = path / "metadata.json"
+        before = config.read_bytes() if config.exists() else None
+        dist.barrier()
+        error = _refused_save(ctx, variant, str(path))
+        after = config.read_bytes() if config.exists() else None
+        load = rank_load_outcome(ctx, str(path), ctx.world_size) if variant != "fresh" else None
+        out[variant] = {"error": error, "metadata_json_kept": after == before, "load": load}
+    return out
+
+
+def test_a_refused_save_over_a_torch_dist_checkpoint_leaves_it_as_loadable_as_before(
+    pool4: RankPool, tmp_path: Path
+) -> None:
+    """A reshard-strategy save that the strategy refuses (on one rank or all, in the conversion, the planning
+    or the background save) over a checkpoint of Megatron's torch_dist strategy, with the same common state:
+    Megatron's metadata.json is as it was when the save returns on any rank, and the earlier checkpoint loads
+    whole, as before (no metadata.json where there was none)."""
+    whole = {"iteration": OLD, "args": OLD, "w": OLD, "b": OLD, "rng": [OLD]}
+    wrong = []
+    for rank, results in enumerate(pool4.run_ok(rank_refused_over_torch_dist, str(tmp_path), timeout_s=240)):
+        for variant, error in REFUSALS.items():
+            expected = {"error": error, "metadata_json_kept": True, "load": None if variant == "fresh" else whole}
+            if results[variant] != expected:
+                wrong.append((rank, variant, results[variant]))
+    assert not wrong, wrong

@@ -10,14 +10,25 @@ tensors, under the old ``metadata.json``: a load that succeeds with a mix of two
 
 1. when the strategy starts, rank 0 makes the new ``common.pt`` durable, records its SHA-256 (the common value
    :data:`COMMON_PT_ENTRY` of the reshard checkpoint it then commits) and writes Megatron's ``metadata.json``
-   naming the strategy, atomically (:func:`publish_config`), so that from then on every load of the directory
-   goes through the strategy's check, whatever checkpoint was there before (another backend's included);
+   naming the strategy, atomically (:func:`repoint`, which keeps what it replaced), so that from then on every
+   load of the directory goes through the strategy's check, whatever checkpoint was there before (another
+   backend's included);
 2. a load checks that ``common.pt`` is the one the reshard checkpoint was committed with
    (:func:`check_common_pt`): until the new reshard checkpoint commits, the old one records another digest, and
    a load raises instead of returning a mix; from the commit on, the new save loads whole.
 
-A save refused with an error leaves the earlier checkpoint loadable when Megatron rewrote ``common.pt`` with the
-same bytes (a step saved again); otherwise the directory is refused, never loaded as a mix.
+A save that the strategy refuses (an error every rank raises, before the reshard checkpoint commits) puts
+``metadata.json`` back as it was (:func:`put_back`): Megatron's load then opens the earlier checkpoint as it did
+before the save, with the ``common.pt`` Megatron wrote for the refused one: the same bytes when a step is saved
+again; other bytes are refused by an earlier reshard-strategy checkpoint's digest, and read with the earlier
+tensors by another backend's load, which records no digest (as after a failed save of Megatron's own
+strategies). A save that dies part way leaves ``metadata.json`` naming the strategy, whose load refuses what it
+did not commit whole.
+
+What the strategy cannot reach: Megatron writes ``common.pt`` before it calls any strategy, so a save that dies
+before the strategy starts leaves the new ``common.pt`` under the earlier ``metadata.json``. Over a
+reshard-strategy checkpoint the digest refuses it; over one of another backend (Megatron's ``torch_dist``), that
+backend's load reads the mix, exactly as after the same death in a save with Megatron's own strategies.
 """
 
 from __future__ import annotations
@@ -32,10 +43,26 @@ from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingCon
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
 from reshard.errors import IncompleteCheckpointError
-from reshard.metadata import Metadata
+from reshard.metadata import METADATA_FILE, Metadata
 from reshard.storage import LocalStorage
 
-__all__ = ["COMMON_PT_ENTRY", "check_common_pt", "common_pt_digest", "publish_config"]
+__all__ = [
+    "COMMON_PT_ENTRY",
+    "RESHARD_SUBDIR",
+    "Repointed",
+    "check_common_pt",
+    "check_started",
+    "common_pt_digest",
+    "publish_config",
+    "put_back",
+    "repoint",
+]
+
+RESHARD_SUBDIR = "reshard"
+"""Where in a Megatron checkpoint directory the strategy keeps the reshard checkpoint."""
+
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest Megatron ``metadata.json`` the strategy keeps to put back (Megatron's holds a few names)."""
 
 COMMON_PT_ENTRY = "__megatron_common_pt__"
 """The common value of the strategy's reshard checkpoint that holds ``"sha256:<hex>"`` of the ``common.pt`` it
@@ -65,8 +92,84 @@ def publish_config(checkpoint_dir: str | os.PathLike[str], backend: str, version
     """Write Megatron's ``metadata.json`` naming ``backend`` and ``version`` atomically (temporary file, fsync,
     rename, directory fsync, which also makes ``common.pt``'s entry durable): what Megatron's save writes in
     place after the strategy returns."""
-    config = json.dumps(dataclasses.asdict(CheckpointingConfig(backend, version))).encode()
-    LocalStorage(checkpoint_dir).commit(CONFIG_FNAME, config, replace=True)
+    LocalStorage(checkpoint_dir).commit(CONFIG_FNAME, _config_bytes(backend, version), replace=True)
+
+
+def _config_bytes(backend: str, version: int) -> bytes:
+    return json.dumps(dataclasses.asdict(CheckpointingConfig(backend, version))).encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class Repointed:
+    """What :func:`repoint` found in the directory before it pointed ``metadata.json`` at the strategy: what
+    :func:`put_back` restores after a refused save."""
+
+    config: bytes | None
+    """Megatron's ``metadata.json`` as it was (None: there was none)."""
+    published: bytes
+    """The ``metadata.json`` :func:`repoint` wrote in its place."""
+    committed: tuple[int, int, int, int] | None
+    """The identity of ``reshard/metadata.json`` then (device, inode, size, modification time in ns; None:
+    there was none): another one afterwards means that a reshard checkpoint may have committed since."""
+
+
+def repoint(checkpoint_dir: str | os.PathLike[str], backend: str, version: int) -> Repointed:
+    """Point Megatron's ``metadata.json`` at ``backend``/``version`` (:func:`publish_config`); what was there
+    before. On rank 0, when the strategy starts."""
+    storage = LocalStorage(checkpoint_dir)
+    try:
+        config: bytes | None = storage.read_bytes(CONFIG_FNAME, max_bytes=MAX_CONFIG_BYTES)
+    except FileNotFoundError:
+        config = None
+    before = Repointed(config, _config_bytes(backend, version), _identity(checkpoint_dir))
+    publish_config(checkpoint_dir, backend, version)
+    return before
+
+
+def put_back(checkpoint_dir: str | os.PathLike[str], before: Repointed) -> bool:
+    """Undo :func:`repoint` after a save that raised before its reshard checkpoint committed: Megatron's
+    ``metadata.json`` as it was, atomically (removed, and the directory synced, where there was none). Nothing
+    is changed when ``reshard/metadata.json`` is not the one :func:`repoint` saw (a reshard checkpoint may have
+    committed since: ``metadata.json`` keeps naming the strategy, whose load checks ``common.pt``). On rank 0.
+    Whether ``metadata.json`` is as it was."""
+    if _identity(checkpoint_dir) != before.committed:
+        return False
+    if before.config == before.published:
+        return True
+    storage = LocalStorage(checkpoint_dir)
+    if before.config is None:
+        storage.delete(CONFIG_FNAME)
+        storage.sync_dir("")
+    else:
+        storage.commit(CONFIG_FNAME, before.config, replace=True)
+    return True
+
+
+def _identity(checkpoint_dir: str | os.PathLike[str]) -> tuple[int, int, int, int] | None:
+    """The identity of the strategy's committed ``reshard/metadata.json`` (None: there is none). A commit
+    renames or links a new file into place, so a commit changes it."""
+    try:
+        found = os.stat(Path(checkpoint_dir) / RESHARD_SUBDIR / METADATA_FILE, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)
+
+
+def check_started(checkpoint_dir: str | os.PathLike[str]) -> None:
+    """Called when there is no reshard checkpoint in ``checkpoint_dir/reshard``: refuse a directory whose
+    Megatron ``metadata.json`` is there while ``reshard/`` is not as an interrupted save (the strategy points
+    ``metadata.json`` at itself before it writes anything there), not as a path that does not exist.
+
+    Raises:
+        IncompleteCheckpointError: ``metadata.json`` is there, ``reshard/`` is not.
+    """
+    where = Path(checkpoint_dir)
+    if (where / CONFIG_FNAME).is_file() and not os.path.lexists(where / RESHARD_SUBDIR):
+        raise IncompleteCheckpointError(
+            f"{where / CONFIG_FNAME} is there but {where / RESHARD_SUBDIR} is not: a save with the reshard strategy "
+            "was interrupted after it pointed Megatron's metadata.json at itself and before it wrote its checkpoint "
+            "(the checkpoint that was in the directory before, if any, is no longer loadable from it)"
+        )
 
 
 def check_common_pt(checkpoint_dir: str | os.PathLike[str], stored: Metadata) -> None:
@@ -85,7 +188,7 @@ def check_common_pt(checkpoint_dir: str | os.PathLike[str], stored: Metadata) ->
         state = "is missing" if not found else ("should not be there" if not recorded else "is another one")
         raise IncompleteCheckpointError(
             f"{where / COMMON_STATE_FNAME} {state}: it does not belong to the sharded checkpoint in "
-            f"{where / 'reshard'}. A save over this directory was interrupted (or refused) after Megatron "
+            f"{where / RESHARD_SUBDIR}. A save over this directory was interrupted (or refused) after Megatron "
             "rewrote common.pt; loading would mix the common state (iteration, arguments) of one save with the "
             "tensors of another"
         )

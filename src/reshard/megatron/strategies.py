@@ -8,6 +8,7 @@ is both Megatron's ``CheckpointingException`` and reshard's error class (:mod:`r
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,25 @@ from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStr
 
 import reshard
 from reshard.comm import Communicator
-from reshard.errors import MismatchError, StateDictError
+from reshard.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CommunicationError,
+    MismatchError,
+    StateDictError,
+    UnconfirmedCommitError,
+)
 from reshard.megatron.convert import ABSENT, rebuild_state, split_state
-from reshard.megatron.directory import COMMON_PT_ENTRY, check_common_pt, common_pt_digest, publish_config
+from reshard.megatron.directory import (
+    COMMON_PT_ENTRY,
+    RESHARD_SUBDIR,
+    Repointed,
+    check_common_pt,
+    check_started,
+    common_pt_digest,
+    put_back,
+    repoint,
+)
 from reshard.megatron.errors import megatron_errors
 from reshard.metadata import METADATA_FILE, Metadata
 from reshard.options import LoadOptions, SaveOptions
@@ -33,8 +50,8 @@ __all__ = ["BACKEND", "RESHARD_SUBDIR", "VERSION", "ReshardLoadStrategy", "Resha
 
 BACKEND = "reshard"
 VERSION = 1
-RESHARD_SUBDIR = "reshard"
-"""Where in a Megatron checkpoint directory the strategy keeps the reshard checkpoint."""
+
+logger = logging.getLogger("reshard")
 
 
 def _reshard_dir(checkpoint_dir: str | Path) -> Path:
@@ -46,7 +63,8 @@ def _rank0_value(values: list[Any]) -> Any:
 
 
 def _stored_metadata(checkpoint_dir: str | Path, *, check_common: bool = False) -> Metadata:
-    """The reshard checkpoint's metadata on every rank: read once, by rank 0, and broadcast. ``check_common``:
+    """The reshard checkpoint's metadata on every rank: read once, by rank 0, and broadcast (a directory with
+    Megatron's ``metadata.json`` and no ``reshard/`` is an ``IncompleteCheckpointError``). ``check_common``:
     rank 0 also checks that ``common.pt`` belongs to it (``IncompleteCheckpointError`` otherwise). Collective
     over the default group (reshard's agreement: every rank raises the same error, a dead peer is a
     ``CommunicationError``)."""
@@ -61,6 +79,9 @@ def _stored_metadata(checkpoint_dir: str | Path, *, check_common: bool = False) 
         storage = storage_for(directory)
         try:
             raw = read_metadata_bytes(storage)
+        except CheckpointNotFoundError:
+            check_started(checkpoint_dir)
+            raise
         finally:
             storage.close()
         metadata = Metadata.from_json_bytes(raw, where=where)
@@ -73,16 +94,45 @@ def _stored_metadata(checkpoint_dir: str | Path, *, check_common: bool = False) 
     return read[0][1] if read else Metadata.from_json_bytes(raw, where=where)
 
 
+def _put_back_after(failure: CheckpointError, checkpoint_dir: str | Path, before: Repointed | None) -> None:
+    """After a save that raised ``failure`` (a refusal, or a failure every rank agreed on) before its reshard
+    checkpoint committed: rank 0 puts Megatron's ``metadata.json`` back as it was before the strategy pointed it
+    at itself (:func:`~reshard.megatron.directory.put_back`), so that the earlier checkpoint loads as it did.
+    Collective over the default group (every rank raised ``failure``'s class, by reshard's agreement): no rank
+    returns from the save, and reads ``metadata.json`` again, before rank 0 is done. Not after a
+    ``CommunicationError`` (a peer died or is unreachable: there is no agreement to count on, and the directory
+    stays pointed at the strategy, whose load refuses what it did not commit) nor an ``UnconfirmedCommitError``
+    (the new checkpoint is committed). A failure to put it back is logged (``failure`` is what the save raises)."""
+    if isinstance(failure, (CommunicationError, UnconfirmedCommitError)):
+        return
+
+    def local() -> None:
+        if before is not None:
+            put_back(checkpoint_dir, before)
+
+    try:
+        Communicator(None).step("megatron: put metadata.json back", local)
+    except CheckpointError as exc:
+        logger.warning(
+            "the save into %s was refused (%s), and Megatron's metadata.json could not be put back as it was "
+            "(%s): it names the reshard strategy, whose load refuses the directory",
+            checkpoint_dir,
+            failure,
+            exc,
+        )
+
+
 class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # megatron-core is untyped
     """Megatron's sharded save as a reshard save into ``checkpoint_dir/reshard`` (see the package docstring),
     synchronous (:meth:`save`) or asynchronous (:meth:`async_save`, for ``dist_checkpointing.save(...,
     async_sharded_save=True)``).
 
     ``options`` are reshard's :class:`~reshard.SaveOptions` (checksums, workers, memory budget). An earlier
-    checkpoint in the same directory is replaced so that Megatron's load never opens a mix of the two: when
-    the strategy starts, rank 0 records the digest of the ``common.pt`` Megatron has just written and points
-    Megatron's ``metadata.json`` at the strategy (atomically); a load checks that ``common.pt`` is the one the
-    committed reshard checkpoint was saved with (:mod:`reshard.megatron.directory`).
+    checkpoint in the same directory is replaced so that Megatron's load never opens a mix of the two once the
+    strategy runs: when it starts, rank 0 records the digest of the ``common.pt`` Megatron has just written and
+    points Megatron's ``metadata.json`` at the strategy (atomically); a load checks that ``common.pt`` is the
+    one the committed reshard checkpoint was saved with. A save the strategy refuses puts ``metadata.json`` back
+    as it was (:mod:`reshard.megatron.directory`).
     """
 
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, options: SaveOptions | None = None) -> None:
@@ -98,8 +148,12 @@ class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # me
         """Collective over the default group: every rank calls it (Megatron's ``dist_checkpointing.save``
         does)."""
         with megatron_errors():
-            state = self._prepare(sharded_state_dict, checkpoint_dir)
-            reshard.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
+            state, before = self._prepare(sharded_state_dict, checkpoint_dir)
+            try:
+                reshard.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
+            except CheckpointError as exc:
+                _put_back_after(exc, checkpoint_dir, before)
+                raise
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> AsyncRequest:
         """Snapshot the tensors into host buffers (reused from one save to the next) and write them in a
@@ -111,22 +165,35 @@ class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # me
         with megatron_errors():
             if self._checkpointer is None:
                 self._checkpointer = reshard.AsyncCheckpointer(group=dist.new_group(backend="gloo"))
-            state = self._prepare(sharded_state_dict, checkpoint_dir)
-            handle = self._checkpointer.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
+            state, before = self._prepare(sharded_state_dict, checkpoint_dir)
+            try:
+                handle = self._checkpointer.save(
+                    state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options
+                )
+            except CheckpointError as exc:
+                _put_back_after(exc, checkpoint_dir, before)
+                raise
 
-        def finalize() -> None:
+        def finalize() -> None:  # on every rank (Megatron's finalisation of the request)
             with megatron_errors():
-                handle.wait()
+                try:
+                    handle.wait()
+                except CheckpointError as exc:
+                    _put_back_after(exc, checkpoint_dir, before)
+                    raise
 
         return AsyncRequest(async_fn=None, async_fn_args=(), finalize_fns=[finalize])
 
-    def _prepare(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> dict[Any, Any]:
+    def _prepare(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> tuple[dict[Any, Any], Repointed | None]:
         """The reshard state dict to save, with the digest of ``common.pt``; on rank 0, ``common.pt`` made
-        durable and Megatron's ``metadata.json`` naming the strategy written atomically
-        (:mod:`reshard.megatron.directory`). Collective over the default group: the conversion of every rank
-        and rank 0's files are agreed on (the same error on every rank)."""
+        durable, Megatron's ``metadata.json`` naming the strategy written atomically (as soon as the strategy
+        starts, so that a death from then on leaves a directory its load refuses) and what it replaced (None on
+        the other ranks; :mod:`reshard.megatron.directory`). Collective over the default group: the conversion
+        of every rank and rank 0's files are agreed on (the same error on every rank), and a state refused on
+        any rank puts ``metadata.json`` back before the error is raised."""
         comm = Communicator(None)
         converted: list[dict[Any, Any]] = []
+        repointed: list[Repointed] = []
 
         def local() -> str | None:
             sharded, _ = split_state(sharded_state_dict, None)  # Megatron keeps the common state in its common.pt
@@ -137,13 +204,17 @@ class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # me
             if not comm.is_coordinator:
                 return None
             digest = common_pt_digest(checkpoint_dir, durable=True)
-            publish_config(checkpoint_dir, self.backend, self.version)
+            repointed.append(repoint(checkpoint_dir, self.backend, self.version))
             return digest
 
-        digest = comm.step("megatron: prepare the save", local, _rank0_value)
+        try:
+            digest = comm.step("megatron: prepare the save", local, _rank0_value)
+        except CheckpointError as exc:
+            _put_back_after(exc, checkpoint_dir, repointed[0] if repointed else None)
+            raise
         state = converted[0]
         state[COMMON_PT_ENTRY] = digest
-        return state
+        return state, (repointed[0] if repointed else None)
 
 
 class ReshardLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]  # megatron-core is untyped
