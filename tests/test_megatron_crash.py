@@ -398,22 +398,28 @@ def rank_refused_over_torch_dist(ctx: RankContext, base: str) -> dict[str, Any]:
         error = _refused_save(ctx, variant, str(path))
         after = config.read_bytes() if config.exists() else None
         load = rank_load_outcome(ctx, str(path), ctx.world_size) if variant != "fresh" else None
-        out[variant] = {"error": error, "metadata_json_kept": after == before, "load": load}
+        names = json.loads(after)["sharded_backend"] if after is not None else None
+        out[variant] = {"error": error, "metadata_json_kept": after == before, "names": names, "load": load}
     return out
 
 
-def test_a_refused_save_over_a_torch_dist_checkpoint_leaves_it_as_loadable_as_before(
-    pool4: RankPool, tmp_path: Path
-) -> None:
+def test_a_refused_save_over_a_torch_dist_checkpoint_is_refused_never_a_mix(pool4: RankPool, tmp_path: Path) -> None:
     """A reshard-strategy save that the strategy refuses (on one rank or all, in the conversion, the planning
-    or the background save) over a checkpoint of Megatron's torch_dist strategy, with the same common state:
-    Megatron's metadata.json is as it was when the save returns on any rank, and the earlier checkpoint loads
-    whole, as before (no metadata.json where there was none)."""
-    whole = {"iteration": OLD, "args": OLD, "w": OLD, "b": OLD, "rng": [OLD]}
+    or the background save) over a checkpoint of Megatron's torch_dist strategy: Megatron has already replaced
+    that checkpoint's common.pt (here with the same bytes, in general with another iteration's), and nothing
+    records whether it belongs to the old tensors, so metadata.json keeps naming the strategy and every load of
+    the directory raises IncompleteCheckpointError on every rank (putting metadata.json back would let the
+    torch_dist load return a new iteration with the old tensors). Into a directory that held no checkpoint,
+    metadata.json is removed again."""
     wrong = []
     for rank, results in enumerate(pool4.run_ok(rank_refused_over_torch_dist, str(tmp_path), timeout_s=240)):
         for variant, error in REFUSALS.items():
-            expected = {"error": error, "metadata_json_kept": True, "load": None if variant == "fresh" else whole}
-            if results[variant] != expected:
-                wrong.append((rank, variant, results[variant]))
+            got = results[variant]
+            if variant == "fresh":
+                ok = got == {"error": error, "metadata_json_kept": True, "names": None, "load": None}
+            else:
+                refused = {"error": "IncompleteCheckpointError", "megatron_catches": True}
+                ok = got["error"] == error and got["names"] == "reshard" and got["load"] == refused
+            if not ok:
+                wrong.append((rank, variant, got))
     assert not wrong, wrong

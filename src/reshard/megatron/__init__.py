@@ -13,9 +13,9 @@ Megatron writes what it always writes at the root of ``ckpt_dir`` (its ``metadat
 ``common.pt`` with the non-sharded values, a pickle that Megatron writes with ``torch.save``); the strategy writes
 the ShardedTensors and ShardedObjects as a reshard checkpoint in ``ckpt_dir/reshard`` (:data:`RESHARD_SUBDIR`), so
 the two ``metadata.json`` files never meet, and makes a save over an earlier checkpoint safe from the moment it
-starts: a load finds the earlier save, the new one, or an error, never a mix of the two, and a refused save leaves
-the earlier checkpoint as loadable as it was (before the strategy starts, Megatron has already rewritten
-``common.pt``: :mod:`reshard.megatron.directory` says what that leaves). Every tensor is checksummed and loads
+starts: a load finds the earlier save, the new one, or an error, never a mix of the two, refused saves included
+(before the strategy starts, Megatron has already rewritten ``common.pt``: :mod:`reshard.megatron.directory` says
+what that leaves). Every tensor is checksummed and loads
 into any other layout, reading only the bytes each rank needs; ShardedObjects are stored without pickle (TE's
 ``_extra_state`` bytes included). The strategies also work inside Megatron's ``FullyParallelSaveStrategyWrapper``
 and ``FullyParallelLoadStrategyWrapper``, and raise errors that are both Megatron's ``CheckpointingException`` and

@@ -17,13 +17,16 @@ tensors, under the old ``metadata.json``: a load that succeeds with a mix of two
    (:func:`check_common_pt`): until the new reshard checkpoint commits, the old one records another digest, and
    a load raises instead of returning a mix; from the commit on, the new save loads whole.
 
-A save that the strategy refuses (an error every rank raises, before the reshard checkpoint commits) puts
-``metadata.json`` back as it was (:func:`put_back`): Megatron's load then opens the earlier checkpoint as it did
-before the save, with the ``common.pt`` Megatron wrote for the refused one: the same bytes when a step is saved
-again; other bytes are refused by an earlier reshard-strategy checkpoint's digest, and read with the earlier
-tensors by another backend's load, which records no digest (as after a failed save of Megatron's own
-strategies). A save that dies part way leaves ``metadata.json`` naming the strategy, whose load refuses what it
-did not commit whole.
+A save that the strategy refuses (an error every rank raises, before the reshard checkpoint commits) leaves
+Megatron's ``metadata.json`` as it was where that cannot make a mix loadable (:func:`put_back`): in a directory
+that had none (it is removed), and over an earlier reshard-strategy checkpoint (whose digest refuses the
+``common.pt`` Megatron wrote for the refused save, unless it has the same bytes). Over a checkpoint of another
+backend (Megatron's ``torch_dist``), which records no digest, ``metadata.json`` keeps naming the strategy, whose
+load refuses the directory (:func:`check_started`): Megatron has already replaced that checkpoint's
+``common.pt``, and nothing can tell whether the new one still belongs to the old tensors, so putting the old
+``metadata.json`` back would let Megatron's load return the new iteration and arguments with the old tensors.
+A save that dies part way leaves ``metadata.json`` naming the strategy, whose load refuses what it did not
+commit whole.
 
 What the strategy cannot reach: Megatron writes ``common.pt`` before it calls any strategy, so a save that dies
 before the strategy starts leaves the new ``common.pt`` under the earlier ``metadata.json``. Over a
@@ -130,12 +133,15 @@ def put_back(checkpoint_dir: str | os.PathLike[str], before: Repointed) -> bool:
     """Undo :func:`repoint` after a save that raised before its reshard checkpoint committed: Megatron's
     ``metadata.json`` as it was, atomically (removed, and the directory synced, where there was none). Nothing
     is changed when ``reshard/metadata.json`` is not the one :func:`repoint` saw (a reshard checkpoint may have
-    committed since: ``metadata.json`` keeps naming the strategy, whose load checks ``common.pt``). On rank 0.
-    Whether ``metadata.json`` is as it was."""
+    committed since: ``metadata.json`` keeps naming the strategy, whose load checks ``common.pt``), nor when it
+    named another backend (see the module doc: the strategy's load refuses the directory, never a mix). On
+    rank 0. Whether ``metadata.json`` is as it was."""
     if _identity(checkpoint_dir) != before.committed:
         return False
     if before.config == before.published:
         return True
+    if before.config is not None and _backend_of(before.config) != _backend_of(before.published):
+        return False  # another backend's checkpoint, whose common.pt Megatron replaced: refused, never a mix
     storage = LocalStorage(checkpoint_dir)
     if before.config is None:
         storage.delete(CONFIG_FNAME)
@@ -143,6 +149,15 @@ def put_back(checkpoint_dir: str | os.PathLike[str], before: Repointed) -> bool:
     else:
         storage.commit(CONFIG_FNAME, before.config, replace=True)
     return True
+
+
+def _backend_of(config: bytes) -> object:
+    """The ``sharded_backend`` a Megatron ``metadata.json`` names (None: unreadable)."""
+    try:
+        doc = json.loads(config)
+    except ValueError:
+        return None
+    return doc.get("sharded_backend") if isinstance(doc, dict) else None
 
 
 def _identity(checkpoint_dir: str | os.PathLike[str]) -> tuple[int, int, int, int] | None:

@@ -97,7 +97,9 @@ def _stored_metadata(checkpoint_dir: str | Path, *, check_common: bool = False) 
 def _put_back_after(failure: CheckpointError, checkpoint_dir: str | Path, before: Repointed | None) -> None:
     """After a save that raised ``failure`` (a refusal, or a failure every rank agreed on) before its reshard
     checkpoint committed: rank 0 puts Megatron's ``metadata.json`` back as it was before the strategy pointed it
-    at itself (:func:`~reshard.megatron.directory.put_back`), so that the earlier checkpoint loads as it did.
+    at itself, where that cannot make a mix loadable (:func:`~reshard.megatron.directory.put_back`: not over
+    another backend's checkpoint, whose ``common.pt`` Megatron has replaced and which the strategy's load then
+    refuses).
     Collective over the default group (every rank raised ``failure``'s class, by reshard's agreement): no rank
     returns from the save, and reads ``metadata.json`` again, before rank 0 is done. Not after a
     ``CommunicationError`` (a peer died or is unreachable: there is no agreement to count on, and the directory
