@@ -63,10 +63,14 @@ def outcome_of(answer: dict[str, Any]) -> str:
 def same_outcome(answers: Answers, *, killed: bool) -> Finding | None:
     """The ranks that answered agree: all succeeded, or all raised the same error class. With a rank
     killed, the survivors may also split between success and :class:`UnconfirmedCommitError` (a commit
-    some of them saw confirmed), and a flow whose survivors cannot know the victim's fate may mix success
-    with one error class."""
+    some of them saw confirmed) and :class:`CommunicationError` (a rank that saw the death before the
+    coordinator's commit was in place cannot know whether it will be: docs/reliability.md section 1; the flow's
+    own check then holds the committed checkpoint to loading), and a flow whose survivors cannot know the
+    victim's fate may mix success with one error class."""
     outcomes = {outcome_of(a) for a in answers.values()}
     if len(outcomes) <= 1 or (killed and outcomes <= COMMIT_OUTCOMES):
+        return None
+    if killed and "UnconfirmedCommitError" in outcomes and outcomes <= COMMIT_OUTCOMES | {"CommunicationError"}:
         return None
     errors = outcomes - {"ok"}
     if killed and len(errors) == 1:

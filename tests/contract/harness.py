@@ -221,6 +221,10 @@ class _Zygote:
         for line in self.process.stdout:
             doc = json.loads(line)
             if "started" in doc:
+                with self.lock:
+                    # A pid the system reuses (a long run forks tens of thousands of ranks): the exit reported
+                    # before this start was an earlier process's, and this one's comes after this line.
+                    self.exits.pop(int(doc["started"]), None)
                 self.started.put(int(doc["started"]))
             else:
                 with self.lock:
