@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timed", type=int, default=10, help="kills at random delays per flow (default 10)")
     parser.add_argument("--corruptions", type=int, default=None, help="damaged copies, half plain, half roots")
     parser.add_argument("--hostile", type=int, default=None, help="hostile documents")
+    parser.add_argument(
+        "--disagreement", action="store_true", help="every disagreement case too (implied by --all-flows)"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             report["root_damage"] = run_root_damage(base / "roots", corruptions // 2, args.seed)
         if documents:
             report["hostile"] = run_hostile(base / "hostile", documents, args.seed)
-        if args.all_flows:
+        if args.all_flows or args.disagreement:
             report["disagreement"] = run_disagreement(base / "disagreement")
     finally:
         shutil.rmtree(base, ignore_errors=True)
