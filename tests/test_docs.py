@@ -224,3 +224,30 @@ def test_layers_import_only_downwards() -> None:
                     if alias.name.startswith("_") and alias.name != "__version__"
                 ]
     assert not problems, "\n".join(problems)
+
+
+TEST_REFERENCE = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+)[^`]*)?`|`::(\w+)[^`]*`")
+
+
+def test_every_test_the_docs_cite_exists() -> None:
+    """A claim of the docs names its test (``tests/FILE.py::test_name``, or ``::test_name`` for another test of the
+    file named before it; a name ending in ``…`` is a prefix): each must exist, so a renamed or removed test cannot
+    leave a claim behind that nothing checks any more."""
+    missing = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        current: Path | None = None
+        for match in TEST_REFERENCE.finditer(doc.read_text()):
+            path, name, continued = match.groups()
+            if path is not None:
+                current = ROOT / path
+                if not current.is_file():
+                    missing.append(f"{doc.name}: {path}")
+                    continue
+            name = name or continued
+            if name is None or current is None or not current.is_file():
+                continue
+            prefix = match.group(0).rstrip("`").endswith("…")
+            pattern = r"^def " + re.escape(name) + ("" if prefix else r"\b")
+            if not re.search(pattern, current.read_text(), re.MULTILINE):
+                missing.append(f"{doc.name}: {current.relative_to(ROOT)}::{name}")
+    assert not missing, "\n".join(missing)
