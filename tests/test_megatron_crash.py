@@ -330,6 +330,7 @@ REFUSALS = {
     "shapes": "ShardingError",  # the ranks' global shapes differ (Megatron's own check switched off)
     "async": "StateDictError",  # "object", through async_sharded_save: refused in the background save
     "fresh": "StateDictError",  # "object" into a directory that held no checkpoint
+    "superseded": "StateDictError",  # "object" over torch_dist's NEW, which superseded a reshard-strategy OLD
 }
 
 
@@ -353,7 +354,7 @@ def _refused_save(ctx: RankContext, variant: str, path: str) -> str:
 
     state = _state(ctx.rank, ctx.world_size, OLD)
     strategy: Any = ("reshard", 1)
-    if ctx.rank == 1 and variant in ("object", "async", "fresh"):
+    if ctx.rank == 1 and variant in ("object", "async", "fresh", "superseded"):
         state["bad"] = ShardedObject("bad", {1, 2}, (1,), (0,))
     if ctx.rank == 1 and variant == "conversion":
         state[COMMON_PT_ENTRY] = ShardedObject("x", [1], (1,), (0,))
@@ -390,7 +391,12 @@ def rank_refused_over_torch_dist(ctx: RankContext, base: str) -> dict[str, Any]:
         path = Path(base) / variant
         path.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        if variant != "fresh":
+        if variant == "superseded":  # the refused save's common.pt has the bytes of the reshard save's
+            from megatron.core import dist_checkpointing
+
+            dist_checkpointing.save(_state(ctx.rank, ctx.world_size, OLD), str(path), sharded_strategy=("reshard", 1))
+            _torch_dist_save(_state(ctx.rank, ctx.world_size, NEW), str(path))
+        elif variant != "fresh":
             _torch_dist_save(_state(ctx.rank, ctx.world_size, OLD), str(path))
         config = path / "metadata.json"
         before = config.read_bytes() if config.exists() else None
@@ -410,7 +416,9 @@ def test_a_refused_save_over_a_torch_dist_checkpoint_is_refused_never_a_mix(pool
     records whether it belongs to the old tensors, so metadata.json keeps naming the strategy and every load of
     the directory raises IncompleteCheckpointError on every rank (putting metadata.json back would let the
     torch_dist load return a new iteration with the old tensors). Into a directory that held no checkpoint,
-    metadata.json is removed again."""
+    metadata.json is removed again. A reshard-strategy checkpoint that the torch_dist save superseded is never
+    loaded again, even where the refused save's common.pt has its bytes (it used to come back whole, in place of
+    the newer torch_dist save)."""
     wrong = []
     for rank, results in enumerate(pool4.run_ok(rank_refused_over_torch_dist, str(tmp_path), timeout_s=240)):
         for variant, error in REFUSALS.items():

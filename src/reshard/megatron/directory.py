@@ -45,8 +45,9 @@ from pathlib import Path
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingConfig
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
-from reshard.errors import IncompleteCheckpointError
+from reshard.errors import IncompleteCheckpointError, StorageError
 from reshard.metadata import METADATA_FILE, Metadata
+from reshard.retirement import remove_checkpoint
 from reshard.storage import LocalStorage
 
 __all__ = [
@@ -124,9 +125,27 @@ def repoint(checkpoint_dir: str | os.PathLike[str], backend: str, version: int) 
         config: bytes | None = storage.read_bytes(CONFIG_FNAME, max_bytes=MAX_CONFIG_BYTES)
     except FileNotFoundError:
         config = None
+    if config is not None and _backend_of(config) != backend:
+        _remove_superseded(checkpoint_dir)
     before = Repointed(config, _config_bytes(backend, version), _identity(checkpoint_dir))
     publish_config(checkpoint_dir, backend, version)
     return before
+
+
+def _remove_superseded(checkpoint_dir: str | os.PathLike[str]) -> None:
+    """Remove the reshard checkpoint in ``checkpoint_dir/reshard`` that a save of another backend superseded
+    (Megatron's ``metadata.json`` names that backend, whose save leaves ``reshard/`` alone): before the directory
+    is pointed at the strategy again, so that no load through it can find that older save, whose ``common.pt``
+    may even have the bytes of the one Megatron has just written (a step saved again), and return it in place of
+    the newer save of the other backend. Under the checkpoint's save lock, as retention removes a checkpoint
+    (:func:`reshard.retirement.remove_checkpoint`)."""
+    reshard_dir = Path(checkpoint_dir) / RESHARD_SUBDIR
+    if not (reshard_dir / METADATA_FILE).is_file():
+        return
+    try:
+        remove_checkpoint(LocalStorage(reshard_dir))
+    except OSError as exc:
+        raise StorageError(f"cannot remove the superseded reshard checkpoint in {reshard_dir}: {exc}") from exc
 
 
 def put_back(checkpoint_dir: str | os.PathLike[str], before: Repointed) -> bool:
@@ -182,7 +201,8 @@ def check_started(checkpoint_dir: str | os.PathLike[str]) -> None:
     if (where / CONFIG_FNAME).is_file() and not os.path.lexists(where / RESHARD_SUBDIR):
         raise IncompleteCheckpointError(
             f"{where / CONFIG_FNAME} is there but {where / RESHARD_SUBDIR} is not: a save with the reshard strategy "
-            "was interrupted after it pointed Megatron's metadata.json at itself and before it wrote its checkpoint "
+            "was interrupted (or refused) after it pointed Megatron's metadata.json at itself and before it wrote its "
+            "checkpoint "
             "(the checkpoint that was in the directory before, if any, is no longer loadable from it)"
         )
 
