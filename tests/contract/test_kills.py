@@ -20,16 +20,16 @@ from tests.contract.flows import FLOWS
 SEED = 20261202
 # (flow, ranks): kill points sampled from the dry run's events (None: every one), kills at random delays
 PLAN: dict[tuple[str, int], tuple[int | None, int]] = {
-    ("overwrite", 2): (24, 2),
+    ("overwrite", 2): (16, 2),
     ("async", 3): (12, 2),
     ("fresh", 3): (12, 2),
-    ("manager", 3): (16, 2),
-    ("incremental", 2): (20, 2),
+    ("manager", 3): (12, 2),
+    ("incremental", 2): (14, 2),
     ("read_once", 3): (10, 1),
     ("transfer", 3): (8, 1),
     ("delta", 2): (8, 1),
-    ("peer", 3): (12, 1),
-    ("megatron", 2): (14, 1),
+    ("peer", 3): (10, 1),
+    ("megatron", 2): (10, 1),
     ("convert", 1): (8, 1),
     ("import_dcp", 1): (8, 1),
 }
