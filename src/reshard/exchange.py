@@ -248,9 +248,8 @@ def schedule_reads(
     return TransferPlan(size, round_bytes, copies, transfers, reads).schedules()
 
 
-def _rounds(transfers: list[_Transfer], size: int, round_bytes: int) -> list[list[dict[str, list[list[Any]]]]]:
-    """Transfers packed into rounds so that no rank sends or receives more than ``round_bytes`` in one;
-    per round and rank, ``{"send": [[peer, [cells]]...], "recv": [...]}``.
+def _pack(transfers: list[_Transfer], size: int, round_bytes: int) -> list[list[_Transfer]]:
+    """Transfers packed into rounds so that no rank sends or receives more than ``round_bytes`` in one.
 
     First fit from each rank's first round with room: a rank whose sends (or receives) filled a round never
     looks at it again, so packing stays about linear in the number of transfers (replicas make many: a
@@ -277,6 +276,12 @@ def _rounds(transfers: list[_Transfer], size: int, round_bytes: int) -> list[lis
             send_floor[t.src] += 1
         while recv_floor[t.dst] < len(placed) and received[recv_floor[t.dst]][t.dst] >= round_bytes:
             recv_floor[t.dst] += 1
+    return placed
+
+
+def _rounds(placed: list[list[_Transfer]], size: int) -> list[list[dict[str, list[list[Any]]]]]:
+    """Packed rounds as messages: per round and rank, ``{"send": [[peer, [cells]]...], "recv": [...]}``. A
+    rank receives a round's messages in the order of their peers, each message's cells in plan order."""
     out = []
     for batch in placed:
         outgoing: list[dict[int, list[CellRef]]] = [{} for _ in range(size)]
@@ -309,11 +314,20 @@ class TransferPlan:
     reads: list[list[CellRef]] | None = None
     """Per rank, the cells it reads from storage (a read-once load; None for a transfer)."""
 
-    def schedules(self, only: set[int] | None = None) -> list[RankSchedule]:
+    def schedules(self, only: set[int] | None = None, *, keep_order: bool = False) -> list[RankSchedule]:
         """Every rank's schedule: all cells, or only the sent cells numbered in ``only`` (local copies are
-        always made)."""
-        chosen = self.transfers if only is None else [t for t in self.transfers if t.ident in only]
-        rounds = _rounds(chosen, self.size, self.round_bytes)
+        always made). ``only`` is packed into rounds of its own, unless ``keep_order``: then each of its cells
+        stays in its round of the whole plan (rounds left empty are dropped), so that every rank writes them
+        in the order the whole plan does (which decides the bytes of targets that share memory)."""
+        if only is None:
+            placed = _pack(self.transfers, self.size, self.round_bytes)
+        elif keep_order:
+            whole = _pack(self.transfers, self.size, self.round_bytes)
+            placed = [kept for batch in whole if (kept := [t for t in batch if t.ident in only])]
+        else:
+            placed = _pack([t for t in self.transfers if t.ident in only], self.size, self.round_bytes)
+        chosen = [t for batch in placed for t in batch]
+        rounds = _rounds(placed, self.size)
         return [
             RankSchedule(
                 reads=self.reads[r] if self.reads is not None else [],

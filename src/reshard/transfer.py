@@ -16,7 +16,6 @@ that needs no checkpoint: it reads and writes nothing but the tensors.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import math
 import secrets
@@ -35,13 +34,13 @@ from reshard.exchange import (
     ExchangeCounters,
     RankSchedule,
     TransferPlan,
-    cell_view,
     describe_need,
     run_exchange,
     schedule_transfer,
 )
 from reshard.sharding import LocalPiece, ShardedTensor
 from reshard.statedict import flatten_state_dict, is_empty_container, map_leaves
+from reshard.transfer_delta import LastSync, aliasing, cell_digests, digest_json, widen_to_groups
 from reshard.transports import Group
 
 __all__ = ["TransferSession", "TransferStats", "transfer"]
@@ -114,22 +113,6 @@ def transfer(
     return session._run(source, target, delta=False, stats=stats, keep=False)
 
 
-@dataclass(frozen=True)
-class _LastSync:
-    """What one rank's session knows of the last transfer it took part in, the base of a delta."""
-
-    token: str
-    """The transfer's identity, drawn by the coordinator: a delta needs every rank to name the same one."""
-    signature: str
-    """The digest of this rank's description then (its pieces, keys, dtypes, target addresses)."""
-    schedule: RankSchedule
-    """This rank's part of the whole plan (every cell, not only those sent then)."""
-    sent: dict[int, bytes]
-    """The digest of each cell this rank sends, as its source held it then, by the cell's number."""
-    held: dict[int, bytes]
-    """The digest of each cell this rank receives, as its target held it once that transfer was done."""
-
-
 class TransferSession:
     """:func:`transfer` repeated between the same layouts (a weight sync after every training step): the
     plan is made once, and with ``delta=True`` only the cells that the session cannot prove to be right
@@ -146,6 +129,11 @@ class TransferSession:
     plan is made again whenever any rank's pieces change (other boxes, dtypes, keys, or target tensors at
     another address), and then everything is sent; so is everything when any rank passes
     ``delta=False``.
+
+    Targets that share memory (an output layer tied to the embedding, fed from two source keys;
+    overlapping views) are decided by the last cell written there, so a cell that shares memory with one
+    that travels travels too, and in the order of the whole plan (see :mod:`reshard.transfer_delta`): a
+    delta leaves exactly the bytes a fresh :func:`transfer` would.
 
     Args: as for :func:`transfer`.
     """
@@ -164,7 +152,7 @@ class TransferSession:
         self.allow_lossy_cast = allow_lossy_cast
         self.round_bytes = round_bytes
         self.timeout = timeout
-        self._last: _LastSync | None = None
+        self._last: LastSync | None = None
         self._plan: TransferPlan | None = None  # on the coordinator
         self._plan_signature = ""  # on the coordinator: the digest of every rank's description it was made for
 
@@ -183,23 +171,22 @@ class TransferSession:
         found: list[Any] = []
 
         def local() -> bytes:
-            found.append(self._describe(comm.rank, source, target))
-            sources, targets, description = found[0]
-            signature = _digest_json(description)
+            sources, targets, description = self._describe(comm.rank, source, target)
+            signature = digest_json(description)
             base = last if delta and last is not None and last.signature == signature else None
             report = {"description": description, "options": self._options(), "delta": bool(delta), "token": None}
+            checked = None
             if base is not None:
-                sent = _digests(sources, base.schedule, "send")
-                held = _digests(targets, base.schedule, "recv")
-                stale = {i for i, d in sent.items() if base.sent.get(i) != d}
-                stale |= {i for i, d in held.items() if base.held.get(i) != d}
-                report.update(token=base.token, stale=sorted(stale))
-                found.append((sent, held))
-            found.append(signature)
+                checked = (cell_digests(sources, base.schedule, "send"), cell_digests(targets, base.schedule, "recv"))
+                stale = {i for i, d in checked[0].items() if base.sent.get(i) != d}
+                stale |= {i for i, d in checked[1].items() if base.held.get(i) != d}
+                shared = aliasing(targets, base.schedule)
+                report.update(token=base.token, stale=sorted(stale | set(shared.always)), groups=shared.groups)
+            found.extend([sources, targets, checked, signature])
             return json.dumps(report).encode()
 
         decision, reply = comm.step_scatter("transfer planning", local, self._decide)
-        (sources, targets, _), *checked, signature = found
+        sources, targets, checked, signature = found
         schedule = RankSchedule.from_json(json.loads(reply))
         counters = ExchangeCounters()
 
@@ -208,14 +195,14 @@ class TransferSession:
                 run_exchange(comm.transport, schedule, sources, counters, targets=targets)
 
         comm.step("transferring", send_and_receive)
-        if keep:  # what a later delta starts from
-            received = _digests(targets, schedule, "recv")
-            if decision["full"] or last is None or not checked:
-                sent = _digests(sources, schedule, "send")
-                self._last = _LastSync(decision["token"], signature, schedule, sent, received)
-            else:
-                sent, held = checked[0]
-                self._last = _LastSync(decision["token"], signature, last.schedule, sent, {**held, **received})
+        if keep:  # what a later delta starts from: every cell written is hashed as the exchange left it
+            received = cell_digests(targets, schedule, "recv")
+            if decision["full"] or last is None or checked is None:
+                sent = cell_digests(sources, schedule, "send")
+                self._last = LastSync(decision["token"], signature, schedule, sent, received)
+            else:  # a cell not written is unchanged: it shares no memory with one that was (see aliasing)
+                sent, held = checked
+                self._last = LastSync(decision["token"], signature, last.schedule, sent, {**held, **received})
         if stats is not None:
             stats.bytes_sent = counters.bytes_sent
             stats.bytes_received = counters.bytes_received
@@ -236,12 +223,12 @@ class TransferSession:
         """On the coordinator: check that the ranks agree on the options, plan again if any rank's pieces
         changed, and decide for every rank at once whether this transfer is a delta. It is one only when
         nothing was planned again, every rank asked for it and names the same last transfer; then the
-        cells any sender or receiver reported stale travel. Returns the decision and every rank's
-        schedule."""
+        cells any sender or receiver reported stale travel, with every cell that shares memory with one of
+        them on its receiver. Returns the decision and every rank's schedule."""
         docs = [json.loads(p) for p in payloads]
         _check_agreement(docs, self.rename)
         descriptions = [d["description"] for d in docs]
-        everything = _digest_json(descriptions)
+        everything = digest_json(descriptions)
         plan = self._plan
         replanned = plan is None or everything != self._plan_signature
         if plan is None or replanned:
@@ -250,8 +237,10 @@ class TransferSession:
         tokens = {d["token"] for d in docs}
         delta = not replanned and all(d["delta"] for d in docs) and len(tokens) == 1 and None not in tokens
         only = {i for d in docs for i in d["stale"]} if delta else None
+        # Cells that share memory on their receiver travel together, in the whole plan's order.
+        keep_order = only is not None and widen_to_groups(only, [g for d in docs for g in d["groups"]])
         decision = {"full": not delta, "replanned": replanned, "token": secrets.token_hex(16)}
-        return decision, [json.dumps(s.to_json()).encode() for s in plan.schedules(only)]
+        return decision, [json.dumps(s.to_json()).encode() for s in plan.schedules(only, keep_order=keep_order)]
 
     def _describe(self, rank: int, source: Any, target: Any) -> tuple[list[LocalPiece], list[LocalPiece], Any]:
         """This rank's source and target pieces, and their description for the coordinator. Zeroes the
@@ -283,7 +272,13 @@ class TransferSession:
                 piece.zero_padding()  # the padding only: unchanged real cells are not sent again
                 targets.append(piece)
                 needs.append(describe_need(key, piece))
-        description = {"holdings": holdings, "needs": needs, "held": shapes, "wanted": wanted_shapes, "at": addresses}
+        description = {
+            "holdings": holdings,
+            "needs": needs,
+            "held": shapes,
+            "wanted": wanted_shapes,
+            "at": addresses,
+        }
         return sources, targets, description
 
     def _make_plan(self, descriptions: list[dict[str, Any]]) -> TransferPlan:
@@ -299,23 +294,6 @@ class TransferSession:
                 + (" ..." if len(problems) > 20 else "")
             )
         return plan
-
-
-def _digest_json(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-
-
-def _digests(pieces: list[LocalPiece], schedule: RankSchedule, direction: str) -> dict[int, bytes]:
-    """A BLAKE2b digest of every cell this rank sends (``direction="send"``, read from its source pieces)
-    or receives (``"recv"``, read from its target pieces) in ``schedule``, by the cell's number. A cell on
-    a GPU is copied to the host to be hashed."""
-    out = {}
-    for rnd in schedule.rounds:
-        for _peer, cells in rnd[direction]:
-            for ref in cells:
-                raw = cell_view(pieces, ref).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                out[ref[4]] = hashlib.blake2b(raw.numpy().data, digest_size=16).digest()
-    return out
 
 
 def _renamer(key_map: Mapping[str, str] | Callable[[str], str] | None) -> Callable[[str], str]:
