@@ -20,7 +20,7 @@ import json
 import math
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +38,13 @@ from reshard.exchange import (
     run_exchange,
     schedule_transfer,
 )
+from reshard.geometry.boxes import strides_overlap
 from reshard.sharding import LocalPiece, ShardedTensor
 from reshard.statedict import flatten_state_dict, is_empty_container, map_leaves
 from reshard.transfer_delta import LastSync, aliasing, cell_digests, digest_json, widen_to_groups
 from reshard.transports import Group
 
-__all__ = ["TransferSession", "TransferStats", "transfer"]
+__all__ = ["TransferSession", "TransferStats", "check_tensors", "transfer"]
 
 
 @dataclass
@@ -243,8 +244,9 @@ class TransferSession:
         return decision, [json.dumps(s.to_json()).encode() for s in plan.schedules(only, keep_order=keep_order)]
 
     def _describe(self, rank: int, source: Any, target: Any) -> tuple[list[LocalPiece], list[LocalPiece], Any]:
-        """This rank's source and target pieces, and their description for the coordinator. Zeroes the
-        padding of the target pieces (never their real elements: cells left in place keep their bytes)."""
+        """This rank's source and target pieces, and their description for the coordinator. Checks that
+        every tensor can be read (sources) or filled (targets) first, and zeroes the padding of the target
+        pieces (never their real elements: cells left in place keep their bytes)."""
         held = flatten_state_dict(source, rank=rank, dedup=False)
         wanted = flatten_state_dict(target, rank=rank, dedup=False)
         extra = [o.key for o in wanted.objects] + [p for p, v in wanted.common.items() if not is_empty_container(v)]
@@ -252,6 +254,8 @@ class TransferSession:
             raise StateDictError(
                 f"transfer moves tensors; the target holds {len(extra)} other entries: {', '.join(extra[:10])}"
             )
+        check_tensors(held.tensors, role="source")
+        check_tensors(wanted.tensors, role="target")
         sources: list[LocalPiece] = []
         targets: list[LocalPiece] = []
         holdings: list[list[Any]] = []
@@ -358,3 +362,47 @@ def _check_agreement(docs: list[dict[str, Any]], rename: Callable[[str], str]) -
         raise CheckpointError(
             f"transfer: the ranks passed {'; '.join(problems)} (every rank of the group must pass the same)"
         )
+
+
+def check_tensors(tensors: Sequence[ShardedTensor], *, role: str) -> None:
+    """Raise StateDictError naming the ``tensors`` that a transfer cannot read (``role="source"``) or fill
+    (``"target"``): on the meta device (no memory), not dense (sparse, nested), with less storage than their
+    elements span (freed, as FSDP frees unsharded parameters), or, for a target, with elements that share
+    memory (an expanded view: which value would it hold?). Called by each rank on its own tensors, inside
+    an agreed step, so that every rank raises the same error before any byte moves."""
+    meta = [t for t in tensors if t.data.device.type == "meta"]
+    other = [t for t in tensors if t.data.device.type != "meta" and t.data.layout != torch.strided]
+    dense = [t for t in tensors if t.data.device.type != "meta" and t.data.layout == torch.strided]
+    causes = [
+        (meta, "are on the meta device, which holds no data", "materialise them first (module.to_empty(device=...))"),
+        (other, "are not dense tensors (sparse, nested...)", "pass their dense form"),
+        (
+            [t for t in dense if not _storage_holds(t.data)],
+            "have less storage than their elements span",
+            "a freed storage (resized to 0) must be allocated again first",
+        ),
+    ]
+    if role == "target":
+        causes.append(
+            (
+                [t for t in dense if strides_overlap(tuple(t.data.shape), tuple(t.data.stride()))],
+                "are views whose elements overlap in memory (an expanded tensor), which cannot hold a value each",
+                "transfer into a tensor of their own",
+            )
+        )
+    problems = [
+        f"{len(bad)} {role} tensors {what}: {', '.join(repr(t.key) for t in bad[:10])}"
+        f"{' ...' if len(bad) > 10 else ''}; {hint}"
+        for bad, what, hint in causes
+        if bad
+    ]
+    if problems:
+        raise StateDictError(f"transfer: {'; '.join(problems)}")
+
+
+def _storage_holds(data: torch.Tensor) -> bool:
+    """Whether ``data``'s storage holds every element its offset, shape and strides reach."""
+    if data.numel() == 0:
+        return True
+    reach = data.storage_offset() + sum((n - 1) * s for n, s in zip(data.shape, data.stride(), strict=True))
+    return (reach + 1) * data.element_size() <= data.untyped_storage().nbytes()
