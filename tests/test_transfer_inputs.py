@@ -162,3 +162,43 @@ def test_a_target_that_cannot_hold_the_bytes_is_refused_before_any_byte_moves(fl
     cause = "meta device" if bad == "meta" else "overlap in memory"
     _same_error(_outcomes(2, run), reshard.StateDictError, "rank 1", "'w'", cause)
     assert (v == GARBAGE).all()
+
+
+# ---- conjugate and negative views ---------------------------------------------------------------------------
+
+Z = torch.tensor([1 + 2j, 3 - 4j, -5 + 6j], dtype=torch.complex64)
+VIEWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "complex": lambda z: z,
+    "conj": lambda z: z.conj(),  # a lazily conjugated view: is_conj()
+    "imag": lambda z: z.imag,  # a real, strided view
+    "neg": lambda z: z.conj().imag,  # a negative view: is_neg()
+}
+PAIRS = [("conj", "complex"), ("complex", "conj"), ("conj", "conj"), ("neg", "imag"), ("imag", "neg"), ("neg", "neg")]
+
+
+@pytest.mark.parametrize("elements", [3, 1])
+@pytest.mark.parametrize(("source_view", "target_view"), PAIRS)
+def test_conjugate_and_negative_views_travel_as_their_values_in_a_session(
+    source_view: str, target_view: str, elements: int
+) -> None:
+    """A session's sources and targets may be conjugate or negative views, as a one-off transfer's: each sync
+    (the first, one with nothing changed, one after the source changed) leaves the target's values equal to
+    the source's, and the one with nothing changed sends nothing. (One element: the view is contiguous.)"""
+    group = ThreadGroup(2)
+    sessions = [reshard.TransferSession(group=group.member(r)) for r in range(2)]
+    held = Z[:elements].clone()
+    target = VIEWS[target_view](torch.zeros(elements, dtype=torch.complex64))
+    for step in range(3):
+        if step == 2:
+            held.mul_(2)
+        source = VIEWS[source_view](held)
+        stats = reshard.TransferStats()
+
+        def rank(r: int, source: torch.Tensor = source, stats: reshard.TransferStats = stats) -> None:
+            sessions[r].transfer(
+                {"w": source} if r == 0 else {}, {"w": target} if r else {}, stats=stats if r else None
+            )
+
+        on_threads(2, rank, group=group)
+        assert torch.equal(target.resolve_conj().resolve_neg(), source.resolve_conj().resolve_neg()), step
+        assert (stats.bytes_received == 0) == (step == 1), (step, stats)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from reshard.dtypes import byte_view
 from reshard.exchange import RankSchedule, cell_view
 from reshard.sharding import LocalPiece
 
@@ -57,14 +58,15 @@ def digest_json(value: Any) -> str:
 
 def cell_digests(pieces: Sequence[LocalPiece], schedule: RankSchedule, direction: str) -> dict[int, bytes]:
     """A BLAKE2b digest of every cell this rank sends (``direction="send"``, read from its source pieces)
-    or receives (``"recv"``, read from its target pieces) in ``schedule``, by the cell's number. A cell on
-    a GPU is copied to the host to be hashed."""
+    or receives (``"recv"``, read from its target pieces) in ``schedule``, by the cell's number: of the
+    cell's values, so a conjugate or negative view is hashed as what it reads as. A cell on a GPU is
+    copied to the host to be hashed."""
     out = {}
     for rnd in schedule.rounds:
         for _peer, cells in rnd[direction]:
             for ref in cells:
-                raw = cell_view(pieces, ref).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                out[ref[4]] = hashlib.blake2b(raw.numpy().data, digest_size=16).digest()
+                values = cell_view(pieces, ref).detach().cpu().resolve_conj().resolve_neg().contiguous()
+                out[ref[4]] = hashlib.blake2b(byte_view(values), digest_size=16).digest()
     return out
 
 
