@@ -202,3 +202,42 @@ def test_conjugate_and_negative_views_travel_as_their_values_in_a_session(
         on_threads(2, rank, group=group)
         assert torch.equal(target.resolve_conj().resolve_neg(), source.resolve_conj().resolve_neg()), step
         assert (stats.bytes_received == 0) == (step == 1), (step, stats)
+
+
+# ---- two primaries of one box -------------------------------------------------------------------------------
+
+
+def test_two_primaries_of_one_box_are_refused_on_every_rank() -> None:
+    """Two ranks hold ``w`` as primaries (``replica_id`` 0 on both), with different bytes: which one a
+    target gets would depend on the plan. Every rank raises ShardingError naming the key and the ranks, as a
+    save does; replicas marked as such (or a plain tensor, a replica on every rank but rank 0) transfer."""
+
+    def run(r: int, member: Any) -> None:
+        source = {"w": reshard.ShardedTensor.from_rank_offsets("w", W + 100 * r)} if r < 2 else {}
+        _one_off(source, {"w": torch.zeros(4, 4)} if r == 2 else {}, member)
+
+    _same_error(_outcomes(3, run), reshard.ShardingError, "'w'", "ranks 0 and 1", "primar")
+    out: list[Any] = [None] * 3
+
+    def replicas(r: int, member: Any) -> None:
+        source = {"w": reshard.ShardedTensor.from_rank_offsets("w", W.clone(), replica_id=r)} if r < 2 else {}
+        source["p"] = W.clone()
+        out[r] = _one_off(source, {"w": torch.zeros(4, 4), "p": torch.zeros(4, 4)} if r == 2 else {}, member)
+
+    assert _outcomes(3, replicas) == [None] * 3
+    assert torch.equal(out[2]["w"], W) and torch.equal(out[2]["p"], W)
+
+
+def test_two_leaves_of_one_box_on_one_rank_are_one_source() -> None:
+    """A trainer with tied weights holds the same box of ``w`` under two paths (one key): it is kept once,
+    as a save keeps it, not refused as two primaries."""
+    group = ThreadGroup(2)
+    out: list[Any] = [None, None]
+    shared = reshard.ShardedTensor.from_rank_offsets("w", W.clone())
+
+    def rank(r: int) -> None:
+        source = {"embed": shared, "head": shared} if r == 0 else {}
+        out[r] = reshard.transfer(source, {"w": torch.zeros(4, 4)} if r else {}, group=group.member(r))
+
+    on_threads(2, rank, group=group)
+    assert torch.equal(out[1]["w"], W)

@@ -172,7 +172,9 @@ class PeerMemoryCheckpoint:
         copies: dict[str, ShardedTensor] = {}
         for key, shape, offset, box_shape, dtype in json.loads(reply):
             data = torch.empty(box_shape, dtype=DTYPE_BY_NAME[dtype])
-            copies[f"copy/{len(copies)}"] = ShardedTensor(key, data, tuple(shape), tuple(offset))
+            # A replica of its owner's primary: after a failure the owner's survivor and the copies' may both
+            # hold the box, and a transfer takes one primary per box.
+            copies[f"copy/{len(copies)}"] = ShardedTensor(key, data, tuple(shape), tuple(offset), replica_id=1)
         transfer(own, copies, group=comm.transport, timeout=self.timeout)
         self._pending = _Generation(plan["number"], {**own, **copies}, plan["common"])
 

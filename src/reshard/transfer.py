@@ -28,7 +28,7 @@ import torch
 
 from reshard.comm import Communicator
 from reshard.dtypes import DTYPE_BY_NAME, dtype_name, is_lossy_cast
-from reshard.errors import CheckpointError, DataUnavailableError, MismatchError, StateDictError
+from reshard.errors import CheckpointError, DataUnavailableError, MismatchError, ShardingError, StateDictError
 from reshard.exchange import (
     DEFAULT_ROUND_BYTES,
     ExchangeCounters,
@@ -38,7 +38,8 @@ from reshard.exchange import (
     run_exchange,
     schedule_transfer,
 )
-from reshard.geometry.boxes import strides_overlap
+from reshard.geometry.boxes import Box, strides_overlap
+from reshard.geometry.tiling import find_tiling_problem
 from reshard.sharding import LocalPiece, ShardedTensor
 from reshard.statedict import flatten_state_dict, is_empty_container, map_leaves
 from reshard.transfer_delta import LastSync, aliasing, cell_digests, digest_json, widen_to_groups
@@ -246,8 +247,9 @@ class TransferSession:
     def _describe(self, rank: int, source: Any, target: Any) -> tuple[list[LocalPiece], list[LocalPiece], Any]:
         """This rank's source and target pieces, and their description for the coordinator. Checks that
         every tensor can be read (sources) or filled (targets) first, and zeroes the padding of the target
-        pieces (never their real elements: cells left in place keep their bytes)."""
-        held = flatten_state_dict(source, rank=rank, dedup=False)
+        pieces (never their real elements: cells left in place keep their bytes). A source that repeats a
+        box of its key (a tied weight under two paths) is one source, as in a save."""
+        held = flatten_state_dict(source, rank=rank, dedup=True)
         wanted = flatten_state_dict(target, rank=rank, dedup=False)
         extra = [o.key for o in wanted.objects] + [p for p, v in wanted.common.items() if not is_empty_container(v)]
         if extra:
@@ -259,6 +261,7 @@ class TransferSession:
         sources: list[LocalPiece] = []
         targets: list[LocalPiece] = []
         holdings: list[list[Any]] = []
+        primary: list[bool] = []
         needs: list[list[Any]] = []
         shapes: dict[str, list[Any]] = {}
         wanted_shapes: list[list[Any]] = []
@@ -268,6 +271,7 @@ class TransferSession:
             for piece in tensor.pieces():
                 sources.append(piece)
                 holdings.append(describe_need(tensor.key, piece))
+                primary.append(tensor.is_main_replica)
         for tensor in wanted.tensors:
             key = self.rename(tensor.key)
             wanted_shapes.append([tensor.key, key, list(tensor.saved_shape), dtype_name(tensor.data.dtype)])
@@ -278,6 +282,7 @@ class TransferSession:
                 needs.append(describe_need(key, piece))
         description = {
             "holdings": holdings,
+            "primary": primary,
             "needs": needs,
             "held": shapes,
             "wanted": wanted_shapes,
@@ -288,6 +293,7 @@ class TransferSession:
     def _make_plan(self, descriptions: list[dict[str, Any]]) -> TransferPlan:
         """On the coordinator: check the pieces against each other and plan the whole transfer."""
         _check(descriptions, self.allow_lossy_cast)
+        _check_primaries(descriptions)
         plan, problems = schedule_transfer(
             [d["holdings"] for d in descriptions], [d["needs"] for d in descriptions], round_bytes=self.round_bytes
         )
@@ -361,6 +367,35 @@ def _check_agreement(docs: list[dict[str, Any]], rename: Callable[[str], str]) -
     if problems:
         raise CheckpointError(
             f"transfer: the ranks passed {'; '.join(problems)} (every rank of the group must pass the same)"
+        )
+
+
+def _check_primaries(docs: list[dict[str, Any]]) -> None:
+    """On the coordinator: no two primary pieces (``replica_id`` 0) of a source key overlap. A box has one
+    primary holder, as in a save; other holders are replicas, which must hold its bytes (any holder may
+    send a cell). Two primaries with different bytes would fill a target from whichever the plan picks."""
+    primaries: dict[str, list[tuple[int, Box]]] = {}
+    for rank, doc in enumerate(docs):
+        for (key, offset, shape, _dtype), main in zip(doc["holdings"], doc["primary"], strict=True):
+            box = Box(tuple(offset), tuple(shape))
+            if main and box.volume:
+                primaries.setdefault(key, []).append((rank, box))
+    problems = []
+    for key, held in sorted(primaries.items()):
+        if len(held) < 2:
+            continue
+        shape = next(doc["held"][key][0] for doc in docs if key in doc["held"])
+        problem = find_tiling_problem(tuple(shape), [box for _, box in held])
+        if problem is not None and problem.kind == "overlap":
+            (ra, a), (rb, b) = (held[i] for i in problem.indices)
+            problems.append(
+                f"{key!r} is held as primary (replica_id 0) by ranks {ra} and {rb}, in boxes that overlap (at "
+                f"{list(a.offset)} of shape {list(a.shape)}, at {list(b.offset)} of shape {list(b.shape)})"
+            )
+    if problems:
+        raise ShardingError(
+            f"transfer: {'; '.join(problems[:20])}{' ...' if len(problems) > 20 else ''}. A box has one primary "
+            "holder: give the other copies a non-zero replica_id (replicas must hold the same bytes)"
         )
 
 
