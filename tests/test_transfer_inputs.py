@@ -241,3 +241,26 @@ def test_two_leaves_of_one_box_on_one_rank_are_one_source() -> None:
 
     on_threads(2, rank, group=group)
     assert torch.equal(out[1]["w"], W)
+
+
+# ---- a key map changed between syncs -------------------------------------------------------------------------
+
+
+def test_a_key_map_dict_changed_between_syncs_is_used_on_the_next() -> None:
+    """The session reads a dict key map at every transfer, as it calls a function one: an entry changed
+    on every rank between syncs takes effect (a new plan: everything is sent again), never the old map."""
+    group = ThreadGroup(2)
+    key_maps = [{"lm_head": "embed"}, {"lm_head": "embed"}]
+    sessions = [reshard.TransferSession(group=group.member(r), key_map=key_maps[r]) for r in range(2)]
+    head = torch.zeros(4, 4)
+    held = {"embed": W, "out": -W}
+
+    def sync() -> None:
+        on_threads(2, lambda r: sessions[r].transfer(held if r == 0 else {}, {"lm_head": head} if r else {}))
+
+    sync()
+    assert torch.equal(head, W)
+    for key_map in key_maps:
+        key_map["lm_head"] = "out"  # the engine unties its output layer
+    sync()
+    assert torch.equal(head, -W)

@@ -311,8 +311,7 @@ def _renamer(key_map: Mapping[str, str] | Callable[[str], str] | None) -> Callab
         return lambda key: key
     if callable(key_map):
         return key_map
-    mapping = dict(key_map)
-    return lambda key: mapping.get(key, key)
+    return lambda key: key_map.get(key, key)  # read at every transfer, as a function is called at every one
 
 
 def _check(docs: list[dict[str, Any]], allow_lossy_cast: bool) -> None:
