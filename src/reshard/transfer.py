@@ -83,14 +83,18 @@ def transfer(
 
     Args:
         source: what this rank holds: a state dict of ShardedTensors (any layout), DTensors or plain
-            tensors (a plain tensor is the whole tensor of its key). Non-tensor values are not sent.
+            tensors (a plain tensor is the whole tensor of its key). Non-tensor values are not sent. Each
+            box has one primary holder (``replica_id`` 0, as in a save); the other holders are replicas,
+            which must hold the same bytes (any holder may send a cell).
         target: what this rank needs: a template as for :func:`reshard.load` (ShardedTensors, DTensors,
-            plain tensors), filled in place. It may hold tensors only.
+            plain tensors), filled in place. It may hold tensors only. Target tensors may share memory
+            (tied weights): they are written in the plan's order, the last write deciding shared bytes.
         group: the ranks of both layouts (a process group, ``None`` for the default one, or a
             :class:`~reshard.transports.ThreadGroup` member).
         key_map: the source key of each target key (a mapping, or a function), for keys that differ
             (a Hugging Face naming on the inference side); unlisted keys are their own. The same on every
-            rank: the coordinator checks every rank's results against its own.
+            rank: the coordinator checks every rank's results against its own. A mapping is read at every
+            transfer (a session's later change of it takes effect, as a function is called every time).
         allow_lossy_cast: allow conversions that change values beyond rounding (float to int, ...), as
             ``LoadOptions(allow_lossy_cast=True)``.
         round_bytes: the most bytes a rank sends, and receives, in one round (its two buffers).
@@ -101,13 +105,19 @@ def transfer(
         ``target``'s structure with each ShardedTensor replaced by its filled local tensor.
 
     Raises:
-        StateDictError: the target holds ShardedObjects or non-tensor values.
+        StateDictError: the target holds ShardedObjects or non-tensor values; or tensors that a transfer
+            cannot read or fill (see :func:`check_tensors`: on the meta device, not dense, a freed storage,
+            an expanded target), named with their rank, on every rank before any byte moves.
+        ShardingError: two primaries of overlapping boxes of a source key (named with their ranks), on
+            every rank.
         MismatchError: a global shape or a lossy dtype conversion that differs, on every rank.
         DataUnavailableError: a target key that no rank holds, or parts of target tensors that no rank
             holds (named), on every rank (a MismatchError too).
         CheckpointError: the ranks passed different ``allow_lossy_cast`` or ``round_bytes``, or a
             ``key_map`` that maps some rank's target name otherwise than the coordinator's does (named),
-            or a ``round_bytes`` that is not a positive integer; on every rank.
+            or a ``round_bytes`` that is not a positive integer; on every rank. Also a rank's failure
+            inside the exchange, on every rank once the rounds are over (named with the rank and the cause;
+            the targets may be partly written).
     """
     session = TransferSession(
         group=group, key_map=key_map, allow_lossy_cast=allow_lossy_cast, round_bytes=round_bytes, timeout=timeout
