@@ -192,9 +192,8 @@ LAYERS = {
     **dict.fromkeys(["codec", "sharding", "fingerprint", "metadata", "storage", "transports"], 2),
     **dict.fromkeys(["statedict", "dtensor", "planning", "locking", "comm"], 3),
     **dict.fromkeys(["io", "sources", "staging", "exchange", "references", "retirement"], 4),
-    **dict.fromkeys(
-        ["options", "save", "load", "async_save", "manager", "maintenance", "stats", "transfer", "peer"], 5
-    ),
+    **dict.fromkeys(["options", "save", "load", "async_save", "manager", "maintenance", "stats"], 5),
+    **dict.fromkeys(["transfer", "transfer_delta", "peer"], 5),
     **dict.fromkeys(["interop", "megatron", "models", "testing"], 6),
     **dict.fromkeys(["demo", "cli", "__init__", "__main__"], 7),
 }

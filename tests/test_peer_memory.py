@@ -272,3 +272,28 @@ def test_a_peer_save_holds_two_generations_at_most() -> None:
         2, lambda r: tiers[r].restore(template if r else {"w": torch.zeros(8 * mib)}, group=group.member(r))
     )
     assert torch.equal(restored[0]["w"], torch.full((8 * mib,), 3.0))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "environment", "named"),
+    [
+        ({"replicas": 0}, None, "replicas"),
+        ({"replicas": 1.5}, None, "replicas"),
+        ({"replicas": "2"}, None, "replicas"),
+        ({"replicas": True}, None, "replicas"),
+        ({"node_size": 0}, None, "node_size"),
+        ({"node_size": 2.0}, None, "node_size"),
+        ({}, "two", "LOCAL_WORLD_SIZE"),
+        ({}, "0", "LOCAL_WORLD_SIZE"),
+    ],
+)
+def test_bad_peer_memory_arguments_are_a_value_error_naming_them(
+    arguments: dict[str, Any], environment: str | None, named: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Like SaveOptions, LoadOptions and CheckpointManager: an argument that is not a positive integer is a
+    ValueError that names it, raised by the constructor (not a TypeError from a comparison, nor a float or a
+    bool taken as a count)."""
+    if environment is not None:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", environment)
+    with pytest.raises(ValueError, match=named):
+        reshard.PeerMemoryCheckpoint(**arguments)

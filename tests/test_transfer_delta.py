@@ -455,3 +455,121 @@ def test_the_rl_loop_on_gloo_processes(pool4: RankPool) -> None:
     embed, w, norm = 6 * HIDDEN * 4, 6 * HIDDEN * 4, HIDDEN * 4
     assert results[2] == [embed + w + norm, w, w, 0]
     assert results[3] == [(VOCAB - 6) * HIDDEN * 4 + w + norm, w, w, 0]
+
+
+# --- targets that alias each other: tied weights, overlapping views of one buffer -----------------------------
+
+
+def _tied(base: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"x": base.view(4, 2), "y": base.view(4, 2)}  # lm_head tied to the embedding: one tensor, two names
+
+
+def _tied_reversed(base: torch.Tensor) -> dict[str, torch.Tensor]:
+    return dict(reversed(list(_tied(base).items())))
+
+
+def _overlapping(base: torch.Tensor) -> dict[str, torch.Tensor]:
+    flat = base.view(-1)
+    return {"x": flat[0:8].view(4, 2), "y": flat[4:12].view(4, 2)}  # rows 2-3 of x are rows 0-1 of y
+
+
+def _overlapping_reversed(base: torch.Tensor) -> dict[str, torch.Tensor]:
+    return dict(reversed(list(_overlapping(base).items())))
+
+
+def _disjoint_columns(base: torch.Tensor) -> dict[str, torch.Tensor]:
+    wide = base.view(2, 8)  # interleaved in memory, no element shared
+    return {"x": wide[:, 0:4].t(), "y": wide[:, 4:8].t()}
+
+
+ALIASING: dict[str, tuple[Callable[[torch.Tensor], dict[str, torch.Tensor]], int]] = {
+    "tied": (_tied, 8),
+    "tied_reversed": (_tied_reversed, 8),
+    "overlapping": (_overlapping, 12),
+    "overlapping_reversed": (_overlapping_reversed, 12),
+    "disjoint_strided": (_disjoint_columns, 16),
+}
+
+
+def _aliasing_sources(step: int) -> dict[str, torch.Tensor]:
+    """The trainer's two tensors (separate keys) at ``step``: x changes at steps 1 and 4, y at step 2."""
+    x = torch.arange(8.0).reshape(4, 2) + 100 + 1000 * (step >= 1) + 5000 * (step >= 4)
+    y = torch.arange(8.0).reshape(4, 2) + 200 + 1000 * (step >= 2)
+    return {"x": x, "y": y}
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["remote", "one_source_local"])
+@pytest.mark.parametrize("case", sorted(ALIASING))
+def test_aliasing_targets_sync_like_a_fresh_transfer(case: str, local: bool) -> None:
+    """An engine whose target names share memory (a tied lm_head and embedding fed from two trainer keys,
+    overlapping views of one buffer): after every delta sync (x changed, y changed, nothing changed, the
+    engine scribbled over its buffer, x changed again) the engine's memory equals, byte for byte, what a
+    fresh transfer into the same layout gives. With ``local``, the engine rank holds y itself (a local
+    copy, always made, that overwrites x's bytes)."""
+    layout, elements = ALIASING[case]
+    group = ThreadGroup(2)
+    sessions = [reshard.TransferSession(group=group.member(r)) for r in range(2)]
+    base = torch.zeros(elements)
+
+    def sources(r: int, step: int) -> dict[str, torch.Tensor]:
+        both = _aliasing_sources(step)
+        if local:
+            return {"x": both["x"]} if r == 0 else {"y": both["y"]}
+        return both if r == 0 else {}
+
+    def fresh(step: int) -> torch.Tensor:
+        other = torch.zeros(elements)
+        fresh_group = ThreadGroup(2)
+
+        def rank(r: int) -> None:
+            reshard.transfer(sources(r, step), layout(other) if r else {}, group=fresh_group.member(r))
+
+        on_threads(2, rank, group=fresh_group)
+        return other
+
+    received = []
+    for step in [0, 1, 2, 3, 4, 4]:
+        if step == 3:
+            base.view(-1)[3:9].fill_(-1.0)  # the engine wrote into its buffer across both names
+        stats = reshard.TransferStats()
+
+        def rank(r: int, step: int = step, stats: reshard.TransferStats = stats) -> None:
+            sessions[r].transfer(sources(r, step), layout(base) if r else {}, stats=stats if r else None)
+
+        on_threads(2, rank, group=group)
+        assert torch.equal(base, fresh(step)), f"sync {step}: {base.tolist()} != {fresh(step).tolist()}"
+        received.append(stats.bytes_received)
+    if not local:  # the delta still works: nothing changed, nothing travels
+        assert received[0] == 2 * 8 * 4 and received[-1] == 0, received
+    if case == "disjoint_strided":  # interleaved, sharing no element: x changed, x alone travels
+        assert received[1] == 8 * 4, received
+
+
+def test_a_delta_into_tied_targets_writes_in_the_order_of_a_fresh_transfer() -> None:
+    """The last writer of tied memory decides its bytes, so a delta must write the cells it resends in the
+    order a fresh transfer writes them. Rounds of 32 bytes: a fresh transfer sends ``z`` (rank 0 to 2) in
+    round 0, so rank 0's ``x`` for rank 3 waits for round 1 while rank 1's ``y`` comes in round 0: ``x``
+    wins. A delta that only packed the cells it resends into rounds afresh would write ``x`` first."""
+    group = ThreadGroup(4)
+    sessions = [reshard.TransferSession(group=group.member(r), round_bytes=32) for r in range(4)]
+    tied, z = torch.zeros(4, 2), torch.zeros(4, 2)
+
+    def sources(r: int, step: int) -> dict[str, torch.Tensor]:
+        x = torch.full((4, 2), 1.0 + 10 * (step >= 1))
+        y = torch.full((4, 2), 2.0 + 10 * step)  # y changes at every step: x must be written after it
+        return [{"z": torch.full((4, 2), 5.0), "x": x}, {"y": y}, {}, {}][r]
+
+    def targets(r: int, tied: torch.Tensor) -> dict[str, torch.Tensor]:
+        return [{}, {}, {"z": z}, {"x": tied, "y": tied}][r]
+
+    for step in range(4):
+        on_threads(4, lambda r, step=step: sessions[r].transfer(sources(r, step), targets(r, tied)), group=group)
+        fresh = torch.zeros(4, 2)
+        fresh_group = ThreadGroup(4)
+
+        def one_off(r: int, step: int = step, fresh: torch.Tensor = fresh, group: ThreadGroup = fresh_group) -> None:
+            reshard.transfer(sources(r, step), targets(r, fresh), group=group.member(r), round_bytes=32)
+
+        on_threads(4, one_off, group=fresh_group)
+        assert torch.equal(fresh, sources(0, step)["x"])  # x is written last
+        assert torch.equal(tied, fresh), f"sync {step}: {tied[0].tolist()}, a fresh transfer {fresh[0].tolist()}"

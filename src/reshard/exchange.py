@@ -248,9 +248,8 @@ def schedule_reads(
     return TransferPlan(size, round_bytes, copies, transfers, reads).schedules()
 
 
-def _rounds(transfers: list[_Transfer], size: int, round_bytes: int) -> list[list[dict[str, list[list[Any]]]]]:
-    """Transfers packed into rounds so that no rank sends or receives more than ``round_bytes`` in one;
-    per round and rank, ``{"send": [[peer, [cells]]...], "recv": [...]}``.
+def _pack(transfers: list[_Transfer], size: int, round_bytes: int) -> list[list[_Transfer]]:
+    """Transfers packed into rounds so that no rank sends or receives more than ``round_bytes`` in one.
 
     First fit from each rank's first round with room: a rank whose sends (or receives) filled a round never
     looks at it again, so packing stays about linear in the number of transfers (replicas make many: a
@@ -277,6 +276,12 @@ def _rounds(transfers: list[_Transfer], size: int, round_bytes: int) -> list[lis
             send_floor[t.src] += 1
         while recv_floor[t.dst] < len(placed) and received[recv_floor[t.dst]][t.dst] >= round_bytes:
             recv_floor[t.dst] += 1
+    return placed
+
+
+def _rounds(placed: list[list[_Transfer]], size: int) -> list[list[dict[str, list[list[Any]]]]]:
+    """Packed rounds as messages: per round and rank, ``{"send": [[peer, [cells]]...], "recv": [...]}``. A
+    rank receives a round's messages in the order of their peers, each message's cells in plan order."""
     out = []
     for batch in placed:
         outgoing: list[dict[int, list[CellRef]]] = [{} for _ in range(size)]
@@ -309,11 +314,20 @@ class TransferPlan:
     reads: list[list[CellRef]] | None = None
     """Per rank, the cells it reads from storage (a read-once load; None for a transfer)."""
 
-    def schedules(self, only: set[int] | None = None) -> list[RankSchedule]:
+    def schedules(self, only: set[int] | None = None, *, keep_order: bool = False) -> list[RankSchedule]:
         """Every rank's schedule: all cells, or only the sent cells numbered in ``only`` (local copies are
-        always made)."""
-        chosen = self.transfers if only is None else [t for t in self.transfers if t.ident in only]
-        rounds = _rounds(chosen, self.size, self.round_bytes)
+        always made). ``only`` is packed into rounds of its own, unless ``keep_order``: then each of its cells
+        stays in its round of the whole plan (rounds left empty are dropped), so that every rank writes them
+        in the order the whole plan does (which decides the bytes of targets that share memory)."""
+        if only is None:
+            placed = _pack(self.transfers, self.size, self.round_bytes)
+        elif keep_order:
+            whole = _pack(self.transfers, self.size, self.round_bytes)
+            placed = [kept for batch in whole if (kept := [t for t in batch if t.ident in only])]
+        else:
+            placed = _pack([t for t in self.transfers if t.ident in only], self.size, self.round_bytes)
+        chosen = [t for batch in placed for t in batch]
+        rounds = _rounds(placed, self.size)
         return [
             RankSchedule(
                 reads=self.reads[r] if self.reads is not None else [],
@@ -452,27 +466,62 @@ def run_exchange(
     pieces: a load's reads land in its targets). A received cell in another dtype than its target (a
     transfer with a cast) is converted as it is copied into place. Called by every rank of the group (each
     with its own part of the same schedule), once per load or transfer, after every rank's reads (if any)
-    succeeded."""
+    succeeded.
+
+    A local failure (a copy, or a cell that cannot be read into the send buffer or written from the
+    receive buffer) does not leave the peers waiting: this rank goes on taking part in every round, sending
+    zeros instead of what it could not read and writing nothing more, and raises the failure once the
+    rounds are over, for the caller's agreed step to report on every rank. Only a failure of the transport
+    itself ends the rounds at once."""
     targets = pieces if targets is None else targets
-    for source, target in schedule.copies:
-        cell_view(targets, target).copy_(cell_view(pieces, source))
-    if not schedule.rounds:
-        return
+    error: Exception | None = None
+    try:
+        for source, target in schedule.copies:
+            cell_view(targets, target).copy_(cell_view(pieces, source))
+    except Exception as exc:  # raised after the rounds, which the peers are waiting for
+        error = exc
+    if schedule.rounds:
+        error = _run_rounds(transport, schedule, pieces, targets, counters, error)
+    if error is not None:
+        raise error
+
+
+def _run_rounds(
+    transport: Transport,
+    schedule: RankSchedule,
+    pieces: Sequence[LocalPiece],
+    targets: Sequence[LocalPiece],
+    counters: ExchangeCounters,
+    error: Exception | None,
+) -> Exception | None:
+    """Every round of :func:`run_exchange`; returns the first local failure (``error`` if given), after
+    taking part in every round whatever failed."""
     rounds = [(_messages(pieces, rnd["send"]), _messages(targets, rnd["recv"])) for rnd in schedule.rounds]
     send_bytes = max((m[-1][3] for m, _ in rounds if m), default=0)
     recv_bytes = max((m[-1][3] for _, m in rounds if m), default=0)
     send_buffer = torch.empty(send_bytes, dtype=torch.uint8, device=transport.device)
     recv_buffer = torch.empty(recv_bytes, dtype=torch.uint8, device=transport.device)
     for outgoing, incoming in rounds:
-        for _, placed, _, _ in outgoing:
-            for view, wire, start in placed:
-                _as_dtype(send_buffer, start, view, wire).copy_(view)
-                counters.bytes_sent += view.numel() * wire.itemsize
+        try:
+            if error is None:
+                for _, placed, _, _ in outgoing:
+                    for view, wire, start in placed:
+                        _as_dtype(send_buffer, start, view, wire).copy_(view)
+                        counters.bytes_sent += view.numel() * wire.itemsize
+        except Exception as exc:  # this rank fails, after the rounds its peers take part in
+            error = exc
+        if error is not None:
+            send_buffer.zero_()  # never stale bytes of an earlier round, nor uninitialised memory
         transport.exchange(
             [(peer, send_buffer[begin:end]) for peer, _, begin, end in outgoing],
             [(peer, recv_buffer[begin:end]) for peer, _, begin, end in incoming],
         )
-        for _, placed, _, _ in incoming:
-            for view, wire, start in placed:
-                view.copy_(_as_dtype(recv_buffer, start, view, wire))
-                counters.bytes_received += view.numel() * wire.itemsize
+        try:
+            if error is None:
+                for _, placed, _, _ in incoming:
+                    for view, wire, start in placed:
+                        view.copy_(_as_dtype(recv_buffer, start, view, wire))
+                        counters.bytes_received += view.numel() * wire.itemsize
+        except Exception as exc:  # as above
+            error = exc
+    return error

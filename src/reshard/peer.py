@@ -46,7 +46,7 @@ from reshard.io.device import copy_to_host
 from reshard.options import check_terms
 from reshard.sharding import ShardedTensor
 from reshard.statedict import filter_state_dict, flatten_state_dict, map_leaves
-from reshard.transfer import TransferStats, transfer
+from reshard.transfer import TransferStats, check_tensors, transfer
 from reshard.transports import Group
 
 if TYPE_CHECKING:
@@ -86,10 +86,14 @@ class PeerMemoryCheckpoint:
     are collective over the group they are given.
 
     Args:
-        replicas: copies of every box kept on other nodes (at least 1).
+        replicas: copies of every box kept on other nodes (an integer, at least 1).
         node_size: ranks per node: a rank's copies go to ranks of other nodes (``rank // node_size`` is its
             node). Default: ``LOCAL_WORLD_SIZE`` from the launcher's environment, else 1.
         timeout: how long each collective may wait for the slowest rank.
+
+    Raises:
+        ValueError: ``replicas`` or ``node_size`` (or ``LOCAL_WORLD_SIZE``) is not an integer of at least 1
+            (raised here, on the rank that passed it, as the option objects do).
     """
 
     def __init__(
@@ -99,12 +103,13 @@ class PeerMemoryCheckpoint:
         node_size: int | None = None,
         timeout: datetime.timedelta | float | None = None,
     ) -> None:
-        if replicas < 1:
-            raise ValueError(f"replicas must be at least 1, got {replicas}")
-        self.replicas = replicas
-        self.node_size = node_size if node_size is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if self.node_size < 1:
-            raise ValueError(f"node_size must be at least 1, got {self.node_size}")
+        self.replicas = _count("replicas", replicas)
+        if node_size is None:
+            local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+            given: object = int(local) if local.strip().isdigit() else local
+            self.node_size = _count("node_size (LOCAL_WORLD_SIZE, from the launcher's environment)", given)
+        else:
+            self.node_size = _count("node_size", node_size)
         self.timeout = timeout
         self._current: _Generation | None = None
         """The generation this rank knows to be held by every rank of the save that made it."""
@@ -150,6 +155,7 @@ class PeerMemoryCheckpoint:
                 raise StateDictError(
                     f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}"
                 )
+            check_tensors(flat.tensors, role="source")  # copied to the host below, after this agreed step
             pieces.extend((t, piece) for t in flat.tensors if t.is_main_replica for piece in t.pieces())
             described = [
                 [t.key, list(t.saved_shape), list(p.box.offset), list(p.view.shape), dtype_name(p.view.dtype)]
@@ -171,7 +177,9 @@ class PeerMemoryCheckpoint:
         copies: dict[str, ShardedTensor] = {}
         for key, shape, offset, box_shape, dtype in json.loads(reply):
             data = torch.empty(box_shape, dtype=DTYPE_BY_NAME[dtype])
-            copies[f"copy/{len(copies)}"] = ShardedTensor(key, data, tuple(shape), tuple(offset))
+            # A replica of its owner's primary: after a failure the owner's survivor and the copies' may both
+            # hold the box, and a transfer takes one primary per box.
+            copies[f"copy/{len(copies)}"] = ShardedTensor(key, data, tuple(shape), tuple(offset), replica_id=1)
         transfer(own, copies, group=comm.transport, timeout=self.timeout)
         self._pending = _Generation(plan["number"], {**own, **copies}, plan["common"])
 
@@ -288,6 +296,14 @@ def _fall_back(fallback: CheckpointManager, template: Any, exc: DataUnavailableE
         nothing = f"{fallback.root.describe()} holds no complete checkpoint"
         raise DataUnavailableError(f"{exc}; and {nothing}") from exc
     return found[1]
+
+
+def _count(name: str, value: object) -> int:
+    """``value`` when it is an integer of at least 1 (a bool is not a count); else a ValueError naming
+    ``name``, as the option objects report a bad value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"PeerMemoryCheckpoint: {name} must be an integer of at least 1, got {value!r}")
+    return value
 
 
 def _nbytes(tensors: dict[str, ShardedTensor]) -> int:

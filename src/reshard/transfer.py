@@ -16,12 +16,11 @@ that needs no checkpoint: it reads and writes nothing but the tensors.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import math
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,22 +28,24 @@ import torch
 
 from reshard.comm import Communicator
 from reshard.dtypes import DTYPE_BY_NAME, dtype_name, is_lossy_cast
-from reshard.errors import CheckpointError, DataUnavailableError, MismatchError, StateDictError
+from reshard.errors import CheckpointError, DataUnavailableError, MismatchError, ShardingError, StateDictError
 from reshard.exchange import (
     DEFAULT_ROUND_BYTES,
     ExchangeCounters,
     RankSchedule,
     TransferPlan,
-    cell_view,
     describe_need,
     run_exchange,
     schedule_transfer,
 )
+from reshard.geometry.boxes import Box, strides_overlap
+from reshard.geometry.tiling import find_tiling_problem
 from reshard.sharding import LocalPiece, ShardedTensor
 from reshard.statedict import flatten_state_dict, is_empty_container, map_leaves
+from reshard.transfer_delta import LastSync, aliasing, cell_digests, digest_json, widen_to_groups
 from reshard.transports import Group
 
-__all__ = ["TransferSession", "TransferStats", "transfer"]
+__all__ = ["TransferSession", "TransferStats", "check_tensors", "transfer"]
 
 
 @dataclass
@@ -82,14 +83,18 @@ def transfer(
 
     Args:
         source: what this rank holds: a state dict of ShardedTensors (any layout), DTensors or plain
-            tensors (a plain tensor is the whole tensor of its key). Non-tensor values are not sent.
+            tensors (a plain tensor is the whole tensor of its key). Non-tensor values are not sent. Each
+            box has one primary holder (``replica_id`` 0, as in a save); the other holders are replicas,
+            which must hold the same bytes (any holder may send a cell).
         target: what this rank needs: a template as for :func:`reshard.load` (ShardedTensors, DTensors,
-            plain tensors), filled in place. It may hold tensors only.
+            plain tensors), filled in place. It may hold tensors only. Target tensors may share memory
+            (tied weights): they are written in the plan's order, the last write deciding shared bytes.
         group: the ranks of both layouts (a process group, ``None`` for the default one, or a
             :class:`~reshard.transports.ThreadGroup` member).
         key_map: the source key of each target key (a mapping, or a function), for keys that differ
             (a Hugging Face naming on the inference side); unlisted keys are their own. The same on every
-            rank: the coordinator checks every rank's results against its own.
+            rank: the coordinator checks every rank's results against its own. A mapping is read at every
+            transfer (a session's later change of it takes effect, as a function is called every time).
         allow_lossy_cast: allow conversions that change values beyond rounding (float to int, ...), as
             ``LoadOptions(allow_lossy_cast=True)``.
         round_bytes: the most bytes a rank sends, and receives, in one round (its two buffers).
@@ -100,34 +105,24 @@ def transfer(
         ``target``'s structure with each ShardedTensor replaced by its filled local tensor.
 
     Raises:
-        StateDictError: the target holds ShardedObjects or non-tensor values.
+        StateDictError: the target holds ShardedObjects or non-tensor values; or tensors that a transfer
+            cannot read or fill (see :func:`check_tensors`: on the meta device, not dense, a freed storage,
+            an expanded target), named with their rank, on every rank before any byte moves.
+        ShardingError: two primaries of overlapping boxes of a source key (named with their ranks), on
+            every rank.
         MismatchError: a global shape or a lossy dtype conversion that differs, on every rank.
         DataUnavailableError: a target key that no rank holds, or parts of target tensors that no rank
             holds (named), on every rank (a MismatchError too).
         CheckpointError: the ranks passed different ``allow_lossy_cast`` or ``round_bytes``, or a
             ``key_map`` that maps some rank's target name otherwise than the coordinator's does (named),
-            or a ``round_bytes`` that is not a positive integer; on every rank.
+            or a ``round_bytes`` that is not a positive integer; on every rank. Also a rank's failure
+            inside the exchange, on every rank once the rounds are over (named with the rank and the cause;
+            the targets may be partly written).
     """
     session = TransferSession(
         group=group, key_map=key_map, allow_lossy_cast=allow_lossy_cast, round_bytes=round_bytes, timeout=timeout
     )
     return session._run(source, target, delta=False, stats=stats, keep=False)
-
-
-@dataclass(frozen=True)
-class _LastSync:
-    """What one rank's session knows of the last transfer it took part in, the base of a delta."""
-
-    token: str
-    """The transfer's identity, drawn by the coordinator: a delta needs every rank to name the same one."""
-    signature: str
-    """The digest of this rank's description then (its pieces, keys, dtypes, target addresses)."""
-    schedule: RankSchedule
-    """This rank's part of the whole plan (every cell, not only those sent then)."""
-    sent: dict[int, bytes]
-    """The digest of each cell this rank sends, as its source held it then, by the cell's number."""
-    held: dict[int, bytes]
-    """The digest of each cell this rank receives, as its target held it once that transfer was done."""
 
 
 class TransferSession:
@@ -147,6 +142,11 @@ class TransferSession:
     another address), and then everything is sent; so is everything when any rank passes
     ``delta=False``.
 
+    Targets that share memory (an output layer tied to the embedding, fed from two source keys;
+    overlapping views) are decided by the last cell written there, so a cell that shares memory with one
+    that travels travels too, and in the order of the whole plan (see :mod:`reshard.transfer_delta`): a
+    delta leaves exactly the bytes a fresh :func:`transfer` would.
+
     Args: as for :func:`transfer`.
     """
 
@@ -164,7 +164,7 @@ class TransferSession:
         self.allow_lossy_cast = allow_lossy_cast
         self.round_bytes = round_bytes
         self.timeout = timeout
-        self._last: _LastSync | None = None
+        self._last: LastSync | None = None
         self._plan: TransferPlan | None = None  # on the coordinator
         self._plan_signature = ""  # on the coordinator: the digest of every rank's description it was made for
 
@@ -183,23 +183,22 @@ class TransferSession:
         found: list[Any] = []
 
         def local() -> bytes:
-            found.append(self._describe(comm.rank, source, target))
-            sources, targets, description = found[0]
-            signature = _digest_json(description)
+            sources, targets, description = self._describe(comm.rank, source, target)
+            signature = digest_json(description)
             base = last if delta and last is not None and last.signature == signature else None
             report = {"description": description, "options": self._options(), "delta": bool(delta), "token": None}
+            checked = None
             if base is not None:
-                sent = _digests(sources, base.schedule, "send")
-                held = _digests(targets, base.schedule, "recv")
-                stale = {i for i, d in sent.items() if base.sent.get(i) != d}
-                stale |= {i for i, d in held.items() if base.held.get(i) != d}
-                report.update(token=base.token, stale=sorted(stale))
-                found.append((sent, held))
-            found.append(signature)
+                checked = (cell_digests(sources, base.schedule, "send"), cell_digests(targets, base.schedule, "recv"))
+                stale = {i for i, d in checked[0].items() if base.sent.get(i) != d}
+                stale |= {i for i, d in checked[1].items() if base.held.get(i) != d}
+                shared = aliasing(targets, base.schedule)
+                report.update(token=base.token, stale=sorted(stale | set(shared.always)), groups=shared.groups)
+            found.extend([sources, targets, checked, signature])
             return json.dumps(report).encode()
 
         decision, reply = comm.step_scatter("transfer planning", local, self._decide)
-        (sources, targets, _), *checked, signature = found
+        sources, targets, checked, signature = found
         schedule = RankSchedule.from_json(json.loads(reply))
         counters = ExchangeCounters()
 
@@ -208,14 +207,14 @@ class TransferSession:
                 run_exchange(comm.transport, schedule, sources, counters, targets=targets)
 
         comm.step("transferring", send_and_receive)
-        if keep:  # what a later delta starts from
-            received = _digests(targets, schedule, "recv")
-            if decision["full"] or last is None or not checked:
-                sent = _digests(sources, schedule, "send")
-                self._last = _LastSync(decision["token"], signature, schedule, sent, received)
-            else:
-                sent, held = checked[0]
-                self._last = _LastSync(decision["token"], signature, last.schedule, sent, {**held, **received})
+        if keep:  # what a later delta starts from: every cell written is hashed as the exchange left it
+            received = cell_digests(targets, schedule, "recv")
+            if decision["full"] or last is None or checked is None:
+                sent = cell_digests(sources, schedule, "send")
+                self._last = LastSync(decision["token"], signature, schedule, sent, received)
+            else:  # a cell not written is unchanged: it shares no memory with one that was (see aliasing)
+                sent, held = checked
+                self._last = LastSync(decision["token"], signature, last.schedule, sent, {**held, **received})
         if stats is not None:
             stats.bytes_sent = counters.bytes_sent
             stats.bytes_received = counters.bytes_received
@@ -236,12 +235,12 @@ class TransferSession:
         """On the coordinator: check that the ranks agree on the options, plan again if any rank's pieces
         changed, and decide for every rank at once whether this transfer is a delta. It is one only when
         nothing was planned again, every rank asked for it and names the same last transfer; then the
-        cells any sender or receiver reported stale travel. Returns the decision and every rank's
-        schedule."""
+        cells any sender or receiver reported stale travel, with every cell that shares memory with one of
+        them on its receiver. Returns the decision and every rank's schedule."""
         docs = [json.loads(p) for p in payloads]
         _check_agreement(docs, self.rename)
         descriptions = [d["description"] for d in docs]
-        everything = _digest_json(descriptions)
+        everything = digest_json(descriptions)
         plan = self._plan
         replanned = plan is None or everything != self._plan_signature
         if plan is None or replanned:
@@ -250,22 +249,29 @@ class TransferSession:
         tokens = {d["token"] for d in docs}
         delta = not replanned and all(d["delta"] for d in docs) and len(tokens) == 1 and None not in tokens
         only = {i for d in docs for i in d["stale"]} if delta else None
+        # Cells that share memory on their receiver travel together, in the whole plan's order.
+        keep_order = only is not None and widen_to_groups(only, [g for d in docs for g in d["groups"]])
         decision = {"full": not delta, "replanned": replanned, "token": secrets.token_hex(16)}
-        return decision, [json.dumps(s.to_json()).encode() for s in plan.schedules(only)]
+        return decision, [json.dumps(s.to_json()).encode() for s in plan.schedules(only, keep_order=keep_order)]
 
     def _describe(self, rank: int, source: Any, target: Any) -> tuple[list[LocalPiece], list[LocalPiece], Any]:
-        """This rank's source and target pieces, and their description for the coordinator. Zeroes the
-        padding of the target pieces (never their real elements: cells left in place keep their bytes)."""
-        held = flatten_state_dict(source, rank=rank, dedup=False)
+        """This rank's source and target pieces, and their description for the coordinator. Checks that
+        every tensor can be read (sources) or filled (targets) first, and zeroes the padding of the target
+        pieces (never their real elements: cells left in place keep their bytes). A source that repeats a
+        box of its key (a tied weight under two paths) is one source, as in a save."""
+        held = flatten_state_dict(source, rank=rank, dedup=True)
         wanted = flatten_state_dict(target, rank=rank, dedup=False)
         extra = [o.key for o in wanted.objects] + [p for p, v in wanted.common.items() if not is_empty_container(v)]
         if extra:
             raise StateDictError(
                 f"transfer moves tensors; the target holds {len(extra)} other entries: {', '.join(extra[:10])}"
             )
+        check_tensors(held.tensors, role="source")
+        check_tensors(wanted.tensors, role="target")
         sources: list[LocalPiece] = []
         targets: list[LocalPiece] = []
         holdings: list[list[Any]] = []
+        primary: list[bool] = []
         needs: list[list[Any]] = []
         shapes: dict[str, list[Any]] = {}
         wanted_shapes: list[list[Any]] = []
@@ -275,6 +281,7 @@ class TransferSession:
             for piece in tensor.pieces():
                 sources.append(piece)
                 holdings.append(describe_need(tensor.key, piece))
+                primary.append(tensor.is_main_replica)
         for tensor in wanted.tensors:
             key = self.rename(tensor.key)
             wanted_shapes.append([tensor.key, key, list(tensor.saved_shape), dtype_name(tensor.data.dtype)])
@@ -283,12 +290,20 @@ class TransferSession:
                 piece.zero_padding()  # the padding only: unchanged real cells are not sent again
                 targets.append(piece)
                 needs.append(describe_need(key, piece))
-        description = {"holdings": holdings, "needs": needs, "held": shapes, "wanted": wanted_shapes, "at": addresses}
+        description = {
+            "holdings": holdings,
+            "primary": primary,
+            "needs": needs,
+            "held": shapes,
+            "wanted": wanted_shapes,
+            "at": addresses,
+        }
         return sources, targets, description
 
     def _make_plan(self, descriptions: list[dict[str, Any]]) -> TransferPlan:
         """On the coordinator: check the pieces against each other and plan the whole transfer."""
         _check(descriptions, self.allow_lossy_cast)
+        _check_primaries(descriptions)
         plan, problems = schedule_transfer(
             [d["holdings"] for d in descriptions], [d["needs"] for d in descriptions], round_bytes=self.round_bytes
         )
@@ -301,30 +316,12 @@ class TransferSession:
         return plan
 
 
-def _digest_json(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
-
-
-def _digests(pieces: list[LocalPiece], schedule: RankSchedule, direction: str) -> dict[int, bytes]:
-    """A BLAKE2b digest of every cell this rank sends (``direction="send"``, read from its source pieces)
-    or receives (``"recv"``, read from its target pieces) in ``schedule``, by the cell's number. A cell on
-    a GPU is copied to the host to be hashed."""
-    out = {}
-    for rnd in schedule.rounds:
-        for _peer, cells in rnd[direction]:
-            for ref in cells:
-                raw = cell_view(pieces, ref).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                out[ref[4]] = hashlib.blake2b(raw.numpy().data, digest_size=16).digest()
-    return out
-
-
 def _renamer(key_map: Mapping[str, str] | Callable[[str], str] | None) -> Callable[[str], str]:
     if key_map is None:
         return lambda key: key
     if callable(key_map):
         return key_map
-    mapping = dict(key_map)
-    return lambda key: mapping.get(key, key)
+    return lambda key: key_map.get(key, key)  # read at every transfer, as a function is called at every one
 
 
 def _check(docs: list[dict[str, Any]], allow_lossy_cast: bool) -> None:
@@ -380,3 +377,76 @@ def _check_agreement(docs: list[dict[str, Any]], rename: Callable[[str], str]) -
         raise CheckpointError(
             f"transfer: the ranks passed {'; '.join(problems)} (every rank of the group must pass the same)"
         )
+
+
+def _check_primaries(docs: list[dict[str, Any]]) -> None:
+    """On the coordinator: no two primary pieces (``replica_id`` 0) of a source key overlap. A box has one
+    primary holder, as in a save; other holders are replicas, which must hold its bytes (any holder may
+    send a cell). Two primaries with different bytes would fill a target from whichever the plan picks."""
+    primaries: dict[str, list[tuple[int, Box]]] = {}
+    for rank, doc in enumerate(docs):
+        for (key, offset, shape, _dtype), main in zip(doc["holdings"], doc["primary"], strict=True):
+            box = Box(tuple(offset), tuple(shape))
+            if main and box.volume:
+                primaries.setdefault(key, []).append((rank, box))
+    problems = []
+    for key, held in sorted(primaries.items()):
+        if len(held) < 2:
+            continue
+        shape = next(doc["held"][key][0] for doc in docs if key in doc["held"])
+        problem = find_tiling_problem(tuple(shape), [box for _, box in held])
+        if problem is not None and problem.kind == "overlap":
+            (ra, a), (rb, b) = (held[i] for i in problem.indices)
+            problems.append(
+                f"{key!r} is held as primary (replica_id 0) by ranks {ra} and {rb}, in boxes that overlap (at "
+                f"{list(a.offset)} of shape {list(a.shape)}, at {list(b.offset)} of shape {list(b.shape)})"
+            )
+    if problems:
+        raise ShardingError(
+            f"transfer: {'; '.join(problems[:20])}{' ...' if len(problems) > 20 else ''}. A box has one primary "
+            "holder: give the other copies a non-zero replica_id (replicas must hold the same bytes)"
+        )
+
+
+def check_tensors(tensors: Sequence[ShardedTensor], *, role: str) -> None:
+    """Raise StateDictError naming the ``tensors`` that a transfer cannot read (``role="source"``) or fill
+    (``"target"``): on the meta device (no memory), not dense (sparse, nested), with less storage than their
+    elements span (freed, as FSDP frees unsharded parameters), or, for a target, with elements that share
+    memory (an expanded view: which value would it hold?). Called by each rank on its own tensors, inside
+    an agreed step, so that every rank raises the same error before any byte moves."""
+    meta = [t for t in tensors if t.data.device.type == "meta"]
+    other = [t for t in tensors if t.data.device.type != "meta" and t.data.layout != torch.strided]
+    dense = [t for t in tensors if t.data.device.type != "meta" and t.data.layout == torch.strided]
+    causes = [
+        (meta, "are on the meta device, which holds no data", "materialise them first (module.to_empty(device=...))"),
+        (other, "are not dense tensors (sparse, nested...)", "pass their dense form"),
+        (
+            [t for t in dense if not _storage_holds(t.data)],
+            "have less storage than their elements span",
+            "a freed storage (resized to 0) must be allocated again first",
+        ),
+    ]
+    if role == "target":
+        causes.append(
+            (
+                [t for t in dense if strides_overlap(tuple(t.data.shape), tuple(t.data.stride()))],
+                "are views whose elements overlap in memory (an expanded tensor), which cannot hold a value each",
+                "transfer into a tensor of their own",
+            )
+        )
+    problems = [
+        f"{len(bad)} {role} tensors {what}: {', '.join(repr(t.key) for t in bad[:10])}"
+        f"{' ...' if len(bad) > 10 else ''}; {hint}"
+        for bad, what, hint in causes
+        if bad
+    ]
+    if problems:
+        raise StateDictError(f"transfer: {'; '.join(problems)}")
+
+
+def _storage_holds(data: torch.Tensor) -> bool:
+    """Whether ``data``'s storage holds every element its offset, shape and strides reach."""
+    if data.numel() == 0:
+        return True
+    reach = data.storage_offset() + sum((n - 1) * s for n, s in zip(data.shape, data.stride(), strict=True))
+    return (reach + 1) * data.element_size() <= data.untyped_storage().nbytes()

@@ -25,6 +25,8 @@ disk; every flow is checked by the same functions):
 - hostile documents of every format version, with every file the readers open recorded
   (:mod:`tests.contract.hostile`);
 - options that disagree across ranks, for every option object (:mod:`tests.contract.disagreement`);
+- hostile tensors on one rank (meta, expanded, freed, sparse, two primaries of one box, conjugate views)
+  for the flows that move tensors between ranks (:mod:`tests.contract.hostile_tensors`);
 - concurrent misuse: two managers on one root, an overwrite during a load, a copied or moved step
   (:mod:`tests.contract.misuse`).
 
