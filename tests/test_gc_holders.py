@@ -26,6 +26,7 @@ import pytest
 
 import reshard
 from reshard.cli import main as cli_main
+from reshard.errors import CheckpointNotFoundError
 from reshard.interop import convert_checkpoint
 from reshard.maintenance import collect_garbage, validate_checkpoint
 from reshard.manager import scan_root, step_name
@@ -440,3 +441,136 @@ def test_gc_says_what_it_removed_by_kind(tmp_path: Path) -> None:
     code, out, _ = _cli("gc", str(tmp_path / "plain"), "--min-age", "0")
     assert code == 0 and out.splitlines() == ["nothing to collect"], out
     assert scan_root(LocalStorage(root)) == []
+
+
+# ---- 7: the temporaries of a save killed at one of reshard's atomic writes -----------------------------------------
+
+KILL_AT_LOCK_LINK = textwrap.dedent(
+    """
+    import os, signal, sys
+    import reshard
+    from tests.test_incremental import frozen_and_trained
+    real_link = os.link
+    def link(src, dst, *args, **kwargs):
+        if str(dst).endswith("step_000000003/.lock"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_link(src, dst, *args, **kwargs)
+    os.link = link
+    reshard.CheckpointManager(sys.argv[1], keep_last=1, incremental=True).save(3, frozen_and_trained(3))
+    """
+)
+
+
+def _save_killed_at_its_lock_link(root: Path) -> Path:
+    """Steps 1 and 2, then step 3 killed (SIGKILL, in a real process) at the create-only link of its save lock:
+    the step holds the lock's temporary ``..lock.tmp-<hex>`` and an empty ``data/``."""
+    manager = reshard.CheckpointManager(root, keep_last=1, incremental=True)
+    for step in (1, 2):
+        manager.save(step, frozen_and_trained(step))
+    child = subprocess.run(
+        [sys.executable, "-c", KILL_AT_LOCK_LINK, str(root)],
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == -9, child.stderr
+    step = root / step_name(3)
+    files = [p.relative_to(step).as_posix() for p in step.rglob("*") if not p.is_dir()]
+    assert len(files) == 1 and files[0].startswith("..lock.tmp-"), files
+    return step
+
+
+def test_a_save_killed_at_the_link_of_its_lock_is_cleared_by_gc_and_by_retention(tmp_path: Path) -> None:
+    """The lock temporary that a save killed at its lock's link leaves is reshard's own (its content is the lock
+    record of a holder that is gone): ``gc --incomplete`` removes the step, and so does the retention of a later
+    save (the step is older than the newest complete one); ``reshard ls`` no longer shows it."""
+    root = tmp_path / "root"
+    step = _save_killed_at_its_lock_link(root)
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    code, out, err = _cli("gc", str(step), "--min-age", "0", "--incomplete")
+    assert code == 0 and out.splitlines()[-1] == "removed 1 commit temporary file", (out, err)
+    assert not step.exists()
+    manager = reshard.CheckpointManager(copy, keep_last=1, incremental=True)
+    manager.save(4, frozen_and_trained(4))
+    assert [s.status for s in scan_root(LocalStorage(copy))] == ["retired", "complete"]  # step 1: frozen tensors
+    assert not (copy / step_name(3)).exists()
+
+
+def test_a_file_named_like_a_temporary_that_reshard_did_not_write_stays_with_its_directory(tmp_path: Path) -> None:
+    """Beside a lock temporary of a dead save, a person's file named like a lock temporary but not a lock record
+    and one named like another temporary stay, and so does their directory, with a warning that names them (not
+    one that says the directory holds data files); retention leaves them too. Without the dead save's temporary,
+    gc refuses the directory and names its files."""
+    root = tmp_path / "root"
+    step = _save_killed_at_its_lock_link(root)
+    hexa, hexb = "a" * 32, "b" * 32
+    (step / f"..lock.tmp-{hexa}").write_text("my notes")
+    (step / f".notes.txt.tmp-{hexb}").write_text("mine")
+    mine = [f"..lock.tmp-{hexa}", f".notes.txt.tmp-{hexb}"]
+    with pytest.warns(UserWarning, match="nothing ties to a reshard save") as caught:
+        code, out, err = _cli("gc", str(step), "--min-age", "0", "--incomplete")
+    message = str(caught[0].message)
+    assert code == 0 and out.splitlines()[-1] == "removed 1 commit temporary file", (out, err)
+    assert "holds data files" not in message and all(name in message for name in mine), message
+    assert sorted(p.name for p in step.iterdir() if p.is_file()) == mine
+    code, out, err = _cli("gc", str(step), "--min-age", "0", "--incomplete")
+    assert code == 3 and "holds data files" not in err and "not a reshard checkpoint" in err, err
+    reshard.CheckpointManager(root, keep_last=1, incremental=True).save(4, frozen_and_trained(4))
+    assert sorted(p.name for p in step.iterdir() if p.is_file()) == mine
+
+
+def test_retention_removes_the_latest_temporaries_of_dead_managers_and_no_one_elses(tmp_path: Path) -> None:
+    """A manager killed while it replaced ``latest.json`` leaves ``.latest.json.tmp-<hex>`` in the root: the next
+    manager's retention removes it (it holds the root's lock, so no other writer of the pointer is alive), and
+    leaves a file named so that is not a pointer reshard wrote."""
+    root = tmp_path / "root"
+    manager = reshard.CheckpointManager(root, keep_last=1)
+    manager.save(1, frozen_and_trained(1))
+    ours, theirs = root / f".latest.json.tmp-{'c' * 32}", root / f".latest.json.tmp-{'d' * 32}"
+    ours.write_bytes((root / "latest.json").read_bytes())
+    theirs.write_text('{"step": 1, "path": "step_000000001", "mine": true}')
+    manager.save(2, frozen_and_trained(2))
+    assert not ours.exists() and theirs.exists()
+
+
+# ---- 8: gc of a directory that is not reshard's does not walk it ---------------------------------------------------
+
+_LISTED: list[list[str]] = []  # while not empty: the directories listed (os.scandir, os.listdir), by the audit hook
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if _LISTED and event in ("os.scandir", "os.listdir"):
+        _LISTED[-1].append(os.path.abspath(os.fsdecode(args[0] if args[0] is not None else ".")))
+
+
+sys.addaudithook(_audit)
+
+
+@pytest.mark.parametrize("project", [False, True], ids=["home", "project-with-data"])
+def test_gc_of_a_directory_that_is_not_reshards_lists_only_its_top_data_and_refs(tmp_path: Path, project: bool) -> None:
+    """gc (a dry run of ``--incomplete`` too) of a deep directory that holds nothing reshard wrote (a home
+    directory; a project with its own ``data/train.csv``) refuses it as not a checkpoint, and lists nothing below
+    it but ``data/`` and ``refs/`` (seen by an audit hook on every directory listing): ``/`` or an NFS share is
+    never walked."""
+    home = tmp_path / "home"
+    deep = home.joinpath(*[f"d{i}" for i in range(12)])
+    deep.mkdir(parents=True)
+    (deep / "f.txt").write_text("x")
+    (home / "notes.txt").write_text("mine")
+    if project:
+        (home / "data").mkdir()
+        (home / "data" / "train.csv").write_text("a,b\n")
+    allowed = {str(home), str(home / "data"), str(home / "refs")}
+    for options in ({"dry_run": True, "include_incomplete": True}, {"include_incomplete": True}, {}):
+        _LISTED.append([])
+        try:
+            with pytest.raises(CheckpointNotFoundError, match="not a reshard checkpoint"):
+                collect_garbage(home, min_age_s=0, **options)  # type: ignore[arg-type]
+        finally:
+            listed = set(_LISTED.pop())
+        assert listed <= allowed, sorted(listed - allowed)
+    assert (deep / "f.txt").exists() and (home / "notes.txt").exists()

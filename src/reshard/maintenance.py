@@ -11,6 +11,8 @@ is in ``refs/``, :mod:`reshard.references`) are never candidates. A *retired* di
 deletes only the files that something reshard wrote ties to a reshard save (a retirement record, the lock of a
 save that died, a reference marker) and removes the directory only once it is empty: a directory reshard did
 not make (a project with its own ``retired.json`` or files named like data files) is refused, untouched.
+Whether a directory is reshard's is decided from its top level, ``data/`` and ``refs/`` alone (a home directory,
+``/``, is never walked).
 Symbolic links are never followed: a ``data`` directory that is a link, or a ``path`` that is one, is refused, so
 that nothing outside the checkpoint can be deleted (and a checkpoint's referrers are looked for beside it, where
 their references resolve). Deletions run under the checkpoint's save lock
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -87,22 +90,34 @@ def collect_garbage(
     try:
         try:
             refuse_a_link(storage)
-            if storage.root_exists() and not storage.list_files():
-                return []  # no file at all (a deletion cut short before it removed the directory): nothing to collect
+            if storage.root_exists() and not _looks_like_reshards(storage):
+                if not set(storage.list_children()) - {DATA_DIR, REFERENCES_DIR} and not (
+                    storage.list_files(DATA_DIR) or storage.list_files(REFERENCES_DIR)
+                ):
+                    return []  # no file (a deletion cut short before it removed the directory): nothing to collect
+                raise CheckpointNotFoundError(
+                    f"{storage.describe()} is not a reshard checkpoint: nothing at its top level, in {DATA_DIR}/ or "
+                    f"in {REFERENCES_DIR}/ is reshard's ({METADATA_FILE}, {RETIRED_FILE}, a lock, data files named as "
+                    "a save names them, reference markers); nothing listed below it, nothing removed"
+                )
             if storage.exists(RETIRED_FILE):  # metadata.json too: a retirement cut short before it deleted it
                 return remove_checkpoint(storage, dry_run=dry_run).removed
             try:
                 metadata = Metadata.from_json_bytes(read_metadata_bytes(storage))
-            except IncompleteCheckpointError as exc:
+            except IncompleteCheckpointError:
                 if not include_incomplete:
                     raise
                 removal = remove_checkpoint(storage, dry_run=dry_run, min_age_s=min_age_s)
                 if not removal.proven and removal.left:
+                    names = ", ".join(removal.left[:5]) + (", ..." if len(removal.left) > 5 else "")
                     raise IncompleteCheckpointError(
-                        f"{exc}; and nothing ties its files to a reshard save (no lock of a save that died, no "
-                        "retirement record or reference marker names them): nothing removed, delete them yourself "
-                        "if they are yours to delete"
+                        f"{storage.describe()} has no {METADATA_FILE}, and nothing ties its files ({names}) to a "
+                        "reshard save (no lock or lock temporary of a save that died, no retirement record or "
+                        "reference marker names them): nothing removed, delete them yourself if they are yours to "
+                        "delete"
                     ) from None
+                if removal.left:
+                    warnings.warn(_untied_left(storage, removal.left), stacklevel=2)
                 return removal.removed
             return _collect_committed(storage, metadata, dry_run=dry_run, min_age_s=min_age_s)
         except CheckpointError:  # some derive from OSError (CheckpointNotFoundError, StorageError): as they are
@@ -114,6 +129,29 @@ def collect_garbage(
     finally:
         if storage is not path:
             storage.close()
+
+
+def _looks_like_reshards(storage: Storage) -> bool:
+    """Whether ``storage`` may be a checkpoint reshard wrote, looking only at its top level and the files of its
+    ``data/`` and ``refs/`` (never walking the rest of a directory that is not one: a home directory, ``/``).
+
+    Raises:
+        OSError: listing failed (ELOOP: ``data/`` or ``refs/`` is a link).
+    """
+    for name in storage.list_children():
+        if name in (METADATA_FILE, RETIRED_FILE) or name.startswith(LOCK_FILE) or _TEMPORARY.search(name):
+            return True
+    if any(DATA_FILE_PATTERN.match(n) or _TEMPORARY.search(n) for n in storage.list_files(DATA_DIR)):
+        return True
+    return bool(storage.list_files(REFERENCES_DIR))
+
+
+def _untied_left(storage: Storage, left: Sequence[str]) -> str:
+    names = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
+    return (
+        f"reshard gc: {storage.describe()} keeps {len(left)} file(s) that nothing ties to a reshard save ({names}), "
+        "and so the directory stays: delete them yourself if they are yours to delete"
+    )
 
 
 def _collect_committed(storage: Storage, metadata: Metadata, *, dry_run: bool, min_age_s: float) -> list[str]:

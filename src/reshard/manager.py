@@ -15,7 +15,8 @@ checkpoints and falls back past ones that turn out incomplete or corrupt.
 
 Retention runs after each save, on the coordinator: it deletes complete checkpoints outside the policy
 (``keep_last`` newest, plus every ``keep_every``-th step), never the newest complete one and never one a
-live writer holds, and removes leftovers of interrupted saves older than the newest complete checkpoint.
+live writer holds, and removes leftovers of interrupted saves older than the newest complete checkpoint (and the
+``.latest.json.tmp-<hex>`` that a manager killed while it replaced the pointer left).
 It deletes through :func:`reshard.retirement.remove_checkpoint`: only what a reshard save wrote and something
 reshard wrote ties to it, the retirement record ``retired.json`` first, so that a deletion cut short leaves a
 retired directory, never a corrupt-looking one; a step that is a symbolic link, or whose files reshard cannot
@@ -62,7 +63,7 @@ from reshard.references import is_retired
 from reshard.retirement import remove_checkpoint
 from reshard.save import SaveResult, save
 from reshard.sources import read_metadata_bytes
-from reshard.storage import CheckpointLocation, Storage, storage_for
+from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
 from reshard.transports import Group
 
 __all__ = ["LATEST_FILE", "CheckpointManager", "StepInfo", "scan_root"]
@@ -71,11 +72,18 @@ logger = logging.getLogger("reshard")
 
 LATEST_FILE = "latest.json"
 _STEP = re.compile(r"^step_(\d{9,})$")
+_LATEST_TEMPORARY = re.compile(rf"^\.{re.escape(LATEST_FILE)}\.tmp-[0-9a-f]{{32}}$")
+"""The temporary of ``latest.json``'s commit (a manager killed while it replaced the pointer leaves one)."""
 
 
 def _step_of(name: str) -> int | None:
     match = _STEP.match(name)
     return int(match.group(1)) if match is not None else None
+
+
+def _is_pointer(pointer: dict[str, Any]) -> bool:
+    step = pointer["step"]
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and pointer["path"] == step_name(step)
 
 
 def step_name(step: int) -> str:
@@ -363,6 +371,7 @@ class CheckpointManager:
 
     def _retain(self, *, keep_step: int) -> None:
         """On the coordinator, under the manager lock: delete what the policy no longer keeps."""
+        self._sweep_pointer_temporaries()
         infos = scan_root(self.root)
         complete = [s.step for s in infos if s.status == "complete"]
         if not complete:
@@ -383,6 +392,25 @@ class CheckpointManager:
         for info in infos:
             if info.status == "retired":
                 self._remove(info.name, "sweeping retired")
+
+    def _sweep_pointer_temporaries(self) -> None:
+        """On the coordinator, under the manager lock (so that no manager is replacing ``latest.json``): delete the
+        temporaries of ``latest.json`` that managers killed mid-commit left, only those whose content is a pointer
+        reshard wrote (a file named so that is not one stays).
+
+        Raises:
+            OSError: listing or deleting failed.
+        """
+        for name in self.root.list_names(f".{LATEST_FILE}.tmp-"):
+            if not _LATEST_TEMPORARY.match(name):
+                continue
+            try:
+                pointer = json.loads(self.root.read_bytes(name, max_bytes=4096))
+            except (FileNotFoundError, FileTooLargeError, ValueError, RecursionError):
+                continue
+            if isinstance(pointer, dict) and set(pointer) == {"step", "path"} and _is_pointer(pointer):
+                logger.info("retention: removing %s, left by a manager killed while it moved the pointer", name)
+                self.root.delete(name)
 
     def _remove(self, name: str, what: str) -> None:
         """On the coordinator: delete what reshard wrote in step directory ``name`` (retired where newer

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from reshard.errors import CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError
 from reshard.io.datafile import DATA_FILE_PATTERN
-from reshard.locking import DEFAULT_STALE_AFTER_S, Lock, LockInfo, lock_markers
+from reshard.locking import DEFAULT_STALE_AFTER_S, LOCK_FILE, Lock, LockInfo, lock_markers
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
 from reshard.references import (
     REFERENCES_DIR,
@@ -67,6 +67,8 @@ _MAX_LOCK_BYTES = 64 * 1024
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 _TEMPORARY = re.compile(rf"^(?:{REFERENCES_DIR}/)?\.[^/]+\.tmp-[0-9a-f]{{32}}$")
 """The temporary names of :meth:`~reshard.storage.Storage.commit` (a local commit cut short leaves one)."""
+_LOCK_TEMPORARY = re.compile(rf"^\.{re.escape(LOCK_FILE)}(?:\.\d{{12}})?\.tmp-[0-9a-f]{{32}}$")
+"""The temporary of a lock marker's create-only commit (a save killed at its lock's link leaves one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,27 +230,55 @@ def _stale_save_lock(storage: Storage) -> tuple[set[str], list[str]]:
     return tokens, names
 
 
+def _lock_temporaries(storage: Storage, names: Sequence[str]) -> dict[str, str | None]:
+    """The temporaries of lock markers at the top of ``storage`` (``names``: its files) whose content is a lock
+    record reshard wrote, by name: the token of the save that left it (its create-only link cut short) when the
+    holder is stale, None when it is live (a save taking or renewing the lock right now: it is that save's, and
+    goes with its commit). A file named so that is not a lock record is none of them (a person's: it stays)."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        if not _LOCK_TEMPORARY.match(name):
+            continue
+        try:
+            info = LockInfo.from_bytes(storage.read_bytes(name, max_bytes=_MAX_LOCK_BYTES))
+        except (FileNotFoundError, FileTooLargeError, RecursionError):
+            continue
+        if info is not None:
+            out[name] = info.token if info.is_stale(DEFAULT_STALE_AFTER_S) else None
+    return out
+
+
 def _ties(storage: Storage, named: set[str], tokens: set[str], locks: list[str], held: bool) -> _Ties:
     """What ties the files of ``storage`` (``named``: the files its well-formed reference markers name; ``tokens``
     and ``locks``: the save ids and the markers of the stale save locks here; ``held``: this process holds the
-    lock, whose markers are neither tied files nor untied ones)."""
+    lock, whose markers are neither tied files nor untied ones). The lock temporaries of dead saves tie their
+    saves' files and go; a commit temporary goes only where something else reshard wrote ties the directory."""
     record = read_record(storage)
     metadata = _tied_metadata(storage, record)
     storage.list_files(DATA_DIR)  # OSError (ELOOP) where data/ is a link: nothing is deleted through it
     names = storage.list_files()
+    temporaries = _lock_temporaries(storage, [n for n in names if "/" not in n])
+    dead = {name for name, token in temporaries.items() if token is not None}
+    saves = tokens | {token for token in temporaries.values() if token is not None}
     tied = set(record.files if record is not None else ()) | named
     if metadata is not None:
         tied |= {f.path for f in metadata.files if f.checkpoint is None}
     for name in names:
-        if DATA_FILE_PATTERN.match(name) and (metadata is not None or name[5:].partition("-r")[0] in tokens):
+        if DATA_FILE_PATTERN.match(name) and (metadata is not None or name[5:].partition("-r")[0] in saves):
             tied.add(name)
     proven = record is not None or metadata is not None or bool(locks or named or (held and tokens))
-    extra = [n for n in names if proven and _TEMPORARY.match(n)]
-    special = {METADATA_FILE, RETIRED_FILE, *locks, *extra, *(lock_markers(storage).values() if held else ())}
+    extra = sorted(dead | {n for n in names if proven and _TEMPORARY.match(n) and n not in temporaries})
+    special = {METADATA_FILE, RETIRED_FILE, *locks, *temporaries, *(lock_markers(storage).values() if held else ())}
     files = {n for n in names if n in tied}
     untied = [n for n in names if n not in tied and n not in special and not n.startswith(f"{REFERENCES_DIR}/")]
     return _Ties(
-        record=record, metadata=metadata, lock_markers=locks, files=files, extra=extra, untied=untied, proven=proven
+        record=record,
+        metadata=metadata,
+        lock_markers=locks,
+        files=files,
+        extra=extra,
+        untied=untied,
+        proven=proven or bool(dead),
     )
 
 
@@ -260,6 +290,8 @@ def _worth_a_lock(storage: Storage, locks: list[str]) -> bool:
         CheckpointNotFoundError: ``retired.json`` is not a record reshard wrote.
     """
     if locks or read_record(storage) is not None or storage.exists(METADATA_FILE):
+        return True
+    if any(token is not None for token in _lock_temporaries(storage, storage.list_names(f".{LOCK_FILE}")).values()):
         return True
     return bool(read_markers(storage))
 

@@ -135,8 +135,9 @@ def read_metadata_bytes(storage: Storage) -> bytes:
             f"(lock held by {holder.describe()})"
         )
     if has_data:
+        what = "holds data files" if data_files else f"holds the empty {DATA_DIR}/ a save creates first"
         raise IncompleteCheckpointError(
-            f"{where} holds data files but no {METADATA_FILE}: a save that was interrupted before it committed"
+            f"{where} {what} but no {METADATA_FILE}: a save that was interrupted before it committed"
         )
     if safetensors:
         raise CheckpointNotFoundError(
