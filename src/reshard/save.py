@@ -76,7 +76,7 @@ from reshard.planning.incremental import ReferencedBox, match_base
 from reshard.planning.save_plan import plan_save_table
 from reshard.references import check_referenced_files, mark_holders, remove_markers, settle_markers, verify_references
 from reshard.sources import read_metadata_bytes
-from reshard.statedict import FlatStateDict, flatten_state_dict
+from reshard.statedict import FlatStateDict, check_tensors, flatten_state_dict
 from reshard.stats import PhaseClock, SaveStats, fill_save_stats
 from reshard.storage import CheckpointLocation, Storage, storage_for
 from reshard.transports import Group
@@ -471,6 +471,7 @@ def _prepare_rank_state(state: _SaveState, state_dict: Any, *, rank: int, is_coo
     """Phase one on one rank: flatten the state dict, encode object values (and, on the coordinator,
     check that common values can be encoded), and describe every box. Fills ``state``."""
     state.flat = flatten_state_dict(state_dict, rank=rank)
+    check_tensors(state.flat.tensors, what="save", fill=False)  # inside the agreed step: the same error everywhere
     for key in [*(t.key for t in state.flat.tensors), *(o.key for o in state.flat.objects), *state.flat.common]:
         try:
             key.encode("utf-8")

@@ -10,7 +10,7 @@ is its container keys joined with dots: ``optimizer.state.0.lr``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +18,17 @@ import torch
 
 from reshard.dtensor import dtensor_to_sharded, is_dtensor
 from reshard.errors import StateDictError
+from reshard.geometry.boxes import strides_overlap
 from reshard.sharding import ShardedObject, ShardedTensor
 
-__all__ = ["FlatStateDict", "filter_state_dict", "flatten_state_dict", "is_empty_container", "map_leaves"]
+__all__ = [
+    "FlatStateDict",
+    "check_tensors",
+    "filter_state_dict",
+    "flatten_state_dict",
+    "is_empty_container",
+    "map_leaves",
+]
 
 Leaf = Any
 PathKey = str | int
@@ -185,3 +193,48 @@ def _dedup(items: list[Any]) -> list[Any]:
         elif item.is_main_replica and not out[index].is_main_replica:
             out[index] = item  # the primary copy wins, whatever the order of the leaves
     return out
+
+
+def check_tensors(tensors: Sequence[ShardedTensor], *, what: str, fill: bool) -> None:
+    """Raise StateDictError naming the ``tensors`` whose memory reshard cannot read (``fill`` False: a save, a
+    transfer's sources) or fill (a load's template, a transfer's targets): on the meta device (no memory), not
+    dense (sparse, nested), with less storage than their elements span (a storage resized to 0, as FSDP frees
+    unsharded parameters: reading or writing it would go out of bounds), or, to fill, with elements that share
+    memory (an expanded view: which value would it hold?). ``what`` starts the message ("save", "load: template",
+    "transfer: target"). Each rank checks its own tensors inside an agreed step, so that every rank raises the
+    same error before any byte is read or written."""
+    meta = [t for t in tensors if t.data.device.type == "meta"]
+    other = [t for t in tensors if t.data.device.type != "meta" and t.data.layout != torch.strided]
+    dense = [t for t in tensors if t.data.device.type != "meta" and t.data.layout == torch.strided]
+    causes = [
+        (meta, "are on the meta device, which holds no data", "materialise them first (module.to_empty(device=...))"),
+        (other, "are not dense tensors (sparse, nested...)", "pass their dense form"),
+        (
+            [t for t in dense if not _storage_holds(t.data)],
+            "have less storage than their elements span",
+            "a freed storage (resized to 0) must be allocated again first",
+        ),
+    ]
+    if fill:
+        causes.append(
+            (
+                [t for t in dense if strides_overlap(tuple(t.data.shape), tuple(t.data.stride()))],
+                "are views whose elements overlap in memory (an expanded tensor), which cannot hold a value each",
+                "use a tensor of their own",
+            )
+        )
+    problems = [
+        f"{len(bad)} tensors {why}: {', '.join(repr(t.key) for t in bad[:10])}{' ...' if len(bad) > 10 else ''}; {hint}"
+        for bad, why, hint in causes
+        if bad
+    ]
+    if problems:
+        raise StateDictError(f"{what}: {'; '.join(problems)}")
+
+
+def _storage_holds(data: torch.Tensor) -> bool:
+    """Whether ``data``'s storage holds every element its offset, shape and strides reach."""
+    if data.numel() == 0:
+        return True
+    reach = data.storage_offset() + sum((n - 1) * s for n, s in zip(data.shape, data.stride(), strict=True))
+    return (reach + 1) * data.element_size() <= data.untyped_storage().nbytes()

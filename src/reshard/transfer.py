@@ -38,9 +38,10 @@ from reshard.exchange import (
     run_exchange,
     schedule_transfer,
 )
-from reshard.geometry.boxes import Box, strides_overlap
+from reshard.geometry.boxes import Box
 from reshard.geometry.tiling import find_tiling_problem
 from reshard.sharding import LocalPiece, ShardedTensor
+from reshard.statedict import check_tensors as check_state_tensors
 from reshard.statedict import flatten_state_dict, is_empty_container, map_leaves
 from reshard.transfer_delta import LastSync, aliasing, cell_digests, digest_json, widen_to_groups
 from reshard.transports import Group
@@ -410,43 +411,6 @@ def _check_primaries(docs: list[dict[str, Any]]) -> None:
 
 def check_tensors(tensors: Sequence[ShardedTensor], *, role: str) -> None:
     """Raise StateDictError naming the ``tensors`` that a transfer cannot read (``role="source"``) or fill
-    (``"target"``): on the meta device (no memory), not dense (sparse, nested), with less storage than their
-    elements span (freed, as FSDP frees unsharded parameters), or, for a target, with elements that share
-    memory (an expanded view: which value would it hold?). Called by each rank on its own tensors, inside
-    an agreed step, so that every rank raises the same error before any byte moves."""
-    meta = [t for t in tensors if t.data.device.type == "meta"]
-    other = [t for t in tensors if t.data.device.type != "meta" and t.data.layout != torch.strided]
-    dense = [t for t in tensors if t.data.device.type != "meta" and t.data.layout == torch.strided]
-    causes = [
-        (meta, "are on the meta device, which holds no data", "materialise them first (module.to_empty(device=...))"),
-        (other, "are not dense tensors (sparse, nested...)", "pass their dense form"),
-        (
-            [t for t in dense if not _storage_holds(t.data)],
-            "have less storage than their elements span",
-            "a freed storage (resized to 0) must be allocated again first",
-        ),
-    ]
-    if role == "target":
-        causes.append(
-            (
-                [t for t in dense if strides_overlap(tuple(t.data.shape), tuple(t.data.stride()))],
-                "are views whose elements overlap in memory (an expanded tensor), which cannot hold a value each",
-                "transfer into a tensor of their own",
-            )
-        )
-    problems = [
-        f"{len(bad)} {role} tensors {what}: {', '.join(repr(t.key) for t in bad[:10])}"
-        f"{' ...' if len(bad) > 10 else ''}; {hint}"
-        for bad, what, hint in causes
-        if bad
-    ]
-    if problems:
-        raise StateDictError(f"transfer: {'; '.join(problems)}")
-
-
-def _storage_holds(data: torch.Tensor) -> bool:
-    """Whether ``data``'s storage holds every element its offset, shape and strides reach."""
-    if data.numel() == 0:
-        return True
-    reach = data.storage_offset() + sum((n - 1) * s for n, s in zip(data.shape, data.stride(), strict=True))
-    return (reach + 1) * data.element_size() <= data.untyped_storage().nbytes()
+    (``"target"``): :func:`reshard.statedict.check_tensors`. Called by each rank on its own tensors, inside an
+    agreed step, so that every rank raises the same error before any byte moves."""
+    check_state_tensors(tensors, what=f"transfer: {role}", fill=role == "target")

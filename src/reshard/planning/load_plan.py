@@ -18,11 +18,11 @@ import numpy as np
 import numpy.typing as npt
 
 from reshard.dtypes import dtype_name, is_lossy_cast
-from reshard.errors import MismatchError, StateDictError
-from reshard.geometry.boxes import Box, ReadPattern, read_pattern, row_major_strides, strides_overlap
+from reshard.errors import MismatchError
+from reshard.geometry.boxes import Box, ReadPattern, read_pattern, row_major_strides
 from reshard.geometry.grid import BoxIndex
 from reshard.metadata import Metadata, SavedBox, SavedBoxes
-from reshard.statedict import FlatStateDict, is_empty_container
+from reshard.statedict import FlatStateDict, check_tensors, is_empty_container
 
 __all__ = [
     "DEFAULT_MAX_READ_AMPLIFICATION",
@@ -249,24 +249,12 @@ def check_template(
     them from ``flat.tensors`` and ``flat.objects``, so that only present entries are planned and read.
 
     Raises:
-        StateDictError: template tensors on the meta device (they have no memory to load into), or whose
-            elements overlap in memory (an expanded view).
+        StateDictError: template tensors reshard cannot fill (:func:`reshard.statedict.check_tensors`: on the
+            meta device, not dense, a freed storage, elements that overlap in memory).
         MismatchError: a global shape differs, a dtype differs and the cast is not allowed, or
             entries are missing (with ``strict``).
     """
-    meta = [st.key for st in flat.tensors if st.data.device.type == "meta"]
-    if meta:
-        raise StateDictError(
-            f"{len(meta)} template tensors are on the meta device, which holds no data to load into: "
-            f"{', '.join(repr(k) for k in meta[:10])}{' ...' if len(meta) > 10 else ''}; allocate them first "
-            "(module.to_empty(device='cpu'), torch.empty_like(t, device=...))"
-        )
-    shared = [st.key for st in flat.tensors if strides_overlap(tuple(st.data.shape), tuple(st.data.stride()))]
-    if shared:
-        raise StateDictError(
-            f"{len(shared)} template tensors are views whose elements overlap in memory (an expanded tensor), which "
-            f"cannot hold a value each: {', '.join(repr(k) for k in shared[:10])}; load into a tensor of their own"
-        )
+    check_tensors(flat.tensors, what="load: template", fill=True)
     missing: list[str] = []
     mismatches: list[str] = []
     present = []
