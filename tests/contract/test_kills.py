@@ -20,7 +20,7 @@ from tests.contract.flows import FLOWS
 SEED = 20261202
 # (flow, ranks): kill points sampled from the dry run's events (None: every one), kills at random delays
 PLAN: dict[tuple[str, int], tuple[int | None, int]] = {
-    ("overwrite", 2): (16, 2),
+    ("overwrite", 2): (24, 2),
     ("async", 3): (12, 2),
     ("fresh", 3): (12, 2),
     ("manager", 3): (12, 2),
