@@ -45,8 +45,8 @@ from reshard.errors import CheckpointError, DataUnavailableError, ShardingError,
 from reshard.io.device import copy_to_host
 from reshard.options import check_terms
 from reshard.sharding import ShardedTensor
-from reshard.statedict import filter_state_dict, flatten_state_dict, map_leaves
-from reshard.transfer import TransferStats, check_tensors, transfer
+from reshard.statedict import check_tensors, filter_state_dict, flatten_state_dict, map_leaves
+from reshard.transfer import TransferStats, transfer
 from reshard.transports import Group
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ class PeerMemoryCheckpoint:
                 raise StateDictError(
                     f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}"
                 )
-            check_tensors(flat.tensors, role="source")  # copied to the host below, after this agreed step
+            check_tensors(flat.tensors, what="peer save", fill=False)  # copied to the host after this agreed step
             pieces.extend((t, piece) for t in flat.tensors if t.is_main_replica for piece in t.pieces())
             described = [
                 [t.key, list(t.saved_shape), list(p.box.offset), list(p.view.shape), dtype_name(p.view.dtype)]

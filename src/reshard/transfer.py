@@ -20,7 +20,7 @@ import json
 import math
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,12 +41,11 @@ from reshard.exchange import (
 from reshard.geometry.boxes import Box
 from reshard.geometry.tiling import find_tiling_problem
 from reshard.sharding import LocalPiece, ShardedTensor
-from reshard.statedict import check_tensors as check_state_tensors
-from reshard.statedict import flatten_state_dict, is_empty_container, map_leaves
+from reshard.statedict import check_tensors, flatten_state_dict, is_empty_container, map_leaves
 from reshard.transfer_delta import LastSync, aliasing, cell_digests, digest_json, widen_to_groups
 from reshard.transports import Group
 
-__all__ = ["TransferSession", "TransferStats", "check_tensors", "transfer"]
+__all__ = ["TransferSession", "TransferStats", "transfer"]
 
 
 @dataclass
@@ -107,8 +106,8 @@ def transfer(
 
     Raises:
         StateDictError: the target holds ShardedObjects or non-tensor values; or tensors that a transfer
-            cannot read or fill (see :func:`check_tensors`: on the meta device, not dense, a freed storage,
-            an expanded target), named with their rank, on every rank before any byte moves.
+            cannot read or fill (:func:`reshard.statedict.check_tensors`: on the meta device, not dense, a freed
+            storage, an expanded target), named with their rank, on every rank before any byte moves.
         ShardingError: two primaries of overlapping boxes of a source key (named with their ranks), on
             every rank.
         MismatchError: a global shape or a lossy dtype conversion that differs, on every rank.
@@ -267,8 +266,8 @@ class TransferSession:
             raise StateDictError(
                 f"transfer moves tensors; the target holds {len(extra)} other entries: {', '.join(extra[:10])}"
             )
-        check_tensors(held.tensors, role="source")
-        check_tensors(wanted.tensors, role="target")
+        check_tensors(held.tensors, what="transfer: source", fill=False)
+        check_tensors(wanted.tensors, what="transfer: target", fill=True)
         sources: list[LocalPiece] = []
         targets: list[LocalPiece] = []
         holdings: list[list[Any]] = []
@@ -407,10 +406,3 @@ def _check_primaries(docs: list[dict[str, Any]]) -> None:
             f"transfer: {'; '.join(problems[:20])}{' ...' if len(problems) > 20 else ''}. A box has one primary "
             "holder: give the other copies a non-zero replica_id (replicas must hold the same bytes)"
         )
-
-
-def check_tensors(tensors: Sequence[ShardedTensor], *, role: str) -> None:
-    """Raise StateDictError naming the ``tensors`` that a transfer cannot read (``role="source"``) or fill
-    (``"target"``): :func:`reshard.statedict.check_tensors`. Called by each rank on its own tensors, inside an
-    agreed step, so that every rank raises the same error before any byte moves."""
-    check_state_tensors(tensors, what=f"transfer: {role}", fill=role == "target")
