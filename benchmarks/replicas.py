@@ -72,7 +72,10 @@ def _total(count: int) -> int:
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], results: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=300),
     )
     root = Path(args["dir"])

@@ -20,7 +20,7 @@ save or load runs, on the bytes it would exchange:
 For each rank count it reports the time and peak memory (tracemalloc, in a second run) of planning on the
 coordinator, the metadata size, the load planning time per rank, and the bytes that a rank other than the
 coordinator sends and receives in the exchanges of a save (computed from the real payloads with the framing
-of ``reshard.comm``). Then the growth exponent of each figure (slope of a log-log fit from 64 ranks up) and
+of ``reshard.net.comm``). Then the growth exponent of each figure (slope of a log-log fit from 64 ranks up) and
 the targets of docs/scale.md.
 """
 
@@ -38,8 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from reshard.comm import padded_size
 from reshard.metadata import Metadata
+from reshard.net.comm import padded_size
 from reshard.planning.assemble import assemble_metadata
 from reshard.planning.descriptions import DescriptionTable, WriteAssignment, encode_description
 from reshard.planning.load_plan import plan_load

@@ -318,8 +318,8 @@ def _attempt(runs: Runs, tool: str, fn: Callable[[], bool]) -> None:
 def run_tools(root: Path, pristine: Path, scratch: Path, damage: Damage) -> Runs:
     """Every tool on the damaged checkpoint at ``root`` (``scratch``: an empty directory for outputs)."""
     import reshard
+    from reshard.flows.maintenance import validate_checkpoint
     from reshard.interop import convert_checkpoint, diff_checkpoints, export_safetensors
-    from reshard.maintenance import validate_checkpoint
 
     runs = Runs(damage)
     for name, build in templates().items():

@@ -1,4 +1,4 @@
-"""A real Megatron-Core GPTModel and optimizer on CPU ranks (gloo), for the tests of ``reshard.megatron``.
+"""A real Megatron-Core GPTModel and optimizer on CPU ranks (gloo), for the tests of ``reshard.interop.megatron``.
 
 Runs inside the ranks of a pool (only they import megatron-core). Megatron's CPU obstacles are worked
 around here and nowhere in ``src/``:

@@ -15,16 +15,16 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from reshard.codec import encode_tagged
-from reshard.dtypes import DTYPE_BY_NAME
 from reshard.errors import ShardingError
-from reshard.fingerprint import combine
 from reshard.geometry.boxes import Box
 from reshard.geometry.tiling import find_tiling_problem
 from reshard.metadata import DataFile, Metadata, ObjectMetadata, SavedBox, SavedObject, TensorMetadata
 from reshard.planning.descriptions import LocalSaveDescription, ObjectPiece, TensorPiece, WriteAssignment
 from reshard.planning.load_plan import LoadPlan, ReadItem, TargetPiece, _split_overlap
-from reshard.sharding import is_main_replica
+from reshard.state.codec import encode_tagged
+from reshard.state.dtypes import DTYPE_BY_NAME
+from reshard.state.fingerprint import combine
+from reshard.state.sharding import is_main_replica
 
 __all__ = ["build_metadata", "metadata_json_v1", "plan_load", "plan_save"]
 

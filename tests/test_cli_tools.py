@@ -19,7 +19,7 @@ import torch
 
 import reshard
 from reshard.cli import main
-from reshard.maintenance import validate_checkpoint
+from reshard.flows.maintenance import validate_checkpoint
 
 SUBCOMMANDS = ["inspect", "validate", "ls", "diff", "convert", "export", "import-dcp", "gc", "demo"]
 

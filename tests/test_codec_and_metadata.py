@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 import reshard
 from reshard import CorruptCheckpointError, ShardedObject, StateDictError
-from reshard.codec import decode_object_blob, decode_tagged, encode_object_blob, encode_tagged
-from reshard.dtypes import DTYPE_BY_NAME
 from reshard.metadata import METADATA_FILE, Metadata, check_relative_path
+from reshard.state.codec import decode_object_blob, decode_tagged, encode_object_blob, encode_tagged
+from reshard.state.dtypes import DTYPE_BY_NAME
 from tests.metadata_docs import dumps, read_doc, seal, unseal
 
 PROPERTY = settings(max_examples=150, deadline=None, database=None)

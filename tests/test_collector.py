@@ -1,5 +1,5 @@
 """A synchronous save or load pauses Python's cyclic garbage collector on the main thread, and leaves it as it
-found it; a save in a background thread (the asynchronous checkpointer) never touches it (reshard.collector)."""
+found it; a save in a background thread (the asynchronous checkpointer) never touches it (reshard.flows.collector)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.manager import LATEST_FILE, step_name
+from reshard.flows.manager import LATEST_FILE, step_name
 from reshard.metadata import METADATA_FILE
 from tests.faults import Fault, FaultyRoot, kill_pool, run_with_deaths
 from tests.rankpool import RankContext, RankFailure, RankPool

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard
+from reshard.net.transports import ThreadGroup
 from reshard.storage import LocalStorage
-from reshard.transports import ThreadGroup
 from tests.threads import on_threads
 
 SENTINEL = -7.0

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 
 import reshard
-from reshard.comm import Communicator
 from reshard.io.device import DeviceFill, HostSlabs, copy_to_host
 from reshard.io.reader import ReadBudget, ReadExecutor
+from reshard.net.comm import Communicator
+from reshard.net.transports import PlaneGroups, plane_devices
 from reshard.planning.load_plan import TargetPiece, plan_load
-from reshard.statedict import flatten_state_dict
+from reshard.state.statedict import flatten_state_dict
 from reshard.storage import LocalStorage, ObjectStorage
-from reshard.transports import PlaneGroups, plane_devices
 from tests.rankpool import RankContext, RankPool
 
 # ---- HostSlabs: the save's staging ring -----------------------------------------------------------------

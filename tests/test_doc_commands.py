@@ -104,7 +104,7 @@ def _quickstart() -> Any:
 def setup_ckpt(session: Session) -> None:
     """``ckpt``: the checkpoint examples/quickstart.py saves on 4 ranks (here 4 threads of one process,
     the same protocol and files), as README.md's tour uses it."""
-    from reshard.transports import ThreadGroup
+    from reshard.net.transports import ThreadGroup
 
     if (session.cwd / "ckpt").exists():
         return
@@ -320,7 +320,7 @@ def test_the_format_example_is_what_two_ranks_write(tmp_path: Path) -> None:
     offsets, sizes, checksums, objects and common values. Only what changes with every save or release
     differs: the save id (and so the file names), the version (3 now, with its checksum member), the
     library version."""
-    from reshard.transports import ThreadGroup
+    from reshard.net.transports import ThreadGroup
 
     (python_block,) = marked_blocks(re.compile(r"<!-- example: (not run: the save of section 12.*) -->"))
     code = python_block.values[2]

@@ -1,6 +1,6 @@
 """DTensor state dicts: save on a (2, 2) device mesh, load on (4,), on (1,) and into plain ShardedTensors.
 
-The local index arithmetic (:func:`reshard.dtensor.local_index_runs`) is checked in one process against
+The local index arithmetic (:func:`reshard.state.dtensor.local_index_runs`) is checked in one process against
 torch's own splitting of index tensors, for many uneven, nested and strided cases. The multi-process tests
 build every DTensor with ``distribute_tensor(..., src_data_rank=None)`` (torch cuts the local tensor, so
 the layout under test is torch's, not reshard's) on the 4-rank gloo pool and compare every load bitwise
@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import reshard
 from reshard import ShardedTensor, ShardingError
-from reshard.dtensor import dtensor_to_sharded, local_index_runs
+from reshard.state.dtensor import dtensor_to_sharded, local_index_runs
 from tests.rankpool import RankContext, RankFailure, RankPool
 
 TIMEOUT = 60.0

@@ -32,7 +32,7 @@ import torch
 import xxhash
 
 import reshard
-from reshard.maintenance import validate_checkpoint
+from reshard.flows.maintenance import validate_checkpoint
 from tests.data.make_golden_v2 import CHECKSUM_CHUNK_BYTES, golden_state_dict
 from tests.data.make_golden_v4 import changed_state_dict
 from tests.metadata_docs import dumps, unseal

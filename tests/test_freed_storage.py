@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.transports import ThreadGroup
+from reshard.net.transports import ThreadGroup
 from tests.threads import on_threads
 
 

@@ -67,8 +67,8 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import reshard
-from reshard.locking import LOCK_FILE
-from reshard.maintenance import validate_checkpoint
+from reshard.flows.maintenance import validate_checkpoint
+from reshard.io.locking import LOCK_FILE
 from reshard.metadata import METADATA_FILE
 from tests.memory import peak_rss_growth
 from tests.metadata_docs import CHECKSUM_MEMBER, dumps, read_doc, seal, unseal, write_doc

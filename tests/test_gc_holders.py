@@ -27,11 +27,11 @@ import pytest
 import reshard
 from reshard.cli import main as cli_main
 from reshard.errors import CheckpointNotFoundError
+from reshard.flows.maintenance import collect_garbage, validate_checkpoint
+from reshard.flows.manager import scan_root, step_name
 from reshard.interop import convert_checkpoint
-from reshard.maintenance import collect_garbage, validate_checkpoint
-from reshard.manager import scan_root, step_name
-from reshard.references import REFERENCES_DIR, RETIRED_FILE
-from reshard.retirement import delete_checkpoint
+from reshard.io.references import REFERENCES_DIR, RETIRED_FILE
+from reshard.io.retirement import delete_checkpoint
 from reshard.storage import FileWriter, LocalStorage
 from tests.metadata_docs import read_doc, write_doc
 from tests.test_incremental import HASHED, assert_loads_as, frozen_and_trained, template
@@ -373,7 +373,7 @@ def test_a_reference_that_names_a_file_or_an_impossible_name_is_corrupt_and_load
 KILL_BEFORE_RMDIR = textwrap.dedent(
     """
     import os, signal, sys
-    from reshard.maintenance import collect_garbage
+    from reshard.flows.maintenance import collect_garbage
 
     holder = os.path.abspath(sys.argv[1])
 

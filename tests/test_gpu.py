@@ -5,7 +5,7 @@ Every test here needs CUDA and is skipped, with the reason, where torch sees no 
 ``make test`` installs): tests/test_device_paths.py runs the same code paths on host memory in every build.
 ``benchmarks/gpu_check.sh`` runs this file and ``benchmarks/gpu.py`` on a GPU machine. One GPU suffices for
 all but the NCCL data-plane tests: several processes share it with a gloo group (NCCL refuses two ranks on
-one device), and threads of one process share it through :class:`reshard.transports.ThreadGroup`.
+one device), and threads of one process share it through :class:`reshard.net.transports.ThreadGroup`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import reshard
-from reshard.fingerprint import fingerprint
 from reshard.geometry.boxes import Box
-from reshard.transports import PlaneGroups, ThreadGroup
+from reshard.net.transports import PlaneGroups, ThreadGroup
+from reshard.state.fingerprint import fingerprint
 from tests.threads import on_threads
 
 NO_GPU = (
@@ -334,7 +334,7 @@ def task_save_reshard_exchange(rank: int, world: int, path: str, twin: bool) -> 
     With ``twin``, every call gets the default group with a gloo twin (``PlaneGroups``)."""
     import torch.distributed as dist
 
-    from reshard.comm import Communicator
+    from reshard.net.comm import Communicator
 
     group = _group(twin)
     transport: Any = Communicator(group).transport
@@ -377,7 +377,7 @@ def test_two_processes_share_one_gpu_over_gloo(tmp_path: Path) -> None:
 
 
 def task_planes(rank: int, world: int, twin: bool) -> tuple[str, str]:
-    from reshard.comm import Communicator
+    from reshard.net.comm import Communicator
 
     transport: Any = Communicator(_group(twin)).transport
     return transport.control_device.type, transport.device.type

@@ -26,13 +26,13 @@ import reshard
 from reshard.cli import main as cli_main
 from reshard.demo.run import state_digest
 from reshard.demo.training import Trainer, TrainingConfig
-from reshard.maintenance import collect_garbage, validate_checkpoint
-from reshard.manager import scan_root, step_name
+from reshard.flows.maintenance import collect_garbage, validate_checkpoint
+from reshard.flows.manager import scan_root, step_name
+from reshard.io.references import REFERENCES_DIR, RETIRED_FILE
+from reshard.io.retirement import delete_checkpoint
 from reshard.models.config import LoraConfig, ModelConfig, is_adapter_key
-from reshard.references import REFERENCES_DIR, RETIRED_FILE
-from reshard.retirement import delete_checkpoint
+from reshard.net.transports import ThreadGroup
 from reshard.storage import LocalStorage
-from reshard.transports import ThreadGroup
 from tests.demo_groups import layout_groups
 from tests.rankpool import RankContext, RankPool
 from tests.threads import on_threads
@@ -299,7 +299,7 @@ KILL_SCRIPT = textwrap.dedent(
     """
     import sys
     import reshard
-    from reshard.manager import step_name
+    from reshard.flows.manager import step_name
     from tests.faults import Fault, FaultyRoot
     from tests.test_incremental import frozen_and_trained
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import reshard
-from reshard.maintenance import validate_checkpoint
-from reshard.manager import step_name
+from reshard.flows.maintenance import validate_checkpoint
+from reshard.flows.manager import step_name
+from reshard.net.transports import ThreadGroup
 from reshard.storage import LocalStorage, storage_for
-from reshard.transports import ThreadGroup
 from tests.memory import peak_rss_growth
 from tests.threads import on_threads
 

@@ -18,8 +18,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_d
 import reshard
 from reshard.cli import main
 from reshard.errors import CheckpointError, CheckpointNotFoundError, StateDictError
+from reshard.flows.maintenance import validate_checkpoint
 from reshard.interop import import_dcp
-from reshard.maintenance import validate_checkpoint
 from tests.rankpool import RankContext, RankPool
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.locking import LOCK_FILE, LockInfo
+from reshard.io.locking import LOCK_FILE, LockInfo
 
 
 def _plant_lock(path: Path, pid: int, created: float | None = None) -> None:

@@ -18,7 +18,7 @@ import torch
 
 import reshard
 from reshard.cli import main as cli_main
-from reshard.locking import LOCK_FILE, LockInfo
+from reshard.io.locking import LOCK_FILE, LockInfo
 
 
 def _state(step: int) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""reshard.megatron against the real megatron-core: its ``dist_checkpointing.save`` / ``load`` with the reshard
+"""reshard.interop.megatron against the real megatron-core: its ``dist_checkpointing.save`` / ``load`` with the reshard
 strategy, and the direct route, on a GPTModel (GQA, GLU, MoE with the allgather dispatcher) and Megatron's
 own optimizer, saved on one layout and loaded on others (4 gloo ranks; only the ranks import megatron-core).
 """
@@ -84,7 +84,7 @@ def rank_megatron_save(ctx: RankContext, layout: str, path: str, fully_parallel:
     (``fully_parallel``: in Megatron's FullyParallelSaveStrategyWrapper); returns the saved pieces."""
     from megatron.core import dist_checkpointing
 
-    import reshard.megatron  # noqa: F401  (registers the strategies)
+    import reshard.interop.megatron  # noqa: F401  (registers the strategies)
     from tests.megatron_models import build_gpt, build_optimizer, perturb, sharded_pieces
 
     parsed = MegatronLayout.parse(layout)
@@ -108,7 +108,7 @@ def rank_megatron_load(
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
     from tests.megatron_models import build_gpt, build_optimizer, cpu_synchronize, sharded_pieces
 
     parsed = MegatronLayout.parse(layout)
@@ -211,7 +211,7 @@ def test_megatron_fully_parallel_wrappers_save_and_load_bit_exactly(pool4: RankP
 def rank_direct_save(ctx: RankContext, layout: str, path: str) -> list[Any]:
     """reshard.save(to_reshard(state)) of the model and optimizer on ``layout``; the saved pieces."""
     import reshard
-    from reshard.megatron import to_reshard
+    from reshard.interop.megatron import to_reshard
     from tests.megatron_models import build_gpt, build_optimizer, perturb, sharded_pieces
 
     model = build_gpt(MegatronLayout.parse(layout))
@@ -227,7 +227,7 @@ def rank_direct_load(ctx: RankContext, layout: str, path: str) -> dict[str, Any]
     """reshard.load(to_reshard(template)) on ``layout``, from_reshard, then model.load_state_dict and the
     optimizer's load_state_dict (strict); the pieces they then hold."""
     import reshard
-    from reshard.megatron import from_reshard, to_reshard
+    from reshard.interop.megatron import from_reshard, to_reshard
     from tests.megatron_models import build_gpt, build_optimizer, sharded_pieces
 
     model = build_gpt(MegatronLayout.parse(layout), seed=99)
@@ -266,7 +266,7 @@ def rank_megatron_metadata(ctx: RankContext, path: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import serialization
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
 
     tensors = dist_checkpointing.load_tensors_metadata(path)
     sharded = serialization.load_sharded_metadata(path)
@@ -301,7 +301,7 @@ def rank_padded_save(ctx: RankContext, path: str, vocab: int) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
 
     rows = vocab // 4
     data = torch.arange(vocab * 3, dtype=torch.float32).view(vocab, 3)[ctx.rank * rows : (ctx.rank + 1) * rows]
@@ -318,7 +318,7 @@ def rank_padded_load(ctx: RankContext, path: str, vocab: int, tp: int) -> dict[s
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
 
     rows = vocab // tp
     state: dict[str, Any] = {
@@ -374,7 +374,7 @@ def rank_replicas_and_uneven_save(ctx: RankContext, path: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
 
     state: dict[str, Any] = {"uneven": _uneven("uneven", UNEVEN_SAVE, ctx.rank, None)}
     for i in range(4):
@@ -386,7 +386,7 @@ def rank_replicas_and_uneven_save(ctx: RankContext, path: str) -> None:
 def rank_uneven_load(ctx: RankContext, path: str) -> torch.Tensor:
     from megatron.core import dist_checkpointing
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
 
     return dist_checkpointing.load({"uneven": _uneven("uneven", UNEVEN_LOAD, ctx.rank, -1.0)}, path)["uneven"]
 
@@ -419,7 +419,7 @@ def rank_megatron_errors(ctx: RankContext, path: str, bad_path: str) -> dict[str
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
 
     world, rank = ctx.world_size, ctx.rank
     state = {
@@ -487,7 +487,7 @@ def rank_megatron_async_save(ctx: RankContext, layout: str, path: str) -> dict[s
 
     from megatron.core import dist_checkpointing
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
     from tests.megatron_models import build_gpt, build_optimizer, perturb, sharded_pieces
 
     model = build_gpt(MegatronLayout.parse(layout))
@@ -571,7 +571,7 @@ def rank_param_groups_refused(ctx: RankContext, path: str) -> str:
     from_reshard refuses (lists merge by position), naming the problem."""
     import reshard
     from reshard.errors import MismatchError
-    from reshard.megatron import from_reshard, to_reshard
+    from reshard.interop.megatron import from_reshard, to_reshard
 
     groups = [{"lr": 0.1, "is_expert_parallel": False}, {"lr": 0.1, "is_expert_parallel": True}]
     reshard.save(to_reshard({"optimizer": {"param_groups": groups}}), path)

@@ -75,7 +75,7 @@ def _arm(point: str, path: str, marker: str) -> None:
 
         TorchCommonSaveStrategy.save_common = common_then_die
     elif point == "after_repoint":  # the strategy has pointed Megatron's metadata.json at itself
-        from reshard.megatron import strategies
+        from reshard.interop.megatron import strategies
 
         repoint = strategies.repoint
 
@@ -128,7 +128,7 @@ def rank_save_then_crash(
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
 
     if earlier == "torch_dist":
         _torch_dist_save(_state(ctx.rank, ctx.world_size, OLD), path)
@@ -152,7 +152,7 @@ def rank_load_outcome(ctx: RankContext, path: str, world: int, strategy: Any = N
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
 
     template = {
         "w": ShardedTensor.from_rank_offsets("w", torch.zeros(world * ROWS, COLS), replica_id=ctx.rank),
@@ -178,7 +178,7 @@ def rank_save_again(ctx: RankContext, path: str) -> None:
     """After the crash: the next save into the same directory, on 4 ranks."""
     from megatron.core import dist_checkpointing
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
 
     dist_checkpointing.save(_state(ctx.rank, ctx.world_size, AFTER), path, sharded_strategy=("reshard", 1))
 
@@ -292,7 +292,7 @@ def rank_refused_save(ctx: RankContext, path: str, iteration: int) -> str:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
 
     dist_checkpointing.save(_state(ctx.rank, ctx.world_size, OLD), path, sharded_strategy=("reshard", 1))
     state = _state(ctx.rank, ctx.world_size, iteration)
@@ -349,8 +349,8 @@ def _refused_save(ctx: RankContext, variant: str, path: str) -> str:
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
     import reshard
-    from reshard.megatron import ReshardSaveStrategy
-    from reshard.megatron.directory import COMMON_PT_ENTRY
+    from reshard.interop.megatron import ReshardSaveStrategy
+    from reshard.interop.megatron.directory import COMMON_PT_ENTRY
 
     state = _state(ctx.rank, ctx.world_size, OLD)
     strategy: Any = ("reshard", 1)
@@ -384,7 +384,7 @@ def rank_refused_over_torch_dist(ctx: RankContext, base: str) -> dict[str, Any]:
     (read as soon as the save returned, on every rank) and what dist_checkpointing.load gives then."""
     import torch.distributed as dist
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
 
     out: dict[str, Any] = {}
     for variant in REFUSALS:

@@ -52,7 +52,7 @@ def _layout(tp: int = 1, pp: int = 1) -> None:
 def _save(state: Any, path: str, **kwargs: Any) -> Any:
     from megatron.core import dist_checkpointing
 
-    import reshard.megatron  # noqa: F401  (registers the strategies)
+    import reshard.interop.megatron  # noqa: F401  (registers the strategies)
 
     return dist_checkpointing.save(state, path, sharded_strategy=("reshard", 1), **kwargs)
 
@@ -60,7 +60,7 @@ def _save(state: Any, path: str, **kwargs: Any) -> Any:
 def _load(state: Any, path: str, **kwargs: Any) -> Any:
     from megatron.core import dist_checkpointing
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
 
     return dist_checkpointing.load(state, path, **kwargs)
 
@@ -666,7 +666,7 @@ def rank_save_and_load_distribution(ctx: RankContext, path: str, along_dp: bool)
     )
     from megatron.core.dist_checkpointing.utils import _sharded_tensor_shard_id
 
-    from reshard.megatron import ReshardLoadStrategy
+    from reshard.interop.megatron import ReshardLoadStrategy
     from tests.megatron_models import cpu_synchronize
 
     _layout(2, 1)
@@ -745,7 +745,7 @@ def rank_broadcast_sharded_objects(ctx: RankContext, path: str) -> tuple[list[st
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
-    from reshard.megatron import ReshardLoadStrategy
+    from reshard.interop.megatron import ReshardLoadStrategy
     from tests.megatron_models import cpu_synchronize
 
     rank, world = ctx.rank, ctx.world_size
@@ -783,7 +783,7 @@ def rank_async_is_equivalent_to_sync(ctx: RankContext, async_dir: str, sync_dir:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    import reshard.megatron  # noqa: F401
+    import reshard.interop.megatron  # noqa: F401
 
     _layout(2, 2)
     rank, world = ctx.rank, ctx.world_size

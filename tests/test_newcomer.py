@@ -18,10 +18,10 @@ import torch
 
 import reshard
 from reshard.cli import main
-from reshard.dtypes import is_lossy_cast
 from reshard.errors import CheckpointNotFoundError, IncompleteCheckpointError, MismatchError, StateDictError
-from reshard.locking import LOCK_FILE, LockInfo
-from reshard.maintenance import collect_garbage
+from reshard.flows.maintenance import collect_garbage
+from reshard.io.locking import LOCK_FILE, LockInfo
+from reshard.state.dtypes import is_lossy_cast
 
 
 def _old(path: Path) -> None:
@@ -139,7 +139,7 @@ def test_ranks_started_by_a_launcher_without_a_process_group_are_told(
 def test_a_collective_timeout_says_every_rank_must_call(tmp_path: Path) -> None:
     """Only rank 0 of a group of two calls save: it fails after the timeout, saying that every rank must
     make the same call."""
-    from reshard.transports import ThreadGroup
+    from reshard.net.transports import ThreadGroup
 
     group = ThreadGroup(2, timeout=0.5)
     with pytest.raises(reshard.CheckpointError, match="every rank of the group must make the same reshard call"):
@@ -220,7 +220,8 @@ def test_the_command_line_answers_help_and_version_without_importing_torch(argv:
         f"    main({argv!r})\n"
         "except SystemExit as exc:\n"
         "    assert exc.code == 0, exc.code\n"
-        "heavy = sorted(m for m in ('torch', 'numpy', 'reshard.load', 'reshard.save') if m in sys.modules)\n"
+        "heavy = ('torch', 'numpy', 'reshard.flows.load', 'reshard.flows.save')\n"
+        "heavy = sorted(m for m in heavy if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )
     assert "reshard" in _in_a_fresh_interpreter(probe)
@@ -234,7 +235,7 @@ def test_the_package_imports_its_public_names_on_first_use() -> None:
         "import sys, types\n"
         "import reshard\n"
         "assert 'torch' not in sys.modules\n"
-        "import reshard.save, reshard.load, reshard.async_save, reshard.transfer, reshard.manager\n"
+        "import reshard.flows.save, reshard.flows.load, reshard.flows.async_save, reshard.flows.transfer\n"
         "for name in ('save', 'load', 'async_save', 'transfer'):\n"
         "    assert not isinstance(getattr(reshard, name), types.ModuleType), name\n"
         "    assert callable(getattr(reshard, name)), name\n"
@@ -247,6 +248,33 @@ def test_the_package_imports_its_public_names_on_first_use() -> None:
         "    pass\n"
         "else:\n"
         "    raise AssertionError('no AttributeError')\n"
+    )
+    _in_a_fresh_interpreter(probe)
+
+
+def test_a_moved_module_imports_from_its_old_path_with_a_warning() -> None:
+    """docs/api.md "Moved modules": an old module path (``reshard.manager``, ``reshard.transports.ThreadGroup``,
+    a submodule of a moved package) is the module at its new path, not a second copy, and warns once."""
+    probe = (
+        "import warnings\n"
+        "warnings.simplefilter('error', DeprecationWarning)\n"
+        "import reshard.flows.manager, reshard.net.transports\n"
+        "try:\n"
+        "    import reshard.manager\n"
+        "except DeprecationWarning as warning:\n"
+        "    assert 'reshard.flows.manager' in str(warning), warning\n"
+        "else:\n"
+        "    raise AssertionError('no DeprecationWarning')\n"
+        "warnings.simplefilter('ignore', DeprecationWarning)\n"
+        "import reshard.manager\n"
+        "from reshard.transports import ThreadGroup\n"
+        "import sys\n"
+        "assert sys.modules['reshard.manager'] is reshard.flows.manager\n"
+        "assert ThreadGroup is reshard.net.transports.ThreadGroup\n"
+        "import reshard.statedict, reshard.state.statedict\n"
+        "assert sys.modules['reshard.statedict'] is reshard.state.statedict\n"
+        "import reshard\n"
+        "assert callable(reshard.save) and callable(reshard.transfer)\n"
     )
     _in_a_fresh_interpreter(probe)
 
@@ -308,7 +336,7 @@ def test_diff_compares_bytes_first_and_values_where_bytes_differ(tmp_path: Path)
 def test_validate_reports_progress_and_is_quiet_on_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``validate`` tells a progress object the bytes it checks (the command line draws the bar on a
     terminal); ``-q`` leaves only problems on stdout, and the exit code says the outcome."""
-    from reshard.maintenance import validate_checkpoint
+    from reshard.flows.maintenance import validate_checkpoint
 
     reshard.save({"w": torch.randn(64, 64), "b": torch.randn(64)}, tmp_path / "ckpt")
     metadata = reshard.read_metadata(tmp_path / "ckpt")

@@ -279,7 +279,7 @@ def test_gc_removes_only_unreferenced_old_data(object_store: Any) -> None:
     try:
         storage.put("data/deadbeef-r00000.bin", b"leftover of a failed save")
         kept = reshard.read_metadata(url, storage_options=options).files[0].path
-        from reshard.maintenance import collect_garbage
+        from reshard.flows.maintenance import collect_garbage
 
         assert collect_garbage(url, storage_options=options, min_age_s=3600) == []  # too young
         assert collect_garbage(url, storage_options=options, min_age_s=0, dry_run=True) == ["data/deadbeef-r00000.bin"]

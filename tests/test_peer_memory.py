@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import reshard
-from reshard.transports import ThreadGroup
+from reshard.net.transports import ThreadGroup
 from tests.memory import peak_rss_growth
 from tests.threads import on_threads
 

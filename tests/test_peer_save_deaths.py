@@ -105,8 +105,8 @@ class _Events:
 
 
 def _instrument(events: _Events) -> None:
-    from reshard.comm import Communicator
-    from reshard.transports import TorchTransport
+    from reshard.net.comm import Communicator
+    from reshard.net.transports import TorchTransport
 
     for owner, name in [(Communicator, n) for n in EVENTS[:3]] + [(TorchTransport, "exchange")]:
         original = getattr(owner, name)

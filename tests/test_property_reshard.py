@@ -1,6 +1,6 @@
 """Property test: save under one random layout, load under another, get the same bytes.
 
-The N saving ranks are threads of this process (a :class:`~reshard.transports.ThreadGroup`), each calling
+The N saving ranks are threads of this process (a :class:`~reshard.net.transports.ThreadGroup`), each calling
 the real ``reshard.save`` with its own state dict: planning, writer election, writing, agreement and the
 commit run exactly as on N processes. The M loading ranks are another thread group calling the real
 ``reshard.load``, each with a template of its own box, and must get exactly the bytes of that box of the
@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 import reshard
 from reshard.geometry.boxes import Box
 from reshard.metadata import Metadata
+from reshard.net.transports import ThreadGroup, Transport
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION
-from reshard.sharding import ReplicaId
-from reshard.transports import ThreadGroup, Transport
+from reshard.state.sharding import ReplicaId
 from tests.threads import on_threads
 
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""Read once per replica group, then exchange (``LoadOptions(read_once=...)``, :mod:`reshard.exchange`).
+"""Read once per replica group, then exchange (``LoadOptions(read_once=...)``, :mod:`reshard.io.exchange`).
 
 Storage bytes are counted by the storage layer itself (``Storage.range_bytes_read``), summed over the
 ranks, and compared with the unique bytes the job needs; every load is checked bit-exactly against the
@@ -15,9 +15,9 @@ import torch
 
 import reshard
 from reshard.errors import CorruptCheckpointError
-from reshard.exchange import MIN_SLAB_BYTES, schedule_reads
+from reshard.io.exchange import MIN_SLAB_BYTES, schedule_reads
+from reshard.net.transports import ThreadGroup
 from reshard.storage.local import LocalStorage
-from reshard.transports import ThreadGroup
 from tests.rankpool import RankContext, RankFailure, RankPool
 from tests.threads import on_threads
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.locking import LOCK_FILE, LockInfo, acquire_lock, lock_markers, read_lock
+from reshard.io.locking import LOCK_FILE, LockInfo, acquire_lock, lock_markers, read_lock
 from reshard.metadata import METADATA_FILE
 from reshard.storage import LocalStorage
 from tests.contract import harness
@@ -254,7 +254,7 @@ def _checkpoint_with_linked_data(tmp_path: Path) -> tuple[Path, Path, list[Path]
 
 
 def test_d3_gc_refuses_a_symlinked_data_directory(tmp_path: Path) -> None:
-    from reshard.maintenance import collect_garbage
+    from reshard.flows.maintenance import collect_garbage
 
     path, _, files = _checkpoint_with_linked_data(tmp_path)
     with pytest.raises(reshard.StorageError, match="symbolic link"):
@@ -279,7 +279,7 @@ def test_d3_an_overwrite_never_deletes_through_a_symlinked_data_directory(tmp_pa
 
 
 def test_d3_gc_deletes_only_the_names_a_save_writes(tmp_path: Path) -> None:
-    from reshard.maintenance import collect_garbage
+    from reshard.flows.maintenance import collect_garbage
 
     reshard.save({"w": torch.ones(4)}, tmp_path / "ckpt")
     mine = tmp_path / "ckpt" / "data" / "train.csv"
@@ -399,7 +399,7 @@ def test_d6_racing_writers_on_a_stale_lock_take_it_exactly_once(tmp_path: Path) 
 def test_a_lock_of_another_host_is_taken_over_once_it_stops_moving(tmp_path: Path) -> None:
     """A holder on another host cannot be checked by pid: it is stale once the lock has not moved for a
     lease (measured on this host's clock); a live holder renews and keeps it."""
-    from reshard.locking import LockTiming
+    from reshard.io.locking import LockTiming
 
     timing = LockTiming(renew_s=0.1, lease_s=0.6, stale_after_s=600)
     remote = LockInfo(host="elsewhere", pid=1, token="remote", created=time.time(), written=time.time())
@@ -426,7 +426,7 @@ def test_a_lock_of_another_host_is_taken_over_once_it_stops_moving(tmp_path: Pat
 def mock_host(name: str) -> Any:
     from unittest import mock
 
-    with mock.patch("reshard.locking.socket.gethostname", return_value=name):
+    with mock.patch("reshard.io.locking.socket.gethostname", return_value=name):
         yield
 
 
@@ -506,8 +506,8 @@ def test_d12_a_lock_that_cannot_be_written_names_the_rank_and_the_file(tmp_path:
 def test_damage_that_leaves_valid_json_is_caught_by_every_reader(tmp_path: Path) -> None:
     """A digit of an offset changed in metadata.json (valid JSON, consistent-looking): load, read_metadata,
     validate, export and convert all refuse it."""
+    from reshard.flows.maintenance import validate_checkpoint
     from reshard.interop import convert_checkpoint, export_safetensors
-    from reshard.maintenance import validate_checkpoint
 
     reshard.save({"w": torch.arange(64.0).reshape(8, 8), "b": torch.ones(3)}, tmp_path / "ckpt")
     raw = (tmp_path / "ckpt" / METADATA_FILE).read_bytes()
@@ -547,8 +547,8 @@ def test_a_lost_answer_to_the_offline_commit_keeps_the_committed_checkpoint(
 ) -> None:
     """The put of metadata.json reaches the server, its answer is lost; the retry finds the object. The
     offline writer (convert, import-dcp) must take that as committed, and keep its data file."""
+    from reshard.flows.maintenance import validate_checkpoint
     from reshard.interop import convert_checkpoint
-    from reshard.maintenance import validate_checkpoint
 
     reshard.save({"w": torch.arange(32.0), "step": 3}, tmp_path / "src")
     proxy = fault_proxy(object_store)

@@ -29,13 +29,13 @@ import torch
 
 import reshard
 from reshard.cli import main as cli_main
+from reshard.flows.maintenance import collect_garbage, validate_checkpoint
+from reshard.flows.manager import LATEST_FILE, scan_root, step_name
 from reshard.interop import CheckpointReader
-from reshard.locking import LOCK_FILE, LockInfo
-from reshard.maintenance import collect_garbage, validate_checkpoint
-from reshard.manager import LATEST_FILE, scan_root, step_name
-from reshard.references import REFERENCES_DIR, RETIRED_FILE
+from reshard.io.locking import LOCK_FILE, LockInfo
+from reshard.io.references import REFERENCES_DIR, RETIRED_FILE
+from reshard.net.transports import ThreadGroup
 from reshard.storage import LocalStorage, ObjectStorage, Storage
-from reshard.transports import ThreadGroup
 from tests.faults import Fault, FaultyStorage
 from tests.metadata_docs import read_doc, write_doc
 from tests.test_incremental import assert_loads_as, frozen_and_trained, template

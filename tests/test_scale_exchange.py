@@ -2,7 +2,7 @@
 agreed on, and a rank other than the coordinator sends and receives the bytes of its own payloads only.
 
 ``benchmarks/scale.py`` computes these figures for 8192 ranks from the same formulas
-(:func:`reshard.comm.padded_size`); here they are checked against the counters of real collectives.
+(:func:`reshard.net.comm.padded_size`); here they are checked against the counters of real collectives.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 import reshard
-from reshard.comm import Communicator, padded_size
 from reshard.errors import ShardingError
+from reshard.net.comm import Communicator, padded_size
 from tests.metadata_docs import read_doc
 from tests.rankpool import RankContext, RankFailure, RankPool
 

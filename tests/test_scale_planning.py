@@ -31,7 +31,7 @@ from reshard.planning.descriptions import (
 )
 from reshard.planning.load_plan import TargetPiece
 from reshard.planning.save_plan import plan_save, plan_save_table
-from reshard.statedict import flatten_state_dict
+from reshard.state.statedict import flatten_state_dict
 from reshard.testing import MegatronLayout, MoETransformer, Parallelism
 from tests import oracle_planning as oracle
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import reshard
 from reshard.geometry.boxes import Box, flat_range_boxes
-from reshard.sharding import ShardedTensor
+from reshard.state.sharding import ShardedTensor
 
 SETTINGS = settings(max_examples=150, deadline=None)
 

@@ -21,7 +21,7 @@ from reshard.geometry.boxes import Box
 from reshard.geometry.tiling import TilingProblem, find_tiling_problem
 from reshard.planning.descriptions import LocalSaveDescription, ObjectPiece, TensorPiece, WriteAssignment
 from reshard.planning.save_plan import plan_save
-from reshard.sharding import ReplicaId
+from reshard.state.sharding import ReplicaId
 
 PROPERTY = settings(max_examples=100, deadline=None, database=None)
 

@@ -15,7 +15,7 @@ import torch
 
 import reshard
 from reshard.errors import MismatchError, StateDictError
-from reshard.transports import ThreadGroup
+from reshard.net.transports import ThreadGroup
 from tests.rankpool import RankContext, RankPool
 from tests.threads import on_threads
 

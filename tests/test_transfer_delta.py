@@ -18,7 +18,7 @@ import torch
 
 import reshard
 from reshard.errors import CheckpointError
-from reshard.transports import ThreadGroup
+from reshard.net.transports import ThreadGroup
 from tests.rankpool import RankContext, RankPool
 from tests.threads import on_threads
 

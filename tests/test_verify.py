@@ -103,8 +103,8 @@ def _reference(full: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex128])
 def test_fingerprint_matches_its_definition_and_adds_up_over_any_tiling(dtype: torch.dtype) -> None:
-    from reshard.fingerprint import combine, fingerprint
     from reshard.geometry.boxes import Box
+    from reshard.state.fingerprint import combine, fingerprint
 
     full = (torch.randn(5, 3, 4) * 50).to(dtype) if dtype != torch.bool else torch.rand(5, 3, 4) > 0.5
     shape = (5, 3, 4)

@@ -1,4 +1,4 @@
-"""Ranks as threads of this process (a :class:`reshard.transports.ThreadGroup`), for tests that run the real
+"""Ranks as threads of this process (a :class:`reshard.net.transports.ThreadGroup`), for tests that run the real
 protocol of several ranks without spawning processes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from reshard.transports import ThreadGroup
+from reshard.net.transports import ThreadGroup
 
 T = TypeVar("T")
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
+from reshard._moved import install_moved_module_aliases
 from reshard._version import __version__
 
 if TYPE_CHECKING:
-    from reshard.async_save import AsyncCheckpointer, SaveHandle, async_save
     from reshard.errors import (
         CheckpointError,
         CheckpointExistsError,
@@ -32,55 +30,56 @@ if TYPE_CHECKING:
         StorageError,
         UnconfirmedCommitError,
     )
-    from reshard.load import LoadStats, load, read_metadata
-    from reshard.manager import CheckpointManager
+    from reshard.flows.async_save import AsyncCheckpointer, SaveHandle, async_save
+    from reshard.flows.load import LoadStats, load, read_metadata
+    from reshard.flows.manager import CheckpointManager
+    from reshard.flows.options import LoadOptions, SaveOptions, StagingOptions
+    from reshard.flows.peer import PeerMemoryCheckpoint, PeerSaveResult
+    from reshard.flows.save import SaveResult, save
+    from reshard.flows.stats import SaveStats
+    from reshard.flows.transfer import TransferSession, TransferStats, transfer
     from reshard.metadata import Metadata
-    from reshard.options import LoadOptions, SaveOptions, StagingOptions
-    from reshard.peer import PeerMemoryCheckpoint, PeerSaveResult
-    from reshard.save import SaveResult, save
-    from reshard.sharding import ShardedObject, ShardedTensor
-    from reshard.statedict import filter_state_dict
-    from reshard.stats import SaveStats
-    from reshard.transfer import TransferSession, TransferStats, transfer
+    from reshard.state.sharding import ShardedObject, ShardedTensor
+    from reshard.state.statedict import filter_state_dict
 
 # The public names are imported on first use (PEP 562), so that ``import reshard`` and the command line's
 # ``--help`` and ``--version`` do not pay for importing torch.
 _PUBLIC_MODULE = {
-    "AsyncCheckpointer": "reshard.async_save",
+    "AsyncCheckpointer": "reshard.flows.async_save",
     "CheckpointError": "reshard.errors",
     "CheckpointExistsError": "reshard.errors",
     "CheckpointLockedError": "reshard.errors",
-    "CheckpointManager": "reshard.manager",
+    "CheckpointManager": "reshard.flows.manager",
     "CheckpointNotFoundError": "reshard.errors",
     "CommunicationError": "reshard.errors",
     "CorruptCheckpointError": "reshard.errors",
     "DataUnavailableError": "reshard.errors",
     "IncompleteCheckpointError": "reshard.errors",
-    "LoadOptions": "reshard.options",
-    "LoadStats": "reshard.load",
+    "LoadOptions": "reshard.flows.options",
+    "LoadStats": "reshard.flows.load",
     "Metadata": "reshard.metadata",
     "MismatchError": "reshard.errors",
-    "PeerMemoryCheckpoint": "reshard.peer",
-    "PeerSaveResult": "reshard.peer",
-    "SaveHandle": "reshard.async_save",
-    "SaveOptions": "reshard.options",
-    "SaveResult": "reshard.save",
-    "SaveStats": "reshard.stats",
-    "ShardedObject": "reshard.sharding",
-    "ShardedTensor": "reshard.sharding",
+    "PeerMemoryCheckpoint": "reshard.flows.peer",
+    "PeerSaveResult": "reshard.flows.peer",
+    "SaveHandle": "reshard.flows.async_save",
+    "SaveOptions": "reshard.flows.options",
+    "SaveResult": "reshard.flows.save",
+    "SaveStats": "reshard.flows.stats",
+    "ShardedObject": "reshard.state.sharding",
+    "ShardedTensor": "reshard.state.sharding",
     "ShardingError": "reshard.errors",
-    "StagingOptions": "reshard.options",
+    "StagingOptions": "reshard.flows.options",
     "StateDictError": "reshard.errors",
     "StorageError": "reshard.errors",
-    "TransferSession": "reshard.transfer",
-    "TransferStats": "reshard.transfer",
+    "TransferSession": "reshard.flows.transfer",
+    "TransferStats": "reshard.flows.transfer",
     "UnconfirmedCommitError": "reshard.errors",
-    "async_save": "reshard.async_save",
-    "filter_state_dict": "reshard.statedict",
-    "load": "reshard.load",
-    "read_metadata": "reshard.load",
-    "save": "reshard.save",
-    "transfer": "reshard.transfer",
+    "async_save": "reshard.flows.async_save",
+    "filter_state_dict": "reshard.state.statedict",
+    "load": "reshard.flows.load",
+    "read_metadata": "reshard.flows.load",
+    "save": "reshard.flows.save",
+    "transfer": "reshard.flows.transfer",
 }
 
 
@@ -97,22 +96,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_PUBLIC_MODULE))
 
 
-class _Package(types.ModuleType):
-    """The package object: keeps ``reshard.save``, ``reshard.load``, ``reshard.async_save`` and
-    ``reshard.transfer`` the functions.
-
-    Importing a submodule sets the package's attribute of that name to the submodule; these public
-    functions share their module's name, so a submodule imported before the function was asked for would
-    otherwise shadow it.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _PUBLIC_MODULE.get(name) == value.__name__:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+install_moved_module_aliases()
 
 
 logging.getLogger("reshard").addHandler(logging.NullHandler())

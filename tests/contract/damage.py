@@ -153,7 +153,7 @@ def run_tools(root: Path, damage: Damage) -> Verdict:
 
 def _readers(root: Path, verdict: Verdict) -> dict[str, int | None]:
     import reshard
-    from reshard.maintenance import validate_checkpoint
+    from reshard.flows.maintenance import validate_checkpoint
 
     loads = _loads(root)
     for name, generation in loads.items():
@@ -172,7 +172,7 @@ def _readers(root: Path, verdict: Verdict) -> dict[str, int | None]:
             verdict.results[f"validate {name}"] = f"other: validate passes {name}, which does not load exactly"
         else:
             verdict.results[f"validate {name}"] = "exact" if passes else "error"
-    listed = {info.name: info.status for info in reshard.manager.scan_root(reshard.storage.LocalStorage(root))}
+    listed = {info.name: info.status for info in reshard.flows.manager.scan_root(reshard.storage.LocalStorage(root))}
     # ls reads metadata only: a step with damaged data is still listed complete (validate finds it), but a
     # step that loads must be listed complete
     wrong = [n for n, s in listed.items() if s != "complete" and loads.get(n) == int(n.split("_")[1])]
@@ -194,7 +194,7 @@ def _readers(root: Path, verdict: Verdict) -> dict[str, int | None]:
 
 def _mutators(root: Path, verdict: Verdict, before: dict[str, int | None]) -> None:
     import reshard
-    from reshard.maintenance import collect_garbage
+    from reshard.flows.maintenance import collect_garbage
 
     for step in _steps(root):
         try:

@@ -1,6 +1,6 @@
 """Options that disagree across ranks, for every option object and every collective entry point.
 
-A *case* runs one flow on the ranks of a :class:`reshard.transports.ThreadGroup` (the real protocol, ranks
+A *case* runs one flow on the ranks of a :class:`reshard.net.transports.ThreadGroup` (the real protocol, ranks
 as threads) with every rank passing the flow's usual arguments except rank 1, which passes one option with
 another value. The guarantee: every rank raises the same :class:`reshard.CheckpointError` subclass, whose
 message names the option, and nothing is committed (the checkpoint already there is untouched).
@@ -207,7 +207,7 @@ def _transfer(case: Case, rank: int, group: Any) -> None:
 
 def run_case(case: Case, place: Path) -> dict[int, BaseException | None]:
     """Run ``case`` on the threads of a fresh group; each rank's exception (None: it returned)."""
-    from reshard.transports import ThreadGroup
+    from reshard.net.transports import ThreadGroup
 
     group = ThreadGroup(WORLD, timeout=10.0)
     outcome: dict[int, BaseException | None] = {}

@@ -220,10 +220,10 @@ def _record_stats(events: Events) -> None:
 def instrument(events: Events) -> None:
     """Install the event wrappers and the audit hook in this process (a rank of an iteration; never the
     test process)."""
-    from reshard.comm import Communicator
+    from reshard.net.comm import Communicator
+    from reshard.net.transports import TorchTransport
     from reshard.storage import LocalStorage
     from reshard.storage.local import _LocalWriter
-    from reshard.transports import TorchTransport
 
     for method in ("gather_bytes", "broadcast_bytes", "scatter_bytes"):
         _wrap(Communicator, method, events, lambda self, *a, m=method, **k: m)

@@ -247,7 +247,7 @@ def check_root(root: Path, world: int, newest_expected: int | None) -> tuple[int
     own generation and passes ``validate``, every other does not load; the newest complete step is at
     least ``newest_expected``; ``latest.json`` names a step that loads."""
     import reshard
-    from reshard.manager import scan_root
+    from reshard.flows.manager import scan_root
     from reshard.storage import LocalStorage
 
     newest = None
@@ -329,7 +329,7 @@ class IncrementalStep(ManagerStep):
         pass  # step 1 is saved by the ranks (an incremental save references boxes of the same layout)
 
     def run(self, run: RankRun) -> dict[str, Any] | None:
-        from reshard.maintenance import collect_garbage
+        from reshard.flows.maintenance import collect_garbage
 
         self.manager(run.place / "root", run.timeout).save(1, states.rank_state(run.rank, run.world, 1))
         super().run(run)

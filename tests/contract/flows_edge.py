@@ -23,7 +23,7 @@ def preload() -> None:
     with contextlib.suppress(ImportError):
         import megatron.core.dist_checkpointing  # noqa: F401
 
-        import reshard.megatron  # noqa: F401
+        import reshard.interop.megatron  # noqa: F401
 
 
 # ---- Megatron-Core: dist_checkpointing.save / load with ("reshard", 1) ----------------------------------

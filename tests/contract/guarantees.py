@@ -129,7 +129,7 @@ def returned_generation(answers: Answers, allowed: tuple[int, ...], *, what: str
 def readers_agree(path: Path, loads: bool) -> Finding | None:
     """``reshard validate`` passes exactly the checkpoints that load."""
     import reshard
-    from reshard.maintenance import validate_checkpoint
+    from reshard.flows.maintenance import validate_checkpoint
 
     try:
         problems = validate_checkpoint(path)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from reshard.dtypes import DTYPE_BY_NAME
+from reshard.state.dtypes import DTYPE_BY_NAME
 from tests.contract import guarantees, states
 from tests.metadata_docs import read_doc, write_doc
 
@@ -367,8 +367,8 @@ READERS = ("load", "read_metadata", "validate", "inspect", "export", "convert", 
 def tools(parent: Path, pristine: Path) -> dict[str, tuple[bool, Callable[[], bool]]]:
     """name -> (a root tool?, run it: True when its result is exactly the pristine one)."""
     import reshard
+    from reshard.flows.maintenance import collect_garbage, validate_checkpoint
     from reshard.interop import convert_checkpoint, diff_checkpoints, export_safetensors
-    from reshard.maintenance import collect_garbage, validate_checkpoint
 
     ckpt = parent / CKPT
     want = reshard.load(_template(pristine), pristine / CKPT, strict=False)

@@ -2,7 +2,7 @@
 
 A *case* runs one flow (``transfer``, ``delta``: a ``TransferSession`` whose second, delta sync gets the
 tensor, ``restore``: ``PeerMemoryCheckpoint.restore``) on the ranks of a
-:class:`reshard.transports.ThreadGroup`. Every rank passes the flow's usual source (generation 2 of
+:class:`reshard.net.transports.ThreadGroup`. Every rank passes the flow's usual source (generation 2 of
 :func:`tests.contract.states.rank_state`) and target (:func:`tests.contract.states.column_template`),
 except rank 1, which passes one tensor a transfer cannot use (a meta tensor, an expanded or freed target, a
 sparse source, two primaries of one box) or one it must handle (a conjugate view).
@@ -183,7 +183,7 @@ def _data(value: Any) -> torch.Tensor:
 
 def run_case(case: Case) -> tuple[Answers, bool]:
     """Run ``case`` on the threads of a fresh group: each rank's answer, and whether all answered in time."""
-    from reshard.transports import ThreadGroup
+    from reshard.net.transports import ThreadGroup
 
     group = ThreadGroup(WORLD, timeout=TIMEOUT_S)
     answers: Answers = {}

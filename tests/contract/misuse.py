@@ -134,7 +134,7 @@ def copied_and_moved_steps(place: Path, how: str) -> list[str]:
     once and then stop loading without having been deleted by the policy, never load other bytes. Every
     step the policy keeps loads."""
     import reshard
-    from reshard.maintenance import collect_garbage
+    from reshard.flows.maintenance import collect_garbage
 
     root = place / "root"
     manager = reshard.CheckpointManager(root, keep_last=2, incremental=True)

@@ -144,7 +144,7 @@ def _add_import_dcp_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> 
         "common values (and tensors inside them tensors) at their dotted paths; anything else is left out "
         "with a message (an error with --strict). A Megatron-Core torch_dist checkpoint converts completely: its "
         "ShardedObject cells as reshard ShardedObjects and its common.pt (torch.load(weights_only=True)) as the "
-        "ShardedObject megatron.common, which reshard.megatron's direct route loads. DCP's .metadata is a "
+        "ShardedObject megatron.common, which reshard.interop.megatron's direct route loads. DCP's .metadata is a "
         "PICKLE: loading it can execute code from the file, so --trust-pickle is required.",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -47,7 +47,7 @@ def storage_options_of(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from reshard.load import read_metadata
+    from reshard.flows.load import read_metadata
 
     metadata = read_metadata(args.path, storage_options=storage_options_of(args))
     summary = inspect_summary(metadata, args.path)
@@ -60,7 +60,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from reshard.maintenance import collect_garbage, describe_removed
+    from reshard.flows.maintenance import collect_garbage, describe_removed
 
     removed = collect_garbage(
         args.path,
@@ -77,7 +77,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from reshard.maintenance import validate_checkpoint
+    from reshard.flows.maintenance import validate_checkpoint
 
     problems = validate_checkpoint(
         args.path, quick=args.quick, storage_options=storage_options_of(args), progress=progress_of(args)
@@ -93,7 +93,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from reshard.manager import CheckpointManager, scan_root
+    from reshard.flows.manager import CheckpointManager, scan_root
 
     manager = CheckpointManager(args.root, storage_options=storage_options_of(args))
     try:
@@ -221,8 +221,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from reshard.flows.load import read_metadata
     from reshard.interop.convert import convert_checkpoint
-    from reshard.load import read_metadata
 
     if (args.dst is None) == (args.to is None):
         raise UsageError("give the destination either as DST or as --to URL (exactly one)")

@@ -65,8 +65,8 @@ def human_bytes(n: int) -> str:
 
 def inspect_summary(metadata: Metadata, path: str) -> dict[str, Any]:
     """The facts ``reshard inspect`` shows, as JSON-able data."""
-    from reshard.codec import encode_tagged
     from reshard.metadata import FORMAT_NAME
+    from reshard.state.codec import encode_tagged
 
     own = [f for f in metadata.files if f.checkpoint is None]
     tensors = []

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from reshard.models.config import EMBEDDING_KEY
 from reshard.models.gpt import GPTStage
 from reshard.models.parallel import Group
-from reshard.sharding import ShardedTensor
+from reshard.state.sharding import ShardedTensor
 
 __all__ = ["Adam", "AdamConfig", "LRSchedule"]
 

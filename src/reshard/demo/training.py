@@ -29,12 +29,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import reshard
-from reshard.comm import Communicator
 from reshard.demo.optimizer import Adam, AdamConfig, LRSchedule
 from reshard.models.config import LoraConfig, ModelConfig, is_adapter_key
 from reshard.models.gpt import GPTStage
 from reshard.models.parallel import ParallelGroups
-from reshard.sharding import ShardedObject, ShardedTensor
+from reshard.net.comm import Communicator
+from reshard.state.sharding import ShardedObject, ShardedTensor
 
 __all__ = ["Trainer", "TrainingConfig", "global_batch"]
 

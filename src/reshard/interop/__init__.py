@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from reshard.flows.progress import Progress
 from reshard.interop.convert import convert_checkpoint
 from reshard.interop.diff import DiffReport, EntryDiff, TensorDiff, diff_checkpoints
 from reshard.interop.export import ExportResult, KeyMap, export_safetensors
 from reshard.interop.hf_source import Concat, HuggingFaceSource, Stack
 from reshard.interop.offline import CheckpointReader, CheckpointWriter
-from reshard.progress import Progress
 
 if TYPE_CHECKING:
     from reshard.interop.dcp import ImportResult, import_dcp

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from reshard.flows.progress import Progress, reporting
 from reshard.interop.offline import DEFAULT_SLAB_BYTES, CheckpointReader, CheckpointWriter, cast_floating
 from reshard.metadata import Metadata
-from reshard.progress import Progress, reporting
 from reshard.storage import CheckpointLocation
 
 __all__ = ["convert_checkpoint"]

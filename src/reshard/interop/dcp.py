@@ -17,7 +17,7 @@ keyed by their dotted paths. Any other value (an arbitrary object, a set, an ``i
 out with a warning, or, with ``strict``, makes the import fail.
 
 A **Megatron-Core** ``torch_dist`` checkpoint (a DCP directory with Megatron's ``metadata.json`` and
-``common.pt`` beside it) is converted completely, into what :mod:`reshard.megatron`'s direct route writes:
+``common.pt`` beside it) is converted completely, into what :mod:`reshard.interop.megatron`'s direct route writes:
 its ShardedTensors under Megatron's keys; each ShardedObject cell (stored by Megatron under its unique key
 ``<key>/shard_<offset>_<grid>``) as a cell of reshard ShardedObject ``<key>``; and ``common.pt`` (read with
 ``torch.load(weights_only=True)``, ``argparse.Namespace`` allowed and stored as a dict, for Megatron-LM's
@@ -48,17 +48,17 @@ from torch.distributed.checkpoint.metadata import Metadata as DcpMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from reshard.codec import encode_object_blob
-from reshard.dtypes import DTYPE_BY_NAME, dtype_name
 from reshard.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     StateDictError,
 )
+from reshard.flows.progress import Progress, reporting
 from reshard.interop.offline import CheckpointWriter
 from reshard.metadata import Metadata
-from reshard.progress import Progress, reporting
+from reshard.state.codec import encode_object_blob
+from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name
 from reshard.storage import CheckpointLocation
 
 __all__ = ["MEGATRON_COMMON_KEY", "ImportResult", "import_dcp"]

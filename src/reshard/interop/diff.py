@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from reshard.codec import encode_tagged
+from reshard.flows.progress import Progress, reporting
 from reshard.interop.offline import CheckpointReader
 from reshard.metadata import TensorMetadata
-from reshard.progress import Progress, reporting
+from reshard.state.codec import encode_tagged
 from reshard.storage import CheckpointLocation
 
 __all__ = ["DEFAULT_DIFF_SLAB_BYTES", "DiffReport", "EntryDiff", "TensorDiff", "diff_checkpoints"]

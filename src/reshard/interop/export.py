@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from reshard.errors import CheckpointError, CheckpointExistsError, MismatchError, StateDictError, StorageError
+from reshard.flows.progress import Progress, reporting
 from reshard.interop.offline import DEFAULT_SLAB_BYTES, CheckpointReader, cast_floating
 from reshard.interop.safetensors import SafetensorsWriter, TensorSpec, safetensors_dtype
 from reshard.metadata import check_relative_path
-from reshard.progress import Progress, reporting
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
 __all__ = [

@@ -26,12 +26,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from reshard.codec import strict_json_loads
-from reshard.dtypes import dtype_name
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, MismatchError, StorageError
 from reshard.interop.safetensors import TensorEntry, read_header
+from reshard.io.sources import CheckpointSource
 from reshard.metadata import DataFile, Metadata, SavedBox, TensorMetadata, check_relative_path
-from reshard.sources import CheckpointSource
+from reshard.state.codec import strict_json_loads
+from reshard.state.dtypes import dtype_name
 from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
 
 __all__ = [

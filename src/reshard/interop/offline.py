@@ -21,15 +21,14 @@ from typing import Any
 import torch
 
 from reshard._version import __version__
-from reshard.codec import encode_tagged
-from reshard.dtypes import dtype_name
 from reshard.errors import CheckpointError, MismatchError, StateDictError
-from reshard.fingerprint import combine
-from reshard.fingerprint import fingerprint as content_fingerprint
+from reshard.flows.options import DEFAULT_CHECKSUM_CHUNK_BYTES
 from reshard.geometry.boxes import flat_range_boxes
 from reshard.io.commit import SaveCommit
 from reshard.io.datafile import DataFileWriter, data_file_name, tensor_bytes
 from reshard.io.reader import ReadBudget, ReadExecutor
+from reshard.io.references import verify_references
+from reshard.io.sources import read_metadata_bytes
 from reshard.metadata import (
     METADATA_FILE,
     DataFile,
@@ -39,10 +38,11 @@ from reshard.metadata import (
     SavedObject,
     TensorMetadata,
 )
-from reshard.options import DEFAULT_CHECKSUM_CHUNK_BYTES
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, TargetPiece, plan_load
-from reshard.references import verify_references
-from reshard.sources import read_metadata_bytes
+from reshard.state.codec import encode_tagged
+from reshard.state.dtypes import dtype_name
+from reshard.state.fingerprint import combine
+from reshard.state.fingerprint import fingerprint as content_fingerprint
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
 __all__ = [

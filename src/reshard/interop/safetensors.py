@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from reshard.codec import strict_json_loads
-from reshard.dtypes import byte_view
 from reshard.errors import CorruptCheckpointError, StateDictError
+from reshard.state.codec import strict_json_loads
+from reshard.state.dtypes import byte_view
 from reshard.storage import FileWriter, ReadRequest, Storage
 
 __all__ = [

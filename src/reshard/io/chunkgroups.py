@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reshard.dtypes import byte_view
 from reshard.errors import CorruptCheckpointError
 from reshard.geometry.boxes import Box, flat_range_boxes, row_major_strides
 from reshard.io.checksums import crc32c_of, run_starts, touched_chunks
+from reshard.state.dtypes import byte_view
 from reshard.storage import ReadRequest
 
 if TYPE_CHECKING:

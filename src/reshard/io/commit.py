@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 
 from reshard.errors import CheckpointError, CheckpointExistsError, CheckpointLockedError, StorageError
 from reshard.io.datafile import is_data_file_of
-from reshard.locking import Lock, LockTiming, acquire_lock
+from reshard.io.locking import Lock, LockTiming, acquire_lock
+from reshard.io.references import RETIRED_FILE, lock_for_deletion, protected_files
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
-from reshard.references import RETIRED_FILE, lock_for_deletion, protected_files
 
 if TYPE_CHECKING:
     from reshard.storage import Storage
@@ -210,7 +210,7 @@ class SaveCommit:
 
     def remove_replaced(self, keep: set[str]) -> None:
         """After a committed overwrite: remove the replaced checkpoint's data files that the new one does
-        not name (``keep``) and that no other checkpoint references (:mod:`reshard.references`), under the save lock
+        not name (``keep``) and that no other checkpoint references (:mod:`reshard.io.references`), under the save lock
         taken again (nothing is removed through a symbolic link, or while another holds the lock). Only names
         under ``data/`` are touched; a failure is logged, never raised, because the new checkpoint is already
         committed and complete."""

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 import xxhash
 
-from reshard.dtypes import byte_view
 from reshard.errors import StorageError
 from reshard.io.checksums import ChunkedChecksum
 from reshard.io.device import HostSlabs, is_host_bytes
 from reshard.metadata import DATA_DIR
+from reshard.state.dtypes import byte_view
 from reshard.storage import FileWriter, Storage
 
 __all__ = [

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from reshard.dtypes import byte_view
+from reshard.state.dtypes import byte_view
 
 __all__ = ["DeviceFill", "HostCopies", "HostSlabs", "copy_to_host", "is_host_bytes", "slabs_of", "start_copies_to_host"]
 

@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reshard.dtypes import byte_view
 from reshard.errors import StorageError
 from reshard.geometry.boxes import Box, row_major_strides
 from reshard.io.chunkgroups import ChunkGroup, chunk_groups, merged, stream_group, touched_ranges
@@ -52,6 +51,7 @@ from reshard.io.verified import (
     Segment,
     VerifiedReader,
 )
+from reshard.state.dtypes import byte_view
 from reshard.storage import ReadRequest, Storage
 
 if TYPE_CHECKING:

@@ -35,11 +35,11 @@ from typing import Any
 import torch
 import xxhash
 
-from reshard.dtypes import byte_view
 from reshard.errors import CheckpointError
 from reshard.io.datafile import WRITE_PIECE_BYTES, content_digest
 from reshard.io.device import HostSlabs
 from reshard.planning.descriptions import WriteAssignment
+from reshard.state.dtypes import byte_view
 from reshard.storage import CheckpointLocation, LocalStorage, ReadRequest, Storage, storage_for
 
 __all__ = [

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reshard.dtypes import byte_view
 from reshard.errors import CheckpointError, CorruptCheckpointError, StorageError
 from reshard.io.checksums import crc32c_of
+from reshard.state.dtypes import byte_view
 from reshard.storage import RangeReadError, ReadRequest, Storage
 
 if TYPE_CHECKING:

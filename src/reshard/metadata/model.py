@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from reshard.dtypes import DTYPE_BY_NAME
 from reshard.metadata.columns import BoxColumns, SavedBox, SavedBoxes
+from reshard.state.dtypes import DTYPE_BY_NAME
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -104,7 +104,7 @@ class TensorMetadata:
     boxes: Sequence[SavedBox]
     """The stored boxes, sorted by offset: a tuple, or a :class:`SavedBoxes` (columns) when packed."""
     fingerprint: int | None = None
-    """The layout-independent content fingerprint (see reshard.fingerprint), when the save computed it."""
+    """The layout-independent content fingerprint (see reshard.state.fingerprint), when the save computed it."""
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -18,8 +18,6 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from reshard.codec import decode_tagged, strict_json_loads
-from reshard.dtypes import DTYPE_BY_NAME
 from reshard.errors import CorruptCheckpointError
 from reshard.geometry.boxes import Box
 from reshard.geometry.grid import expand_grid
@@ -45,6 +43,8 @@ from reshard.metadata.model import (
     TensorMetadata,
 )
 from reshard.metadata.wire import SEAL_LENGTH, SEAL_PREFIX
+from reshard.state.codec import decode_tagged, strict_json_loads
+from reshard.state.dtypes import DTYPE_BY_NAME
 
 __all__ = ["check_relative_path", "parse_metadata"]
 

@@ -11,7 +11,6 @@ import crc32c
 import numpy as np
 import numpy.typing as npt
 
-from reshard.codec import encode_tagged
 from reshard.geometry.grid import grid_rule
 from reshard.metadata.columns import BoxColumns, SavedBox, SavedBoxes
 from reshard.metadata.model import (
@@ -23,6 +22,7 @@ from reshard.metadata.model import (
     PACK_MIN_BOXES,
     PACK_MIN_CHECKSUMS,
 )
+from reshard.state.codec import encode_tagged
 
 if TYPE_CHECKING:
     from reshard.metadata.model import Metadata, TensorMetadata

@@ -54,7 +54,7 @@ from reshard.models.config import (
     is_adapter_key,
 )
 from reshard.models.parallel import Group, ParallelGroups
-from reshard.sharding import ShardedTensor
+from reshard.state.sharding import ShardedTensor
 
 __all__ = ["GPTStage", "ParamLayout", "apply_rope", "init_global", "rms_norm", "rope_inverse_frequencies"]
 

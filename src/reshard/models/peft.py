@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-import reshard
 from reshard.errors import CheckpointError, MismatchError
+from reshard.flows.load import load, read_metadata
 from reshard.interop.hf_source import Concat
 from reshard.interop.safetensors import SafetensorsWriter, TensorSpec
 from reshard.models.config import LoraConfig, ModelConfig, is_adapter_key
@@ -174,7 +174,7 @@ def export_peft(
             rejects a key.
         CheckpointError: ``out`` already holds an adapter (the export never overwrites).
     """
-    metadata = reshard.read_metadata(checkpoint, storage_options=storage_options)
+    metadata = read_metadata(checkpoint, storage_options=storage_options)
     lora_doc = common_tree(metadata.common, "trainer.lora")
     keys = sorted(k for k in metadata.tensors if is_adapter_key(k) and not k.startswith("optimizer."))
     if not keys or not isinstance(lora_doc, dict) or not lora_doc:
@@ -184,7 +184,7 @@ def export_peft(
     if name_map is peft_tensors:
         _refuse_misplaced(keys, model)
     template = {k: torch.empty(metadata.tensors[k].global_shape, dtype=metadata.tensors[k].torch_dtype) for k in keys}
-    full = reshard.load(template, checkpoint, storage_options=storage_options)
+    full = load(template, checkpoint, storage_options=storage_options)
     tensors = [pair for key in keys for pair in name_map(key, full[key], model, lora)]
     modules = sorted({name.split(".")[-3] for name, _ in tensors if ".mlp.experts." not in name})
     parameters = [

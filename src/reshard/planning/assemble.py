@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from reshard._version import __version__
-from reshard.fingerprint import combine
 from reshard.metadata import (
     CONTENT_HASH_BYTES,
     BoxColumns,
@@ -30,6 +29,7 @@ from reshard.metadata import (
 )
 from reshard.planning.descriptions import DescriptionTable
 from reshard.planning.incremental import ReferencedBox
+from reshard.state.fingerprint import combine
 
 __all__ = ["ObjectReport", "TensorReport", "WriteReport", "assemble_metadata"]
 

@@ -18,11 +18,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from reshard.dtypes import dtype_name
 from reshard.errors import CheckpointError
 from reshard.geometry.boxes import Box
-from reshard.sharding import LocalPiece, ReplicaId, is_main_replica
-from reshard.statedict import FlatStateDict
+from reshard.state.dtypes import dtype_name
+from reshard.state.sharding import LocalPiece, ReplicaId, is_main_replica
+from reshard.state.statedict import FlatStateDict
 
 __all__ = [
     "DescriptionTable",

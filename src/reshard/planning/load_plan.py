@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from reshard.dtypes import dtype_name, is_lossy_cast
 from reshard.errors import MismatchError
 from reshard.geometry.boxes import Box, ReadPattern, read_pattern, row_major_strides
 from reshard.geometry.grid import BoxIndex
 from reshard.metadata import Metadata, SavedBox, SavedBoxes
-from reshard.statedict import FlatStateDict, check_tensors, is_empty_container
+from reshard.state.dtypes import dtype_name, is_lossy_cast
+from reshard.state.statedict import FlatStateDict, check_tensors, is_empty_container
 
 __all__ = [
     "DEFAULT_MAX_READ_AMPLIFICATION",
@@ -249,7 +249,7 @@ def check_template(
     them from ``flat.tensors`` and ``flat.objects``, so that only present entries are planned and read.
 
     Raises:
-        StateDictError: template tensors reshard cannot fill (:func:`reshard.statedict.check_tensors`: on the
+        StateDictError: template tensors reshard cannot fill (:func:`reshard.state.statedict.check_tensors`: on the
             meta device, not dense, a freed storage, elements that overlap in memory).
         MismatchError: a global shape differs, a dtype differs and the cast is not allowed, or
             entries are missing (with ``strict``).

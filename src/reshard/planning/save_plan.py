@@ -18,7 +18,6 @@ from collections import defaultdict
 import numpy as np
 import numpy.typing as npt
 
-from reshard.dtypes import DTYPE_BY_NAME
 from reshard.errors import ShardingError
 from reshard.geometry.boxes import Box
 from reshard.geometry.tiling import MAX_CORNER_NDIM, find_tiling_problem, untiled_groups
@@ -29,7 +28,8 @@ from reshard.planning.descriptions import (
     TensorPiece,
     WriteAssignment,
 )
-from reshard.sharding import is_main_replica
+from reshard.state.dtypes import DTYPE_BY_NAME
+from reshard.state.sharding import is_main_replica
 
 __all__ = ["plan_save", "plan_save_table"]
 

@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reshard.dtypes import DTYPE_BY_NAME
 from reshard.geometry.boxes import Box, flat_range_boxes
 from reshard.planning.descriptions import LocalSaveDescription, ObjectPiece, TensorPiece
 from reshard.planning.load_plan import TargetPiece
-from reshard.sharding import ReplicaId, ShardedObject, ShardedTensor
+from reshard.state.dtypes import DTYPE_BY_NAME
+from reshard.state.sharding import ReplicaId, ShardedObject, ShardedTensor
 
 __all__ = ["MegatronLayout", "MoETransformer", "Parallelism", "RankCoords", "ShardSpec"]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from reshard.dtypes import DTYPE_BY_NAME
 from reshard.io.datafile import ALIGNMENT, data_file_name
 from reshard.planning.assemble import ObjectReport, TensorReport, WriteReport
 from reshard.planning.descriptions import DescriptionTable, WriteAssignment
+from reshard.state.dtypes import DTYPE_BY_NAME
 
 __all__ = ["write_report"]
 

@@ -2,8 +2,8 @@
 
 Megatron's save writes ``common.pt`` and its ``metadata.json`` itself; the strategy writes the ShardedTensors
 and ShardedObjects as a reshard checkpoint in ``checkpoint_dir/reshard`` (:data:`RESHARD_SUBDIR`) and keeps the
-directory from ever loading as a mix of two saves (:mod:`reshard.megatron.directory`). Every error it raises
-is both Megatron's ``CheckpointingException`` and reshard's error class (:mod:`reshard.megatron.errors`).
+directory from ever loading as a mix of two saves (:mod:`reshard.interop.megatron.directory`). Every error it raises
+is both Megatron's ``CheckpointingException`` and reshard's error class (:mod:`reshard.interop.megatron.errors`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor as McoreShard
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import AsyncSaveShardedStrategy, LoadShardedStrategy
 
-import reshard
-from reshard.comm import Communicator
 from reshard.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -29,8 +27,12 @@ from reshard.errors import (
     StateDictError,
     UnconfirmedCommitError,
 )
-from reshard.megatron.convert import ABSENT, rebuild_state, split_state
-from reshard.megatron.directory import (
+from reshard.flows.async_save import AsyncCheckpointer
+from reshard.flows.load import load as reshard_load
+from reshard.flows.options import LoadOptions, SaveOptions
+from reshard.flows.save import save as reshard_save
+from reshard.interop.megatron.convert import ABSENT, rebuild_state, split_state
+from reshard.interop.megatron.directory import (
     COMMON_PT_ENTRY,
     RESHARD_SUBDIR,
     Repointed,
@@ -40,10 +42,10 @@ from reshard.megatron.directory import (
     put_back,
     repoint,
 )
-from reshard.megatron.errors import megatron_errors
+from reshard.interop.megatron.errors import megatron_errors
+from reshard.io.sources import read_metadata_bytes
 from reshard.metadata import METADATA_FILE, Metadata
-from reshard.options import LoadOptions, SaveOptions
-from reshard.sources import read_metadata_bytes
+from reshard.net.comm import Communicator
 from reshard.storage import storage_for
 
 __all__ = ["BACKEND", "RESHARD_SUBDIR", "VERSION", "ReshardLoadStrategy", "ReshardSaveStrategy"]
@@ -97,7 +99,7 @@ def _stored_metadata(checkpoint_dir: str | Path, *, check_common: bool = False) 
 def _put_back_after(failure: CheckpointError, checkpoint_dir: str | Path, before: Repointed | None) -> None:
     """After a save that raised ``failure`` (a refusal, or a failure every rank agreed on) before its reshard
     checkpoint committed: rank 0 puts Megatron's ``metadata.json`` back as it was before the strategy pointed it
-    at itself, where that cannot make a mix loadable (:func:`~reshard.megatron.directory.put_back`: not over
+    at itself, where that cannot make a mix loadable (:func:`~reshard.interop.megatron.directory.put_back`: not over
     another backend's checkpoint, whose ``common.pt`` Megatron has replaced and which the strategy's load then
     refuses).
     Collective over the default group (every rank raised ``failure``'s class, by reshard's agreement): no rank
@@ -134,13 +136,13 @@ class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # me
     strategy runs: when it starts, rank 0 records the digest of the ``common.pt`` Megatron has just written and
     points Megatron's ``metadata.json`` at the strategy (atomically); a load checks that ``common.pt`` is the
     one the committed reshard checkpoint was saved with. A save the strategy refuses puts ``metadata.json`` back
-    as it was (:mod:`reshard.megatron.directory`).
+    as it was (:mod:`reshard.interop.megatron.directory`).
     """
 
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, options: SaveOptions | None = None) -> None:
         super().__init__(backend, version)
         self.options = options
-        self._checkpointer: reshard.AsyncCheckpointer | None = None
+        self._checkpointer: AsyncCheckpointer | None = None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -152,7 +154,7 @@ class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # me
         with megatron_errors():
             state, before = self._prepare(sharded_state_dict, checkpoint_dir)
             try:
-                reshard.save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
+                reshard_save(state, _reshard_dir(checkpoint_dir), overwrite=True, options=self.options)
             except CheckpointError as exc:
                 _put_back_after(exc, checkpoint_dir, before)
                 raise
@@ -166,7 +168,7 @@ class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # me
         meets the training's collectives."""
         with megatron_errors():
             if self._checkpointer is None:
-                self._checkpointer = reshard.AsyncCheckpointer(group=dist.new_group(backend="gloo"))
+                self._checkpointer = AsyncCheckpointer(group=dist.new_group(backend="gloo"))
             state, before = self._prepare(sharded_state_dict, checkpoint_dir)
             try:
                 handle = self._checkpointer.save(
@@ -190,7 +192,7 @@ class ReshardSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]  # me
         """The reshard state dict to save, with the digest of ``common.pt``; on rank 0, ``common.pt`` made
         durable, Megatron's ``metadata.json`` naming the strategy written atomically (as soon as the strategy
         starts, so that a death from then on leaves a directory its load refuses) and what it replaced (None on
-        the other ranks; :mod:`reshard.megatron.directory`). Collective over the default group: the conversion
+        the other ranks; :mod:`reshard.interop.megatron.directory`). Collective over the default group: the conversion
         of every rank and rank 0's files are agreed on (the same error on every rank), and a state refused on
         any rank puts ``metadata.json`` back before the error is raised."""
         comm = Communicator(None)
@@ -258,7 +260,7 @@ class ReshardLoadStrategy(LoadShardedStrategy):  # type: ignore[misc]  # megatro
 
             comm.step("megatron: convert the template", local)
             template = converted[0] if converted[0] is not ABSENT else {}
-            loaded = reshard.load(template, _reshard_dir(checkpoint_dir), options=self.options)
+            loaded = reshard_load(template, _reshard_dir(checkpoint_dir), options=self.options)
             result = rebuild_state(loaded, sharded_state_dict, ABSENT)
             return result if result is not ABSENT else {}
 

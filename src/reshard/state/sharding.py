@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from reshard.dtypes import DTYPE_BY_NAME
 from reshard.errors import ShardingError
 from reshard.geometry.boxes import Box, flat_range_boxes
+from reshard.state.dtypes import DTYPE_BY_NAME
 
 __all__ = [
     "LocalPiece",

@@ -2,8 +2,8 @@
 
 Every collective reshard makes goes through :class:`Communicator`, which takes the group explicitly
 (``None`` means the default world group when ``torch.distributed`` is initialised, and a lone process
-otherwise; a :class:`~reshard.transports.ThreadGroup` member runs ranks as threads of one process). It
-moves bytes (JSON) through a :class:`~reshard.transports.Transport`: over torch.distributed they are carried
+otherwise; a :class:`~reshard.net.transports.ThreadGroup` member runs ranks as threads of one process). It
+moves bytes (JSON) through a :class:`~reshard.net.transports.Transport`: over torch.distributed they are carried
 in uint8 tensors, nothing is pickled, and every collective is waited on with a timeout, so a dead or missing
 peer turns into a :class:`~reshard.CommunicationError` instead of a hang.
 
@@ -13,7 +13,7 @@ combined result or raises the same error, naming the ranks that failed. :meth:`C
 is the same with a reply of its own for each rank, so that no rank receives what only another needs
 (save planning: each rank gets its own write assignment, not everyone's).
 
-What a rank sends does not grow with the number of ranks (see :mod:`reshard.transports`);
+What a rank sends does not grow with the number of ranks (see :mod:`reshard.net.transports`);
 :attr:`Communicator.bytes_sent` and :attr:`Communicator.bytes_received` count the payload bytes.
 """
 
@@ -32,7 +32,15 @@ from typing import Any, TypeVar, overload
 import torch.distributed as dist
 
 from reshard.errors import ERROR_CLASSES, CheckpointError, StorageError
-from reshard.transports import Group, PlaneGroups, SingleProcess, ThreadGroup, TorchTransport, Transport, padded_size
+from reshard.net.transports import (
+    Group,
+    PlaneGroups,
+    SingleProcess,
+    ThreadGroup,
+    TorchTransport,
+    Transport,
+    padded_size,
+)
 
 __all__ = ["DEFAULT_TIMEOUT", "Communicator", "StepFailure", "ThreadGroup", "Transport", "padded_size"]
 
@@ -152,9 +160,9 @@ class Communicator:
     Args:
         group: the ranks that take part: a ``torch.distributed`` process group, ``None`` (the default group
             if ``torch.distributed`` is initialised, else this process alone), a
-            :class:`~reshard.transports.PlaneGroups` (a gloo group for the protocol beside an NCCL group for
-            tensor data), or a :class:`~reshard.transports.Transport` (a :class:`~reshard.transports.ThreadGroup`
-            member).
+            :class:`~reshard.net.transports.PlaneGroups` (a gloo group for the protocol beside an NCCL group for
+            tensor data), or a :class:`~reshard.net.transports.Transport` (a
+            :class:`~reshard.net.transports.ThreadGroup` member).
         timeout: how long each collective may wait for the slowest peer.
 
     All methods are collective: every rank of the group calls them, in the same order.

@@ -11,7 +11,7 @@ Flow (each phase ends in agreement):
    bytes used, so no byte a load returns is unverified.
 
 With ``LoadOptions(read_once=...)`` in effect, step 2 gathers every rank's target boxes on the coordinator,
-which schedules who reads which part (:mod:`reshard.exchange`); after step 3 agreed that every rank's reads
+which schedules who reads which part (:mod:`reshard.io.exchange`); after step 3 agreed that every rank's reads
 succeeded, a fourth step sends the bytes several ranks need from their reader to the others.
 """
 
@@ -28,16 +28,16 @@ from typing import Any
 
 import torch
 
-from reshard.codec import decode_object_blob
-from reshard.collector import collector_paused
-from reshard.comm import Communicator
-from reshard.dtypes import dtype_name
 from reshard.errors import (
     CheckpointError,
     CorruptCheckpointError,
     MismatchError,
 )
-from reshard.exchange import (
+from reshard.flows.collector import collector_paused
+from reshard.flows.options import LoadOptions, check_terms, load_terms
+from reshard.flows.stats import EXCHANGE, PhaseClock
+from reshard.geometry.boxes import Box
+from reshard.io.exchange import (
     MIN_SLAB_BYTES,
     ExchangeCounters,
     RankSchedule,
@@ -46,19 +46,19 @@ from reshard.exchange import (
     run_exchange,
     schedule_reads,
 )
-from reshard.fingerprint import fingerprint
-from reshard.geometry.boxes import Box
 from reshard.io.reader import ReadBudget, ReadExecutor
+from reshard.io.sources import CheckpointSource, as_source, read_metadata_bytes
+from reshard.io.staging import StagedFiles, node_id, stage_files
 from reshard.metadata import METADATA_FILE, Metadata, SavedObject
-from reshard.options import LoadOptions, check_terms, load_terms
+from reshard.net.comm import Communicator
+from reshard.net.transports import Group
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan, TargetPiece, check_template, plan_load
-from reshard.sharding import LocalPiece, ShardedObject, ShardedTensor
-from reshard.sources import CheckpointSource, as_source, read_metadata_bytes
-from reshard.staging import StagedFiles, node_id, stage_files
-from reshard.statedict import FlatStateDict, flatten_state_dict, is_empty_container, map_leaves
-from reshard.stats import EXCHANGE, PhaseClock
+from reshard.state.codec import decode_object_blob
+from reshard.state.dtypes import dtype_name
+from reshard.state.fingerprint import fingerprint
+from reshard.state.sharding import LocalPiece, ShardedObject, ShardedTensor
+from reshard.state.statedict import FlatStateDict, flatten_state_dict, is_empty_container, map_leaves
 from reshard.storage import CheckpointLocation, storage_for
-from reshard.transports import Group
 
 __all__ = ["LoadStats", "load", "read_metadata"]
 
@@ -163,10 +163,10 @@ def load(
         state_dict: the template.
         source: the checkpoint: a directory, a ``file://``, ``s3://bucket/prefix`` or ``gs://bucket/prefix``
             URL, or a :class:`~reshard.storage.Storage` (a reshard checkpoint); or a
-            :class:`~reshard.sources.CheckpointSource`, such as
+            :class:`~reshard.io.sources.CheckpointSource`, such as
             :class:`~reshard.interop.HuggingFaceSource` for a Hugging Face safetensors directory.
         group: the ranks that load together: a process group (``None``: the default group, or this process
-            alone), or a :class:`~reshard.transports.ThreadGroup` member.
+            alone), or a :class:`~reshard.net.transports.ThreadGroup` member.
         strict: when True, keys of the template missing from the checkpoint raise
             :class:`~reshard.MismatchError`; when False they are skipped (left as they are) with a warning.
         options: how to read (:class:`~reshard.LoadOptions`: dtype casts, read merging, the staging
@@ -443,7 +443,7 @@ def _load_from(
 
 def _arguments(source: CheckpointSource, comm: Communicator, *, strict: bool, options: LoadOptions) -> dict[str, Any]:
     """What this rank's load sends the coordinator in its first step: the arguments every rank must pass alike
-    (:func:`~reshard.options.load_terms`), whether its storage wants to read once, and its memory budget."""
+    (:func:`~reshard.flows.options.load_terms`), whether its storage wants to read once, and its memory budget."""
     node = node_id(options.staging.node_group) if options.staging is not None else ""
     kind = type(source).__name__ + (" refusing unused entries" if source.refuses_unused else "")
     return {
@@ -456,7 +456,7 @@ def _arguments(source: CheckpointSource, comm: Communicator, *, strict: bool, op
 def _agreed_arguments(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """On the coordinator: the arguments agree; read once where any rank's storage wants it, and exchange
     within the smallest budget of the group."""
-    check_terms([d["terms"] for d in docs], "reshard.load")
+    check_terms([d["terms"] for d in docs], "reshard.flows.load")
     return {"read_once": any(d["read_once"] for d in docs), "budget": min(d["budget"] for d in docs)}
 
 

@@ -113,7 +113,7 @@ class LoadOptions:
             fp16 -> fp32, int32 -> int64, ...); when False a dtype difference raises
             :class:`~reshard.MismatchError`.
         allow_lossy_cast: also allow the conversions that change values beyond rounding
-            (:func:`reshard.dtypes.is_lossy_cast`: floating to integer, which truncates; an integer to a
+            (:func:`reshard.state.dtypes.is_lossy_cast`: floating to integer, which truncates; an integer to a
             narrower one; complex to real; anything to bool); by default they raise
             :class:`~reshard.MismatchError`, since a float checkpoint loaded into an integer template is
             almost always a mistake.
@@ -136,7 +136,7 @@ class LoadOptions:
         staging: load through node-local staging (:class:`StagingOptions`); None reads directly.
         read_once: whether the ranks that need the same saved bytes (data- and context-parallel replicas,
             any overlap of several ranks' boxes) read them from storage once between them, each reader
-            verifying what it read, and send them to the others over the group (:mod:`reshard.exchange`):
+            verifying what it read, and send them to the others over the group (:mod:`reshard.io.exchange`):
             True, False, or None (the default) for where it wins: on when several ranks load from an object
             store (a request is costly and the network between nodes is faster than the store), off for a
             local path (replicas on one node share its page cache; pass True for a network file system);

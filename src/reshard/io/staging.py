@@ -35,7 +35,7 @@ from reshard.metadata import DataFile, Metadata
 from reshard.storage import LocalStorage, Storage
 
 if TYPE_CHECKING:
-    from reshard.comm import Communicator
+    from reshard.net.comm import Communicator
 
 __all__ = ["StagedFiles", "stage_files"]
 

@@ -5,7 +5,7 @@ Layout of a root (a directory or an object-store prefix)::
     step_000001000/       one checkpoint per step (zero-padded, so names sort by step)
     step_000002000/
     latest.json           {"step": 2000, "path": "step_000002000"}: the newest committed step, a hint
-    .lock                 held by the manager that is saving (see reshard.locking)
+    .lock                 held by the manager that is saving (see reshard.io.locking)
 
 A checkpoint is *complete* when its ``metadata.json`` exists (it is written last, atomically) and parses;
 anything else under a step directory is an interrupted or running save. ``latest.json`` is updated only
@@ -17,7 +17,7 @@ Retention runs after each save, on the coordinator: it deletes complete checkpoi
 (``keep_last`` newest, plus every ``keep_every``-th step), never the newest complete one and never one a
 live writer holds, and removes leftovers of interrupted saves older than the newest complete checkpoint (and the
 ``.latest.json.tmp-<hex>`` that a manager killed while it replaced the pointer left).
-It deletes through :func:`reshard.retirement.remove_checkpoint`: only what a reshard save wrote and something
+It deletes through :func:`reshard.io.retirement.remove_checkpoint`: only what a reshard save wrote and something
 reshard wrote ties to it, the retirement record ``retired.json`` first, so that a deletion cut short leaves a
 retired directory, never a corrupt-looking one; a step that is a symbolic link, or whose files reshard cannot
 tie to a save, is left alone with a warning. A failure of retention is :class:`~reshard.UnconfirmedCommitError`
@@ -44,7 +44,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from reshard.comm import Communicator
 from reshard.errors import (
     CheckpointError,
     CheckpointLockedError,
@@ -54,17 +53,18 @@ from reshard.errors import (
     StorageError,
     UnconfirmedCommitError,
 )
-from reshard.load import load
-from reshard.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
-from reshard.maintenance import validate_checkpoint
+from reshard.flows.load import load
+from reshard.flows.maintenance import validate_checkpoint
+from reshard.flows.options import SaveOptions, check_terms
+from reshard.flows.save import SaveResult, save
+from reshard.io.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
+from reshard.io.references import is_retired
+from reshard.io.retirement import remove_checkpoint
+from reshard.io.sources import read_metadata_bytes
 from reshard.metadata import METADATA_FILE, Metadata
-from reshard.options import SaveOptions, check_terms
-from reshard.references import is_retired
-from reshard.retirement import remove_checkpoint
-from reshard.save import SaveResult, save
-from reshard.sources import read_metadata_bytes
+from reshard.net.comm import Communicator
+from reshard.net.transports import Group
 from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
-from reshard.transports import Group
 
 __all__ = ["LATEST_FILE", "CheckpointManager", "StepInfo", "scan_root"]
 

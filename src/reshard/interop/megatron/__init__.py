@@ -3,7 +3,7 @@
 Importing this package registers a save and a load strategy with Megatron-Core's registry under backend
 ``"reshard"``, version 1 (megatron-core is an optional dependency; this package needs it)::
 
-    import reshard.megatron  # noqa: F401  (registers the strategies)
+    import reshard.interop.megatron  # noqa: F401  (registers the strategies)
     from megatron.core import dist_checkpointing
 
     dist_checkpointing.save(sharded_state_dict, ckpt_dir, sharded_strategy=("reshard", 1))
@@ -14,12 +14,12 @@ Megatron writes what it always writes at the root of ``ckpt_dir`` (its ``metadat
 the ShardedTensors and ShardedObjects as a reshard checkpoint in ``ckpt_dir/reshard`` (:data:`RESHARD_SUBDIR`), so
 the two ``metadata.json`` files never meet, and makes a save over an earlier checkpoint safe from the moment it
 starts: a load finds the earlier save, the new one, or an error, never a mix of the two, refused saves included
-(before the strategy starts, Megatron has already rewritten ``common.pt``: :mod:`reshard.megatron.directory` says
-what that leaves). Every tensor is checksummed and loads
+(before the strategy starts, Megatron has already rewritten ``common.pt``:
+:mod:`reshard.interop.megatron.directory` says what that leaves). Every tensor is checksummed and loads
 into any other layout, reading only the bytes each rank needs; ShardedObjects are stored without pickle (TE's
 ``_extra_state`` bytes included). The strategies also work inside Megatron's ``FullyParallelSaveStrategyWrapper``
 and ``FullyParallelLoadStrategyWrapper``, and raise errors that are both Megatron's ``CheckpointingException`` and
-reshard's error classes (:mod:`reshard.megatron.errors`).
+reshard's error classes (:mod:`reshard.interop.megatron.errors`).
 
 The direct route, for code that calls reshard itself: :func:`to_reshard` turns a Megatron sharded state dict
 (ShardedTensors, ShardedObjects, ShardedTensorFactories, LocalNonpersistentObjects, plain values) into a
@@ -41,10 +41,16 @@ from __future__ import annotations
 
 from megatron.core.dist_checkpointing.strategies.base import StrategyAction, register_default_strategy
 
-from reshard.megatron.convert import COMMON_ENTRY, COMMON_KEY, from_reshard, to_reshard
-from reshard.megatron.errors import MegatronCheckpointError
-from reshard.megatron.strategies import BACKEND, RESHARD_SUBDIR, VERSION, ReshardLoadStrategy, ReshardSaveStrategy
-from reshard.options import LoadOptions, SaveOptions
+from reshard.flows.options import LoadOptions, SaveOptions
+from reshard.interop.megatron.convert import COMMON_ENTRY, COMMON_KEY, from_reshard, to_reshard
+from reshard.interop.megatron.errors import MegatronCheckpointError
+from reshard.interop.megatron.strategies import (
+    BACKEND,
+    RESHARD_SUBDIR,
+    VERSION,
+    ReshardLoadStrategy,
+    ReshardSaveStrategy,
+)
 
 __all__ = [
     "BACKEND",

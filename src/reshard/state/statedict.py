@@ -3,7 +3,7 @@
 Containers are dicts (string or int keys), lists and tuples (named tuples and ``torch.Size`` included).
 Everything else is a leaf: :class:`~reshard.ShardedTensor`, :class:`~reshard.ShardedObject`, a
 ``torch.distributed.tensor.DTensor`` (described as the ShardedTensor of this rank's local tensor, keyed by
-its path, see :mod:`reshard.dtensor`), a plain ``torch.Tensor`` (a full tensor, replicated on every rank)
+its path, see :mod:`reshard.state.dtensor`), a plain ``torch.Tensor`` (a full tensor, replicated on every rank)
 or a *common* value (JSON-like scalars, and empty containers, saved once by the coordinator). A leaf's path
 is its container keys joined with dots: ``optimizer.state.0.lr``.
 """
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from reshard.dtensor import dtensor_to_sharded, is_dtensor
 from reshard.errors import StateDictError
 from reshard.geometry.boxes import strides_overlap
-from reshard.sharding import ShardedObject, ShardedTensor
+from reshard.state.dtensor import dtensor_to_sharded, is_dtensor
+from reshard.state.sharding import ShardedObject, ShardedTensor
 
 __all__ = [
     "FlatStateDict",

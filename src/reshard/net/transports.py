@@ -1,8 +1,8 @@
-"""How the ranks of a checkpoint operation exchange bytes: the transports under :class:`~reshard.comm.Communicator`.
+"""How the ranks of a checkpoint operation exchange bytes: the transports under :class:`~reshard.net.comm.Communicator`.
 
 A :class:`Transport` moves byte payloads among the ranks of one group: a gather to the coordinator (rank
 0), a broadcast from it, a scatter from it; and tensor data between pairs of ranks (:meth:`Transport.exchange`,
-the data plane of :mod:`reshard.exchange`). Three implementations:
+the data plane of :mod:`reshard.io.exchange`). Three implementations:
 
 - :class:`TorchTransport`: a ``torch.distributed`` process group (gloo or NCCL). Payloads travel in uint8
   tensors (nothing is pickled), every collective is issued asynchronously and waited on with the timeout,

@@ -13,7 +13,7 @@ A marker is *live* while the referrer's committed ``metadata.json`` is that save
 while the referrer has no commit yet and a live save lock (the save is still running); unreadable or
 corrupt referrers count as live, since deleting on a guess could cost data. Every deletion of data files
 asks first (:func:`protected_files`): an overwrite's cleanup, ``reshard gc``, and retention
-(:mod:`reshard.retirement`, which retires a checkpoint that others reference).
+(:mod:`reshard.io.retirement`, which retires a checkpoint that others reference).
 
 The marker is also what ties a reference to its referrer: a reader follows the references of a checkpoint
 only while each holder keeps the marker of that very checkpoint (its name) and save, naming the files
@@ -21,7 +21,7 @@ only while each holder keeps the marker of that very checkpoint (its name) and s
 directory that is no checkpoint, is refused before any referenced file is opened.
 
 **Who may change a holder's files.** Whoever deletes files of a checkpoint (retention, ``reshard gc``, an
-overwrite's cleanup) holds that checkpoint's save lock (:mod:`reshard.locking`) for its whole run, and judges the
+overwrite's cleanup) holds that checkpoint's save lock (:mod:`reshard.io.locking`) for its whole run, and judges the
 markers under it; a save that references a holder takes the holder's lock briefly to write its marker and check
 that the files it will reference are there (:func:`mark_holders`, at the save's planning, before any writer skips
 a box: from then on the marker is live through the save's own lock). So a deleter either sees the marker, or the
@@ -44,7 +44,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, CheckpointLockedError, CorruptCheckpointError, StorageError
-from reshard.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
+from reshard.io.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
 from reshard.metadata import (
     MAX_METADATA_BYTES,
     METADATA_FILE,
@@ -107,7 +107,7 @@ def marker_name(referrer: str, save_id: str) -> str:
 
 def lock_for_deletion(storage: Storage) -> Lock:
     """Take the save lock of the checkpoint at ``storage`` for a run that deletes its files or adds a reference
-    marker to it (see the module doc), inheriting a stale holder's token (:func:`reshard.locking.acquire_lock`).
+    marker to it (see the module doc), inheriting a stale holder's token (:func:`reshard.io.locking.acquire_lock`).
 
     Raises:
         CheckpointError: ``storage`` is reached through a symbolic link (nothing is deleted or marked through one).

@@ -31,7 +31,7 @@ above are sound on any storage with create-only commits and consistent listings:
 filesystems, S3 and GCS.
 
 **Inheriting a stale lock.** A save's lock token is its save id, so the lock a dead save left behind is what
-ties its data files to it (:mod:`reshard.retirement`). Whoever takes the lock of a checkpoint only to change its
+ties its data files to it (:mod:`reshard.io.retirement`). Whoever takes the lock of a checkpoint only to change its
 files briefly (a deletion, a reference marker) acquires with ``inherit=True``: taking over a stale holder, its
 marker keeps that holder's token (so the tie holds at every point of the takeover), and on release it hands the
 lock back to the stale holder (a successor marker with the stale holder's identity and times) unless told that

@@ -25,7 +25,7 @@ the box, and a writer whose box hashes the same, and whose stored copy reads bac
 instead of writing it (:mod:`reshard.io.reuse`; a copy damaged since its commit is written anew); at planning,
 before any box is skipped, the coordinator leaves reference markers in the checkpoints it may reference, under
 each one's lock, and checks that their files are there; at the commit the markers are narrowed to what is
-referenced (:mod:`reshard.references`).
+referenced (:mod:`reshard.io.references`).
 
 So what a rank other than the coordinator sends and receives does not grow with the number of ranks
 (docs/scale.md measures it, with the coordinator's planning time and memory, up to 8192 ranks).
@@ -42,9 +42,6 @@ from typing import Any
 
 import torch
 
-from reshard.codec import encode_object_blob, encode_tagged
-from reshard.collector import collector_paused
-from reshard.comm import Communicator
 from reshard.errors import (
     CheckpointError,
     CommunicationError,
@@ -53,17 +50,28 @@ from reshard.errors import (
     StorageError,
     UnconfirmedCommitError,
 )
-from reshard.fingerprint import fingerprint
+from reshard.flows.collector import collector_paused
+from reshard.flows.options import SaveOptions
+from reshard.flows.stats import PhaseClock, SaveStats, fill_save_stats
 from reshard.io.commit import CommitOutcome, SaveCommit
 from reshard.io.datafile import DataFileWriter, data_file_name, staging_slabs, tensor_bytes
+from reshard.io.locking import LockTiming
+from reshard.io.references import (
+    check_referenced_files,
+    mark_holders,
+    remove_markers,
+    settle_markers,
+    verify_references,
+)
 from reshard.io.reuse import Reuse, base_name_of, choose_reused
-from reshard.locking import LockTiming
+from reshard.io.sources import read_metadata_bytes
 from reshard.metadata import (
     MAX_METADATA_BYTES,
     METADATA_FILE,
     Metadata,
 )
-from reshard.options import SaveOptions
+from reshard.net.comm import Communicator
+from reshard.net.transports import Group
 from reshard.planning.assemble import ObjectReport, TensorReport, WriteReport, assemble_metadata
 from reshard.planning.descriptions import (
     DescriptionTable,
@@ -74,12 +82,10 @@ from reshard.planning.descriptions import (
 )
 from reshard.planning.incremental import ReferencedBox, match_base
 from reshard.planning.save_plan import plan_save_table
-from reshard.references import check_referenced_files, mark_holders, remove_markers, settle_markers, verify_references
-from reshard.sources import read_metadata_bytes
-from reshard.statedict import FlatStateDict, check_tensors, flatten_state_dict
-from reshard.stats import PhaseClock, SaveStats, fill_save_stats
+from reshard.state.codec import encode_object_blob, encode_tagged
+from reshard.state.fingerprint import fingerprint
+from reshard.state.statedict import FlatStateDict, check_tensors, flatten_state_dict
 from reshard.storage import CheckpointLocation, Storage, storage_for
-from reshard.transports import Group
 
 __all__ = ["SaveResult", "save", "tensor_bytes"]
 
@@ -165,7 +171,7 @@ def save(
         path: the checkpoint: a directory (created if needed), a ``file://``, ``s3://bucket/prefix`` or
             ``gs://bucket/prefix`` URL, or a :class:`~reshard.storage.Storage`. Every rank passes the same.
         group: the ranks that save together: a process group (``None``: the default group, or this process
-            alone when ``torch.distributed`` is not initialised), or a :class:`~reshard.transports.ThreadGroup`
+            alone when ``torch.distributed`` is not initialised), or a :class:`~reshard.net.transports.ThreadGroup`
             member.
         overwrite: replace a complete checkpoint at ``path``. The old one stays loadable until the new
             ``metadata.json`` replaces it; its data files are removed after that.

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from reshard.dtypes import DTYPE_BY_NAME, dtype_name
 from reshard.geometry.boxes import Box
-from reshard.sharding import LocalPiece
-from reshard.transports import Transport
+from reshard.net.transports import Transport
+from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name
+from reshard.state.sharding import LocalPiece
 
 __all__ = [
     "DEFAULT_ROUND_BYTES",

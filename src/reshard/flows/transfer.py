@@ -5,7 +5,7 @@ The ranks of a training layout hold the source (its ShardedTensors, DTensors, pl
 an inference layout hold the target (a template, as for :func:`reshard.load`); all are in one process
 group, and a rank may hold both. Every target piece is cut into the cells the source pieces cover; each
 cell is copied locally where its rank holds it and otherwise sent by a holder, replicas taking turns
-(:func:`reshard.exchange.schedule_transfer`), in rounds of bounded size. Dtypes convert on arrival (the
+(:func:`reshard.io.exchange.schedule_transfer`), in rounds of bounded size. Dtypes convert on arrival (the
 rules of a load: lossy conversions need ``allow_lossy_cast``), segments (fused QKV), ZeRO flat ranges and
 padding work as in a load, and ``key_map`` renames (a Hugging Face naming on the inference side).
 
@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
-from reshard.comm import Communicator
-from reshard.dtypes import DTYPE_BY_NAME, dtype_name, is_lossy_cast
 from reshard.errors import CheckpointError, DataUnavailableError, MismatchError, ShardingError, StateDictError
-from reshard.exchange import (
+from reshard.flows.transfer_delta import LastSync, aliasing, cell_digests, digest_json, widen_to_groups
+from reshard.geometry.boxes import Box
+from reshard.geometry.tiling import find_tiling_problem
+from reshard.io.exchange import (
     DEFAULT_ROUND_BYTES,
     ExchangeCounters,
     RankSchedule,
@@ -38,12 +39,11 @@ from reshard.exchange import (
     run_exchange,
     schedule_transfer,
 )
-from reshard.geometry.boxes import Box
-from reshard.geometry.tiling import find_tiling_problem
-from reshard.sharding import LocalPiece, ShardedTensor
-from reshard.statedict import check_tensors, flatten_state_dict, is_empty_container, map_leaves
-from reshard.transfer_delta import LastSync, aliasing, cell_digests, digest_json, widen_to_groups
-from reshard.transports import Group
+from reshard.net.comm import Communicator
+from reshard.net.transports import Group
+from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name, is_lossy_cast
+from reshard.state.sharding import LocalPiece, ShardedTensor
+from reshard.state.statedict import check_tensors, flatten_state_dict, is_empty_container, map_leaves
 
 __all__ = ["TransferSession", "TransferStats", "transfer"]
 
@@ -90,7 +90,7 @@ def transfer(
             plain tensors), filled in place. It may hold tensors only. Target tensors may share memory
             (tied weights): they are written in the plan's order, the last write deciding shared bytes.
         group: the ranks of both layouts (a process group, ``None`` for the default one, or a
-            :class:`~reshard.transports.ThreadGroup` member).
+            :class:`~reshard.net.transports.ThreadGroup` member).
         key_map: the source key of each target key (a mapping, or a function), for keys that differ
             (a Hugging Face naming on the inference side); unlisted keys are their own. The same on every
             rank: the coordinator checks every rank's results against its own. A mapping is read at every
@@ -106,7 +106,7 @@ def transfer(
 
     Raises:
         StateDictError: the target holds ShardedObjects or non-tensor values; or tensors that a transfer
-            cannot read or fill (:func:`reshard.statedict.check_tensors`: on the meta device, not dense, a freed
+            cannot read or fill (:func:`reshard.state.statedict.check_tensors`: on the meta device, not dense, a freed
             storage, an expanded target), named with their rank, on every rank before any byte moves.
         ShardingError: two primaries of overlapping boxes of a source key (named with their ranks), on
             every rank.
@@ -144,7 +144,7 @@ class TransferSession:
 
     Targets that share memory (an output layer tied to the embedding, fed from two source keys;
     overlapping views) are decided by the last cell written there, so a cell that shares memory with one
-    that travels travels too, and in the order of the whole plan (see :mod:`reshard.transfer_delta`): a
+    that travels travels too, and in the order of the whole plan (see :mod:`reshard.flows.transfer_delta`): a
     delta leaves exactly the bytes a fresh :func:`transfer` would.
 
     Args: as for :func:`transfer`.

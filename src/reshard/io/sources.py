@@ -22,9 +22,9 @@ from reshard.errors import (
     StorageError,
 )
 from reshard.io.datafile import DATA_FILE_PATTERN
-from reshard.locking import read_lock
+from reshard.io.locking import read_lock
+from reshard.io.references import RETIRED_FILE, is_retired, verify_references
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
-from reshard.references import RETIRED_FILE, is_retired, verify_references
 from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
 
 __all__ = ["CheckpointSource", "ReshardCheckpoint", "as_source", "read_metadata_bytes"]
@@ -53,7 +53,7 @@ class CheckpointSource(ABC):
         Raises:
             CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError, StorageError.
             CorruptCheckpointError also when the checkpoint references a file of another checkpoint that no
-            marker ties to it (:func:`reshard.references.verify_references`).
+            marker ties to it (:func:`reshard.io.references.verify_references`).
         """
 
     @abstractmethod

@@ -21,7 +21,7 @@ __all__ = ["MegatronCheckpointError", "as_megatron", "megatron_errors"]
 
 
 class MegatronCheckpointError(CheckpointError, CheckpointingException):  # type: ignore[misc]  # megatron is untyped
-    """A reshard error raised by a strategy of :mod:`reshard.megatron`: Megatron's ``CheckpointingException``
+    """A reshard error raised by a strategy of :mod:`reshard.interop.megatron`: Megatron's ``CheckpointingException``
     and reshard's :class:`~reshard.CheckpointError`. The error a strategy raises is an instance of the twin of
     reshard's class (``isinstance(exc, reshard.MismatchError)`` holds for a mismatch), which derives from this."""
 

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from reshard.dtypes import DTYPE_BY_NAME, byte_view, dtype_name
 from reshard.errors import CorruptCheckpointError, StateDictError
+from reshard.state.dtypes import DTYPE_BY_NAME, byte_view, dtype_name
 
 __all__ = ["decode_object_blob", "decode_tagged", "encode_object_blob", "encode_tagged", "strict_json_loads"]
 

@@ -6,8 +6,8 @@ its commit, or a losing racer leaves files that ``metadata.json`` does not list.
 ``data/`` whose names are those a save writes (:data:`~reshard.io.datafile.DATA_FILE_PATTERN`) are candidates,
 and only those older than ``min_age_s``, so that the files of a save still writing to the same location, and
 anything a person put there, are left alone. Files that a live incremental checkpoint references (its marker
-is in ``refs/``, :mod:`reshard.references`) are never candidates. A *retired* directory, and with
-``include_incomplete`` an interrupted save, are cleaned by :func:`reshard.retirement.remove_checkpoint`, which
+is in ``refs/``, :mod:`reshard.io.references`) are never candidates. A *retired* directory, and with
+``include_incomplete`` an interrupted save, are cleaned by :func:`reshard.io.retirement.remove_checkpoint`, which
 deletes only the files that something reshard wrote ties to a reshard save (a retirement record, the lock of a
 save that died, a reference marker) and removes the directory only once it is empty: a directory reshard did
 not make (a project with its own ``retired.json`` or files named like data files) is refused, untouched.
@@ -16,7 +16,7 @@ Whether a directory is reshard's is decided from its top level, ``data/`` and ``
 Symbolic links are never followed: a ``data`` directory that is a link, or a ``path`` that is one, is refused, so
 that nothing outside the checkpoint can be deleted (and a checkpoint's referrers are looked for beside it, where
 their references resolve). Deletions run under the checkpoint's save lock
-(:func:`reshard.references.lock_for_deletion`), so that no incremental save adds a reference marker meanwhile. A
+(:func:`reshard.io.references.lock_for_deletion`), so that no incremental save adds a reference marker meanwhile. A
 directory that holds no file at all has nothing to collect.
 """
 
@@ -29,12 +29,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from reshard.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, StorageError
+from reshard.flows.progress import Progress, reporting
 from reshard.io.datafile import DATA_FILE_PATTERN
+from reshard.io.locking import LOCK_FILE
 from reshard.io.reader import ReadExecutor
-from reshard.locking import LOCK_FILE
-from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
-from reshard.progress import Progress, reporting
-from reshard.references import (
+from reshard.io.references import (
     REFERENCES_DIR,
     RETIRED_FILE,
     check_referenced_files,
@@ -43,8 +42,9 @@ from reshard.references import (
     reference_problems,
     refuse_a_link,
 )
-from reshard.retirement import remove_checkpoint
-from reshard.sources import read_metadata_bytes
+from reshard.io.retirement import remove_checkpoint
+from reshard.io.sources import read_metadata_bytes
+from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
 __all__ = ["DEFAULT_GC_MIN_AGE_S", "collect_garbage", "describe_removed", "validate_checkpoint"]

@@ -9,7 +9,7 @@ wrote **and** that something reshard wrote ties to that save (the save id is in 
   anyway);
 - a retirement record, ``retired.json`` (below): the files it lists;
 - a save lock left by a save that died (a stale lock; a save's lock token is its save id): that save's files;
-- a well-formed reference marker (:mod:`reshard.references`): the files it names.
+- a well-formed reference marker (:mod:`reshard.io.references`): the files it names.
 
 In a directory that one of these ties, reshard's own commit temporaries (``.<name>.tmp-<32 hex>``) and its
 stale lock and reference markers go too. A directory with none of them is not reshard's: nothing in it is
@@ -45,9 +45,8 @@ from dataclasses import dataclass, field
 
 from reshard.errors import CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError
 from reshard.io.datafile import DATA_FILE_PATTERN
-from reshard.locking import DEFAULT_STALE_AFTER_S, LOCK_FILE, Lock, LockInfo, lock_markers
-from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
-from reshard.references import (
+from reshard.io.locking import DEFAULT_STALE_AFTER_S, LOCK_FILE, Lock, LockInfo, lock_markers
+from reshard.io.references import (
     REFERENCES_DIR,
     RETIRED_FILE,
     lock_for_deletion,
@@ -55,6 +54,7 @@ from reshard.references import (
     read_markers,
     refuse_a_link,
 )
+from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
 from reshard.storage import FileTooLargeError, Storage
 
 __all__ = ["MAX_RECORD_BYTES", "Removal", "RetiredRecord", "delete_checkpoint", "read_record", "remove_checkpoint"]
@@ -301,7 +301,7 @@ def remove_checkpoint(storage: Storage, *, dry_run: bool = False, min_age_s: flo
     files that live referrers use (the directory is then retired) and every file nothing ties to a reshard
     save; the directory goes once empty. ``min_age_s``: also keep tied files younger than this (``gc``).
 
-    Deletes under the checkpoint's save lock (:func:`reshard.references.lock_for_deletion`), held from before the
+    Deletes under the checkpoint's save lock (:func:`reshard.io.references.lock_for_deletion`), held from before the
     reference markers are read until the last tied file is gone, so that no save adds a marker meanwhile. The lock
     of a save that died is taken over keeping its token, which ties that save's files until they are deleted or
     recorded (else it is handed back). The lock is released before the record and the empty directories go.

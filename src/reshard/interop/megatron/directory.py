@@ -46,8 +46,8 @@ from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingCon
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
 from reshard.errors import IncompleteCheckpointError, StorageError
+from reshard.io.retirement import remove_checkpoint
 from reshard.metadata import METADATA_FILE, Metadata
-from reshard.retirement import remove_checkpoint
 from reshard.storage import LocalStorage
 
 __all__ = [
@@ -138,7 +138,7 @@ def _remove_superseded(checkpoint_dir: str | os.PathLike[str]) -> None:
     is pointed at the strategy again, so that no load through it can find that older save, whose ``common.pt``
     may even have the bytes of the one Megatron has just written (a step saved again), and return it in place of
     the newer save of the other backend. Under the checkpoint's save lock, as retention removes a checkpoint
-    (:func:`reshard.retirement.remove_checkpoint`)."""
+    (:func:`reshard.io.retirement.remove_checkpoint`)."""
     reshard_dir = Path(checkpoint_dir) / RESHARD_SUBDIR
     if not (reshard_dir / METADATA_FILE).is_file():
         return

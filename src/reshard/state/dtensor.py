@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from reshard.errors import ShardingError
-from reshard.sharding import ReplicaId, ShardedTensor
+from reshard.state.sharding import ReplicaId, ShardedTensor
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

@@ -37,20 +37,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reshard.codec import decode_tagged, encode_tagged
-from reshard.comm import Communicator
-from reshard.dtensor import is_dtensor
-from reshard.dtypes import DTYPE_BY_NAME, dtype_name
 from reshard.errors import CheckpointError, DataUnavailableError, ShardingError, StateDictError
+from reshard.flows.options import check_terms
+from reshard.flows.transfer import TransferStats, transfer
 from reshard.io.device import copy_to_host
-from reshard.options import check_terms
-from reshard.sharding import ShardedTensor
-from reshard.statedict import check_tensors, filter_state_dict, flatten_state_dict, map_leaves
-from reshard.transfer import TransferStats, transfer
-from reshard.transports import Group
+from reshard.net.comm import Communicator
+from reshard.net.transports import Group
+from reshard.state.codec import decode_tagged, encode_tagged
+from reshard.state.dtensor import is_dtensor
+from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name
+from reshard.state.sharding import ShardedTensor
+from reshard.state.statedict import check_tensors, filter_state_dict, flatten_state_dict, map_leaves
 
 if TYPE_CHECKING:
-    from reshard.manager import CheckpointManager
+    from reshard.flows.manager import CheckpointManager
 
 __all__ = ["PeerMemoryCheckpoint", "PeerSaveResult"]
 

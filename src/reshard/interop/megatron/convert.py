@@ -19,10 +19,10 @@ from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, S
 from megatron.core.dist_checkpointing.mapping import ShardedObject as McoreShardedObject
 from megatron.core.dist_checkpointing.mapping import ShardedTensor as McoreShardedTensor
 
-import reshard
 from reshard.errors import MismatchError, StateDictError
 from reshard.interop.dcp import MEGATRON_COMMON_KEY
 from reshard.metadata import Metadata
+from reshard.state.sharding import ShardedObject, ShardedTensor
 
 __all__ = [
     "ABSENT",
@@ -71,7 +71,7 @@ def to_reshard(sharded_state_dict: dict[str, Any], *, stored: Metadata | None = 
     sharded, common = split_state(sharded_state_dict, stored)
     out = dict(sharded) if sharded is not ABSENT else {}
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    out[COMMON_ENTRY] = reshard.ShardedObject(COMMON_KEY, common if common is not ABSENT else {}, (1,), (0,), rank)
+    out[COMMON_ENTRY] = ShardedObject(COMMON_KEY, common if common is not ABSENT else {}, (1,), (0,), rank)
     return out
 
 
@@ -115,7 +115,7 @@ def split_state(value: Any, stored: Metadata | None, *, loading: bool = False) -
         data = value.data
         if isinstance(data, io.BytesIO):
             data = {BYTES_IO: data.getvalue()}
-        return reshard.ShardedObject(value.key, data, value.global_shape, value.global_offset, value.replica_id), ABSENT
+        return ShardedObject(value.key, data, value.global_shape, value.global_offset, value.replica_id), ABSENT
     if isinstance(value, dict) and value:
         sharded: dict[str | int, Any] = {}
         common = {}
@@ -139,7 +139,7 @@ def split_state(value: Any, stored: Metadata | None, *, loading: bool = False) -
     return ABSENT, value
 
 
-def _tensor(sharded: McoreShardedTensor, stored: Metadata | None, loading: bool) -> reshard.ShardedTensor:
+def _tensor(sharded: McoreShardedTensor, stored: Metadata | None, loading: bool) -> ShardedTensor:
     if sharded.flattened_range is not None:
         raise StateDictError(f"{sharded.key!r}: flattened_range is not supported (nor by megatron-core 0.16.1)")
     if sharded.data is None:  # as torch_dist initialises a data-less template
@@ -162,7 +162,7 @@ def _tensor(sharded: McoreShardedTensor, stored: Metadata | None, loading: bool)
         data = data[tuple(slice(0, n) for n in lengths)]
         offset = tuple(min(o, s) for o, s in zip(offset, stored_shape, strict=True))
         global_shape = stored_shape
-    return reshard.ShardedTensor(sharded.key, data, global_shape, offset, sharded.replica_id)
+    return ShardedTensor(sharded.key, data, global_shape, offset, sharded.replica_id)
 
 
 def from_reshard(loaded: dict[str, Any], sharded_state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -37,17 +37,17 @@ from typing import Any
 
 import torch
 
-from reshard.comm import Communicator
-from reshard.dtensor import dtensor_to_sharded, is_dtensor
 from reshard.errors import CheckpointError
+from reshard.flows.options import SaveOptions
+from reshard.flows.save import SaveResult, save
+from reshard.flows.stats import SaveStats
 from reshard.io.device import HostCopies, start_copies_to_host
-from reshard.options import SaveOptions
-from reshard.save import SaveResult, save
-from reshard.sharding import ShardedObject, ShardedTensor
-from reshard.statedict import map_leaves
-from reshard.stats import SaveStats
+from reshard.net.comm import Communicator
+from reshard.net.transports import Group, TorchTransport
+from reshard.state.dtensor import dtensor_to_sharded, is_dtensor
+from reshard.state.sharding import ShardedObject, ShardedTensor
+from reshard.state.statedict import map_leaves
 from reshard.storage import CheckpointLocation
-from reshard.transports import Group, TorchTransport
 
 __all__ = ["AsyncCheckpointer", "SaveHandle", "async_save"]
 
@@ -89,7 +89,7 @@ class SaveHandle:
             self._copies.order_current_streams()
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
-        """Wait for the background save; return its :class:`~reshard.save.SaveResult` (the committed
+        """Wait for the background save; return its :class:`~reshard.flows.save.SaveResult` (the committed
         metadata is in it on the coordinator).
 
         Raises the background save's error the first time it is called after a failure (later calls
@@ -257,7 +257,7 @@ class AsyncCheckpointer:
 
 def _check_background_group(group: Group, timeout: datetime.timedelta | float | None) -> None:
     """Refuse a group that would carry the background save's collectives on NCCL (a pure NCCL group: its
-    control plane is its GPU, :func:`~reshard.transports.plane_devices`): they would be queued on the
+    control plane is its GPU, :func:`~reshard.net.transports.plane_devices`): they would be queued on the
     communicator of the training's own collectives from another thread, in an order that can differ between
     ranks, and hang."""
     transport = Communicator(group, timeout=timeout).transport
@@ -266,7 +266,8 @@ def _check_background_group(group: Group, timeout: datetime.timedelta | float | 
             "an asynchronous save runs reshard's collectives on a background thread, and this group would carry "
             "them on NCCL beside the training's own collectives (their order could differ between ranks and hang): "
             "pass a group with a CPU backend, such as dist.new_group(backend='gloo') made once at start-up, a group "
-            "made with backend='cpu:gloo,cuda:nccl', or reshard.transports.PlaneGroups(data=group, control=gloo_group)"
+            "made with backend='cpu:gloo,cuda:nccl', or "
+            "reshard.net.transports.PlaneGroups(data=group, control=gloo_group)"
         )
 
 
