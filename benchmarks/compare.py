@@ -940,10 +940,10 @@ def _ratio_rows(
             }
         )
 
-    add("save: reshard GB/s / fsync'ed write GB/s", gbps("reshard.flows.save"), gbps("limit.write"), ">=", 0.9)
-    add("save: reshard time / DCP time", seconds("reshard.flows.save"), seconds("dcp.save"), "<=", 0.7)
-    add("save: reshard time / Megatron time", seconds("reshard.flows.save"), seconds("megatron.save"), "<=", None)
-    add("save: reshard time / torch.save time", seconds("reshard.flows.save"), seconds("torch.save"), "<=", None)
+    add("save: reshard GB/s / fsync'ed write GB/s", gbps("reshard.save"), gbps("limit.write"), ">=", 0.9)
+    add("save: reshard time / DCP time", seconds("reshard.save"), seconds("dcp.save"), "<=", 0.7)
+    add("save: reshard time / Megatron time", seconds("reshard.save"), seconds("megatron.save"), "<=", None)
+    add("save: reshard time / torch.save time", seconds("reshard.save"), seconds("torch.save"), "<=", None)
     add("load same: reshard time / DCP time", seconds("reshard.load_same"), seconds("dcp.load_same"), "<=", 0.5)
     add("load same: reshard GB/s / page-cache read GB/s", gbps("reshard.load_same"), gbps("limit.read"), ">=", 0.5)
     add(
@@ -1008,7 +1008,7 @@ def _ratio_rows(
     add(
         "async: blocking time / synchronous save",
         _get(phases, "reshard.async", "block_seconds_median"),
-        seconds("reshard.flows.save"),
+        seconds("reshard.save"),
         "<=",
         0.15,
     )
@@ -1031,18 +1031,18 @@ def _ratio_rows(
     add(
         "async (first save after warmup()): total time / synchronous save",
         _get(phases, "reshard.async_warmup", "seconds_median"),
-        seconds("reshard.flows.save"),
+        seconds("reshard.save"),
         "<=",
         1.2,
     )
     add(
         "async: total time / synchronous save",
         _get(phases, "reshard.async", "seconds_median"),
-        seconds("reshard.flows.save"),
+        seconds("reshard.save"),
         "<=",
         1.2,
     )
-    loads = [k for k in phases if k.startswith("reshard.flows.load")]
+    loads = [k for k in phases if k.startswith("reshard.load")]
     if loads:
         worst = max(max(phases[k]["peak_rss_extra_per_rank"]) for k in loads)
         add("load: reshard extra peak RSS per rank (MiB, worst load)", worst / MiB, 1.0, "<=", 32)
@@ -1058,7 +1058,7 @@ def _ratio_rows(
             add(
                 f"save: {label} extra peak RSS per rank (MiB)", max(p["peak_rss_extra_per_rank"]) / MiB, 1.0, "<=", None
             )
-    p = phases.get("reshard.flows.save")
+    p = phases.get("reshard.save")
     if p:
         add(
             "save: reshard extra peak RSS per rank / budget",

@@ -66,7 +66,7 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
         "limit.read",
         "limit.memcpy",
         "limit.crc32c",
-        "reshard.flows.save",
+        "reshard.save",
         "reshard.load_same",
         "reshard.load_axis",
         "reshard.load_world",
@@ -121,7 +121,7 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
     axis0 = report["accounting"]["load_axis"]["axis1->axis0"]
     assert axis0["bytes_read"] == axis0["bytes_needed"]
 
-    for name in ("reshard.flows.save", "reshard.load_same", "reshard.load_axis"):  # reshard's own phase clock
+    for name in ("reshard.save", "reshard.load_same", "reshard.load_axis"):  # reshard's own phase clock
         parts = phases[name]["reshard_phases_median"]
         assert parts["total"] > 0 and all(v >= 0 for v in parts.values()), name
         assert all(v <= parts["total"] for v in parts.values()), name  # each phase is part of the whole

@@ -456,7 +456,7 @@ def _arguments(source: CheckpointSource, comm: Communicator, *, strict: bool, op
 def _agreed_arguments(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """On the coordinator: the arguments agree; read once where any rank's storage wants it, and exchange
     within the smallest budget of the group."""
-    check_terms([d["terms"] for d in docs], "reshard.flows.load")
+    check_terms([d["terms"] for d in docs], "reshard.load")
     return {"read_once": any(d["read_once"] for d in docs), "budget": min(d["budget"] for d in docs)}
 
 
