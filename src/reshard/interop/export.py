@@ -44,7 +44,8 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 """5 GB, Hugging Face's default shard size."""
 
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
-"""Checkpoint key -> output name; None leaves the tensor out. A mapping leaves unlisted keys unchanged."""
+"""Checkpoint key -> output name; None leaves the tensor out. A mapping leaves unlisted keys unchanged. (A load
+from safetensors maps the other way, template key -> source tensors: :data:`reshard.interop.SourceMap`.)"""
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
