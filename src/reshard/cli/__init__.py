@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from reshard._version import __version__
@@ -238,15 +238,8 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="reshard",
-        description="Inspect and work with reshard checkpoints (topology-independent PyTorch checkpoints).",
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--version", action="version", version=f"reshard {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _parents() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The option groups several commands share: ``--storage-option``, ``--quiet`` and ``--dtype``."""
     storage = argparse.ArgumentParser(add_help=False)
     storage.add_argument(
         "--storage-option",
@@ -262,6 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no progress bar and no summary (the bar is drawn only when stderr is a terminal anyway)",
     )
+    dtype = argparse.ArgumentParser(add_help=False)
+    dtype.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        help="cast floating-point tensors (float8 included) to this dtype; integer, bool and complex tensors "
+        "keep theirs",
+    )
+    return storage, quiet, dtype
+
+
+def _add_checkpoint_parsers(sub: Any, storage: argparse.ArgumentParser, quiet: argparse.ArgumentParser) -> None:
+    """``inspect``, ``validate``, ``ls`` and ``gc``: the commands on one checkpoint or manager root."""
     inspect = sub.add_parser(
         "inspect",
         parents=[storage],
@@ -315,29 +320,72 @@ def build_parser() -> argparse.ArgumentParser:
         help="also clean a path with data but no metadata.json (an interrupted save): remove all its data files",
     )
     gc.set_defaults(func=cmd_gc)
-    dtype = argparse.ArgumentParser(add_help=False)
-    dtype.add_argument(
-        "--dtype",
-        choices=["bf16", "fp16", "fp32"],
-        help="cast floating-point tensors (float8 included) to this dtype; integer, bool and complex tensors "
-        "keep theirs",
+
+
+def _add_demo_parser(sub: Any, help_text: str) -> None:
+    """``demo``, an application rather than a library command: its arguments are the demo's own
+    (:func:`reshard.demo.run.build_parser`), so building them imports :mod:`reshard.demo`."""
+    demo = sub.add_parser("demo", help=help_text)
+    from reshard.demo.run import build_parser as build_demo_parser
+
+    build_demo_parser(demo)
+    demo.set_defaults(func=cmd_demo)
+
+
+APPLICATIONS: dict[str, tuple[str, Callable[[Any, str], None]]] = {
+    "demo": ("train a small GPT on CPU ranks, save, resume on another layout, train on", _add_demo_parser),
+}
+"""The commands that are applications of the library, by name: their one-line help, and what adds their parser
+to the subcommands (importing :mod:`reshard.demo` or :mod:`reshard.models` to build their arguments). A library
+command (``inspect``, ``ls``, ...) imports neither, so :func:`main` adds these only when the command line names
+one; otherwise each is listed by its help alone."""
+
+
+def _library_parser() -> tuple[argparse.ArgumentParser, Any]:
+    """The parser of the library's commands, and its subcommands (to which the applications are added)."""
+    parser = argparse.ArgumentParser(
+        prog="reshard",
+        description="Inspect and work with reshard checkpoints (topology-independent PyTorch checkpoints).",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"reshard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    storage, quiet, dtype = _parents()
+    _add_checkpoint_parsers(sub, storage, quiet)
     _add_diff_parser(sub, [storage, quiet])
     _add_convert_parser(sub, [storage, quiet, dtype])
     _add_export_parser(sub, [storage, quiet, dtype])
     _add_import_dcp_parser(sub, [storage, quiet])
     _add_model_export_parsers(sub, [storage])
-    demo = sub.add_parser("demo", help="train a small GPT on CPU ranks, save, resume on another layout, train on")
-    from reshard.demo.run import build_parser as build_demo_parser
+    return parser, sub
 
-    build_demo_parser(demo)
-    demo.set_defaults(func=cmd_demo)
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole ``reshard`` command line: the library's commands and the applications' (:data:`APPLICATIONS`,
+    whose arguments import :mod:`reshard.demo`)."""
+    parser, sub = _library_parser()
+    for help_text, add in APPLICATIONS.values():
+        add(sub, help_text)
+    return parser
+
+
+def _parser_for(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """:func:`build_parser` where ``argv`` names an application command; else the library's commands with the
+    applications only listed, so that ``reshard --help`` or ``reshard ls`` imports no application."""
+    command = next((word for word in argv if not word.startswith("-")), None)
+    if command in APPLICATIONS:
+        return build_parser()
+    parser, sub = _library_parser()
+    for name, (help_text, _) in APPLICATIONS.items():
+        sub.add_parser(name, help=help_text, add_help=False)  # listed by --help; never parses (see above)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``reshard`` command; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser_for(argv).parse_args(argv)
     stdout = sys.stdout
     sys.stdout = SafeText(stdout)  # keys and paths from checkpoints are untrusted
     errors = SafeText(sys.stderr)

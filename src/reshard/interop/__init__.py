@@ -19,7 +19,7 @@ from reshard.flows.progress import Progress
 from reshard.interop.convert import convert_checkpoint
 from reshard.interop.diff import DiffReport, EntryDiff, TensorDiff, diff_checkpoints
 from reshard.interop.export import ExportResult, KeyMap, export_safetensors
-from reshard.interop.hf_source import Concat, HuggingFaceSource, Stack
+from reshard.interop.hf_source import Concat, HuggingFaceSource, SourceMap, Stack
 from reshard.interop.offline import CheckpointReader, CheckpointWriter
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ __all__ = [
     "ImportResult",
     "KeyMap",
     "Progress",
+    "SourceMap",
     "Stack",
     "TensorDiff",
     "convert_checkpoint",

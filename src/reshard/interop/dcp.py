@@ -150,32 +150,8 @@ def import_dcp(
             "only for a checkpoint from a source you trust"
         )
     reader = _MetadataOnceReader(os.fspath(src))
-    dcp_metadata = reader.read_metadata()
-    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    byte_keys: list[str] = []
-    for fqn, item in sorted(dcp_metadata.state_dict_metadata.items()):
-        if isinstance(item, TensorStorageMetadata):
-            dtype = item.properties.dtype
-            try:
-                dtype_name(dtype)
-            except KeyError:
-                raise StateDictError(f"{src}: tensor {fqn!r} has dtype {dtype}, which reshard cannot store") from None
-            tensors[fqn] = (dtype, tuple(int(s) for s in item.size))
-        elif isinstance(item, BytesStorageMetadata):
-            byte_keys.append(fqn)
-        else:
-            raise CorruptCheckpointError(f"{src}: entry {fqn!r} is a {type(item).__name__}, which is not known")
-    megatron = _is_megatron(os.fspath(src))
-    object_keys = [k for k in byte_keys if megatron and _MEGATRON_OBJECT.match(k)]
-    byte_keys = [k for k in byte_keys if k not in set(object_keys)]
-    values, left_out = _read_values(reader, byte_keys, strict=strict)
-    objects, objects_left_out = _read_megatron_objects(reader, object_keys, os.fspath(src)) if megatron else ({}, {})
-    left_out.update(objects_left_out)
-    if strict and objects_left_out:
-        details = "; ".join(f"{k!r}: {v}" for k, v in objects_left_out.items())
-        raise StateDictError(
-            f"{len(objects_left_out)} Megatron values cannot be stored in a reshard checkpoint: {details}"
-        )
+    tensors, byte_keys = _catalogue(os.fspath(src), reader.read_metadata())
+    values, objects, left_out = _read_non_tensors(reader, os.fspath(src), byte_keys, strict=strict)
     clashes = sorted(set(values) & set(tensors))
     if clashes:
         raise StateDictError(f"{src}: values flatten onto the names of tensors: {', '.join(clashes[:20])}")
@@ -200,6 +176,53 @@ def import_dcp(
         for (key, grid, offset), blob in objects.items():
             writer.write_object_blob(key, grid, offset, blob)
         return ImportResult(metadata=writer.commit(), left_out=left_out)
+
+
+def _catalogue(src: str, dcp_metadata: DcpMetadata) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], list[str]]:
+    """The tensors of a DCP checkpoint (name -> dtype and shape), and the names of its byte values.
+
+    Raises:
+        StateDictError: a tensor of a dtype reshard cannot store.
+        CorruptCheckpointError: an entry of a kind DCP does not write.
+    """
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    byte_keys: list[str] = []
+    for fqn, item in sorted(dcp_metadata.state_dict_metadata.items()):
+        if isinstance(item, TensorStorageMetadata):
+            dtype = item.properties.dtype
+            try:
+                dtype_name(dtype)
+            except KeyError:
+                raise StateDictError(f"{src}: tensor {fqn!r} has dtype {dtype}, which reshard cannot store") from None
+            tensors[fqn] = (dtype, tuple(int(s) for s in item.size))
+        elif isinstance(item, BytesStorageMetadata):
+            byte_keys.append(fqn)
+        else:
+            raise CorruptCheckpointError(f"{src}: entry {fqn!r} is a {type(item).__name__}, which is not known")
+    return tensors, byte_keys
+
+
+def _read_non_tensors(
+    reader: _MetadataOnceReader, src: str, byte_keys: list[str], *, strict: bool
+) -> tuple[dict[str, Any], dict[tuple[str, tuple[int, ...], tuple[int, ...]], bytes], dict[str, str]]:
+    """The byte values of a DCP checkpoint: plain values (path -> value), the ShardedObjects of a Megatron-Core
+    checkpoint (by key, grid and offset: their blobs), and the values left out with the reason of each.
+
+    Raises:
+        StateDictError: with ``strict``, a value that cannot be stored.
+    """
+    megatron = _is_megatron(src)
+    object_keys = [k for k in byte_keys if megatron and _MEGATRON_OBJECT.match(k)]
+    byte_keys = [k for k in byte_keys if k not in set(object_keys)]
+    values, left_out = _read_values(reader, byte_keys, strict=strict)
+    objects, objects_left_out = _read_megatron_objects(reader, object_keys, src) if megatron else ({}, {})
+    left_out.update(objects_left_out)
+    if strict and objects_left_out:
+        details = "; ".join(f"{k!r}: {v}" for k, v in objects_left_out.items())
+        raise StateDictError(
+            f"{len(objects_left_out)} Megatron values cannot be stored in a reshard checkpoint: {details}"
+        )
+    return values, objects, left_out
 
 
 def _is_megatron(src: str) -> bool:

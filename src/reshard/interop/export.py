@@ -44,7 +44,8 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 """5 GB, Hugging Face's default shard size."""
 
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
-"""Checkpoint key -> output name; None leaves the tensor out. A mapping leaves unlisted keys unchanged."""
+"""Checkpoint key -> output name; None leaves the tensor out. A mapping leaves unlisted keys unchanged. (A load
+from safetensors maps the other way, template key -> source tensors: :data:`reshard.interop.SourceMap`.)"""
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _SIZE_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -211,23 +212,7 @@ def export_safetensors(
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     with CheckpointReader(checkpoint, storage_options=storage_options) as reader:
-        pairs, left_out = _output_names(reader, key_map)
-        if not pairs:
-            firsts = sorted({key.split(".")[0] + "." for key in reader.metadata.tensors})
-            raise MismatchError(
-                f"the key map leaves out all {len(left_out)} tensors of {reader.describe()}: the export would write "
-                f"no tensors (the checkpoint's keys start with {', '.join(firsts[:8])}"
-                f"{' ...' if len(firsts) > 8 else ''})"
-            )
-        items = []
-        for key, name in sorted(pairs, key=lambda pair: pair[1]):
-            saved = reader.metadata.tensors[key]
-            spec = TensorSpec(name=name, dtype=cast_floating(saved.torch_dtype, dtype), shape=saved.global_shape)
-            try:
-                safetensors_dtype(spec.dtype)
-            except StateDictError:
-                raise StateDictError(f"tensor {key!r}: safetensors cannot hold dtype {saved.dtype}") from None
-            items.append(_Item(key, spec))
+        items, left_out = _items(reader, key_map, dtype)
         shards = _shards(items, max_shard_bytes)
         names = shard_file_names(len(shards))
         storage = storage_for(out, storage_options)
@@ -237,12 +222,7 @@ def export_safetensors(
             with reporting(progress, total, "export") as advance:
                 _write_shards(reader, storage, shards, names, {**(metadata or {}), "format": "pt"}, advance, slab_bytes)
             weight_map = {item.spec.name: name for shard, name in zip(shards, names, strict=True) for item in shard}
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            try:
-                storage.commit(INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode(), replace=True)
-            except OSError as exc:
-                _remove(storage, names)
-                raise StorageError(f"writing {storage.describe(INDEX_FILE)} failed: {exc}") from exc
+            _write_index(storage, names, total, weight_map)
         finally:
             if storage is not out:
                 storage.close()
@@ -253,6 +233,47 @@ def export_safetensors(
             left_out=tuple(left_out),
             not_tensors=len(reader.metadata.objects) + len(reader.metadata.common),
         )
+
+
+def _items(
+    reader: CheckpointReader, key_map: KeyMap | None, dtype: torch.dtype | None
+) -> tuple[list[_Item], list[str]]:
+    """The tensors to export, by output name (each with the name, dtype and shape it is written with), and the
+    keys the key map leaves out.
+
+    Raises:
+        MismatchError: the key map leaves out every tensor (or names a key the checkpoint lacks).
+        StateDictError: a dtype safetensors cannot hold.
+    """
+    pairs, left_out = _output_names(reader, key_map)
+    if not pairs:
+        firsts = sorted({key.split(".")[0] + "." for key in reader.metadata.tensors})
+        raise MismatchError(
+            f"the key map leaves out all {len(left_out)} tensors of {reader.describe()}: the export would write "
+            f"no tensors (the checkpoint's keys start with {', '.join(firsts[:8])}"
+            f"{' ...' if len(firsts) > 8 else ''})"
+        )
+    items = []
+    for key, name in sorted(pairs, key=lambda pair: pair[1]):
+        saved = reader.metadata.tensors[key]
+        spec = TensorSpec(name=name, dtype=cast_floating(saved.torch_dtype, dtype), shape=saved.global_shape)
+        try:
+            safetensors_dtype(spec.dtype)
+        except StateDictError:
+            raise StateDictError(f"tensor {key!r}: safetensors cannot hold dtype {saved.dtype}") from None
+        items.append(_Item(key, spec))
+    return items, left_out
+
+
+def _write_index(storage: Storage, names: list[str], total: int, weight_map: dict[str, str]) -> None:
+    """Commit ``model.safetensors.index.json``, last: an export is complete once its index is there. A failure
+    removes the shards ``names`` and raises StorageError."""
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    try:
+        storage.commit(INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode(), replace=True)
+    except OSError as exc:
+        _remove(storage, names)
+        raise StorageError(f"writing {storage.describe(INDEX_FILE)} failed: {exc}") from exc
 
 
 def _write_shards(

@@ -22,6 +22,7 @@ of a fused QKV reads only from ``k_proj``. Nothing is converted or copied before
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,8 +40,8 @@ __all__ = [
     "SINGLE_FILE",
     "Concat",
     "HuggingFaceSource",
-    "KeyMap",
     "Source",
+    "SourceMap",
     "Stack",
     "describe_source",
     "is_safetensors_source",
@@ -81,7 +82,20 @@ class Stack:
 
 
 Source = str | Concat | Stack
-KeyMap = Mapping[str, Source]
+SourceMap = Mapping[str, Source]
+"""Template key -> where its tensor comes from in the safetensors checkpoint (a tensor name, a :class:`Concat` or a
+:class:`Stack`). Not :data:`reshard.interop.KeyMap`, which renames a reshard checkpoint's keys on export."""
+
+
+def __getattr__(name: str) -> Any:
+    """``KeyMap``, this module's old name of :data:`SourceMap`, still imports (with a DeprecationWarning): the one
+    ``KeyMap`` of reshard is the export's (:data:`reshard.interop.KeyMap`)."""
+    if name == "KeyMap":
+        warnings.warn(
+            "reshard.interop.hf_source.KeyMap is now SourceMap (reshard.interop.SourceMap)", DeprecationWarning, 2
+        )
+        return SourceMap
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_safetensors_source(storage: Storage) -> bool:
@@ -148,7 +162,7 @@ def _entry(name: str, doc: list[Any]) -> tuple[int, TensorEntry]:
     return number, TensorEntry(name=name, dtype=code, shape=tuple(shape), start=start, end=end)
 
 
-def source_metadata(description: dict[str, Any], key_map: KeyMap | None) -> Metadata:
+def source_metadata(description: dict[str, Any], key_map: SourceMap | None) -> Metadata:
     """A Metadata whose tensors are the keys of ``key_map``, each built from its source (see the module
     docstring), and every source tensor under its own name (unless the key map names it as a target).
 
@@ -262,7 +276,7 @@ class HuggingFaceSource(CheckpointSource):
     def __init__(
         self,
         path: CheckpointLocation,
-        key_map: KeyMap | None = None,
+        key_map: SourceMap | None = None,
         *,
         storage_options: dict[str, Any] | None = None,
         allow_unused: bool = False,

@@ -44,6 +44,7 @@ from reshard.errors import StorageError
 from reshard.geometry.boxes import Box, row_major_strides
 from reshard.io.chunkgroups import ChunkGroup, chunk_groups, merged, stream_group, touched_ranges
 from reshard.io.device import DeviceFill, is_host_bytes
+from reshard.io.referencing import referencing
 from reshard.io.verified import (
     DEFAULT_LOAD_MEMORY_BUDGET,
     MIN_LOAD_MEMORY_BUDGET,
@@ -153,7 +154,9 @@ class ReadExecutor(VerifiedReader):
         fill_all_through_host: bool = False,
     ) -> None:
         budget = ReadBudget.of(memory_budget_bytes, device=device or fill_all_through_host)
-        super().__init__(storage, metadata, transfer_bytes=budget.max_read_bytes, stream_bytes=budget.stream_bytes)
+        super().__init__(
+            referencing(storage), metadata, transfer_bytes=budget.max_read_bytes, stream_bytes=budget.stream_bytes
+        )
         self.buffer_bytes = budget.staging_bytes
         self.arena_bytes = budget.arena_bytes
         self.fill_all_through_host = fill_all_through_host

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, CheckpointLockedError, CorruptCheckpointError, StorageError
 from reshard.io.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
+from reshard.io.referencing import resolve_location, split_location
 from reshard.metadata import (
     MAX_METADATA_BYTES,
     METADATA_FILE,
@@ -250,11 +251,16 @@ def remove_markers(storage: Storage, save_id: str, holders: list[str]) -> None:
             logger.warning("could not remove the reference marker of save %s in %s: %s", save_id, holder, exc)
 
 
-def _where(storage: Storage, entry: DataFile) -> str:
-    return (
-        f"data file {entry.path} of checkpoint {entry.checkpoint}, which {storage.describe()} references "
-        f"({storage.describe(entry.location)}),"
-    )
+def _where(storage: Storage, entry: DataFile, holder: Storage | None = None) -> str:
+    """Names the referenced file of ``entry`` in messages; ``holder``: its checkpoint's storage, where open."""
+    checkpoint, path = split_location(entry.location)
+    if holder is not None or checkpoint is None:
+        place = (holder or storage).describe(path)
+    else:
+        sibling = storage.sibling(checkpoint)
+        place = sibling.describe(path)
+        sibling.close()
+    return f"data file {entry.path} of checkpoint {entry.checkpoint}, which {storage.describe()} references ({place}),"
 
 
 def check_referenced_files(storage: Storage, metadata: Metadata, *, skip: Collection[int] = ()) -> dict[int, str]:
@@ -273,16 +279,24 @@ def check_referenced_files(storage: Storage, metadata: Metadata, *, skip: Collec
 
 def _file_problem(storage: Storage, entry: DataFile) -> str | None:
     """Why the file of another checkpoint that ``entry`` names is not there as recorded, or None."""
-    where = _where(storage, entry)
     try:
-        size = storage.size(entry.location)
-    except FileNotFoundError:
-        return f"{where} is missing"
+        holder, path = resolve_location(storage, entry.location)
     except OSError as exc:
-        return f"{where} cannot be read: {exc}"
-    if size != entry.size:
-        return f"{where} has {size} bytes, the metadata says {entry.size}"
-    return None
+        return f"{_where(storage, entry)} cannot be read: {exc}"
+    try:
+        where = _where(storage, entry, holder)
+        try:
+            size = holder.size(path)
+        except FileNotFoundError:
+            return f"{where} is missing"
+        except OSError as exc:
+            return f"{where} cannot be read: {exc}"
+        if size != entry.size:
+            return f"{where} has {size} bytes, the metadata says {entry.size}"
+        return None
+    finally:
+        if holder is not storage:
+            holder.close()
 
 
 def _holder_problem(storage: Storage, save_id: str, holder: str, paths: set[str]) -> str | None:

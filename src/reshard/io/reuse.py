@@ -38,6 +38,7 @@ import xxhash
 from reshard.errors import CheckpointError
 from reshard.io.datafile import WRITE_PIECE_BYTES, content_digest
 from reshard.io.device import HostSlabs
+from reshard.io.referencing import referencing
 from reshard.planning.descriptions import WriteAssignment
 from reshard.state.dtypes import byte_view
 from reshard.storage import CheckpointLocation, LocalStorage, ReadRequest, Storage, storage_for
@@ -296,6 +297,7 @@ def choose_reused(
     and which it writes (see the module doc); with ``verify``, reading back the base's copy of each box it would
     reference, and logging a warning per damaged file. ``what(index)`` names a box for the warning; ``slabs``
     stage the bytes in memory that are not plain host bytes while they are hashed. Not collective."""
+    storage = referencing(storage)  # the base's copies are named by their locations (reshard.io.referencing)
     candidates: list[tuple[int, int, bytes]] = []  # (position, index, digest) of the boxes the base holds alike
     for position, index in enumerate(assignment.tensors):
         base_hash = assignment.base_hash(position)

@@ -24,6 +24,7 @@ from reshard.errors import (
 from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.io.locking import read_lock
 from reshard.io.references import RETIRED_FILE, is_retired, verify_references
+from reshard.io.referencing import ReferencingStorage
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
 from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
 
@@ -163,8 +164,9 @@ class ReshardCheckpoint(CheckpointSource):
     """
 
     def __init__(self, path: CheckpointLocation, storage_options: dict[str, Any] | None = None) -> None:
-        self.storage = storage_for(path, storage_options)
-        self._owns_storage = self.storage is not path
+        self.inner = storage_for(path, storage_options)
+        self._owns_storage = self.inner is not path
+        self.storage = ReferencingStorage(self.inner)  # the data files of siblings it references, by location
 
     def read_metadata(self) -> tuple[bytes, Metadata]:
         raw = read_metadata_bytes(self.storage)
@@ -177,8 +179,9 @@ class ReshardCheckpoint(CheckpointSource):
         return Metadata.from_json_bytes(raw, lazy=True)
 
     def close(self) -> None:
+        self.storage.close()
         if self._owns_storage:
-            self.storage.close()
+            self.inner.close()
 
 
 def as_source(

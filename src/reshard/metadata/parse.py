@@ -152,52 +152,10 @@ class _Parser:
         return value
 
     def parse(self, doc: object) -> Metadata:
-        if isinstance(doc, dict):  # format and version first: another version may have other fields
-            if doc.get("format") != FORMAT_NAME:
-                found = doc.get("format")
-                raise self.fail("format", f"expected {FORMAT_NAME!r}, got {found!r}: not a reshard checkpoint")
-            version = doc.get("version")
-            if type(version) is not int or version not in READABLE_VERSIONS:
-                raise self.fail(
-                    "version",
-                    f"format version {version!r} is not supported (this reshard reads versions "
-                    f"{', '.join(map(str, READABLE_VERSIONS))})",
-                )
-            self.version = version
-            if version >= SEALED_VERSION and not self.sealed:
-                raise self.fail(
-                    METADATA_CHECKSUM_MEMBER,
-                    f"a version-{version} document must end with its checksum member "
-                    f'(,"{METADATA_CHECKSUM_MEMBER}":"<8 hex digits>"}}): metadata.json is damaged or was edited',
-                )
-        members = {
-            "format",
-            "version",
-            "save_id",
-            "created_by",
-            "world_size",
-            "checksum",
-            "files",
-            "tensors",
-            "objects",
-            "common",
-        }
-        if self.version >= SEALED_VERSION:
-            members.add(METADATA_CHECKSUM_MEMBER)
-        if self.version >= HASHED_VERSION:
-            members.add("content_hash")
-        top = self.obj(doc, "$", members)
-        if self.version >= HASHED_VERSION and top["content_hash"] is not None:
-            algorithm = self.obj(top["content_hash"], "content_hash", {"algorithm"})["algorithm"]
-            if algorithm != CONTENT_HASH_ALGORITHM:
-                raise self.fail("content_hash.algorithm", f"unsupported algorithm {algorithm!r}")
-            self.hashed = True
-        checksum = self.obj(top["checksum"], "checksum", {"algorithm", "chunk_bytes"})
-        if checksum["algorithm"] != CHECKSUM_ALGORITHM:
-            raise self.fail("checksum.algorithm", f"unsupported algorithm {checksum['algorithm']!r}")
-        chunk_bytes = self.integer(checksum["chunk_bytes"], "checksum.chunk_bytes")
-        if chunk_bytes == 0:
-            raise self.fail("checksum.chunk_bytes", "must be positive")
+        self.check_version(doc)
+        top = self.obj(doc, "$", self.members())
+        self.check_content_hash(top)
+        chunk_bytes = self.chunk_bytes(top)
         world_size = self.integer(top["world_size"], "world_size")
         if world_size == 0:
             raise self.fail("world_size", "must be at least 1")
@@ -233,6 +191,65 @@ class _Parser:
             content_hashes=self.hashed,
             format_version=self.version,
         )
+
+    def check_version(self, doc: object) -> None:
+        """The format and version, read first (another version may have other fields): sets :attr:`version`."""
+        if isinstance(doc, dict):  # format and version first: another version may have other fields
+            if doc.get("format") != FORMAT_NAME:
+                found = doc.get("format")
+                raise self.fail("format", f"expected {FORMAT_NAME!r}, got {found!r}: not a reshard checkpoint")
+            version = doc.get("version")
+            if type(version) is not int or version not in READABLE_VERSIONS:
+                raise self.fail(
+                    "version",
+                    f"format version {version!r} is not supported (this reshard reads versions "
+                    f"{', '.join(map(str, READABLE_VERSIONS))})",
+                )
+            self.version = version
+            if version >= SEALED_VERSION and not self.sealed:
+                raise self.fail(
+                    METADATA_CHECKSUM_MEMBER,
+                    f"a version-{version} document must end with its checksum member "
+                    f'(,"{METADATA_CHECKSUM_MEMBER}":"<8 hex digits>"}}): metadata.json is damaged or was edited',
+                )
+
+    def members(self) -> set[str]:
+        """The top-level members a document of :attr:`version` has."""
+        members = {
+            "format",
+            "version",
+            "save_id",
+            "created_by",
+            "world_size",
+            "checksum",
+            "files",
+            "tensors",
+            "objects",
+            "common",
+        }
+        if self.version >= SEALED_VERSION:
+            members.add(METADATA_CHECKSUM_MEMBER)
+        if self.version >= HASHED_VERSION:
+            members.add("content_hash")
+        return members
+
+    def check_content_hash(self, top: dict[str, Any]) -> None:
+        """The content-hash algorithm, where the version has one: sets :attr:`hashed`."""
+        if self.version >= HASHED_VERSION and top["content_hash"] is not None:
+            algorithm = self.obj(top["content_hash"], "content_hash", {"algorithm"})["algorithm"]
+            if algorithm != CONTENT_HASH_ALGORITHM:
+                raise self.fail("content_hash.algorithm", f"unsupported algorithm {algorithm!r}")
+            self.hashed = True
+
+    def chunk_bytes(self, top: dict[str, Any]) -> int:
+        """The checksum algorithm (checked) and chunk size (positive)."""
+        checksum = self.obj(top["checksum"], "checksum", {"algorithm", "chunk_bytes"})
+        if checksum["algorithm"] != CHECKSUM_ALGORITHM:
+            raise self.fail("checksum.algorithm", f"unsupported algorithm {checksum['algorithm']!r}")
+        chunk_bytes = self.integer(checksum["chunk_bytes"], "checksum.chunk_bytes")
+        if chunk_bytes == 0:
+            raise self.fail("checksum.chunk_bytes", "must be positive")
+        return chunk_bytes
 
     def files(self, value: object) -> tuple[DataFile, ...]:
         if not isinstance(value, list):

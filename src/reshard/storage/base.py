@@ -2,10 +2,9 @@
 
 A :class:`Storage` is rooted at one checkpoint (a directory, or an object-store prefix); every name is a
 relative POSIX path inside it, already checked by :func:`reshard.metadata.check_relative_path` when it
-comes from a file. One form reaches outside: a read-only name ``../<sibling>/<path>`` is ``<path>`` of the
-sibling checkpoint ``<sibling>`` (same parent directory or prefix), the data file of another checkpoint
-that an incremental save references (:attr:`reshard.metadata.DataFile.location`, whose two parts were
-each checked as safe names); sizes, existence, ranged reads and mappings accept it.
+comes from a file. No name reaches outside the root: a checkpoint beside this one is :meth:`Storage.sibling`
+(the data files an incremental checkpoint references there are resolved by :mod:`reshard.io.referencing`,
+which alone knows how a checkpoint names them).
 
 Data goes in and out through memoryviews, so tensors are written from and read into their own memory.
 Reads are byte-range-first and batched (:meth:`Storage.read_ranges`) so that object stores can issue them
@@ -112,9 +111,10 @@ class Storage(ABC):
     def describe(self, name: str = "") -> str:
         """A human-readable location of ``name`` (or of the root), for error messages."""
 
-    @abstractmethod
     def root_exists(self) -> bool:
-        """Whether the root exists (a directory, or a prefix with at least one object)."""
+        """Whether the root exists (a directory, or a prefix with at least one object). Derived: whether it
+        holds a file (a backend with directories says whether the directory is there)."""
+        return bool(self.list_files())
 
     @abstractmethod
     def exists(self, name: str) -> bool: ...
@@ -130,9 +130,10 @@ class Storage(ABC):
     def list_files(self, prefix: str = "") -> list[str]:
         """Relative names of all files under ``prefix`` (recursively), sorted."""
 
-    @abstractmethod
     def list_children(self) -> list[str]:
-        """Names of the immediate children of the root (files and directories or prefixes), sorted."""
+        """Names of the immediate children of the root (files and directories or prefixes), sorted. Derived
+        from :meth:`list_files` (a backend with directories lists empty ones too)."""
+        return sorted({name.split("/", 1)[0] for name in self.list_files()})
 
     @abstractmethod
     def list_names(self, prefix: str) -> list[str]:
@@ -198,9 +199,11 @@ class Storage(ABC):
     def child(self, name: str) -> Storage:
         """The storage rooted at ``name`` inside this one (a checkpoint inside a manager's root)."""
 
-    @abstractmethod
     def delete_prefix(self, prefix: str) -> None:
-        """Remove everything under ``prefix`` (a directory or object prefix); a missing one is fine."""
+        """Remove everything under ``prefix`` (a directory or object prefix); a missing one is fine. Derived:
+        each file :meth:`list_files` names, through :meth:`delete`."""
+        for name in self.list_files(prefix):
+            self.delete(name)
 
     def remove_empty_dirs(self) -> None:  # noqa: B027 - optional hook with a default
         """Remove the directories under the root that hold no file, and the root itself if it holds none,

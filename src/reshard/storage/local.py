@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from reshard.metadata.model import SIBLING_PREFIX
 from reshard.storage.base import FileTooLargeError, FileWriter, MappedRange, ReadRequest, Storage
 
 __all__ = ["WRITEBACK_BYTES", "LocalStorage"]
@@ -124,10 +123,18 @@ class _LocalMapping(MappedRange):
             self.mapping.close()
 
 
+def _check_inside(name: str) -> None:
+    """Raise ``OSError(EINVAL)`` for a name with a ``..`` component: every name is below the root (a file of
+    another checkpoint is read through that checkpoint's storage, see :mod:`reshard.io.referencing`)."""
+    if ".." in name.split("/"):
+        raise OSError(errno.EINVAL, "a '..' component: a storage name is below the checkpoint's root", name)
+
+
 def _check_no_links(root: Path, name: str, *, leaf: bool = False) -> None:
     """Raise ``OSError(ELOOP)`` when a directory component of ``name`` below ``root`` (and, with ``leaf``,
     ``name`` itself) is a symbolic link: reshard never follows links inside a checkpoint, so that nothing
     it reads, writes or deletes can lie outside it."""
+    _check_inside(name)
     parts = [p for p in name.split("/") if p]
     for depth in range(1, len(parts) + (1 if leaf else 0)):
         if os.path.islink(root.joinpath(*parts[:depth])):
@@ -169,21 +176,6 @@ class LocalStorage(Storage):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
 
-    def _place(self, name: str) -> tuple[Path, str]:
-        """The directory a name is relative to, and the name there: ``../<sibling>/<rest>`` (a file of a
-        sibling checkpoint) is ``<rest>`` of the sibling directory, anything else is below the root. A sibling
-        that is a symbolic link is ``OSError(ELOOP)``: a reference never resolves through a link."""
-        place, rest = self._split(name)
-        if place != self.root and place.is_symlink():
-            raise OSError(errno.ELOOP, "a symbolic link: reshard resolves no reference through a link", str(place))
-        return place, rest
-
-    def _split(self, name: str) -> tuple[Path, str]:
-        if name.startswith(SIBLING_PREFIX):
-            sibling, _, rest = name[len(SIBLING_PREFIX) :].partition("/")
-            return self.parent / sibling, rest
-        return self.root, name
-
     def _resolved(self) -> Path:
         """The root's path; where the root itself is a link (``latest -> step_000001000``), the directory it
         points to, whose name and siblings are those its references and markers use."""
@@ -203,28 +195,25 @@ class LocalStorage(Storage):
         return LocalStorage(self.parent / name)
 
     def describe(self, name: str = "") -> str:
-        if not name:
-            return str(self.root)
-        root, name = self._split(name)
-        return str(root / name)
+        return str(self.root / name) if name else str(self.root)
 
     def root_exists(self) -> bool:
         return self.root.is_dir()
 
     def exists(self, name: str) -> bool:
-        root, name = self._place(name)
-        return (root / name).exists()
+        _check_inside(name)
+        return (self.root / name).exists()
 
     def size(self, name: str) -> int:
-        fd = _open_regular(*self._place(name))
+        fd = _open_regular(self.root, name)
         try:
             return os.fstat(fd).st_size
         finally:
             os.close(fd)
 
     def modified_time(self, name: str) -> float:
-        root, name = self._place(name)
-        return os.lstat(root / name).st_mtime
+        _check_inside(name)
+        return os.lstat(self.root / name).st_mtime
 
     def list_files(self, prefix: str = "") -> list[str]:
         """Files (and symbolic links, which are not followed) under ``prefix``; ``OSError(ELOOP)`` when
@@ -278,7 +267,7 @@ class LocalStorage(Storage):
             for request in requests:
                 fd = fds.get(request.name)
                 if fd is None:
-                    fd = _open_regular(*self._place(request.name))
+                    fd = _open_regular(self.root, request.name)
                     fds[request.name] = fd
                 out.append(_read_fully(fd, request.offset, request.buffer))
                 self.range_bytes_read += out[-1]
@@ -292,7 +281,7 @@ class LocalStorage(Storage):
         without following symbolic links."""
         if length <= 0:
             return None
-        fd = _open_regular(*self._place(name))
+        fd = _open_regular(self.root, name)
         try:
             start = offset - offset % mmap.ALLOCATIONGRANULARITY
             mapping = mmap.mmap(fd, length + offset - start, access=mmap.ACCESS_COPY, offset=start)

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from reshard.errors import CheckpointNotFoundError, StorageError
-from reshard.metadata.model import SIBLING_PREFIX
 from reshard.storage.base import FileTooLargeError, FileWriter, RangeReadError, ReadRequest, Storage
 from reshard.storage.protocols import protocol_for
 
@@ -213,9 +212,7 @@ class ObjectStorage(Storage):
     # ---- plumbing ----------------------------------------------------------------------------------
 
     def object_path(self, name: str) -> str:
-        """The fsspec path (``bucket/key``) of ``name`` (``../<sibling>/<rest>``: of a sibling checkpoint)."""
-        if name.startswith(SIBLING_PREFIX):
-            return f"{self._parent_of(self.root)}/{name[len(SIBLING_PREFIX) :]}"
+        """The fsspec path (``bucket/key``) of ``name``."""
         return f"{self.root}/{name}" if name else self.root
 
     def _parent_of(self, text: str) -> str:
@@ -234,8 +231,6 @@ class ObjectStorage(Storage):
         )
 
     def describe(self, name: str = "") -> str:
-        if name.startswith(SIBLING_PREFIX):
-            return f"{self._parent_of(self.url)}/{name[len(SIBLING_PREFIX) :]}"
         return f"{self.url}/{name}" if name else self.url
 
     def pool(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -280,9 +275,6 @@ class ObjectStorage(Storage):
 
     # ---- Storage -----------------------------------------------------------------------------------
 
-    def root_exists(self) -> bool:
-        return bool(self.list_files())
-
     def exists(self, name: str) -> bool:
         path = self.object_path(name)
         return bool(self.call("checking", name, lambda: self.fs.exists(path)))
@@ -315,9 +307,6 @@ class ObjectStorage(Storage):
             ) from exc
         start = len(self.root) + 1
         return sorted(p[start:] for p in found if p.startswith(self.root + "/"))
-
-    def list_children(self) -> list[str]:
-        return sorted({name.split("/", 1)[0] for name in self.list_files()})
 
     def list_names(self, prefix: str) -> list[str]:
         self.fs.invalidate_cache()
@@ -426,10 +415,6 @@ class ObjectStorage(Storage):
 
     def child(self, name: str) -> Storage:
         return ObjectStorage(f"{self.url}/{name}", self.storage_options, retry=self.retry, transfer=self.transfer)
-
-    def delete_prefix(self, prefix: str) -> None:
-        for name in self.list_files(prefix):
-            self.delete(name)
 
     def download(self, name: str, local_path: Path) -> None:
         path = self.object_path(name)

@@ -286,6 +286,64 @@ def _even_range(total: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
+def _replica_ids(c: RankCoords, p: Parallelism) -> tuple[ReplicaId, ReplicaId]:
+    """The replica ids of a rank's tensor-parallel-split parameters and of those every tp rank holds whole: the
+    data-parallel-with-context-parallel rank tells the replicas apart."""
+    dp_rank = c.dp * p.cp + c.cp
+    return (0, dp_rank), (c.tp, dp_rank)
+
+
+def _cut(
+    dtype: str,
+    key: str,
+    global_shape: tuple[int, ...],
+    replica_id: ReplicaId,
+    *cuts: tuple[int, int, int],
+    logical: tuple[int, ...] | None = None,
+) -> ShardSpec:
+    """Part ``index`` of ``parts`` equal parts along ``axis``, for each ``(axis, index, parts)`` of ``cuts``."""
+    offset = [0] * len(global_shape)
+    local = list(global_shape)
+    for axis, index, parts in cuts:
+        local[axis] = global_shape[axis] // parts
+        offset[axis] = local[axis] * index
+    return ShardSpec(
+        key=key,
+        dtype=dtype,
+        global_shape=global_shape,
+        global_offset=tuple(offset),
+        local_shape=tuple(local),
+        replica_id=replica_id,
+        logical_shape=logical,
+    )
+
+
+def _segmented(
+    dtype: str,
+    key: str,
+    global_shape: tuple[int, ...],
+    axis: int,
+    segments: list[tuple[int, int]],
+    replica_id: ReplicaId,
+    offset: tuple[int, ...] | None = None,
+    local_other: dict[int, int] | None = None,
+) -> ShardSpec:
+    """The ``(start, length)`` segments of ``axis`` (a fused tensor's parts of one rank), one shard."""
+    local = [sum(n for _, n in segments) if a == axis else s for a, s in enumerate(global_shape)]
+    for a, n in (local_other or {}).items():
+        local[a] = n
+    return ShardSpec(
+        key=key,
+        dtype=dtype,
+        global_shape=global_shape,
+        global_offset=offset if offset is not None else (0,) * len(global_shape),
+        local_shape=tuple(local),
+        replica_id=replica_id,
+        segment_axis=axis,
+        segments=tuple(segments),
+    )
+
+
 @dataclass
 class MegatronLayout:
     """The per-rank descriptions of ``model`` on ``parallelism`` (see the module docstring).
@@ -327,125 +385,85 @@ class MegatronLayout:
     def _params_of(self, c: RankCoords) -> tuple[list[ShardSpec], list[ShardSpec]]:
         """The (dense, expert) parameters of a rank, in state-dict order."""
         m, p = self.model, self.parallelism
-        dtype = m.dtype
-        dp_rank = c.dp * p.cp + c.cp  # the data-parallel-with-context-parallel rank
-        split: ReplicaId = (0, dp_rank)
-        everywhere: ReplicaId = (c.tp, dp_rank)
-
-        def spec(
-            key: str,
-            global_shape: tuple[int, ...],
-            replica_id: ReplicaId,
-            *cuts: tuple[int, int, int],
-            logical: tuple[int, ...] | None = None,
-        ) -> ShardSpec:
-            offset = [0] * len(global_shape)
-            local = list(global_shape)
-            for axis, index, parts in cuts:
-                local[axis] = global_shape[axis] // parts
-                offset[axis] = local[axis] * index
-            return ShardSpec(
-                key=key,
-                dtype=dtype,
-                global_shape=global_shape,
-                global_offset=tuple(offset),
-                local_shape=tuple(local),
-                replica_id=replica_id,
-                logical_shape=logical,
-            )
-
-        def segmented(
-            key: str,
-            global_shape: tuple[int, ...],
-            axis: int,
-            segments: list[tuple[int, int]],
-            replica_id: ReplicaId,
-            offset: tuple[int, ...] | None = None,
-            local_other: dict[int, int] | None = None,
-        ) -> ShardSpec:
-            local = [sum(n for _, n in segments) if a == axis else s for a, s in enumerate(global_shape)]
-            for a, n in (local_other or {}).items():
-                local[a] = n
-            return ShardSpec(
-                key=key,
-                dtype=dtype,
-                global_shape=global_shape,
-                global_offset=offset if offset is not None else (0,) * len(global_shape),
-                local_shape=tuple(local),
-                replica_id=replica_id,
-                segment_axis=axis,
-                segments=tuple(segments),
-            )
-
+        split, everywhere = _replica_ids(c, p)
         dense: list[ShardSpec] = []
         experts: list[ShardSpec] = []
         h = m.hidden
         vocab_shape = (self.padded_vocab(), h)
         logical = (m.vocab, h) if vocab_shape[0] != m.vocab else None
         if c.pp == 0:
-            dense.append(spec("embedding.word_embeddings.weight", vocab_shape, split, (0, c.tp, p.tp), logical=logical))
+            dense.append(
+                _cut(m.dtype, "embedding.word_embeddings.weight", vocab_shape, split, (0, c.tp, p.tp), logical=logical)
+            )
         per_stage = m.layers // p.pp
-        d = m.head_dim
+        for layer in range(c.pp * per_stage, (c.pp + 1) * per_stage):
+            dense += self._layer_dense(c, f"decoder.layers.{layer}")
+            experts += self._layer_experts(c, f"decoder.layers.{layer}")
+        if c.pp == p.pp - 1:
+            dense.append(_cut(m.dtype, "decoder.final_layernorm.weight", (h,), everywhere))
+            dense.append(_cut(m.dtype, "output_layer.weight", vocab_shape, split, (0, c.tp, p.tp), logical=logical))
+        return dense, experts
+
+    def _layer_dense(self, c: RankCoords, base: str) -> list[ShardSpec]:
+        """The dense parameters of layer ``base`` on a rank: norms, fused QKV (its query groups), projection,
+        router, and the shared experts' GLU."""
+        m, p = self.model, self.parallelism
+        dtype, h, d = m.dtype, m.hidden, m.head_dim
+        split, everywhere = _replica_ids(c, p)
         q_per_group = m.heads // m.query_groups * d
         q_rows, kv_rows = m.heads * d, m.query_groups * d
         groups = m.query_groups // p.tp
-        local_experts = m.experts // p.ep
-        for layer in range(c.pp * per_stage, (c.pp + 1) * per_stage):
-            base = f"decoder.layers.{layer}"
-            dense.append(spec(f"{base}.input_layernorm.weight", (h,), everywhere))
-            qkv_segments = []
-            for g in range(c.tp * groups, (c.tp + 1) * groups):
-                qkv_segments += [(g * q_per_group, q_per_group), (q_rows + g * d, d), (q_rows + kv_rows + g * d, d)]
-            dense.append(
-                segmented(f"{base}.self_attention.linear_qkv.weight", (q_rows + 2 * kv_rows, h), 0, qkv_segments, split)
+        qkv_segments = []
+        for g in range(c.tp * groups, (c.tp + 1) * groups):
+            qkv_segments += [(g * q_per_group, q_per_group), (q_rows + g * d, d), (q_rows + kv_rows + g * d, d)]
+        out = [
+            _cut(dtype, f"{base}.input_layernorm.weight", (h,), everywhere),
+            _segmented(
+                dtype, f"{base}.self_attention.linear_qkv.weight", (q_rows + 2 * kv_rows, h), 0, qkv_segments, split
+            ),
+            _cut(dtype, f"{base}.self_attention.linear_proj.weight", (h, q_rows), split, (1, c.tp, p.tp)),
+            _cut(dtype, f"{base}.pre_mlp_layernorm.weight", (h,), everywhere),
+            _cut(dtype, f"{base}.mlp.router.weight", (m.experts, h), everywhere),
+        ]
+        if m.shared_expert_ffn:
+            fs = m.shared_expert_ffn
+            n = fs // p.tp
+            fc1 = f"{base}.mlp.shared_experts.linear_fc1.weight"
+            out.append(_segmented(dtype, fc1, (2 * fs, h), 0, [(c.tp * n, n), (fs + c.tp * n, n)], split))
+            out.append(_cut(dtype, f"{base}.mlp.shared_experts.linear_fc2.weight", (h, fs), split, (1, c.tp, p.tp)))
+        return out
+
+    def _layer_experts(self, c: RankCoords, base: str) -> list[ShardSpec]:
+        """The routed experts' parameters of layer ``base`` on a rank (its ``ep`` experts, its ``etp`` cut)."""
+        m, p = self.model, self.parallelism
+        expert_rid: ReplicaId = (0, c.edp)
+        f, h = m.expert_ffn, m.hidden
+        fc1_shape = (m.experts, 2 * f, h)
+        fc1 = f"{base}.mlp.experts.linear_fc1.weight"
+        if p.etp == 1:
+            first = _cut(m.dtype, fc1, fc1_shape, expert_rid, (0, c.ep, p.ep))
+        else:
+            n = f // p.etp
+            local_experts = m.experts // p.ep
+            first = _segmented(
+                m.dtype,
+                fc1,
+                fc1_shape,
+                1,
+                [(c.etp * n, n), (f + c.etp * n, n)],
+                expert_rid,
+                offset=(c.ep * local_experts, 0, 0),
+                local_other={0: local_experts},
             )
-            dense.append(spec(f"{base}.self_attention.linear_proj.weight", (h, q_rows), split, (1, c.tp, p.tp)))
-            dense.append(spec(f"{base}.pre_mlp_layernorm.weight", (h,), everywhere))
-            dense.append(spec(f"{base}.mlp.router.weight", (m.experts, h), everywhere))
-            if m.shared_expert_ffn:
-                fs = m.shared_expert_ffn
-                n = fs // p.tp
-                dense.append(
-                    segmented(
-                        f"{base}.mlp.shared_experts.linear_fc1.weight",
-                        (2 * fs, h),
-                        0,
-                        [(c.tp * n, n), (fs + c.tp * n, n)],
-                        split,
-                    )
-                )
-                dense.append(spec(f"{base}.mlp.shared_experts.linear_fc2.weight", (h, fs), split, (1, c.tp, p.tp)))
-            expert_rid: ReplicaId = (0, c.edp)
-            f = m.expert_ffn
-            fc1_shape = (m.experts, 2 * f, h)
-            if p.etp == 1:
-                experts.append(spec(f"{base}.mlp.experts.linear_fc1.weight", fc1_shape, expert_rid, (0, c.ep, p.ep)))
-            else:
-                n = f // p.etp
-                experts.append(
-                    segmented(
-                        f"{base}.mlp.experts.linear_fc1.weight",
-                        fc1_shape,
-                        1,
-                        [(c.etp * n, n), (f + c.etp * n, n)],
-                        expert_rid,
-                        offset=(c.ep * local_experts, 0, 0),
-                        local_other={0: local_experts},
-                    )
-                )
-            experts.append(
-                spec(
-                    f"{base}.mlp.experts.linear_fc2.weight",
-                    (m.experts, h, f),
-                    expert_rid,
-                    (0, c.ep, p.ep),
-                    (2, c.etp, p.etp),
-                )
-            )
-        if c.pp == p.pp - 1:
-            dense.append(spec("decoder.final_layernorm.weight", (h,), everywhere))
-            dense.append(spec("output_layer.weight", vocab_shape, split, (0, c.tp, p.tp), logical=logical))
-        return dense, experts
+        second = _cut(
+            m.dtype,
+            f"{base}.mlp.experts.linear_fc2.weight",
+            (m.experts, h, f),
+            expert_rid,
+            (0, c.ep, p.ep),
+            (2, c.etp, p.etp),
+        )
+        return [first, second]
 
     def rank_shards(self, rank: int) -> list[ShardSpec]:
         """Every ShardedTensor leaf of ``rank``'s state dict, in order: parameters, then optimizer states."""
