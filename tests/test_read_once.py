@@ -15,8 +15,8 @@ import torch
 
 import reshard
 from reshard.errors import CorruptCheckpointError
-from reshard.io.exchange import MIN_SLAB_BYTES, schedule_reads
 from reshard.net.transports import ThreadGroup
+from reshard.planning.exchange import MIN_SLAB_BYTES, schedule_reads
 from reshard.storage.local import LocalStorage
 from tests.rankpool import RankContext, RankFailure, RankPool
 from tests.threads import on_threads

@@ -31,12 +31,12 @@ if TYPE_CHECKING:
         UnconfirmedCommitError,
     )
     from reshard.flows.async_save import AsyncCheckpointer, SaveHandle, async_save
-    from reshard.flows.load import LoadStats, load, read_metadata
+    from reshard.flows.load import load, read_metadata
     from reshard.flows.manager import CheckpointManager
     from reshard.flows.options import LoadOptions, SaveOptions, StagingOptions
     from reshard.flows.peer import PeerMemoryCheckpoint, PeerSaveResult
     from reshard.flows.save import SaveResult, save
-    from reshard.flows.stats import SaveStats
+    from reshard.flows.stats import LoadStats, SaveStats
     from reshard.flows.transfer import TransferSession, TransferStats, transfer
     from reshard.metadata import Metadata
     from reshard.state.sharding import ShardedObject, ShardedTensor
@@ -56,7 +56,7 @@ _PUBLIC_MODULE = {
     "DataUnavailableError": "reshard.errors",
     "IncompleteCheckpointError": "reshard.errors",
     "LoadOptions": "reshard.flows.options",
-    "LoadStats": "reshard.flows.load",
+    "LoadStats": "reshard.flows.stats",
     "Metadata": "reshard.metadata",
     "MismatchError": "reshard.errors",
     "PeerMemoryCheckpoint": "reshard.flows.peer",

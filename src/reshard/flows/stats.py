@@ -1,4 +1,5 @@
-"""What one rank's save did (:class:`SaveStats`), and the clock that times the phases of a save or load.
+"""What one rank's save or load did (:class:`SaveStats`, :class:`LoadStats`), and the clock that times the
+phases of a save or load.
 
 A phase is local work: planning, writing or reading data, committing. The time a rank spends inside a
 collective step beyond its own local work (sending and receiving descriptions, plans and results, and
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
-__all__ = ["PhaseClock", "SaveStats", "fill_save_stats"]
+__all__ = ["LoadStats", "PhaseClock", "SaveStats", "fill_save_stats"]
 
 logger = logging.getLogger("reshard")
 
@@ -84,6 +85,74 @@ class SaveStats:
     def write_throughput(self) -> float:
         """bytes_written / seconds_write: the speed of the write phase alone, in bytes per second."""
         return self.bytes_written / self.seconds_write if self.seconds_write > 0 else 0.0
+
+
+@dataclass
+class LoadStats:
+    """What one rank's load did, filled in by :func:`load` when passed as ``stats=``.
+
+    Attributes:
+        bytes_needed: bytes of saved tensor data that this rank's targets cover.
+        bytes_read: bytes of tensor data actually read (>= needed: strided runs merged into larger reads).
+        read_requests: number of read calls issued for tensor data.
+        bytes_verified: bytes whose checksum was verified.
+        bytes_verify_extra: bytes read (or, for mapped local files, checksummed) beyond the planned reads,
+            to verify the whole chunks that the reads touch (not counted in ``bytes_read``).
+        bytes_direct: bytes read straight into their destination tensor (no intermediate copy), or, for a
+            destination in GPU memory, into its pinned host proxy (one copy to the device, no other).
+        bytes_to_device: bytes copied from pinned host proxies into destinations in GPU memory (on a side
+            stream, overlapped with the reads; docs/concepts.md, "GPU memory").
+        bytes_from_peers, bytes_to_peers: with ``LoadOptions(read_once=...)`` in effect, the bytes this rank
+            received from the ranks that read them, and sent to the ranks that needed what it read (its own
+            reads are in ``bytes_read``; over all ranks, storage sees each needed byte once).
+        exchange_rounds: the rounds that exchange took (the same on every rank; 0 without one).
+        files_downloaded, bytes_downloaded: with staging, the whole data files this rank downloaded for its
+            node (each file needed by a node is downloaded by exactly one of its ranks).
+        files_reused: with staging, complete files found in the staging directory and reused.
+        missing: with ``strict=False``, the template's entries that the checkpoint does not hold (left as
+            they were), as the warning names them (``tensor 'key'``, ``object 'key' at [0]``, ``common value 'path'``).
+        seconds_metadata: reading and validating ``metadata.json`` (on the coordinator) or decoding the
+            broadcast copy (on the others).
+        seconds_plan: flattening the template, checking it against the metadata and planning the reads.
+        seconds_stage: with staging, agreeing on and downloading this node's files (collectives included).
+        seconds_read: reading, verifying and copying this rank's data into place.
+        seconds_verify: with ``LoadOptions(verify=True)``, the end-to-end fingerprint check (collectives included).
+        seconds_exchange: time in the other collectives beyond this rank's own work (the metadata
+            broadcast, waiting for the slowest rank at the end of each phase).
+        seconds: wall time of the whole load on this rank (at least the sum of the phases).
+    """
+
+    bytes_needed: int = 0
+    bytes_read: int = 0
+    read_requests: int = 0
+    bytes_verified: int = 0
+    bytes_verify_extra: int = 0
+    bytes_direct: int = 0
+    bytes_to_device: int = 0
+    bytes_from_peers: int = 0
+    bytes_to_peers: int = 0
+    exchange_rounds: int = 0
+    files_downloaded: int = 0
+    bytes_downloaded: int = 0
+    files_reused: int = 0
+    missing: tuple[str, ...] = ()
+    seconds_metadata: float = 0.0
+    seconds_plan: float = 0.0
+    seconds_stage: float = 0.0
+    seconds_read: float = 0.0
+    seconds_verify: float = 0.0
+    seconds_exchange: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def throughput(self) -> float:
+        """bytes_read / seconds, in bytes per second (0.0 for an instant load)."""
+        return self.bytes_read / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def read_amplification(self) -> float:
+        """bytes_read / bytes_needed (1.0 when nothing was needed)."""
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
 
 
 class PhaseClock:

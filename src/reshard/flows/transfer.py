@@ -5,7 +5,7 @@ The ranks of a training layout hold the source (its ShardedTensors, DTensors, pl
 an inference layout hold the target (a template, as for :func:`reshard.load`); all are in one process
 group, and a rank may hold both. Every target piece is cut into the cells the source pieces cover; each
 cell is copied locally where its rank holds it and otherwise sent by a holder, replicas taking turns
-(:func:`reshard.io.exchange.schedule_transfer`), in rounds of bounded size. Dtypes convert on arrival (the
+(:func:`reshard.planning.exchange.schedule_transfer`), in rounds of bounded size. Dtypes convert on arrival (the
 rules of a load: lossy conversions need ``allow_lossy_cast``), segments (fused QKV), ZeRO flat ranges and
 padding work as in a load, and ``key_map`` renames (a Hugging Face naming on the inference side).
 
@@ -30,17 +30,10 @@ from reshard.errors import CheckpointError, DataUnavailableError, MismatchError,
 from reshard.flows.transfer_delta import LastSync, aliasing, cell_digests, digest_json, widen_to_groups
 from reshard.geometry.boxes import Box
 from reshard.geometry.tiling import find_tiling_problem
-from reshard.io.exchange import (
-    DEFAULT_ROUND_BYTES,
-    ExchangeCounters,
-    RankSchedule,
-    TransferPlan,
-    describe_need,
-    run_exchange,
-    schedule_transfer,
-)
+from reshard.io.exchange import ExchangeCounters, describe_need, run_exchange
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
+from reshard.planning.exchange import DEFAULT_ROUND_BYTES, RankSchedule, TransferPlan, schedule_transfer
 from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name, is_lossy_cast
 from reshard.state.sharding import LocalPiece, ShardedTensor
 from reshard.state.statedict import check_tensors, flatten_state_dict, is_empty_container, map_leaves

@@ -8,7 +8,7 @@ buffer may overlap. There the last cell a transfer writes decides the shared byt
 every cell that shares memory with one it writes, in the order a whole transfer writes them (copies of a
 rank's own pieces first, then the rounds): :func:`aliasing` finds those cells, the coordinator sends each
 such group whole when any of it travels, and keeps the whole plan's rounds for them
-(:meth:`reshard.io.exchange.TransferPlan.schedules` with ``keep_order``). A received cell that shares memory
+(:meth:`reshard.planning.exchange.TransferPlan.schedules` with ``keep_order``). A received cell that shares memory
 with a local copy (always made) travels every time.
 """
 
@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from reshard.io.exchange import RankSchedule, cell_view
+from reshard.io.exchange import cell_view
+from reshard.planning.exchange import RankSchedule
 from reshard.state.dtypes import byte_view
 from reshard.state.sharding import LocalPiece
 
