@@ -8,10 +8,10 @@ makes many items in one chunk. Read item by item, such a chunk would be read and
 :func:`chunk_groups` walks the plan (sorted by file and offset) and gathers consecutive items of one stored
 box whose touched chunks overlap; :func:`stream_group` then reads the chunks such a group touches **once**,
 in pieces of the read buffer, in order: each piece's bytes are added to the running checksum of their chunk
-(:func:`reshard.io.verify.feed`; a chunk is checked when its last byte has been read) and copied, converting the dtype, into every item's
-destination that needs them. So storage serves each touched chunk once, and every byte a load uses is
-verified on the very bytes it uses (copied before its chunk's last piece arrives: a mismatch fails the load,
-as a run read straight into its destination would).
+(:func:`reshard.io.verify.feed`; a chunk is checked when its last byte has been read) and copied, converting
+the dtype, into every item's destination that needs them. So storage serves each touched chunk once, and
+every byte a load uses is verified on the very bytes it uses (copied before its chunk's last piece arrives: a
+mismatch fails the load, as a run read straight into its destination would).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 
 from reshard.errors import CheckpointError, CorruptCheckpointError, StorageError
 from reshard.io.checksums import crc32c_of
-from reshard.io.verify import Segment, StoredChunks, verify_segments
+from reshard.io.verify import Segment, StoredChunks, Streamer, verify_segments
 from reshard.state.dtypes import byte_view
 from reshard.storage import RangeReadError, ReadRequest, Storage
 
@@ -41,7 +41,7 @@ DEFAULT_LOAD_MEMORY_BUDGET = 32 * 1024 * 1024
 :class:`~reshard.io.reader.ReadExecutor`)."""
 
 MIN_LOAD_MEMORY_BUDGET = 16
-"""The smallest budget a load can keep (a few bytes of staging and of mapped window)."""
+"""The smallest budget a load can keep (a few bytes of read buffer and of mapped window)."""
 
 _STREAM_PIECE = 1 << 20
 """Largest piece in which an oversized chunk is streamed through the scratch buffer."""
@@ -54,8 +54,8 @@ VERIFY_MEMORY_BUDGET = 1 << 20
 class ReadBudget:
     """How a load's memory budget is shared among the buffers of :class:`~reshard.io.reader.ReadExecutor`."""
 
-    staging_bytes: int
-    """The staging buffer: half the budget."""
+    read_buffer_bytes: int
+    """The read buffer (reads that cannot land in their destination): half the budget."""
     stream_bytes: int
     """The scratch piece through which oversized chunks are streamed: at most 1 MiB, an eighth."""
     max_read_bytes: int
@@ -65,20 +65,25 @@ class ReadBudget:
     """For a load into device memory: each of the two host arenas of :class:`~reshard.io.device.DeviceFill`
     (0 otherwise)."""
 
+    @property
+    def staging_bytes(self) -> int:
+        """The read buffer's share, under its former name (:attr:`read_buffer_bytes`)."""
+        return self.read_buffer_bytes
+
     @classmethod
     def of(cls, memory_budget_bytes: int, *, device: bool = False) -> ReadBudget:
         """The shares of ``memory_budget_bytes``; with ``device`` (some destinations are not in host memory),
-        a quarter for staging and the rest beyond the scratch piece in three equal parts: the largest read
+        a quarter for the read buffer and the rest beyond the scratch piece in three equal parts: the largest read
         item and two arenas that hold it (so that a read item always fits an arena)."""
         if memory_budget_bytes < MIN_LOAD_MEMORY_BUDGET:
             raise ValueError(f"a load's memory budget must be at least {MIN_LOAD_MEMORY_BUDGET} bytes")
         stream = max(1, min(_STREAM_PIECE, memory_budget_bytes // 8))
         if device:
-            staging = memory_budget_bytes // 4
-            third = max(1, (memory_budget_bytes - staging - stream) // 3)
-            return cls(staging, stream, third, third)
-        staging = memory_budget_bytes // 2
-        return cls(staging, stream, memory_budget_bytes - staging - stream)
+            read_buffer = memory_budget_bytes // 4
+            third = max(1, (memory_budget_bytes - read_buffer - stream) // 3)
+            return cls(read_buffer, stream, third, third)
+        read_buffer = memory_budget_bytes // 2
+        return cls(read_buffer, stream, memory_budget_bytes - read_buffer - stream)
 
 
 class VerifiedReader:
@@ -186,11 +191,16 @@ class VerifiedReader:
     def verify(self, stored: StoredChunks, ranges: Sequence[tuple[int, int]], segments: Sequence[Segment]) -> None:
         """:func:`~reshard.io.verify.verify_segments`, reading the segments without a view through the scratch
         buffer; the bytes verified are counted."""
+        self.bytes_verified += verify_segments(stored, ranges, segments, self.streamer(stored))
+
+    def streamer(self, stored: StoredChunks) -> Streamer:
+        """Reads bytes of ``stored`` through the scratch buffer for the chunk verifier (a
+        :data:`~reshard.io.verify.Streamer`)."""
 
         def stream(start: int, length: int, value: int) -> int:
             return self._crc_streamed(stored, start, length, value)
 
-        self.bytes_verified += verify_segments(stored, ranges, segments, stream)
+        return stream
 
     def verify_stored(self, checksums: tuple[int, ...], length: int, file: int, offset: int, what: str) -> None:
         """Verify every chunk of a whole stored box or blob (``length`` bytes at ``offset`` of data file
