@@ -295,7 +295,8 @@ def choose_reused(
     """On one writer: which of its assigned boxes (``assignment.tensors``, indices into ``views``) it references
     and which it writes (see the module doc); with ``verify``, reading back the base's copy of each box it would
     reference, and logging a warning per damaged file. ``what(index)`` names a box for the warning; ``slabs``
-    stage the bytes in memory that are not plain host bytes while they are hashed. Not collective."""
+    (the save's host slabs) carry the bytes in memory that are not plain host bytes while they are hashed. Not
+    collective."""
     candidates: list[tuple[int, int, bytes]] = []  # (position, index, digest) of the boxes the base holds alike
     for position, index in enumerate(assignment.tensors):
         base_hash = assignment.base_hash(position)
