@@ -11,6 +11,7 @@ import xxhash
 
 from reshard.errors import CorruptCheckpointError
 from reshard.io.checksums import chunk_checksums
+from reshard.io.chunkcheck import Segment, StoredChunks, verify_segments
 from reshard.io.datafile import (
     ALIGNMENT,
     DataFileWriter,
@@ -21,7 +22,6 @@ from reshard.io.datafile import (
     is_data_file_of,
     staging_slabs,
 )
-from reshard.io.verify import Segment, StoredChunks, verify_segments
 from reshard.storage import LocalStorage, ReadRequest
 
 pytestmark = pytest.mark.unit

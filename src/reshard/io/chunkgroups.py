@@ -8,7 +8,7 @@ makes many items in one chunk. Read item by item, such a chunk would be read and
 :func:`chunk_groups` walks the plan (sorted by file and offset) and gathers consecutive items of one stored
 box whose touched chunks overlap; :func:`stream_group` then reads the chunks such a group touches **once**,
 in pieces of the read buffer, in order: each piece's bytes are added to the running checksum of their chunk
-(:func:`reshard.io.verify.feed`; a chunk is checked when its last byte has been read) and copied, converting
+(:func:`reshard.io.chunkcheck.feed`; a chunk is checked when its last byte has been read) and copied, converting
 the dtype, into every item's destination that needs them. So storage serves each touched chunk once, and
 every byte a load uses is verified on the very bytes it uses (copied before its chunk's last piece arrives: a
 mismatch fails the load, as a run read straight into its destination would).
@@ -25,7 +25,7 @@ import torch
 
 from reshard.geometry.boxes import Box, flat_range_boxes, row_major_strides
 from reshard.io.checksums import run_starts, touched_chunks
-from reshard.io.verify import ChunkProgress, StoredChunks, feed
+from reshard.io.chunkcheck import ChunkProgress, StoredChunks, feed
 from reshard.state.dtypes import byte_view
 from reshard.storage import ReadRequest
 
@@ -131,7 +131,7 @@ def stream_group(
 ) -> int:
     """Read the chunks ``ranges`` of stored box ``saved`` (of data file ``name``, described as ``where``) once,
     piece by piece through ``buffer`` (uint8, at least two elements long), verify each chunk as its last piece
-    arrives (:func:`~reshard.io.verify.feed`), and copy every member item's elements into its destination.
+    arrives (:func:`~reshard.io.chunkcheck.feed`), and copy every member item's elements into its destination.
     Returns the bytes verified.
 
     Raises:

@@ -2,7 +2,7 @@
 
 Every byte a load uses is verified against the checksum of its chunk, and the check is made on the very
 bytes that are used: a chunk is read whole, its checksum computed over what was read (by the one chunk
-verifier, :mod:`reshard.io.verify`), and only those bytes are copied into the destination. A read touching
+verifier, :mod:`reshard.io.chunkcheck`), and only those bytes are copied into the destination. A read touching
 part of a chunk therefore also reads the rest of that chunk (the extra bytes are counted in
 ``bytes_verify_extra``, apart from the planned ``bytes_read``).
 

@@ -1,10 +1,11 @@
 """The four ways a load reads one item of its plan, as functions over frozen values.
 
 A read item (one overlap of a target box with a saved box, :class:`~reshard.planning.load_plan.ReadItem`) is
-resolved against its stored box into a :class:`BoxRead`: its stored chunks (:class:`~reshard.io.verify.StoredChunks`),
-the chunks its reads touch, the saved dtype and shape, and its destination (a host tensor, or the host proxy
-of a device one). Every mode verifies each touched chunk whole, on the very bytes it uses, with the one chunk
-verifier (:mod:`reshard.io.verify`), and says what it did as :class:`ReadCounts`.
+resolved against its stored box into a :class:`BoxRead`: its stored chunks
+(:class:`~reshard.io.chunkcheck.StoredChunks`), the chunks its reads touch, the saved dtype and shape, and its
+destination (a host tensor, or the host proxy of a device one). Every mode verifies each touched chunk whole,
+on the very bytes it uses, with the one chunk verifier (:mod:`reshard.io.chunkcheck`), and says what it did
+as :class:`ReadCounts`.
 
 - **direct** (:func:`direct_requests`, :func:`finish_direct`): the overlap is one contiguous run of the saved
   dtype, and the destination is contiguous host memory: the run is read straight into the destination; the
@@ -34,8 +35,8 @@ import torch
 
 from reshard.errors import StorageError
 from reshard.geometry.boxes import row_major_strides
+from reshard.io.chunkcheck import Segment, StoredChunks, verify_segments
 from reshard.io.device import is_host_bytes
-from reshard.io.verify import Segment, StoredChunks, verify_segments
 from reshard.state.dtypes import byte_view
 from reshard.storage import ReadRequest
 

@@ -2,7 +2,7 @@
 
 :class:`VerifiedReader` checks a data file's size before its first read, fills read requests (a short
 answer is a truncated file, a failed one a :class:`~reshard.StorageError`), and verifies chunks of stored
-boxes and blobs with the one chunk verifier (:mod:`reshard.io.verify`) over the bytes in memory, streaming
+boxes and blobs with the one chunk verifier (:mod:`reshard.io.chunkcheck`) over the bytes in memory, streaming
 the others through a bounded scratch buffer. :func:`verify_stored_ranges` checks whole stored boxes of one
 file that way (node-local staging, ``validate``). :class:`ReadBudget` says how a load's memory budget is
 shared among the buffers of :class:`~reshard.io.reader.ReadExecutor`, which builds the planned reads of a
@@ -19,7 +19,7 @@ import torch
 
 from reshard.errors import CheckpointError, CorruptCheckpointError, StorageError
 from reshard.io.checksums import crc32c_of
-from reshard.io.verify import Segment, StoredChunks, Streamer, verify_segments
+from reshard.io.chunkcheck import Segment, StoredChunks, Streamer, verify_segments
 from reshard.state.dtypes import byte_view
 from reshard.storage import RangeReadError, ReadRequest, Storage
 
@@ -160,7 +160,7 @@ class VerifiedReader:
         self, checksums: tuple[int, ...], box_length: int, file: int, box_offset: int, what: str
     ) -> StoredChunks:
         """A stored box or blob of data file ``file`` as the chunk verifier sees it
-        (:class:`~reshard.io.verify.StoredChunks`)."""
+        (:class:`~reshard.io.chunkcheck.StoredChunks`)."""
         name = self.metadata.files[file].location
         return StoredChunks(
             what=what,
@@ -183,19 +183,19 @@ class VerifiedReader:
         what: str,
     ) -> None:
         """Verify every chunk of ``ranges`` (box-relative, whole chunks) of a stored box at ``box_offset`` of
-        data file ``file`` (:func:`~reshard.io.verify.verify_segments`): each chunk's checksum is computed over
+        data file ``file`` (:func:`~reshard.io.chunkcheck.verify_segments`): each chunk's checksum is computed over
         ``segments`` (ascending, together covering the ranges), the ones without a view being streamed from
         storage through the bounded scratch buffer."""
         self.verify(self.stored(checksums, box_length, file, box_offset, what), ranges, segments)
 
     def verify(self, stored: StoredChunks, ranges: Sequence[tuple[int, int]], segments: Sequence[Segment]) -> None:
-        """:func:`~reshard.io.verify.verify_segments`, reading the segments without a view through the scratch
+        """:func:`~reshard.io.chunkcheck.verify_segments`, reading the segments without a view through the scratch
         buffer; the bytes verified are counted."""
         self.bytes_verified += verify_segments(stored, ranges, segments, self.streamer(stored))
 
     def streamer(self, stored: StoredChunks) -> Streamer:
         """Reads bytes of ``stored`` through the scratch buffer for the chunk verifier (a
-        :data:`~reshard.io.verify.Streamer`)."""
+        :data:`~reshard.io.chunkcheck.Streamer`)."""
 
         def stream(start: int, length: int, value: int) -> int:
             return self._crc_streamed(stored, start, length, value)

@@ -1,4 +1,4 @@
-"""The one chunk verifier (reshard.io.verify) alone: bytes in memory or streamed, checked against chunk CRC-32Cs."""
+"""The one chunk verifier (reshard.io.chunkcheck) alone: bytes in memory or streamed, checked against chunk CRC-32Cs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from reshard.errors import CorruptCheckpointError
 from reshard.io.checksums import chunk_checksums, crc32c_of
-from reshard.io.verify import ChunkProgress, Segment, StoredChunks, check_chunk, feed, verify_segments
+from reshard.io.chunkcheck import ChunkProgress, Segment, StoredChunks, check_chunk, feed, verify_segments
 
 pytestmark = pytest.mark.unit
 
