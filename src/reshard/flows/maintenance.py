@@ -32,7 +32,6 @@ from reshard.errors import CheckpointError, CheckpointNotFoundError, IncompleteC
 from reshard.flows.progress import Progress, reporting
 from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.io.locking import LOCK_FILE
-from reshard.io.reader import ReadExecutor
 from reshard.io.references import (
     REFERENCES_DIR,
     RETIRED_FILE,
@@ -44,6 +43,7 @@ from reshard.io.references import (
 )
 from reshard.io.retirement import remove_checkpoint
 from reshard.io.sources import read_metadata_bytes
+from reshard.io.verified import StoredEntry, verify_stored_ranges
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
@@ -274,37 +274,18 @@ def validate_checkpoint(
 
 
 def _check_all_chunks(storage: Storage, metadata: Metadata, files: set[int], progress: Progress | None) -> list[str]:
-    """Every chunk of every stored box and blob in ``files``, through the read executor of loads (bounded
-    memory whatever the declared chunk size); one problem per damaged box or blob."""
-    entries: list[tuple[str, int, int, int, tuple[int, ...]]] = []
+    """Every chunk of every stored box and blob in ``files`` (whose sizes the caller checked), by the chunk
+    verifier of loads (:func:`~reshard.io.verified.verify_stored_ranges`: bounded memory whatever the declared
+    chunk size); one problem per damaged box or blob."""
+    entries: list[StoredEntry] = []
     for key, tensor in metadata.tensors.items():
         for box in tensor.boxes:
-            entries.append(
-                (f"tensor {key!r} box at {list(box.offset)}", box.file, box.byte_offset, box.byte_length, box.checksums)
-            )
+            what = f"tensor {key!r} box at {list(box.offset)}"
+            entries.append((what, box.file, box.byte_offset, box.byte_length, box.checksums))
     for key, obj in metadata.objects.items():
         for entry in obj.entries:
-            entries.append(
-                (
-                    f"object {key!r} at {list(entry.offset)}",
-                    entry.file,
-                    entry.byte_offset,
-                    entry.byte_length,
-                    entry.checksums,
-                )
-            )
-    executor = ReadExecutor(storage, metadata, memory_budget_bytes=16 * 1024 * 1024)
-    executor.checked_files.update(files)  # sizes were checked by the caller
+            what = f"object {key!r} at {list(entry.offset)}"
+            entries.append((what, entry.file, entry.byte_offset, entry.byte_length, entry.checksums))
     entries = [entry for entry in entries if entry[1] in files]
-    problems = []
-    try:
-        with reporting(progress, sum(entry[3] for entry in entries), "validate") as advance:
-            for what, file, offset, length, checksums in entries:
-                try:
-                    executor.verify_stored(checksums, length, file, offset, what)
-                except CheckpointError as exc:
-                    problems.append(str(exc))
-                advance(length)
-    finally:
-        executor.close()
-    return problems
+    with reporting(progress, sum(entry[3] for entry in entries), "validate") as advance:
+        return verify_stored_ranges(storage, metadata, entries, on_verified=advance)

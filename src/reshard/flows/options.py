@@ -48,10 +48,10 @@ class SaveOptions:
             15 GB/s per core), so that a later save can use this checkpoint as the ``base`` of an incremental
             save (format version 4). An incremental save always stores them.
         memory_budget_bytes: the most host memory this rank's save holds at once for its own buffers
-            (default 256 MiB, at least 1 MiB): the staging copies of tensors that are not contiguous CPU
-            memory (GPU tensors, transposed views), streamed through it a slab at a time instead of copied
-            whole, and an object store's upload parts in flight; a storage that cannot keep within it (a
-            budget below two upload parts, a one-put store and a data file larger than the budget) raises
+            (default 256 MiB, at least 1 MiB): the host slabs through which tensors that are not contiguous
+            CPU memory (GPU tensors, transposed views) are streamed a slab at a time instead of copied whole,
+            and an object store's upload parts in flight; a storage that cannot keep within it (a budget
+            below two upload parts, a one-put store and a data file larger than the budget) raises
             :class:`~reshard.StorageError` and nothing is committed. Not in it: the state itself, the
             encoded values of ShardedObjects, and the snapshot of an asynchronous save (the state's size,
             by design).
@@ -123,7 +123,7 @@ class LoadOptions:
             (``Storage.request_cost_bytes``), so a strided resharded load makes a few large GETs, not one per
             row.
         memory_budget_bytes: the most host memory this rank's load holds at once for its own buffers
-            (default 32 MiB): the staging buffer of reads that cannot land directly in their destination
+            (default 32 MiB): the read buffer of reads that cannot land directly in their destination
             (strided overlaps, dtype conversions, the parts of checksum chunks outside a read), and the
             mapped windows of local files or an object store's ranged GETs in flight (under half the budget:
             a larger budget makes larger and more concurrent GETs); reads are planned in pieces that keep

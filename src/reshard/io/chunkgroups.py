@@ -7,11 +7,11 @@ makes many items in one chunk. Read item by item, such a chunk would be read and
 
 :func:`chunk_groups` walks the plan (sorted by file and offset) and gathers consecutive items of one stored
 box whose touched chunks overlap; :func:`stream_group` then reads the chunks such a group touches **once**,
-in pieces of a bounded buffer, in order: each piece's bytes are added to the running checksum of their chunk
-(a chunk is checked when its last byte has been read) and copied, converting the dtype, into every item's
-destination that needs them. So storage serves each touched chunk once, and every byte a load uses is
-verified on the very bytes it uses (copied before its chunk's last piece arrives: a mismatch fails the load,
-as a run read straight into its destination would).
+in pieces of the read buffer, in order: each piece's bytes are added to the running checksum of their chunk
+(:func:`reshard.io.chunkcheck.feed`; a chunk is checked when its last byte has been read) and copied, converting
+the dtype, into every item's destination that needs them. So storage serves each touched chunk once, and
+every byte a load uses is verified on the very bytes it uses (copied before its chunk's last piece arrives: a
+mismatch fails the load, as a run read straight into its destination would).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reshard.errors import CorruptCheckpointError
 from reshard.geometry.boxes import Box, flat_range_boxes, row_major_strides
-from reshard.io.checksums import crc32c_of, run_starts, touched_chunks
+from reshard.io.checksums import run_starts, touched_chunks
+from reshard.io.chunkcheck import ChunkProgress, StoredChunks, feed
 from reshard.state.dtypes import byte_view
 from reshard.storage import ReadRequest
 
@@ -130,8 +130,9 @@ def stream_group(
     read: Callable[[list[ReadRequest], list[str]], None],
 ) -> int:
     """Read the chunks ``ranges`` of stored box ``saved`` (of data file ``name``, described as ``where``) once,
-    piece by piece through ``buffer`` (uint8, at least two elements long), verify each chunk, and copy every
-    member item's elements into its destination. Returns the bytes verified.
+    piece by piece through ``buffer`` (uint8, at least two elements long), verify each chunk as its last piece
+    arrives (:func:`~reshard.io.chunkcheck.feed`), and copy every member item's elements into its destination.
+    Returns the bytes verified.
 
     Raises:
         CorruptCheckpointError: a chunk's checksum does not match (the destinations then hold bytes of it).
@@ -146,7 +147,9 @@ def stream_group(
         pending.append(_Member(overlap, first, last + 1, dest))
     pending.sort(key=lambda m: m.first)
     piece = max(itemsize, (buffer.numel() - itemsize) // itemsize * itemsize)
-    checksum = _RunningChecksum(saved, chunk_bytes, where, what)
+    stored = StoredChunks(what, name, where, saved.byte_offset, saved.byte_length, saved.checksums, chunk_bytes)
+    progress = ChunkProgress()
+    verified = 0
     active: list[_Member] = []
     upcoming = iter(pending)
     following = next(upcoming, None)
@@ -157,7 +160,8 @@ def stream_group(
             stop = min(hi, base + piece)
             raw = buffer[position - base : stop - base]
             read([ReadRequest(name, saved.byte_offset + position, byte_view(raw))], [what])
-            checksum.add(position, raw)
+            progress, done = feed(stored, progress, position, byte_view(raw))
+            verified += done
             e0, e1 = -(-position // itemsize), stop // itemsize
             while following is not None and following.first < e1:
                 active.append(following)
@@ -167,7 +171,7 @@ def stream_group(
                 _copy_out(active, elements, base // itemsize, e0, e1, saved.shape, strides)
             active = [m for m in active if m.end > e1]
             position = stop
-    return checksum.verified
+    return verified
 
 
 def _copy_out(
@@ -192,36 +196,3 @@ def _copy_out(
         source = elements.as_strided(part.shape, strides, elements.storage_offset() + start)
         with torch.no_grad():
             member.dest[part.relative_to(member.overlap)].copy_(source)
-
-
-class _RunningChecksum:
-    """The CRC-32C of each chunk of a stored box, fed in order, piece by piece; checked at each chunk's end."""
-
-    def __init__(self, saved: SavedBox, chunk_bytes: int, where: str, what: str) -> None:
-        self.saved = saved
-        self.chunk_bytes = chunk_bytes
-        self.where = where
-        self.what = what
-        self.value = 0
-        self.verified = 0
-
-    def add(self, position: int, data: torch.Tensor) -> None:
-        """Bytes ``[position, position + len(data))`` of the box, following the ones added before (or starting
-        a chunk)."""
-        view = byte_view(data)
-        at = 0
-        while at < len(view):
-            chunk_lo = (position + at) // self.chunk_bytes * self.chunk_bytes
-            chunk_hi = min(chunk_lo + self.chunk_bytes, self.saved.byte_length)
-            take = min(len(view) - at, chunk_hi - position - at)
-            self.value = crc32c_of(view[at : at + take], self.value if position + at > chunk_lo else 0)
-            at += take
-            if position + at == chunk_hi:
-                index = chunk_lo // self.chunk_bytes
-                if index >= len(self.saved.checksums) or self.value != self.saved.checksums[index]:
-                    offset = self.saved.byte_offset
-                    raise CorruptCheckpointError(
-                        f"{self.what}: checksum mismatch in data file {self.where} at bytes "
-                        f"[{offset + chunk_lo}, {offset + chunk_hi})"
-                    )
-                self.verified += chunk_hi - chunk_lo

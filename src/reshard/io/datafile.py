@@ -34,6 +34,7 @@ __all__ = [
     "StoredRange",
     "content_digest",
     "data_file_name",
+    "host_slabs",
     "is_data_file_of",
     "staging_slabs",
     "tensor_bytes",
@@ -54,19 +55,24 @@ DEFAULT_SAVE_MEMORY_BUDGET = 256 * 1024 * 1024
 MIN_SAVE_MEMORY_BUDGET = 1024 * 1024
 """The smallest budget a save accepts."""
 
-MAX_STAGING_BYTES = 16 * 1024 * 1024
-"""Each of the two staging buffers of tensors that are not contiguous CPU memory takes at most this much of
-the budget (and at most an eighth of it); larger slabs would not write faster."""
+MAX_HOST_SLAB_BYTES = 16 * 1024 * 1024
+"""Each of the two host slabs through which tensors that are not contiguous CPU memory are written takes at
+most this much of the budget (and at most an eighth of it); larger slabs would not write faster."""
 
-STAGING_SLOTS = 2
-"""Staging buffers of a writer: a GPU tensor's next slab is copied to the host while the previous one is
+HOST_SLAB_SLOTS = 2
+"""Host slabs of a writer: a GPU tensor's next slab is copied to the host while the previous one is
 checksummed and written (:class:`~reshard.io.device.HostSlabs`)."""
 
 
+def host_slabs(memory_budget_bytes: int) -> HostSlabs:
+    """The host slabs of a save with this budget: :data:`HOST_SLAB_SLOTS` of an eighth of it each, at most
+    :data:`MAX_HOST_SLAB_BYTES` (allocated at first need)."""
+    return HostSlabs(max(1, min(MAX_HOST_SLAB_BYTES, memory_budget_bytes // 8)), slots=HOST_SLAB_SLOTS)
+
+
 def staging_slabs(memory_budget_bytes: int) -> HostSlabs:
-    """The staging buffers of a save with this budget: :data:`STAGING_SLOTS` of an eighth of it each, at most
-    :data:`MAX_STAGING_BYTES` (allocated at first need)."""
-    return HostSlabs(max(1, min(MAX_STAGING_BYTES, memory_budget_bytes // 8)), slots=STAGING_SLOTS)
+    """:func:`host_slabs`, under its former name (a save's host slabs are not node-local staging)."""
+    return host_slabs(memory_budget_bytes)
 
 
 def data_file_name(save_id: str, rank: int) -> str:
@@ -110,12 +116,12 @@ def content_digest(tensor: torch.Tensor, slabs: HostSlabs | None = None) -> byte
     """The XXH3-128 digest (16 bytes, big-endian as ``xxhash`` gives it) of ``tensor``'s elements in C order,
     the bytes a data file stores for it: the content hash of format version 4. Memory that is not plain host
     bytes (a GPU tensor, a view) is copied a slab at a time through ``slabs`` (a writer's, to reuse its
-    buffers; by default buffers of :data:`MAX_STAGING_BYTES`)."""
+    buffers; by default buffers of :data:`MAX_HOST_SLAB_BYTES`)."""
     data = tensor.detach()
     if is_host_bytes(data):
         return xxhash.xxh3_128_digest(byte_view(data))
     hasher = xxhash.xxh3_128()
-    for _, view in (slabs if slabs is not None else HostSlabs(MAX_STAGING_BYTES)).slabs([data]):
+    for _, view in (slabs if slabs is not None else HostSlabs(MAX_HOST_SLAB_BYTES)).slabs([data]):
         hasher.update(view)
     return hasher.digest()
 
@@ -127,8 +133,8 @@ class DataFileWriter:
     :meth:`append_tensor` (or of :meth:`begin`, :meth:`feed`..., :meth:`end` to stream one range in pieces),
     then :meth:`commit` (the file is durable) or :meth:`abort` (it is removed).
 
-    Memory: at most ``memory_budget_bytes`` for the writer's own buffers: two staging buffers (an eighth of
-    the budget each, at most :data:`MAX_STAGING_BYTES`; pinned for GPU tensors) through which tensors that
+    Memory: at most ``memory_budget_bytes`` for the writer's own buffers: two host slabs (an eighth of the
+    budget each, at most :data:`MAX_HOST_SLAB_BYTES`; pinned for GPU tensors) through which tensors that
     are not contiguous CPU memory are copied a slab at a time, the next slab's copy running while the
     previous one is written, and what the storage may hold of data not yet stored (the rest: an object
     store's upload parts).
@@ -153,12 +159,12 @@ class DataFileWriter:
         self.chunk_bytes = chunk_bytes
         self.hash_content = hash_content
         """Also compute every range's XXH3-128 digest (:attr:`StoredRange.content_hash`), in the same pass."""
-        self.slabs = slabs if slabs is not None else staging_slabs(memory_budget_bytes)
-        """The staging buffers (:func:`staging_slabs` of the budget unless given: a save shares them with its
+        self.slabs = slabs if slabs is not None else host_slabs(memory_budget_bytes)
+        """The host slabs (:func:`host_slabs` of the budget unless given: a save shares them with its
         :func:`content_digest` calls)."""
         try:
             self._file: FileWriter = storage.open_writer(
-                name, max_buffered_bytes=memory_budget_bytes - STAGING_SLOTS * self.slabs.slab_bytes
+                name, max_buffered_bytes=memory_budget_bytes - HOST_SLAB_SLOTS * self.slabs.slab_bytes
             )
         except OSError as exc:
             raise StorageError(f"cannot create data file {storage.describe(name)}: {exc}") from exc
@@ -222,7 +228,7 @@ class DataFileWriter:
     def append_tensors(self, tensors: Sequence[torch.Tensor]) -> list[StoredRange]:
         """Write the elements of each tensor in C order as one range each, in order; where each went.
         Contiguous CPU memory is written as it is; anything else (a GPU tensor, a transposed or sliced view,
-        a conjugate) is copied through the staging buffers a slab at a time, never whole, a GPU tensor's
+        a conjugate) is copied through the host slabs a slab at a time, never whole, a GPU tensor's
         next slab (of the same tensor or the next) on its way to the host while the current one is written
         (:class:`~reshard.io.device.HostSlabs`: no synchronisation of the caller's CUDA stream)."""
         stored: list[StoredRange] = []

@@ -157,15 +157,20 @@ class HostSlabs:
         self.slab_bytes = max(1, slab_bytes)
         self.slots = slots
         self._buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * slots
-        self.bytes_staged = 0
-        """Bytes copied through the buffers (device-to-host, or host views that were not plain bytes)."""
+        self.bytes_copied = 0
+        """Bytes copied through the host slabs (device-to-host, or host views that were not plain bytes)."""
+
+    @property
+    def bytes_staged(self) -> int:
+        """:attr:`bytes_copied`, under its former name."""
+        return self.bytes_copied
 
     @property
     def held_bytes(self) -> int:
         """Host memory the buffers hold now."""
         return sum(b.numel() for b in self._buffers)
 
-    def _staged(self, slot: int, slab: torch.Tensor, pinned: bool, largest: int) -> torch.Tensor:
+    def _host_slab(self, slot: int, slab: torch.Tensor, pinned: bool, largest: int) -> torch.Tensor:
         """Buffer ``slot`` viewed as ``slab``'s dtype and shape, (re)allocated when too small or not pinned
         where it must be: at ``largest`` bytes, the largest slab of the call."""
         buffer = self._buffers[slot]
@@ -187,7 +192,7 @@ class HostSlabs:
         pinned = torch.cuda.is_available() and any(d.device.type == "cuda" for d in datas)
         largest = min(self.slab_bytes, max((d.nbytes for d in datas if not is_host_bytes(d)), default=0))
         streams = _SideStreams()
-        in_flight: deque[tuple[int, torch.Tensor, Any]] = deque()  # (position, staged slab, its copy's event)
+        in_flight: deque[tuple[int, torch.Tensor, Any]] = deque()  # (position, host slab, its copy's event)
         issued = 0
         try:
             for position, data in enumerate(datas):
@@ -200,21 +205,21 @@ class HostSlabs:
                     if data.device.type == "cuda":
                         if len(in_flight) == self.slots:
                             yield self._ready(in_flight.popleft())
-                        staged = self._staged(issued % self.slots, slab, pinned, largest)
+                        host_slab = self._host_slab(issued % self.slots, slab, pinned, largest)
                         stream = streams.of(data.device)
                         with torch.no_grad(), torch.cuda.stream(stream):
-                            staged.copy_(slab, non_blocking=True)
+                            host_slab.copy_(slab, non_blocking=True)
                         event = _recorded_event(stream)
-                        in_flight.append((position, staged, event))
+                        in_flight.append((position, host_slab, event))
                     else:
                         while in_flight:
                             yield self._ready(in_flight.popleft())
-                        staged = self._staged(issued % self.slots, slab, pinned, largest)
+                        host_slab = self._host_slab(issued % self.slots, slab, pinned, largest)
                         with torch.no_grad():
-                            staged.copy_(slab)  # resolves a conjugate or negative view, converts nothing else
-                        yield position, byte_view(staged)
+                            host_slab.copy_(slab)  # resolves a conjugate or negative view, converts nothing else
+                        yield position, byte_view(host_slab)
                     issued += 1
-                    self.bytes_staged += slab.nbytes
+                    self.bytes_copied += slab.nbytes
             while in_flight:
                 yield self._ready(in_flight.popleft())
         finally:
@@ -223,9 +228,9 @@ class HostSlabs:
 
     @staticmethod
     def _ready(entry: tuple[int, torch.Tensor, Any]) -> tuple[int, memoryview]:
-        position, staged, event = entry
+        position, host_slab, event = entry
         event.synchronize()
-        return position, byte_view(staged)
+        return position, byte_view(host_slab)
 
 
 class DeviceFill:

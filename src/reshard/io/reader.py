@@ -1,31 +1,26 @@
 """The read executor: one rank's planned reads, performed, verified and copied into place.
 
 Every byte a load uses is verified against the checksum of its chunk, and the check is made on the very
-bytes that are used: a chunk is read whole, its checksum computed over what was read, and only those bytes
-are copied into the destination. A read touching part of a chunk therefore also reads the rest of that
-chunk (the extra bytes are counted in ``bytes_verify_extra``, apart from the planned ``bytes_read``).
+bytes that are used: a chunk is read whole, its checksum computed over what was read (by the one chunk
+verifier, :mod:`reshard.io.chunkcheck`), and only those bytes are copied into the destination. A read touching
+part of a chunk therefore also reads the rest of that chunk (the extra bytes are counted in
+``bytes_verify_extra``, apart from the planned ``bytes_read``).
 
-Four ways to read an item of the plan (one overlap of a target box with a saved box):
-
-- **direct**: the overlap is one contiguous run of the saved dtype, and the destination is contiguous CPU
-  memory: the run is read straight into the destination; the parts of its first and last chunks outside
-  the run are read into the staging buffer; each chunk's checksum is computed across those pieces.
-- **mapped** (local files): the chunks the overlap touches are mapped, verified in the mapping, and the
-  overlap is copied (and converted) from the mapping into the destination in one strided pass.
-- **chunks**: the chunks the overlap touches are read into the staging buffer at their places in the box,
-  verified there, and copied out with one strided copy.
-- **runs**: only the overlap's runs are read into the staging buffer. Used for sources without checksums
-  (safetensors).
+Each item of the plan (one overlap of a target box with a saved box) is read in one of four modes, small
+functions over a frozen :class:`~reshard.io.readmodes.BoxRead` (:mod:`reshard.io.readmodes`): **direct**
+(the run straight into its destination), **mapped** (local files, from a mapping), **chunks** (the touched
+chunks into the read buffer, then one strided copy), **runs** (sources without checksums). This module
+chooses the mode, batches reads and keeps the buffers.
 
 And one way for a group of items that share checksum chunks (:mod:`reshard.io.chunkgroups`): **streamed**,
-the chunks the group touches are read once, in pieces through the staging buffer, each verified as its last
+the chunks the group touches are read once, in pieces through the read buffer, each verified as its last
 piece arrives, every piece copied into every item's destination that needs it. A group is streamed when
 reading it item by item would read its chunks more than twice over (many small pieces in one chunk), and
-when chunks are larger than half the staging buffer (a budget below four chunks) and some item is not a
+when chunks are larger than half the read buffer (a budget below four chunks) and some item is not a
 direct read. So no chunk is read more than twice per load, whatever the budget.
 
 Reads are batched so that object stores serve them concurrently (:meth:`Storage.read_ranges`); the
-staging memory of a batch is at most ``buffer_bytes`` (the planner keeps every item within it).
+read buffer of a batch holds at most ``read_buffer_bytes`` (the planner keeps every item within it).
 
 A destination in GPU memory is read as a host destination would be, into a *proxy*: a contiguous host tensor
 of the overlap's shape in the saved dtype, carved from a pinned arena (so a contiguous run is read straight
@@ -35,16 +30,27 @@ happening there, while the reads go on into the other arena (:class:`~reshard.io
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from reshard.errors import StorageError
-from reshard.geometry.boxes import Box, row_major_strides
+from reshard.geometry.boxes import Box
 from reshard.io.chunkgroups import ChunkGroup, chunk_groups, merged, stream_group, touched_ranges
-from reshard.io.device import DeviceFill, is_host_bytes
-from reshard.io.referencing import referencing
+from reshard.io.device import DeviceFill
+from reshard.io.readmodes import (
+    BoxRead,
+    BufferedRead,
+    DirectRun,
+    ReadCounts,
+    buffered,
+    finish,
+    is_direct,
+    read_direct_run,
+    read_mapped,
+    requests,
+)
 from reshard.io.verified import (
     DEFAULT_LOAD_MEMORY_BUDGET,
     MIN_LOAD_MEMORY_BUDGET,
@@ -64,70 +70,25 @@ __all__ = ["DEFAULT_LOAD_MEMORY_BUDGET", "MIN_LOAD_MEMORY_BUDGET", "ReadBudget",
 _ALIGN = 64
 
 
-@dataclass
-class _Pending:
-    """An item of the current batch whose reads land in the staging buffer at ``offset``."""
-
-    item: ReadItem
-    saved: SavedBox
-    dest: torch.Tensor
-    kind: str
-    """'direct', 'chunks' or 'runs'."""
-    offset: int
-    nbytes: int
-    ranges: list[tuple[int, int]]
-    """Box-relative byte ranges of the touched chunks (empty: nothing to verify here)."""
-    region_start: int = 0
-    """For 'chunks': the box-relative byte at ``offset`` of the staging buffer."""
-    streamed: bool = False
-    """For 'direct' with oversized chunks: the parts of the touched chunks outside the run are streamed
-    from storage while verifying, instead of being staged."""
-
-
-@dataclass
-class _DirectRun:
-    """Consecutive direct reads of one stored box, read chunk by chunk as one (see
-    :meth:`ReadExecutor._by_chunk`): when planning cut an overlap into slabs, a checksum chunk that straddles
-    two slabs is verified across both destinations instead of having its other part read beside each."""
-
-    saved: SavedBox
-    what: str
-    pieces: list[tuple[int, memoryview]]
-    """(box-relative start, destination bytes), each starting where the previous one ends."""
-    lo: int
-    """Box-relative start of the first touched chunk."""
-    hi: int
-    """Box-relative end of the last touched chunk."""
-
-    @property
-    def end(self) -> int:
-        start, view = self.pieces[-1]
-        return start + len(view)
-
-    def continued_by(self, saved: SavedBox, start: int) -> bool:
-        """Whether a direct read of ``saved`` from box-relative byte ``start`` continues this run."""
-        return saved.file == self.saved.file and saved.byte_offset == self.saved.byte_offset and start == self.end
-
-
-@dataclass
+@dataclass(frozen=True, slots=True)
 class _Queue:
-    """The reads of a :meth:`ReadExecutor.run` begun and not yet done: a batch of items whose reads land in
-    the staging buffer, and a run of direct reads read chunk by chunk."""
+    """The reads of a :meth:`ReadExecutor.run` begun and not yet done: a batch of reads whose bytes land in
+    the read buffer (``buffered_bytes`` of it taken), and a run of direct reads read chunk by chunk."""
 
-    batch: list[_Pending] = field(default_factory=list)
-    staged_bytes: int = 0
-    direct: _DirectRun | None = None
+    batch: tuple[BufferedRead, ...] = ()
+    buffered_bytes: int = 0
+    direct: DirectRun | None = None
 
 
 class ReadExecutor(VerifiedReader):
     """Performs one rank's reads (see the module doc). Not thread-safe; one per load.
 
     Memory: the executor's buffers never hold more than ``memory_budget_bytes`` at once: half of it is the
-    staging buffer (reads that do not land in their destination, the parts of chunks outside a direct
-    read), the rest the largest mapped window of a local file (whose pages count in the resident set while
-    mapped) or an object store's response bodies in flight, and the scratch piece through which oversized
-    chunks are streamed (:class:`ReadBudget`). The planner keeps every read item within
-    ``ReadBudget.max_read_bytes``, so that holds whatever the tensor sizes.
+    read buffer (reads that do not land in their destination, the parts of chunks outside a direct read),
+    the rest the largest mapped window of a local file (whose pages count in the resident set while mapped)
+    or an object store's response bodies in flight, and the scratch piece through which oversized chunks are
+    streamed (:class:`ReadBudget`). The planner keeps every read item within ``ReadBudget.max_read_bytes``,
+    so that holds whatever the tensor sizes.
 
     Destinations outside host memory (CUDA tensors) are filled through host proxies
     (:class:`~reshard.io.device.DeviceFill`): each read item lands in a proxy of the saved dtype exactly as it
@@ -154,13 +115,11 @@ class ReadExecutor(VerifiedReader):
         fill_all_through_host: bool = False,
     ) -> None:
         budget = ReadBudget.of(memory_budget_bytes, device=device or fill_all_through_host)
-        super().__init__(
-            referencing(storage), metadata, transfer_bytes=budget.max_read_bytes, stream_bytes=budget.stream_bytes
-        )
-        self.buffer_bytes = budget.staging_bytes
+        super().__init__(storage, metadata, transfer_bytes=budget.max_read_bytes, stream_bytes=budget.stream_bytes)
+        self.read_buffer_bytes = budget.read_buffer_bytes
         self.arena_bytes = budget.arena_bytes
         self.fill_all_through_host = fill_all_through_host
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.read_buffer = torch.empty(0, dtype=torch.uint8)
         self.bytes_verify_extra = 0
         """Bytes read (or, for mapped files, checksummed) beyond the planned reads, to verify whole chunks."""
         self.bytes_direct = 0
@@ -171,8 +130,8 @@ class ReadExecutor(VerifiedReader):
     # ---- the plan ------------------------------------------------------------------------------------
 
     def _oversized(self) -> bool:
-        """Whether checksum chunks are too large to be staged whole (see the module doc)."""
-        return 2 * self.metadata.checksum_chunk_bytes > self.buffer_bytes
+        """Whether checksum chunks are too large for two to fit the read buffer (see the module doc)."""
+        return 2 * self.metadata.checksum_chunk_bytes > self.read_buffer_bytes
 
     def run(self, plan: LoadPlan, views: list[torch.Tensor], boxes: list[Box]) -> None:
         """Fill ``views[i]`` (holding ``boxes[i]``) from the reads of ``plan``, verifying every chunk used.
@@ -186,7 +145,7 @@ class ReadExecutor(VerifiedReader):
                 for item in group.items:
                     self.check_file(item.file)
                 if self._streamed(group, views, boxes):
-                    self._drain(queue)
+                    queue = self._drain(queue)
                     self._stream(group, views, boxes, fill)
                     continue
                 for item, ranges in zip(group.items, group.ranges, strict=True):
@@ -194,10 +153,10 @@ class ReadExecutor(VerifiedReader):
                     if fill is not None and self._through_host(dest):
                         dtype = self.metadata.tensors[item.key].torch_dtype
                         if not fill.has_room(dest, dtype):  # finish the arena's reads, send it, take the other one
-                            self._drain(queue)
+                            queue = self._drain(queue)
                             fill.flush()
                         dest = fill.proxy(dest, dtype)
-                    self._enqueue(queue, item, dest, ranges)
+                    queue = self._enqueue(queue, self._box_read(item, dest, ranges))
             self._drain(queue)
         except BaseException:
             if fill is not None:
@@ -210,47 +169,70 @@ class ReadExecutor(VerifiedReader):
     def _saved(self, item: ReadItem) -> SavedBox:
         return self.metadata.tensors[item.key].boxes[item.saved_index]
 
+    def _box_read(self, item: ReadItem, dest: torch.Tensor, ranges: list[tuple[int, int]]) -> BoxRead:
+        """``item`` resolved against its stored box, its reads touching the chunks ``ranges``, into ``dest``."""
+        saved = self._saved(item)
+        stored = self.stored(saved.checksums, saved.byte_length, saved.file, saved.byte_offset, _what(item, saved))
+        dtype = self.metadata.tensors[item.key].torch_dtype
+        return BoxRead(item, stored, tuple(ranges), dtype, saved.shape, dest)
+
     @staticmethod
     def _destination(item: ReadItem, views: list[torch.Tensor], boxes: list[Box]) -> torch.Tensor:
         target = views[item.target].detach()
         return target[item.overlap.relative_to(boxes[item.target])] if target.ndim else target
 
-    def _enqueue(self, queue: _Queue, item: ReadItem, dest: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
-        """Begin reading ``item`` into ``dest``: into the batch, the direct run, or (mapped) at once."""
-        saved = self._saved(item)
-        pending = self._prepare(item, saved, dest, ranges)
-        if pending is None:
-            return  # read and copied already (mapped)
-        if self._by_chunk(pending):
-            if queue.batch:
-                self._flush(queue.batch, queue.staged_bytes)
-                queue.batch, queue.staged_bytes = [], 0
-            start = item.pattern.first * item.itemsize
-            ((lo, hi),) = pending.ranges
-            if queue.direct is not None and queue.direct.continued_by(saved, start):
-                queue.direct.pieces.append((start, byte_view(pending.dest)))
-                queue.direct.hi = hi
-                return
-            if queue.direct is not None:
-                self._read_direct_by_chunk(queue.direct)
-            queue.direct = _DirectRun(saved, self._what(item, saved), [(start, byte_view(pending.dest))], lo, hi)
-            return
-        need = -(-pending.nbytes // _ALIGN) * _ALIGN
-        if queue.batch and queue.staged_bytes + need > self.buffer_bytes:
-            self._flush(queue.batch, queue.staged_bytes)
-            queue.batch, queue.staged_bytes = [], 0
-        pending.offset = queue.staged_bytes
-        queue.batch.append(pending)
-        queue.staged_bytes += need
+    def _count(self, counts: ReadCounts) -> None:
+        self.bytes_verified += counts.verified
+        self.bytes_direct += counts.direct
+        self.bytes_verify_extra += counts.extra
 
-    def _drain(self, queue: _Queue) -> None:
-        """Complete every read begun: the batch, the direct run."""
+    def _enqueue(self, queue: _Queue, read: BoxRead) -> _Queue:
+        """Begin ``read``: read and copy it at once (mapped), or add it to the direct run or the batch; the
+        queue then."""
+        direct = is_direct(read.item, read.dtype, read.dest, self._through_host(read.dest))
+        if not direct:
+            counts = read_mapped(read, self)
+            if counts is not None:
+                self._count(counts)
+                return queue
+        planned = buffered(read, direct=direct, oversized=self._oversized())
+        if self._by_chunk(planned):
+            queue = self._flush_batch(queue)
+            continued = queue.direct.continued(read) if queue.direct is not None else None
+            if continued is not None:
+                return dataclasses.replace(queue, direct=continued)
+            self._drain(queue)
+            return _Queue(direct=DirectRun.of(read))
+        need = -(-planned.nbytes // _ALIGN) * _ALIGN
+        if queue.batch and queue.buffered_bytes + need > self.read_buffer_bytes:
+            queue = self._flush_batch(queue)
+        planned = dataclasses.replace(planned, offset=queue.buffered_bytes)
+        return dataclasses.replace(queue, batch=(*queue.batch, planned), buffered_bytes=queue.buffered_bytes + need)
+
+    def _drain(self, queue: _Queue) -> _Queue:
+        """Complete every read begun: the direct run, the batch; an empty queue."""
         if queue.direct is not None:
-            self._read_direct_by_chunk(queue.direct)
-            queue.direct = None
-        if queue.batch:
-            self._flush(queue.batch, queue.staged_bytes)
-            queue.batch, queue.staged_bytes = [], 0
+            run = queue.direct
+            outside = self._buffer(run.start - run.lo + run.hi - run.end)
+            self._count(read_direct_run(run, outside, self))
+        self._flush_batch(queue)
+        return _Queue()
+
+    def _flush_batch(self, queue: _Queue) -> _Queue:
+        """Serve the batch's requests together, then verify and copy each read; the queue without it."""
+        if not queue.batch:
+            return queue
+        self._buffer(queue.buffered_bytes)
+        batch_requests: list[ReadRequest] = []
+        whats: list[str] = []
+        for planned in queue.batch:
+            of_read = requests(planned, self.read_buffer)
+            batch_requests += of_read
+            whats += [planned.read.stored.what] * len(of_read)
+        self.read(batch_requests, whats)
+        for planned in queue.batch:
+            self._count(finish(planned, self.read_buffer, self))
+        return dataclasses.replace(queue, batch=(), buffered_bytes=0)
 
     def _through_host(self, dest: torch.Tensor) -> bool:
         """Whether ``dest`` is filled through a host proxy."""
@@ -259,26 +241,20 @@ class ReadExecutor(VerifiedReader):
     def _any_through_host(self, views: list[torch.Tensor]) -> bool:
         return any(self._through_host(view) for view in views)
 
-    def _direct(self, item: ReadItem, dest: torch.Tensor) -> bool:
-        """Whether ``item`` is read straight into ``dest`` (or into its host proxy): one run of the saved dtype
-        into contiguous host memory holding the stored bytes as they are."""
-        pattern = item.pattern
-        if pattern.count != 1 or pattern.span != pattern.needed:
-            return False
-        dtype = self.metadata.tensors[item.key].torch_dtype
-        return self._through_host(dest) or (dest.dtype == dtype and is_host_bytes(dest))
-
     def _streamed(self, group: ChunkGroup, views: list[torch.Tensor], boxes: list[Box]) -> bool:
         """Whether a group's chunks are read once for all its items (see :mod:`reshard.io.chunkgroups`): when
         reading them item by item would read them more than twice over, and when chunks are too large to be
-        staged whole and some item is not a direct read (it reads through the stream, once, not its runs after
+        held whole and some item is not a direct read (it reads through the stream, once, not its runs after
         streaming its chunks to verify them)."""
         if not group.ranges[0]:
             return False  # no checksums
         if group.touched_bytes > 2 * group.union_bytes:
             return True
+        dtype = self.metadata.tensors[group.items[0].key].torch_dtype
         return self._oversized() and not all(
-            self._direct(item, self._destination(item, views, boxes)) for item in group.items
+            is_direct(item, dtype, dest, self._through_host(dest))
+            for item in group.items
+            for dest in [self._destination(item, views, boxes)]
         )
 
     def _stream(self, group: ChunkGroup, views: list[torch.Tensor], boxes: list[Box], fill: DeviceFill | None) -> None:
@@ -308,8 +284,8 @@ class ReadExecutor(VerifiedReader):
         saved = self._saved(item)
         union = merged(ranges)
         name = self.metadata.files[saved.file].location
-        nbytes = max(2 * dtype.itemsize, self.buffer_bytes)
-        self._staging(nbytes)
+        nbytes = max(2 * dtype.itemsize, self.read_buffer_bytes)
+        self._buffer(nbytes)
         self.bytes_verified += stream_group(
             members,
             union,
@@ -318,247 +294,31 @@ class ReadExecutor(VerifiedReader):
             chunk_bytes=self.metadata.checksum_chunk_bytes,
             name=name,
             where=self.storage.describe(name),
-            what=self._what(item, saved),
-            buffer=self.buffer[:nbytes],
+            what=_what(item, saved),
+            buffer=self.read_buffer[:nbytes],
             read=self.read,
         )
         planned = sum(member.bytes_read for member, _ in members)
         self.bytes_verify_extra += max(0, sum(hi - lo for lo, hi in union) - planned)
 
-    def _prepare(
-        self, item: ReadItem, saved: SavedBox, dest: torch.Tensor, ranges: list[tuple[int, int]]
-    ) -> _Pending | None:
-        """Choose how to read ``item`` (see the module doc), whose reads touch the chunks ``ranges``; a mapped
-        item is read here and then. (An item of a checksummed box that is not a direct read never comes here
-        when the chunks are too large to stage: it is streamed.)"""
-        pattern = item.pattern
-        itemsize = item.itemsize
-        checked = bool(saved.checksums)
-        oversized = checked and self._oversized()
-        if self._direct(item, dest):
-            start = pattern.first * itemsize
-            end = start + pattern.span * itemsize
-            extra = 0 if oversized or not ranges else (start - ranges[0][0]) + (ranges[-1][1] - end)
-            return _Pending(item, saved, dest, "direct", 0, extra, ranges, streamed=oversized)
-        if self._copy_mapped(item, saved, dest, ranges):
-            return None
-        if checked:
-            region_start = ranges[0][0] - ranges[0][0] % itemsize
-            region_end = ranges[-1][1]
-            nbytes = -(-(region_end - region_start) // itemsize) * itemsize
-            return _Pending(item, saved, dest, "chunks", 0, nbytes, ranges, region_start)
-        return _Pending(item, saved, dest, "runs", 0, pattern.count * pattern.span * itemsize, [])
-
-    def _what(self, item: ReadItem, saved: SavedBox) -> str:
-        return f"tensor {item.key!r} box at {list(saved.offset)}"
-
-    def _by_chunk(self, pending: _Pending) -> bool:
+    def _by_chunk(self, planned: BufferedRead) -> bool:
         """Whether a direct read goes chunk by chunk, each chunk verified as soon as it is read (while its
         bytes are still in the CPU's cache: a quarter less time than verifying after the whole read, on
         the benchmark machine), rather than in a batch: where the storage serves batches one read at a
         time anyway (local files)."""
         return (
             not self.storage.concurrent_reads
-            and pending.kind == "direct"
-            and len(pending.ranges) == 1
-            and not pending.streamed
+            and planned.mode == "direct"
+            and len(planned.read.ranges) == 1
+            and not planned.streamed
         )
 
-    def _read_direct_by_chunk(self, run: _DirectRun) -> None:
-        """Direct reads (see :meth:`_by_chunk`): for each touched chunk, its parts inside the run are read into
-        their destinations and its parts outside the run into the staging buffer, then the chunk is verified."""
-        saved, what = run.saved, run.what
-        name = self.metadata.files[saved.file].location
-        chunk = self.metadata.checksum_chunk_bytes
-        lo, hi = run.lo, run.hi
-        start, end = run.pieces[0][0], run.end
-        head, tail = start - lo, hi - end
-        staging = self._staging(head + tail)
-        self.bytes_direct += end - start
-        self.bytes_verify_extra += head + tail
-        pieces = iter(run.pieces)
-        piece_start, piece = next(pieces)
-        for chunk_lo in range(lo, hi, chunk):
-            chunk_hi = min(chunk_lo + chunk, hi)
-            segments = []
-            if chunk_lo < start:
-                segments.append(Segment(chunk_lo, start - chunk_lo, staging[chunk_lo - lo : head]))
-            position = max(chunk_lo, start)
-            while position < min(chunk_hi, end):
-                while position >= piece_start + len(piece):
-                    piece_start, piece = next(pieces)
-                b = min(chunk_hi, end, piece_start + len(piece))
-                segments.append(Segment(position, b - position, piece[position - piece_start : b - piece_start]))
-                position = b
-            if chunk_hi > end:
-                a = max(chunk_lo, end)
-                segments.append(Segment(a, chunk_hi - a, staging[head + a - end : head + tail]))
-            self.read(
-                [
-                    ReadRequest(name, saved.byte_offset + seg.start, seg.view)
-                    for seg in segments
-                    if seg.view is not None
-                ],
-                [what] * len(segments),
-            )
-            self.verify_chunks(
-                saved.checksums,
-                saved.byte_length,
-                saved.file,
-                saved.byte_offset,
-                [(chunk_lo, chunk_hi)],
-                segments,
-                what,
-            )
-
-    def _staging(self, nbytes: int) -> memoryview:
-        """The first ``nbytes`` of the staging buffer, allocated once at the batch limit (planning keeps
-        every item within it), so that growing batches do not leave a trail of freed buffers in the heap."""
-        if self.buffer.numel() < nbytes:
-            self.buffer = torch.empty(max(nbytes, self.buffer_bytes), dtype=torch.uint8)
-        return byte_view(self.buffer[:nbytes]) if nbytes else memoryview(b"")
-
-    def _flush(self, batch: list[_Pending], staged_bytes: int) -> None:
-        staging = self._staging(staged_bytes)
-        requests: list[ReadRequest] = []
-        whats: list[str] = []
-        for pending in batch:
-            requests_of, what = self._requests(pending, staging), self._what(pending.item, pending.saved)
-            requests += requests_of
-            whats += [what] * len(requests_of)
-        self.read(requests, whats)
-        for pending in batch:
-            self._finish(pending, staging)
-
-    def _requests(self, pending: _Pending, staging: memoryview) -> list[ReadRequest]:
-        item, saved = pending.item, pending.saved
-        name = self.metadata.files[saved.file].location
-        itemsize = item.itemsize
-        region = staging[pending.offset : pending.offset + pending.nbytes]
-        if pending.kind == "direct":
-            start = item.pattern.first * itemsize
-            end = start + item.pattern.span * itemsize
-            self.bytes_direct += end - start
-            out = [ReadRequest(name, saved.byte_offset + start, byte_view(pending.dest))]
-            if pending.ranges and not pending.streamed:
-                head = start - pending.ranges[0][0]
-                tail = pending.ranges[-1][1] - end
-                if head:
-                    out.append(ReadRequest(name, saved.byte_offset + pending.ranges[0][0], region[:head]))
-                if tail:
-                    out.append(ReadRequest(name, saved.byte_offset + end, region[head : head + tail]))
-                self.bytes_verify_extra += head + tail
-            return out
-        if pending.kind == "chunks":
-            out = []
-            for lo, hi in pending.ranges:
-                view = region[lo - pending.region_start : hi - pending.region_start]
-                out.append(ReadRequest(name, saved.byte_offset + lo, view))
-            runs = item.pattern.count * item.pattern.span * itemsize
-            self.bytes_verify_extra += max(0, sum(hi - lo for lo, hi in pending.ranges) - runs)
-            return out
-        span_bytes = item.pattern.span * itemsize
-        return [
-            ReadRequest(name, saved.byte_offset + first * itemsize, region[i * span_bytes : (i + 1) * span_bytes])
-            for i, first in enumerate(item.pattern.starts())
-        ]
-
-    def _finish(self, pending: _Pending, staging: memoryview) -> None:
-        item, saved = pending.item, pending.saved
-        what = self._what(item, saved)
-        itemsize = item.itemsize
-        dtype = self.metadata.tensors[item.key].torch_dtype
-        region = self.buffer[pending.offset : pending.offset + pending.nbytes]
-        if pending.kind == "direct":
-            if not pending.ranges:
-                return
-            start = item.pattern.first * itemsize
-            end = start + item.pattern.span * itemsize
-            dest = byte_view(pending.dest)
-            if not pending.streamed:
-                head = start - pending.ranges[0][0]
-                tail = pending.ranges[-1][1] - end
-                raw = staging[pending.offset : pending.offset + pending.nbytes]
-                segments = [
-                    Segment(pending.ranges[0][0], head, raw[:head]),
-                    Segment(start, end - start, dest),
-                    Segment(end, tail, raw[head : head + tail]),
-                ]
-            else:  # oversized chunks: the parts outside the run are streamed
-                lo, hi = pending.ranges[0][0], pending.ranges[-1][1]
-                segments = [Segment(lo, start - lo), Segment(start, end - start, dest), Segment(end, hi - end)]
-                self.bytes_verify_extra += (start - lo) + (hi - end)
-            segments = [s for s in segments if s.length]
-            self.verify_chunks(
-                saved.checksums, saved.byte_length, saved.file, saved.byte_offset, pending.ranges, segments, what
-            )
-            return
-        if pending.kind == "chunks":
-            raw = staging[pending.offset : pending.offset + pending.nbytes]
-            segment = Segment(pending.region_start, pending.nbytes, raw)
-            self.verify_chunks(
-                saved.checksums, saved.byte_length, saved.file, saved.byte_offset, pending.ranges, [segment], what
-            )
-            first = item.pattern.first - pending.region_start // itemsize
-            source = region.view(dtype)[first:].as_strided(item.overlap.shape, row_major_strides(saved.shape))
-            with torch.no_grad():
-                pending.dest.copy_(source)
-            return
-        pattern = item.pattern
-        lead_strides: list[int] = []
-        stride = pattern.span
-        for size in reversed(pattern.lead_shape):
-            lead_strides.insert(0, stride)
-            stride *= size
-        source = region.view(dtype).as_strided(
-            (*pattern.lead_shape, *pattern.inner_shape), (*lead_strides, *pattern.inner_strides)
-        )
-        with torch.no_grad():
-            pending.dest.copy_(source.reshape(pending.dest.shape))
-
-    def _copy_mapped(self, item: ReadItem, saved: SavedBox, dest: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
-        """Verify the touched chunks in a mapping of the file and copy the overlap from it into its
-        destination, converting the dtype in the same pass. False where the storage cannot map (or the
-        mapping would be misaligned for the dtype)."""
-        dtype = self.metadata.tensors[item.key].torch_dtype
-        itemsize = item.itemsize
-        strides = row_major_strides(saved.shape)
-        first = item.pattern.first * itemsize
-        if (saved.byte_offset + first) % itemsize:
-            return False  # a view of the mapping would be misaligned: take the staged path
-        extent = (1 + sum((n - 1) * st for n, st in zip(item.overlap.shape, strides, strict=True))) * itemsize
-        lo = min(ranges[0][0], first) if ranges else first
-        hi = max(ranges[-1][1], first + extent) if ranges else first + extent
-        name = self.metadata.files[saved.file].location
-        try:
-            mapped = self.storage.map_range(name, saved.byte_offset + lo, hi - lo)
-        except OSError as exc:
-            raise StorageError(f"cannot map data file {self.storage.describe(name)}: {exc}") from exc
-        if mapped is None:
-            return False
-        what = self._what(item, saved)
-        try:
-            if ranges:
-                raw = byte_view(mapped.tensor)
-                self.verify_chunks(
-                    saved.checksums,
-                    saved.byte_length,
-                    saved.file,
-                    saved.byte_offset,
-                    ranges,
-                    [Segment(lo, hi - lo, raw)],
-                    what,
-                )
-                del raw  # release the buffer export, so that the mapping can be closed now
-                runs = item.pattern.count * item.pattern.span * itemsize
-                self.bytes_verify_extra += max(0, sum(b - a for a, b in ranges) - runs)
-            source = mapped.tensor[first - lo : first - lo + extent].view(dtype).as_strided(item.overlap.shape, strides)
-            with torch.no_grad():
-                dest.copy_(source)
-            del source
-        finally:
-            mapped.close()
-        return True
+    def _buffer(self, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of the read buffer, allocated once at the batch limit (planning keeps every
+        item within it), so that growing batches do not leave a trail of freed buffers in the heap."""
+        if self.read_buffer.numel() < nbytes:
+            self.read_buffer = torch.empty(max(nbytes, self.read_buffer_bytes), dtype=torch.uint8)
+        return byte_view(self.read_buffer[:nbytes]) if nbytes else memoryview(b"")
 
     # ---- objects -------------------------------------------------------------------------------------
 
@@ -583,6 +343,12 @@ class ReadExecutor(VerifiedReader):
         return bytes(blob)
 
     def close(self) -> None:
-        """Release the staging buffers."""
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-        self.scratch = torch.empty(0, dtype=torch.uint8)
+        """Release the read buffer and the scratch buffer, and close the sibling checkpoints' storages this
+        reader opened."""
+        self.read_buffer = torch.empty(0, dtype=torch.uint8)
+        super().close()
+
+
+def _what(item: ReadItem, saved: SavedBox) -> str:
+    """How messages name the stored box an item reads."""
+    return f"tensor {item.key!r} box at {list(saved.offset)}"

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from reshard.errors import CheckpointError, StorageError
-from reshard.io.reader import ReadExecutor
+from reshard.errors import StorageError
+from reshard.io.verified import verify_stored_ranges
 from reshard.metadata import DataFile, Metadata
 from reshard.storage import LocalStorage, Storage
 
@@ -101,7 +101,8 @@ def stored_ranges(metadata: Metadata, files: set[int]) -> StoredRanges:
 def file_is_complete(path: Path, metadata: Metadata, file: int, ranges: StoredRanges | None = None) -> bool:
     """Whether the local file at ``path`` is a complete copy of data file ``file``: its size, and the
     checksum of every chunk of every box and object stored in it (``ranges``: from :func:`stored_ranges`,
-    computed here when not given), verified through the read executor of loads."""
+    computed here when not given), verified by the chunk verifier of loads
+    (:func:`~reshard.io.verified.verify_stored_ranges`)."""
     entry = metadata.files[file]
     try:
         if os.stat(path, follow_symlinks=False).st_size != entry.size:
@@ -111,16 +112,8 @@ def file_is_complete(path: Path, metadata: Metadata, file: int, ranges: StoredRa
     stored = (ranges if ranges is not None and file in ranges else stored_ranges(metadata, {file}))[file]
     # The copy is read under the name the metadata gives it, from the directory that holds it.
     depth = len(Path(entry.path).parts) - 1
-    executor = ReadExecutor(LocalStorage(path.parents[depth]), metadata, memory_budget_bytes=16 * 1024 * 1024)
-    executor.checked_files.add(file)
-    try:
-        for offset, length, checksums in stored:
-            executor.verify_stored(checksums, length, file, offset, f"staged copy {path}")
-    except CheckpointError:
-        return False
-    finally:
-        executor.close()
-    return True
+    entries = [(f"staged copy {path}", file, offset, length, checksums) for offset, length, checksums in stored]
+    return not verify_stored_ranges(LocalStorage(path.parents[depth]), metadata, entries, stop_at_first=True)
 
 
 def _assign(requests: list[dict[str, Any]], metadata: Metadata) -> list[list[int]]:

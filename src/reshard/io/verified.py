@@ -2,13 +2,16 @@
 
 :class:`VerifiedReader` checks a data file's size before its first read, fills read requests (a short
 answer is a truncated file, a failed one a :class:`~reshard.StorageError`), and verifies chunks of stored
-boxes and blobs over the bytes in memory (streaming the others through a bounded scratch buffer).
-:class:`ReadBudget` says how a load's memory budget is shared among the buffers of
-:class:`~reshard.io.reader.ReadExecutor`, which builds the planned reads of a load on this class.
+boxes and blobs with the one chunk verifier (:mod:`reshard.io.chunkcheck`) over the bytes in memory, streaming
+the others through a bounded scratch buffer. :func:`verify_stored_ranges` checks whole stored boxes of one
+file that way (node-local staging, ``validate``). :class:`ReadBudget` says how a load's memory budget is
+shared among the buffers of :class:`~reshard.io.reader.ReadExecutor`, which builds the planned reads of a
+load on this class.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,6 +19,8 @@ import torch
 
 from reshard.errors import CheckpointError, CorruptCheckpointError, StorageError
 from reshard.io.checksums import crc32c_of
+from reshard.io.chunkcheck import Segment, StoredChunks, Streamer, verify_segments
+from reshard.io.referencing import ReferencingStorage, referencing
 from reshard.state.dtypes import byte_view
 from reshard.storage import RangeReadError, ReadRequest, Storage
 
@@ -27,7 +32,9 @@ __all__ = [
     "MIN_LOAD_MEMORY_BUDGET",
     "ReadBudget",
     "Segment",
+    "StoredEntry",
     "VerifiedReader",
+    "verify_stored_ranges",
 ]
 
 DEFAULT_LOAD_MEMORY_BUDGET = 32 * 1024 * 1024
@@ -35,28 +42,21 @@ DEFAULT_LOAD_MEMORY_BUDGET = 32 * 1024 * 1024
 :class:`~reshard.io.reader.ReadExecutor`)."""
 
 MIN_LOAD_MEMORY_BUDGET = 16
-"""The smallest budget a load can keep (a few bytes of staging and of mapped window)."""
+"""The smallest budget a load can keep (a few bytes of read buffer and of mapped window)."""
 
 _STREAM_PIECE = 1 << 20
 """Largest piece in which an oversized chunk is streamed through the scratch buffer."""
 
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """Bytes ``[start, start + length)`` of a stored box, either already in memory (``view``) or to be
-    streamed from storage while a chunk is verified (``view`` None)."""
-
-    start: int
-    length: int
-    view: memoryview | None = None
+VERIFY_MEMORY_BUDGET = 1 << 20
+"""The buffer through which :func:`verify_stored_ranges` reads whole stored boxes (any chunk size)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ReadBudget:
     """How a load's memory budget is shared among the buffers of :class:`~reshard.io.reader.ReadExecutor`."""
 
-    staging_bytes: int
-    """The staging buffer: half the budget."""
+    read_buffer_bytes: int
+    """The read buffer (reads that cannot land in their destination): half the budget."""
     stream_bytes: int
     """The scratch piece through which oversized chunks are streamed: at most 1 MiB, an eighth."""
     max_read_bytes: int
@@ -66,20 +66,25 @@ class ReadBudget:
     """For a load into device memory: each of the two host arenas of :class:`~reshard.io.device.DeviceFill`
     (0 otherwise)."""
 
+    @property
+    def staging_bytes(self) -> int:
+        """The read buffer's share, under its former name (:attr:`read_buffer_bytes`)."""
+        return self.read_buffer_bytes
+
     @classmethod
     def of(cls, memory_budget_bytes: int, *, device: bool = False) -> ReadBudget:
         """The shares of ``memory_budget_bytes``; with ``device`` (some destinations are not in host memory),
-        a quarter for staging and the rest beyond the scratch piece in three equal parts: the largest read
+        a quarter for the read buffer and the rest beyond the scratch piece in three equal parts: the largest read
         item and two arenas that hold it (so that a read item always fits an arena)."""
         if memory_budget_bytes < MIN_LOAD_MEMORY_BUDGET:
             raise ValueError(f"a load's memory budget must be at least {MIN_LOAD_MEMORY_BUDGET} bytes")
         stream = max(1, min(_STREAM_PIECE, memory_budget_bytes // 8))
         if device:
-            staging = memory_budget_bytes // 4
-            third = max(1, (memory_budget_bytes - staging - stream) // 3)
-            return cls(staging, stream, third, third)
-        staging = memory_budget_bytes // 2
-        return cls(staging, stream, memory_budget_bytes - staging - stream)
+            read_buffer = memory_budget_bytes // 4
+            third = max(1, (memory_budget_bytes - read_buffer - stream) // 3)
+            return cls(read_buffer, stream, third, third)
+        read_buffer = memory_budget_bytes // 2
+        return cls(read_buffer, stream, memory_budget_bytes - read_buffer - stream)
 
 
 class VerifiedReader:
@@ -93,7 +98,9 @@ class VerifiedReader:
     """
 
     def __init__(self, storage: Storage, metadata: Metadata, *, transfer_bytes: int, stream_bytes: int) -> None:
-        self.storage = storage
+        self.owns_references = not isinstance(storage, ReferencingStorage)
+        self.storage = referencing(storage)
+        """``storage``, reading the files of sibling checkpoints that the metadata names by location too."""
         self.metadata = metadata
         self.transfer_bytes = transfer_bytes
         self.stream_bytes = stream_bytes
@@ -101,6 +108,13 @@ class VerifiedReader:
         self.bytes_verified = 0
         """Bytes whose chunk checksum was verified."""
         self.checked_files: set[int] = set()
+
+    def close(self) -> None:
+        """Release the scratch buffer and close the sibling checkpoints' storages this reader opened (those of
+        a :class:`ReferencingStorage` it was given are its owner's to close)."""
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+        if self.owns_references:
+            self.storage.close()
 
     # ---- files and raw reads -------------------------------------------------------------------------
 
@@ -152,6 +166,22 @@ class VerifiedReader:
 
     # ---- verification --------------------------------------------------------------------------------
 
+    def stored(
+        self, checksums: tuple[int, ...], box_length: int, file: int, box_offset: int, what: str
+    ) -> StoredChunks:
+        """A stored box or blob of data file ``file`` as the chunk verifier sees it
+        (:class:`~reshard.io.chunkcheck.StoredChunks`)."""
+        name = self.metadata.files[file].location
+        return StoredChunks(
+            what=what,
+            name=name,
+            where=self.storage.describe(name),
+            byte_offset=box_offset,
+            byte_length=box_length,
+            checksums=checksums,
+            chunk_bytes=self.metadata.checksum_chunk_bytes,
+        )
+
     def verify_chunks(
         self,
         checksums: tuple[int, ...],
@@ -163,36 +193,24 @@ class VerifiedReader:
         what: str,
     ) -> None:
         """Verify every chunk of ``ranges`` (box-relative, whole chunks) of a stored box at ``box_offset`` of
-        data file ``file``: each chunk's checksum is computed over ``segments`` (ascending, together covering
-        the ranges), the ones without a view being streamed from storage through a bounded buffer."""
-        chunk = self.metadata.checksum_chunk_bytes
-        name = self.metadata.files[file].location
-        at = 0
-        for lo, hi in ranges:
-            for chunk_lo in range(lo, hi, chunk):
-                chunk_hi = min(chunk_lo + chunk, hi, box_length)
-                value = 0
-                position = chunk_lo
-                while position < chunk_hi:
-                    while at < len(segments) and segments[at].start + segments[at].length <= position:
-                        at += 1
-                    if at == len(segments) or segments[at].start > position:
-                        raise AssertionError(f"{what}: no bytes for [{position}, {chunk_hi}) of the box to verify")
-                    segment = segments[at]
-                    stop = min(chunk_hi, segment.start + segment.length)
-                    if segment.view is not None:
-                        value = crc32c_of(segment.view[position - segment.start : stop - segment.start], value)
-                    else:
-                        value = self._crc_streamed(name, box_offset + position, stop - position, value, what)
-                    position = stop
-                index = chunk_lo // chunk
-                if index >= len(checksums) or value != checksums[index]:
-                    where = self.storage.describe(name)
-                    raise CorruptCheckpointError(
-                        f"{what}: checksum mismatch in data file {where} at bytes "
-                        f"[{box_offset + chunk_lo}, {box_offset + chunk_hi})"
-                    )
-                self.bytes_verified += chunk_hi - chunk_lo
+        data file ``file`` (:func:`~reshard.io.chunkcheck.verify_segments`): each chunk's checksum is computed over
+        ``segments`` (ascending, together covering the ranges), the ones without a view being streamed from
+        storage through the bounded scratch buffer."""
+        self.verify(self.stored(checksums, box_length, file, box_offset, what), ranges, segments)
+
+    def verify(self, stored: StoredChunks, ranges: Sequence[tuple[int, int]], segments: Sequence[Segment]) -> None:
+        """:func:`~reshard.io.chunkcheck.verify_segments`, reading the segments without a view through the scratch
+        buffer; the bytes verified are counted."""
+        self.bytes_verified += verify_segments(stored, ranges, segments, self.streamer(stored))
+
+    def streamer(self, stored: StoredChunks) -> Streamer:
+        """Reads bytes of ``stored`` through the scratch buffer for the chunk verifier (a
+        :data:`~reshard.io.chunkcheck.Streamer`)."""
+
+        def stream(start: int, length: int, value: int) -> int:
+            return self._crc_streamed(stored, start, length, value)
+
+        return stream
 
     def verify_stored(self, checksums: tuple[int, ...], length: int, file: int, offset: int, what: str) -> None:
         """Verify every chunk of a whole stored box or blob (``length`` bytes at ``offset`` of data file
@@ -205,11 +223,53 @@ class VerifiedReader:
         if length:
             self.verify_chunks(checksums, length, file, offset, [(0, length)], [Segment(0, length)], what)
 
-    def _crc_streamed(self, name: str, offset: int, length: int, value: int, what: str) -> int:
+    def _crc_streamed(self, stored: StoredChunks, start: int, length: int, value: int) -> int:
+        """The CRC of bytes ``[start, start + length)`` of ``stored``, continuing ``value``, read in pieces of
+        the scratch buffer."""
         piece = max(1, min(length, self.stream_bytes))
         view = self._scratch_view(piece)
-        for start in range(0, length, piece):
-            part = view[: min(piece, length - start)]
-            self.read([ReadRequest(name, offset + start, part)], [what])
+        for at in range(0, length, piece):
+            part = view[: min(piece, length - at)]
+            self.read([ReadRequest(stored.name, stored.byte_offset + start + at, part)], [stored.what])
             value = crc32c_of(part, value)
         return value
+
+
+StoredEntry = tuple[str, int, int, int, tuple[int, ...]]
+"""A stored box or blob to verify whole: ``(what, file, byte_offset, byte_length, checksums)``."""
+
+
+def verify_stored_ranges(
+    storage: Storage,
+    metadata: Metadata,
+    stored: Sequence[StoredEntry],
+    *,
+    memory_budget_bytes: int = VERIFY_MEMORY_BUDGET,
+    on_verified: Callable[[int], None] | None = None,
+    stop_at_first: bool = False,
+) -> list[str]:
+    """Verify every chunk of the boxes and blobs ``stored`` (of data files whose sizes the caller has checked),
+    reading them through one buffer of ``memory_budget_bytes``, whatever the chunk size; one problem (the
+    error's text) per damaged box or blob, in order, none when all match. ``on_verified(length)`` is told each
+    entry's bytes as it is done; with ``stop_at_first``, the first problem ends the check. The file verifier of
+    node-local staging and of ``validate``. Not collective.
+
+    Raises:
+        nothing of the checkpoint's: a read that fails or comes back short is that entry's problem.
+    """
+    reader = VerifiedReader(storage, metadata, transfer_bytes=memory_budget_bytes, stream_bytes=memory_budget_bytes)
+    reader.checked_files.update(file for _, file, _, _, _ in stored)
+    problems: list[str] = []
+    try:
+        for what, file, offset, length, checksums in stored:
+            try:
+                reader.verify_stored(checksums, length, file, offset, what)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+                if stop_at_first:
+                    break
+            if on_verified is not None:
+                on_verified(length)
+    finally:
+        reader.close()
+    return problems
