@@ -298,6 +298,25 @@ def choose_reused(
     reference, and logging a warning per damaged file. ``what(index)`` names a box for the warning; ``slabs``
     (the save's host slabs) carry the bytes in memory that are not plain host bytes while they are hashed. Not
     collective."""
+    base = referencing(storage)  # the base's copies are named by their locations (reshard.io.referencing)
+    try:
+        return _choose(base, assignment, views, slabs, memory_budget_bytes, verify, what, rank)
+    finally:
+        if base is not storage:
+            base.close()  # the siblings it opened; ``storage`` is the save's
+
+
+def _choose(
+    storage: Storage,
+    assignment: WriteAssignment,
+    views: Sequence[torch.Tensor],
+    slabs: HostSlabs,
+    memory_budget_bytes: int,
+    verify: bool,
+    what: Callable[[int], str],
+    rank: int,
+) -> Reuse:
+    """:func:`choose_reused` on ``storage`` that reads the base's copies by their locations."""
     candidates: list[tuple[int, int, bytes]] = []  # (position, index, digest) of the boxes the base holds alike
     for position, index in enumerate(assignment.tensors):
         base_hash = assignment.base_hash(position)
@@ -306,19 +325,13 @@ def choose_reused(
     problems: dict[int, tuple[str, str]] = {}  # index: (file, problem)
     out = Reuse()
     if verify and candidates:
-        base = referencing(storage)  # the base's copies are named by their locations (reshard.io.referencing)
-        try:
-            verifier = CopyVerifier(base, memory_budget_bytes)
-            places = [(index, assignment.base_copy(position), digest) for position, index, digest in candidates]
-            checked = [(index, StoredCopy(*place, digest)) for index, place, digest in places if place is not None]
-            unknown = {index: ("?", "its place in the base is unknown") for index, place, _ in places if not place}
-            problems.update(unknown)
-            for (index, copy), problem in zip(checked, verifier.problems([c for _, c in checked]), strict=True):
-                if problem is not None:
-                    problems[index] = (copy.name, problem)
-        finally:
-            if base is not storage:
-                base.close()  # the siblings it opened; ``storage`` is the save's
+        verifier = CopyVerifier(storage, memory_budget_bytes)
+        places = [(index, assignment.base_copy(position), digest) for position, index, digest in candidates]
+        checked = [(index, StoredCopy(*place, digest)) for index, place, digest in places if place is not None]
+        problems.update({index: ("?", "its place in the base is unknown") for index, place, _ in places if not place})
+        for (index, copy), problem in zip(checked, verifier.problems([c for _, c in checked]), strict=True):
+            if problem is not None:
+                problems[index] = (copy.name, problem)
         out.bytes_read, out.bytes_verified, out.seconds = verifier.bytes_read, verifier.bytes_verified, verifier.seconds
     reusable = {index for _, index, _ in candidates} - set(problems)
     for index in assignment.tensors:
