@@ -12,14 +12,13 @@ import torch
 
 import reshard
 from reshard.errors import CheckpointError, CheckpointExistsError, ShardingError, StateDictError
+from reshard.flows.save_commit import commit, finish
 from reshard.flows.save_phases import (
     Described,
     Planned,
     SaveRequest,
     Written,
-    commit,
     describe_rank,
-    finish,
     plan,
     plan_on_coordinator,
     write_assigned,

@@ -43,14 +43,8 @@ from typing import Any
 
 from reshard.flows.collector import collector_paused
 from reshard.flows.options import SaveOptions
-from reshard.flows.save_phases import (
-    SaveRequest,
-    commit,
-    describe_rank,
-    finish,
-    plan,
-    write_assigned,
-)
+from reshard.flows.save_commit import commit, finish
+from reshard.flows.save_phases import SaveRequest, describe_rank, plan, write_assigned
 from reshard.flows.stats import PhaseClock, SaveStats
 from reshard.io.datafile import tensor_bytes
 from reshard.io.reuse import base_name_of
@@ -161,24 +155,14 @@ def save(
     storage = storage_for(path, storage_options)
     try:
         base_name = None if base is None else base_name_of(storage, base, storage_options)
-        request = SaveRequest(
-            storage=storage,
-            overwrite=overwrite,
-            fingerprint=options.fingerprint,
-            checksum_chunk_bytes=options.checksum_chunk_bytes,
-            memory_budget_bytes=options.memory_budget_bytes,
-            content_hashes=options.content_hash or base_name is not None,
-            base_name=base_name,
-            verify_base=options.verify_base,
-        )
+        request = SaveRequest.of(storage, options, overwrite=overwrite, base_name=base_name)
         with collector_paused():
             result, stats = _save_to(request, state_dict, comm, started=started)
     finally:
         if storage is not path:
             storage.close()
     if options.stats is not None:
-        for name in dataclasses.fields(SaveStats):
-            setattr(options.stats, name.name, getattr(stats, name.name))
+        options.stats.__dict__.update(stats.__dict__)  # the caller's SaveStats, filled as documented
     return result
 
 
