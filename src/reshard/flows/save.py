@@ -27,6 +27,10 @@ before any box is skipped, the coordinator leaves reference markers in the check
 each one's lock, and checks that their files are there; at the commit the markers are narrowed to what is
 referenced (:mod:`reshard.io.references`).
 
+The phases are functions of frozen values, one collective at most each: :mod:`reshard.flows.save_phases`
+(describe, plan, write) and :mod:`reshard.flows.save_commit` (commit, finish); :func:`save` runs them in
+that order, and so does an asynchronous save on its snapshot.
+
 So what a rank other than the coordinator sends and receives does not grow with the number of ranks
 (docs/scale.md measures it, with the coordinator's planning time and memory, up to 8192 ranks).
 """
