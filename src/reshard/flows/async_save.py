@@ -220,6 +220,9 @@ class AsyncCheckpointer:
         if not overlap_snapshot:
             copies.wait()
         handle = SaveHandle(time.perf_counter() - started, copies if overlap_snapshot else None)
+        if options is not None and options.stats is not None:
+            handle.stats = options.stats
+        background = dataclasses.replace(options if options is not None else SaveOptions(), stats=handle.stats)
 
         def run() -> None:
             try:
@@ -229,10 +232,9 @@ class AsyncCheckpointer:
                     path,
                     group=self.group,
                     overwrite=overwrite,
-                    options=options,
+                    options=background,
                     timeout=self.timeout,
                     storage_options=storage_options,
-                    stats=handle.stats,
                     base=base,
                 )
             except BaseException as exc:  # delivered by wait()

@@ -245,29 +245,15 @@ class CheckpointManager:
             CheckpointError: as :func:`reshard.save`; the step is not committed and ``latest`` is unchanged.
         """
         comm = Communicator(self.group, timeout=self.timeout)
-        token = uuid.uuid4().hex
-        held: list[Lock] = []
-
         options = options if options is not None else SaveOptions()
         if self.incremental:
             options = dataclasses.replace(options, content_hash=True)
-
-        def lock() -> list[Any]:
-            terms = self._terms(step=step, overwrite=overwrite)
-            if not comm.is_coordinator:
-                return [terms, None]
-            held.append(acquire_lock(self.root, token, what="manager"))
-            held[0].start_renewing()
-            return [terms, self._base_for(step, options.checksum_chunk_bytes) if self.incremental else None]
-
-        def coordinators(values: list[list[Any]]) -> str | None:
-            check_terms([terms for terms, _ in values], "CheckpointManager.save")
-            base_name: str | None = values[0][1]
-            return base_name
-
+        held: list[Lock] = []  # the manager lock, on the coordinator once taken (released below, whatever fails)
         base: Storage | None = None
         try:
-            base_name = comm.step("manager lock", lock, coordinators)
+            base_name = self._lock_step(
+                comm, held, step=step, overwrite=overwrite, chunk_bytes=options.checksum_chunk_bytes
+            )
             base = self.root.child(base_name) if base_name is not None else None
             try:
                 result = save(
@@ -283,33 +269,65 @@ class CheckpointManager:
                 if comm.is_coordinator:
                     self._point_latest_at(step)  # the step is complete; the group is not: no retention
                 raise
-
-            def publish() -> None:
-                if comm.is_coordinator:
-                    if held:
-                        held[0].check()
-                    self._point_latest_at(step)
-                    try:
-                        self._retain(keep_step=step)
-                    except (OSError, CheckpointError) as exc:
-                        raise StorageError(f"retention failed ({LATEST_FILE} names {step_name(step)}): {exc}") from exc
-
-            try:
-                comm.step("manager retention", publish)
-            except CheckpointError as exc:  # the same error on every rank, after a commit that every rank saw
-                raise UnconfirmedCommitError(
-                    f"{step_name(step)} was committed and is complete (save {result.save_id}), but the manager's "
-                    f"work after the commit failed: {exc}",
-                    path=result.path,
-                    save_id=result.save_id,
-                    failures=exc.failures,
-                ) from exc
+            self._publish_step(comm, held[0] if held else None, step=step, result=result)
         finally:
             for lock_held in held:
                 lock_held.release()
             if base is not None:
                 base.close()
         return result
+
+    def _lock_step(
+        self, comm: Communicator, held: list[Lock], *, step: int, overwrite: bool, chunk_bytes: int
+    ) -> str | None:
+        """The first step of :meth:`save` (collective ``manager lock``, every rank): the ranks' terms agree, and the
+        coordinator takes the manager lock (appended to ``held``, which the caller releases) and chooses the base of
+        an incremental save; that base's name (None: a full save) on every rank."""
+
+        def lock() -> list[Any]:
+            terms = self._terms(step=step, overwrite=overwrite)
+            if not comm.is_coordinator:
+                return [terms, None]
+            held.append(acquire_lock(self.root, uuid.uuid4().hex, what="manager"))
+            held[0].start_renewing()
+            return [terms, self._base_for(step, chunk_bytes) if self.incremental else None]
+
+        def coordinators(values: list[list[Any]]) -> str | None:
+            check_terms([terms for terms, _ in values], "CheckpointManager.save")
+            base_name: str | None = values[0][1]
+            return base_name
+
+        return comm.step("manager lock", lock, coordinators)
+
+    def _publish_step(self, comm: Communicator, held: Lock | None, *, step: int, result: SaveResult) -> None:
+        """The last step of :meth:`save` (collective ``manager retention``, every rank), after the commit: the
+        coordinator, still holding the manager lock ``held``, points ``latest`` at ``step`` and applies the retention
+        policy.
+
+        Raises:
+            UnconfirmedCommitError: on every rank, when that failed (the step is committed).
+        """
+
+        def publish() -> None:
+            if comm.is_coordinator:
+                if held is not None:
+                    held.check()
+                self._point_latest_at(step)
+                try:
+                    self._retain(keep_step=step)
+                except (OSError, CheckpointError) as exc:
+                    raise StorageError(f"retention failed ({LATEST_FILE} names {step_name(step)}): {exc}") from exc
+
+        try:
+            comm.step("manager retention", publish)
+        except CheckpointError as exc:  # the same error on every rank, after a commit that every rank saw
+            raise UnconfirmedCommitError(
+                f"{step_name(step)} was committed and is complete (save {result.save_id}), but the manager's "
+                f"work after the commit failed: {exc}",
+                path=result.path,
+                save_id=result.save_id,
+                failures=exc.failures,
+            ) from exc
 
     def _terms(self, **call: Any) -> dict[str, Any]:
         """What every rank of the group must pass alike to a collective method (the root, the retention

@@ -10,11 +10,13 @@ can be assembled in one process (``reshard.testing.simulate``, ``benchmarks/scal
 from __future__ import annotations
 
 import base64
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from reshard._version import __version__
 from reshard.metadata import (
@@ -31,7 +33,18 @@ from reshard.planning.descriptions import DescriptionTable
 from reshard.planning.incremental import ReferencedBox
 from reshard.state.fingerprint import combine
 
-__all__ = ["ObjectReport", "TensorReport", "WriteReport", "assemble_metadata"]
+__all__ = [
+    "BoxParts",
+    "ObjectReport",
+    "TensorReport",
+    "WriteReport",
+    "assemble_metadata",
+    "referenced_parts",
+    "tensor_metadata",
+    "written_parts",
+]
+
+Int64Array = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -169,16 +182,94 @@ def assemble_metadata(
     Tensor boxes are assembled in columns (:class:`~reshard.metadata.SavedBoxes`), never as one object per
     box: a checkpoint of hundreds of thousands of boxes takes seconds and megabytes here.
     """
-    files: list[DataFile] = []
-    rows, file_of, offsets, lengths, crcs, hashes = [], [], [], [], [], []
-    prints: list[int] = []
-    fingerprinted = False
-    entries: dict[str, list[SavedObject]] = {}
+    files, written, entries = written_parts(table, reports)
+    referenced_files, referenced = referenced_parts(table, reports, references, first_file=len(files))
+    row, columns = (written + referenced).columns(table, chunk_bytes=chunk_bytes, content_hashes=content_hashes)
+    prints = written.fingerprints + referenced.fingerprints if written.fingerprinted else None
     object_shapes: dict[str, tuple[int, ...]] = {}
     for objects in table.objects:
         for obj in objects:
             object_shapes.setdefault(obj.key, obj.global_shape)
-            entries.setdefault(obj.key, [])
+    return Metadata(
+        save_id=save_id,
+        created_by=f"reshard {__version__}",
+        world_size=world_size,
+        checksum_chunk_bytes=chunk_bytes,
+        files=(*files, *referenced_files),
+        tensors=tensor_metadata(table, row, columns, prints),
+        objects={
+            key: ObjectMetadata(
+                key=key, global_shape=shape, entries=tuple(sorted(entries.get(key, ()), key=lambda e: e.offset))
+            )
+            for key, shape in sorted(object_shapes.items())
+        },
+        common=dict(common),
+        content_hashes=content_hashes,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class BoxParts:
+    """Where some boxes of a save are stored, as column pieces (one per rank) that :meth:`columns` joins: the table
+    rows of the boxes, the index of each one's file in the metadata's file list, its byte offset and length, its
+    chunk checksums, its content hash (16 bytes, when hashed), and the boxes' fingerprints in the same order
+    (``fingerprinted``: the save computes them)."""
+
+    rows: tuple[Int64Array, ...] = ()
+    file: tuple[Int64Array, ...] = ()
+    byte_offset: tuple[Int64Array, ...] = ()
+    byte_length: tuple[Int64Array, ...] = ()
+    crc: tuple[npt.NDArray[Any], ...] = ()
+    content_hash: tuple[bytes, ...] = ()
+    fingerprints: tuple[int, ...] = ()
+    fingerprinted: bool = False
+
+    def __add__(self, other: BoxParts) -> BoxParts:
+        return BoxParts(
+            rows=self.rows + other.rows,
+            file=self.file + other.file,
+            byte_offset=self.byte_offset + other.byte_offset,
+            byte_length=self.byte_length + other.byte_length,
+            crc=self.crc + other.crc,
+            content_hash=self.content_hash + other.content_hash,
+            fingerprints=self.fingerprints + other.fingerprints,
+            fingerprinted=self.fingerprinted or other.fingerprinted,
+        )
+
+    def columns(
+        self, table: DescriptionTable, *, chunk_bytes: int, content_hashes: bool
+    ) -> tuple[Int64Array, BoxColumns]:
+        """The table rows of the boxes and their :class:`~reshard.metadata.BoxColumns` (with the boxes' offsets and
+        shapes from ``table``, at its full width), in the order of the pieces."""
+        empty = np.zeros(0, dtype=np.int64)
+        row = np.concatenate(self.rows) if self.rows else empty
+        byte_length = np.concatenate(self.byte_length) if self.byte_length else empty
+        crc_count = -(-byte_length // chunk_bytes)
+        return row, BoxColumns(
+            offset=table.offset[row],
+            shape=table.shape[row],
+            file=np.concatenate(self.file) if self.file else empty,
+            byte_offset=np.concatenate(self.byte_offset) if self.byte_offset else empty,
+            byte_length=byte_length,
+            crc_start=np.cumsum(crc_count) - crc_count,
+            crc_count=crc_count,
+            crc=np.concatenate(self.crc).astype(np.uint32) if self.crc else np.zeros(0, dtype=np.uint32),
+            content_hash=(
+                np.frombuffer(b"".join(self.content_hash), dtype=np.uint8).reshape(len(row), CONTENT_HASH_BYTES).copy()
+                if content_hashes
+                else None
+            ),
+        )
+
+
+def written_parts(
+    table: DescriptionTable, reports: Sequence[WriteReport]
+) -> tuple[list[DataFile], BoxParts, dict[str, list[SavedObject]]]:
+    """The save's own data files (one per rank that wrote one, in rank order), where the boxes written went, and
+    where each object's cells went (by key)."""
+    files: list[DataFile] = []
+    parts = BoxParts()
+    entries: dict[str, list[SavedObject]] = {}
     for rank, report in enumerate(reports):
         if report.file is None:
             continue
@@ -186,18 +277,19 @@ def assemble_metadata(
         files.append(DataFile(path=report.file, size=report.size))
         written = report.tensors
         index = np.asarray(written.index, dtype=np.int64)
-        rows.append(table.rank_start[rank] + index)
-        file_of.append(np.full(len(index), file_index, dtype=np.int64))
-        offsets.append(np.asarray(written.byte_offset, dtype=np.int64))
-        lengths.append(np.asarray(written.byte_length, dtype=np.int64))
-        crcs.append(np.frombuffer(written.crc32c, dtype="<u4"))
-        hashes.append(written.content_hash)
-        if written.fingerprint is not None:
-            fingerprinted = True
-            prints += written.fingerprint
+        parts = parts + BoxParts(
+            rows=(table.rank_start[rank] + index,),
+            file=(np.full(len(index), file_index, dtype=np.int64),),
+            byte_offset=(np.asarray(written.byte_offset, dtype=np.int64),),
+            byte_length=(np.asarray(written.byte_length, dtype=np.int64),),
+            crc=(np.frombuffer(written.crc32c, dtype="<u4"),),
+            content_hash=(written.content_hash,),
+            fingerprints=written.fingerprint or (),
+            fingerprinted=written.fingerprint is not None,
+        )
         for stored in report.objects:
             obj = table.objects[rank][stored.index]
-            entries[obj.key].append(
+            entries.setdefault(obj.key, []).append(
                 SavedObject(
                     offset=obj.offset,
                     file=file_index,
@@ -206,7 +298,25 @@ def assemble_metadata(
                     checksums=stored.checksums,
                 )
             )
-    referenced_files: dict[tuple[str, str], int] = {}
+    return files, parts, entries
+
+
+def referenced_parts(
+    table: DescriptionTable,
+    reports: Sequence[WriteReport],
+    references: Mapping[int, ReferencedBox] | None,
+    *,
+    first_file: int,
+) -> tuple[list[DataFile], BoxParts]:
+    """For an incremental save: the files of other checkpoints that the reused boxes lie in (each once, numbered
+    from ``first_file`` on in the metadata's file list) and where those boxes are stored.
+
+    Raises:
+        ValueError: a rank reused boxes but the save has no ``references``.
+    """
+    files: list[DataFile] = []
+    numbers: dict[tuple[str, str], int] = {}
+    parts = BoxParts()
     for rank, report in enumerate(reports):
         if not report.tensors.reused:
             continue
@@ -215,36 +325,27 @@ def assemble_metadata(
         reused_rows = table.rank_start[rank] + np.asarray(report.tensors.reused, dtype=np.int64)
         reused = [references[row_id] for row_id in reused_rows.tolist()]
         for ref in reused:
-            if (ref.checkpoint, ref.path) not in referenced_files:
-                referenced_files[ref.checkpoint, ref.path] = len(files)
+            if (ref.checkpoint, ref.path) not in numbers:
+                numbers[ref.checkpoint, ref.path] = first_file + len(files)
                 files.append(DataFile(path=ref.path, size=ref.size, checkpoint=ref.checkpoint))
-        rows.append(reused_rows)
-        file_of.append(np.array([referenced_files[ref.checkpoint, ref.path] for ref in reused], dtype=np.int64))
-        offsets.append(np.array([ref.byte_offset for ref in reused], dtype=np.int64))
-        lengths.append(np.array([ref.byte_length for ref in reused], dtype=np.int64))
-        crcs += [ref.checksums for ref in reused]
-        hashes += [ref.content_hash for ref in reused]
-        if report.tensors.reused_fingerprint is not None:
-            prints += report.tensors.reused_fingerprint
-    empty = np.zeros(0, dtype=np.int64)
-    row = np.concatenate(rows) if rows else empty
-    byte_length = np.concatenate(lengths) if lengths else empty
-    crc_count = -(-byte_length // chunk_bytes)
-    columns = BoxColumns(
-        offset=table.offset[row],
-        shape=table.shape[row],
-        file=np.concatenate(file_of) if file_of else empty,
-        byte_offset=np.concatenate(offsets) if offsets else empty,
-        byte_length=byte_length,
-        crc_start=np.cumsum(crc_count) - crc_count,
-        crc_count=crc_count,
-        crc=np.concatenate(crcs).astype(np.uint32) if crcs else np.zeros(0, dtype=np.uint32),
-        content_hash=(
-            np.frombuffer(b"".join(hashes), dtype=np.uint8).reshape(len(row), CONTENT_HASH_BYTES).copy()
-            if content_hashes
-            else None
-        ),
-    )
+        parts = parts + BoxParts(
+            rows=(reused_rows,),
+            file=(np.array([numbers[ref.checkpoint, ref.path] for ref in reused], dtype=np.int64),),
+            byte_offset=(np.array([ref.byte_offset for ref in reused], dtype=np.int64),),
+            byte_length=(np.array([ref.byte_length for ref in reused], dtype=np.int64),),
+            crc=tuple(ref.checksums for ref in reused),
+            content_hash=tuple(ref.content_hash for ref in reused),
+            fingerprints=report.tensors.reused_fingerprint or (),
+        )
+    return files, parts
+
+
+def tensor_metadata(
+    table: DescriptionTable, row: Int64Array, columns: BoxColumns, prints: Sequence[int] | None
+) -> dict[str, TensorMetadata]:
+    """Every key's :class:`~reshard.metadata.TensorMetadata`, in key order: its boxes (``columns``, whose table rows
+    are ``row``), cut to the key's number of axes and sorted, and its fingerprint combined from ``prints`` (the
+    boxes' fingerprints in the order of ``row``; None: the save computes none)."""
     key_of_row = table.header_key[table.header[row]]
     by_key = np.argsort(key_of_row, kind="stable")
     starts = np.searchsorted(key_of_row[by_key], np.arange(len(table.keys) + 1))
@@ -257,37 +358,12 @@ def assemble_metadata(
         shape = table.header_shape[header]
         mine = by_key[starts[key_id] : starts[key_id + 1]]
         part = columns.take(mine)
-        boxes = BoxColumns(
-            offset=part.offset[:, : len(shape)],
-            shape=part.shape[:, : len(shape)],
-            file=part.file,
-            byte_offset=part.byte_offset,
-            byte_length=part.byte_length,
-            crc_start=part.crc_start,
-            crc_count=part.crc_count,
-            crc=part.crc,
-            content_hash=part.content_hash,
-        ).sorted()
+        boxes = dataclasses.replace(part, offset=part.offset[:, : len(shape)], shape=part.shape[:, : len(shape)])
         tensors[key] = TensorMetadata(
             key=key,
             dtype=table.header_dtype[header],
             global_shape=shape,
-            boxes=SavedBoxes(boxes),
-            fingerprint=combine([prints[i] for i in mine.tolist()]) if fingerprinted else None,
+            boxes=SavedBoxes(boxes.sorted()),
+            fingerprint=combine([prints[i] for i in mine.tolist()]) if prints is not None else None,
         )
-    return Metadata(
-        save_id=save_id,
-        created_by=f"reshard {__version__}",
-        world_size=world_size,
-        checksum_chunk_bytes=chunk_bytes,
-        files=tuple(files),
-        tensors=tensors,
-        objects={
-            key: ObjectMetadata(
-                key=key, global_shape=shape, entries=tuple(sorted(entries[key], key=lambda e: e.offset))
-            )
-            for key, shape in sorted(object_shapes.items())
-        },
-        common=dict(common),
-        content_hashes=content_hashes,
-    )
+    return tensors

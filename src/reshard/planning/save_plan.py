@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -31,9 +32,10 @@ from reshard.planning.descriptions import (
 from reshard.state.dtypes import DTYPE_BY_NAME
 from reshard.state.sharding import is_main_replica
 
-__all__ = ["plan_save", "plan_save_table"]
+__all__ = ["BoxGroups", "elect_writers", "header_domains", "plan_save", "plan_save_table", "untiled_keys"]
 
 Int64Array = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 
 _MAX_BYTES = 2**62
 
@@ -74,16 +76,47 @@ def plan_save_table(table: DescriptionTable) -> list[WriteAssignment]:
     ranks and boxes (or, for the tensors the vectorised checks cannot take, accepts it). Tensors are
     reported in key order, so the error raised is the same as a piece-by-piece check of every key.
     """
-    world = table.world
-    keys = table.keys
-    key_rank = np.empty(len(keys), dtype=np.int64)
-    key_rank[sorted(range(len(keys)), key=keys.__getitem__)] = np.arange(len(keys), dtype=np.int64)
-    header_key = table.header_key
-    piece_key = header_key[table.header]
+    piece_key = table.header_key[table.header]
+    domain, itemsize, slow = header_domains(table)
+    ends = table.offset + table.shape
+    inside = (table.ndim == _header_ndim(table)[table.header]) & (ends <= domain[table.header]).all(axis=1)
+    slow = slow | _mask(len(table.keys), piece_key[~inside])
+    groups = BoxGroups.of(table, piece_key, slow)
+    slow = slow | _mask(len(table.keys), piece_key[groups.order[groups.start[groups.primaries != 1]]])
+    slow = slow | untiled_keys(table, piece_key, slow, groups.primary, domain)
+    # The keys that failed a check: piece by piece, in key order, which raises the first error.
+    slow_jobs: list[_Job] = []
+    for key_id in sorted(np.flatnonzero(slow).tolist(), key=table.keys.__getitem__):
+        rows = np.flatnonzero(piece_key == key_id)
+        pieces = [(int(table.rank[r]), int(table.index[r]), table.tensor_piece(int(r))) for r in rows]
+        slow_jobs.extend(_validate_tensor(table.keys[key_id], pieces))
+    assigned_tensors = elect_writers(table, piece_key, slow, groups, itemsize, slow_jobs)
+    assigned_objects = _object_writers(table)
+    return [
+        WriteAssignment(tensors=tuple(sorted(t)), objects=tuple(sorted(o)))
+        for t, o in zip(assigned_tensors, assigned_objects, strict=True)
+    ]
+
+
+def _mask(size: int, key_ids: Int64Array) -> BoolArray:
+    """A mask of ``size`` keys, set at ``key_ids``."""
+    mask = np.zeros(size, dtype=bool)
+    mask[key_ids] = True
+    return mask
+
+
+def _header_ndim(table: DescriptionTable) -> Int64Array:
+    return np.array([len(s) for s in table.header_shape], dtype=np.int64)
+
+
+def header_domains(table: DescriptionTable) -> tuple[Int64Array, Int64Array, BoolArray]:
+    """Per header (a key's dtype and global shape as some rank describes it): its global shape padded to the
+    table's width, its item size, and the keys the vectorised checks cannot take (the piece-by-piece validation
+    looks at them): keys on which ranks disagree (more than one header), and keys whose dtype is unknown, with more
+    axes than :data:`~reshard.geometry.tiling.MAX_CORNER_NDIM` or the table's width, or of more than 2**62 bytes."""
     width = table.offset.shape[1]
-    slow = np.zeros(len(keys), dtype=bool)  # keys that the piece-by-piece validation must look at
-    slow[np.bincount(header_key, minlength=len(keys)) > 1] = True  # ranks disagree on dtype or global shape
-    header_ndim = np.array([len(s) for s in table.header_shape], dtype=np.int64)
+    header_key = table.header_key
+    slow = np.bincount(header_key, minlength=len(table.keys)) > 1
     domain = np.zeros((len(header_key), width), dtype=np.int64)
     itemsize = np.zeros(len(header_key), dtype=np.int64)
     for h, (dtype, shape) in enumerate(zip(table.header_dtype, table.header_shape, strict=True)):
@@ -97,68 +130,103 @@ def plan_save_table(table: DescriptionTable) -> list[WriteAssignment]:
             continue
         domain[h, : len(shape)] = shape
         itemsize[h] = torch_dtype.itemsize
-    ends = table.offset + table.shape
-    inside = (table.ndim == header_ndim[table.header]) & (ends <= domain[table.header]).all(axis=1)
-    slow[piece_key[~inside]] = True
-    # Group the pieces that hold data by box: each group needs exactly one primary.
-    live = np.flatnonzero(
-        ~slow[piece_key] & ((table.shape > 0) | (np.arange(width) >= table.ndim[:, None])).all(axis=1)
-    )
-    order = live[
-        np.lexsort(
-            (
-                *(table.shape[live, a] for a in range(width - 1, -1, -1)),
-                *(table.offset[live, a] for a in range(width - 1, -1, -1)),
-                piece_key[live],
-            )
+    return domain, itemsize, slow
+
+
+@dataclass(frozen=True, slots=True)
+class BoxGroups:
+    """The pieces of the keys still checked that hold data, grouped by box: ``order`` sorts them by (key, offset,
+    shape), group ``g`` starts at ``order[start[g]]``; ``holders`` is ``order`` with each group's primary first,
+    then its replicas in (rank, index) order; ``primary[g]`` is group ``g``'s first holder, ``primaries[g]`` how
+    many primaries it has (a valid layout: exactly one)."""
+
+    order: Int64Array
+    start: Int64Array
+    holders: Int64Array
+    primary: Int64Array
+    primaries: Int64Array
+
+    @classmethod
+    def of(cls, table: DescriptionTable, piece_key: Int64Array, slow: BoolArray) -> BoxGroups:
+        width = table.offset.shape[1]
+        live = np.flatnonzero(
+            ~slow[piece_key] & ((table.shape > 0) | (np.arange(width) >= table.ndim[:, None])).all(axis=1)
         )
-    ]
-    starts = np.ones(len(order), dtype=bool)
-    if len(order):
-        starts[1:] = (piece_key[order[1:]] != piece_key[order[:-1]]) | (
-            (table.offset[order[1:]] != table.offset[order[:-1]]) | (table.shape[order[1:]] != table.shape[order[:-1]])
-        ).any(axis=1)
-    group_start = np.flatnonzero(starts)
-    main = table.replica_main[table.replica]
-    mains = np.add.reduceat(main[order].astype(np.int64), group_start) if len(order) else np.zeros(0, np.int64)
-    slow[piece_key[order[group_start[mains != 1]]]] = True
-    # Holders of each group, primary first, then replicas in (rank, index) order.
-    group_of = np.cumsum(starts) - 1
-    holder_order = np.lexsort((np.arange(len(order)), ~main[order], group_of)) if len(order) else order
-    holders = order[holder_order]
-    primary = holders[group_start]
-    # The primaries of each remaining key must tile its global tensor.
+        order = live[
+            np.lexsort(
+                (
+                    *(table.shape[live, a] for a in range(width - 1, -1, -1)),
+                    *(table.offset[live, a] for a in range(width - 1, -1, -1)),
+                    piece_key[live],
+                )
+            )
+        ]
+        starts = np.ones(len(order), dtype=bool)
+        if len(order):
+            starts[1:] = (piece_key[order[1:]] != piece_key[order[:-1]]) | (
+                (table.offset[order[1:]] != table.offset[order[:-1]])
+                | (table.shape[order[1:]] != table.shape[order[:-1]])
+            ).any(axis=1)
+        start = np.flatnonzero(starts)
+        main = table.replica_main[table.replica]
+        primaries = np.add.reduceat(main[order].astype(np.int64), start) if len(order) else np.zeros(0, np.int64)
+        group_of = np.cumsum(starts) - 1
+        holder_order = np.lexsort((np.arange(len(order)), ~main[order], group_of)) if len(order) else order
+        holders = order[holder_order]
+        return cls(order=order, start=start, holders=holders, primary=holders[start], primaries=primaries)
+
+
+def untiled_keys(
+    table: DescriptionTable, piece_key: Int64Array, slow: BoolArray, primary: Int64Array, domain: Int64Array
+) -> BoolArray:
+    """The keys, among those not ``slow``, whose primary boxes (``primary``: one piece per box) do not tile their
+    global tensor exactly (checked by corner sums, :func:`~reshard.geometry.tiling.untiled_groups`, for the keys of
+    each number of axes together)."""
+    header_key = table.header_key
     good_key = ~slow
+    untiled = np.zeros(len(table.keys), dtype=bool)
+    ends = table.offset + table.shape
     checked = [h for h in range(len(header_key)) if good_key[header_key[h]]]
     for ndim in sorted({len(table.header_shape[h]) for h in checked}):
         headers = [h for h in checked if len(table.header_shape[h]) == ndim]
-        local = np.full(len(keys), -1, dtype=np.int64)
+        local = np.full(len(table.keys), -1, dtype=np.int64)
         local[header_key[headers]] = np.arange(len(headers))
         boxes = primary[good_key[piece_key[primary]] & (local[piece_key[primary]] >= 0)]
         bad = untiled_groups(
             local[piece_key[boxes]], table.offset[boxes, :ndim], ends[boxes, :ndim], domain[headers, :ndim]
         )
-        slow[header_key[np.asarray(headers, dtype=np.int64)[bad]]] = True
-    # The keys that failed a check: piece by piece, in key order, which raises the first error.
-    slow_jobs: list[_Job] = []
-    for key_id in sorted(np.flatnonzero(slow).tolist(), key=keys.__getitem__):
-        rows = np.flatnonzero(piece_key == key_id)
-        pieces = [(int(table.rank[r]), int(table.index[r]), table.tensor_piece(int(r))) for r in rows]
-        slow_jobs.extend(_validate_tensor(keys[key_id], pieces))
-    # One job per group of a good key: (bytes, key, offset) decide the order.
-    keep = ~slow[piece_key[primary]]
-    group_ids = np.flatnonzero(keep)
-    job_bytes = itemsize[table.header[primary[group_ids]]] * np.prod(
-        np.where(np.arange(width) < table.ndim[primary[group_ids], None], table.shape[primary[group_ids]], 1), axis=1
+        untiled[header_key[np.asarray(headers, dtype=np.int64)[bad]]] = True
+    return untiled
+
+
+def elect_writers(
+    table: DescriptionTable,
+    piece_key: Int64Array,
+    slow: BoolArray,
+    groups: BoxGroups,
+    itemsize: Int64Array,
+    slow_jobs: list[_Job],
+) -> list[list[int]]:
+    """Per rank, the indices of the boxes it writes: one job per box group of a key that passed the vectorised
+    checks, plus ``slow_jobs`` (from the piece-by-piece validation); jobs go from the largest down (ties by key,
+    then offset) to the holder with the fewest bytes assigned so far (ties to the lower rank)."""
+    keys = table.keys
+    width = table.offset.shape[1]
+    key_rank = np.empty(len(keys), dtype=np.int64)
+    key_rank[sorted(range(len(keys)), key=keys.__getitem__)] = np.arange(len(keys), dtype=np.int64)
+    primary = groups.primary
+    group_ids = np.flatnonzero(~slow[piece_key[primary]])
+    first = primary[group_ids]
+    job_bytes = itemsize[table.header[first]] * np.prod(
+        np.where(np.arange(width) < table.ndim[first, None], table.shape[first], 1), axis=1
     )
-    job_offset = table.offset[primary[group_ids]]
+    job_offset = table.offset[first]
     job_order = np.lexsort(
-        (*(job_offset[:, a] for a in range(width - 1, -1, -1)), key_rank[piece_key[primary[group_ids]]], -job_bytes)
+        (*(job_offset[:, a] for a in range(width - 1, -1, -1)), key_rank[piece_key[first]], -job_bytes)
     )
-    bounds = np.append(group_start, len(order)).tolist()
-    holder_rank = table.rank[holders].tolist()
-    holder_index = table.index[holders].tolist()
-    ordered: list[tuple[int, list[tuple[int, int]]]] | None = None
+    bounds = np.append(groups.start, len(groups.order)).tolist()
+    holder_rank = table.rank[groups.holders].tolist()
+    holder_index = table.index[groups.holders].tolist()
     if slow_jobs:  # rare: merge with the piece-by-piece jobs under the same ordering
         every = slow_jobs + [
             (
@@ -170,40 +238,47 @@ def plan_save_table(table: DescriptionTable) -> list[WriteAssignment]:
             for j, g in enumerate(group_ids.tolist())
         ]
         ordered = [(nbytes, hs) for nbytes, _key, _offset, hs in sorted(every, key=lambda j: (-j[0], j[1], j[2]))]
-    assigned_tensors: list[list[int]] = [[] for _ in range(world)]
-    load = [0] * world
-    if ordered is not None:
-        for nbytes, hs in ordered:
-            rank, index = min(hs, key=lambda h: (load[h[0]], h[0]))
-            load[rank] += nbytes
-            assigned_tensors[rank].append(index)
-    else:
-        sizes = job_bytes.tolist()
-        groups = group_ids.tolist()
-        for j in job_order.tolist():
-            g = groups[j]
-            best = bounds[g]
-            best_rank = holder_rank[best]
-            for h in range(best + 1, bounds[g + 1]):
-                rank = holder_rank[h]
-                if load[rank] < load[best_rank] or (load[rank] == load[best_rank] and rank < best_rank):
-                    best, best_rank = h, rank
-            load[best_rank] += sizes[j]
-            assigned_tensors[best_rank].append(holder_index[best])
+        return _elect_in_order(table.world, ordered)
+    assigned: list[list[int]] = [[] for _ in range(table.world)]
+    load = [0] * table.world
+    sizes = job_bytes.tolist()
+    ids = group_ids.tolist()
+    for j in job_order.tolist():
+        g = ids[j]
+        best = bounds[g]
+        best_rank = holder_rank[best]
+        for h in range(best + 1, bounds[g + 1]):
+            rank = holder_rank[h]
+            if load[rank] < load[best_rank] or (load[rank] == load[best_rank] and rank < best_rank):
+                best, best_rank = h, rank
+        load[best_rank] += sizes[j]
+        assigned[best_rank].append(holder_index[best])
+    return assigned
 
-    assigned_objects: list[list[int]] = [[] for _ in range(world)]
+
+def _elect_in_order(world: int, ordered: list[tuple[int, list[tuple[int, int]]]]) -> list[list[int]]:
+    """Per rank, the boxes it writes: each job ``(bytes, holders as (rank, index))``, in order, to the holder with
+    the fewest bytes assigned so far (ties to the lower rank)."""
+    assigned: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for nbytes, hs in ordered:
+        rank, index = min(hs, key=lambda h: (load[h[0]], h[0]))
+        load[rank] += nbytes
+        assigned[rank].append(index)
+    return assigned
+
+
+def _object_writers(table: DescriptionTable) -> list[list[int]]:
+    """Per rank, the indices of the object cells it writes (their primaries), each object validated."""
+    assigned: list[list[int]] = [[] for _ in range(table.world)]
     objects_by_key: dict[str, list[tuple[int, int, ObjectPiece]]] = defaultdict(list)
     for rank, objects in enumerate(table.objects):
         for index, obj in enumerate(objects):
             objects_by_key[obj.key].append((rank, index, obj))
     for key in sorted(objects_by_key):
         for rank, index in _validate_object(key, objects_by_key[key]):
-            assigned_objects[rank].append(index)
-
-    return [
-        WriteAssignment(tensors=tuple(sorted(t)), objects=tuple(sorted(o)))
-        for t, o in zip(assigned_tensors, assigned_objects, strict=True)
-    ]
+            assigned[rank].append(index)
+    return assigned
 
 
 _Job = tuple[int, str, tuple[int, ...], list[tuple[int, int]]]
