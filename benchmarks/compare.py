@@ -578,14 +578,15 @@ class Worker:
 
             sd = self._reshard_dict("state")
             self._fresh(path)
-            stats = reshard.SaveStats()
+            results: list[reshard.SaveResult] = []
             save_options = reshard.SaveOptions(
                 memory_budget_bytes=self.cfg.get("save_budget_bytes") or reshard.SaveOptions().memory_budget_bytes
             )
             record = self._measure(
-                lambda: reshard.save(sd, path, group=None, stats=stats, options=save_options) and None,
+                lambda: results.append(reshard.save(sd, path, group=None, options=save_options)),
                 profile=f"{self.cfg['mode']}-{self.scenario}-save",
             )
+            stats = results[-1].stats
             record["reshard_phases"] = {
                 "plan": stats.seconds_plan,
                 "exchange": stats.seconds_exchange,

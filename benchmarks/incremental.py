@@ -119,7 +119,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], jobs: list[tup
             full = global_tensor(args["scenario"], i, step, rows * world, args["frozen_fraction"])
             local[f"layer{i}.weight"] = full[rank * rows : (rank + 1) * rows].clone()
         target = root / system / f"step_{step:04d}"
-        stats = reshard.SaveStats()
+        stats = reshard.SaveStats()  # DCP's run reads zeros
         dist.barrier()
         started = time.perf_counter()
         if system == "dcp":
@@ -130,7 +130,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], jobs: list[tup
             hashed = system != "reshard"
             base = root / system / f"step_{step - 1:04d}" if system.startswith("incremental") and step > 1 else None
             options = reshard.SaveOptions(content_hash=hashed, verify_base=system != "incremental_trusted")
-            reshard.save(sharded, target, options=options, base=base, stats=stats)
+            stats = reshard.save(sharded, target, options=options, base=base).stats
         seconds = _slowest(time.perf_counter() - started)
         read_back = _total(stats.bytes_base_read)
         verify_seconds = _slowest(stats.seconds_verify_base)

@@ -84,12 +84,12 @@ def save_on_ranks(
 ) -> tuple[list[reshard.SaveResult], list[reshard.SaveStats]]:
     """A save of ``step`` on :data:`WORLD` ranks (threads); every rank's result and stats."""
     group = ThreadGroup(WORLD)
-    stats = [reshard.SaveStats() for _ in range(WORLD)]
 
     def run(rank: int) -> reshard.SaveResult:
-        return reshard.save(rank_state(rank, step, seed), path, group=group.member(rank), stats=stats[rank], **kwargs)
+        return reshard.save(rank_state(rank, step, seed), path, group=group.member(rank), **kwargs)
 
-    return on_threads(WORLD, run, group=group), stats
+    results = on_threads(WORLD, run, group=group)
+    return results, [result.stats for result in results]
 
 
 def frozen_box(path: Path, layer: int, rank: int) -> tuple[Path, int, int]:
@@ -201,14 +201,14 @@ def test_verify_base_false_references_without_reading(tmp_path: Path) -> None:
     what the option's documentation says it risks."""
     reshard.save(global_state(1), tmp_path / "a", options=HASHED)
     trusting = LocalStorage(tmp_path / "b")
-    stats = reshard.SaveStats()
     options = reshard.SaveOptions(verify_base=False)
-    result = reshard.save(global_state(2), trusting, base=tmp_path / "a", options=options, stats=stats)
+    result = reshard.save(global_state(2), trusting, base=tmp_path / "a", options=options)
+    stats = result.stats
     assert result.referenced_bytes == FROZEN_BYTES
     assert trusting.range_bytes_read == 0 and stats.bytes_base_read == 0 and stats.bytes_base_verified == 0
     verifying = LocalStorage(tmp_path / "c")
-    stats = reshard.SaveStats()
-    result = reshard.save(global_state(2), verifying, base=tmp_path / "a", stats=stats)
+    result = reshard.save(global_state(2), verifying, base=tmp_path / "a")
+    stats = result.stats
     assert result.referenced_bytes == FROZEN_BYTES and result.rewritten_bytes == 0
     assert verifying.range_bytes_read == stats.bytes_base_read == stats.bytes_base_verified == FROZEN_BYTES
     metadata = reshard.read_metadata(tmp_path / "a")
@@ -268,10 +268,9 @@ def test_reading_the_base_back_keeps_within_the_save_budget(tmp_path: Path) -> N
     frozen = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(3))
     reshard.save({"frozen": frozen, "step": 1}, tmp_path / "a", options=HASHED)
     options = reshard.SaveOptions(memory_budget_bytes=4 * 2**20)
-    stats = reshard.SaveStats()
     with peak_rss_growth() as grown:
-        reshard.save({"frozen": frozen, "step": 2}, tmp_path / "b", base=tmp_path / "a", options=options, stats=stats)
-    assert stats.bytes_base_verified == frozen.nbytes
+        result = reshard.save({"frozen": frozen, "step": 2}, tmp_path / "b", base=tmp_path / "a", options=options)
+    assert result.stats.bytes_base_verified == frozen.nbytes
     assert grown() < 16 * 2**20, f"peak RSS grew by {grown() / 2**20:.1f} MiB"
 
 
@@ -297,8 +296,8 @@ def test_reading_back_from_an_object_store_takes_one_ranged_get_per_run_of_boxes
     finally:
         holder.close()
     proxy.reset()
-    stats = reshard.SaveStats()
-    result = reshard.save(state, f"{url}/b", base=f"{url}/a", storage_options=options, stats=stats)
+    result = reshard.save(state, f"{url}/b", base=f"{url}/a", storage_options=options)
+    stats = result.stats
     gets = [r for r in proxy.records if r.method == "GET" and r.range and "/a/data/" in r.path]
     assert len(gets) == 1, [r.range for r in gets]
     assert result.rewritten_bytes == box.byte_length == 4096

@@ -131,9 +131,8 @@ def test_nothing_reaches_stderr_by_default(tmp_path: Path) -> None:
 
 
 def rank_save_stats(ctx: RankContext, path: str) -> dict[str, Any]:
-    stats = SaveStats()
-    reshard.save(state(ctx.rank, ctx.world_size), path, stats=stats, timeout=TIMEOUT)
-    return dataclasses.asdict(stats)
+    result = reshard.save(state(ctx.rank, ctx.world_size), path, timeout=TIMEOUT)
+    return dataclasses.asdict(result.stats)
 
 
 def test_ranks_bytes_written_add_up_to_the_checkpoint(pool4: RankPool, tmp_path: Path) -> None:

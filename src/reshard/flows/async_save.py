@@ -220,9 +220,6 @@ class AsyncCheckpointer:
         if not overlap_snapshot:
             copies.wait()
         handle = SaveHandle(time.perf_counter() - started, copies if overlap_snapshot else None)
-        if options is not None and options.stats is not None:
-            handle.stats = options.stats
-        background = dataclasses.replace(options if options is not None else SaveOptions(), stats=handle.stats)
 
         def run() -> None:
             try:
@@ -232,11 +229,12 @@ class AsyncCheckpointer:
                     path,
                     group=self.group,
                     overwrite=overwrite,
-                    options=background,
+                    options=options,
                     timeout=self.timeout,
                     storage_options=storage_options,
                     base=base,
                 )
+                vars(handle.stats).update(vars(handle._result.stats))  # complete once done, as documented
             except BaseException as exc:  # delivered by wait()
                 handle._error = exc
             finally:

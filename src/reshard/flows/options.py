@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.errors import CheckpointError
-from reshard.flows.stats import SaveStats
 from reshard.io.datafile import DEFAULT_SAVE_MEMORY_BUDGET, MIN_SAVE_MEMORY_BUDGET
 from reshard.io.reader import DEFAULT_LOAD_MEMORY_BUDGET, MIN_LOAD_MEMORY_BUDGET
 
@@ -64,9 +63,6 @@ class SaveOptions:
             complete and loads. This reads every referenced byte on every save. False trusts the base's
             recorded hashes and reads nothing of it (the behaviour before this option): a base damaged after
             its commit then makes the new checkpoint unloadable. Every rank passes the same.
-        stats: a :class:`~reshard.SaveStats` that the save fills with this rank's bytes written and seconds per
-            phase once it has committed (None: none). Each rank passes its own; not compared (two options that
-            differ only in it are equal). It replaces ``save(stats=...)``, deprecated.
 
     Raises (on construction):
         ValueError: ``memory_budget_bytes`` below 1 MiB.
@@ -77,7 +73,6 @@ class SaveOptions:
     content_hash: bool = False
     memory_budget_bytes: int = DEFAULT_SAVE_MEMORY_BUDGET
     verify_base: bool = True
-    stats: SaveStats | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes < MIN_SAVE_MEMORY_BUDGET:

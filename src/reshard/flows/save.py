@@ -37,12 +37,11 @@ So what a rank other than the coordinator sends and receives does not grow with 
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from reshard.flows.collector import collector_paused
@@ -81,6 +80,7 @@ class SaveResult:
         metadata: on the coordinator (rank 0 of the group), the committed metadata; None on the other ranks,
             which never receive the whole checkpoint's metadata (at ten thousand ranks that would be every
             rank holding everyone's plan): use :func:`reshard.read_metadata` where it is needed.
+        stats: this rank's :class:`~reshard.SaveStats` (bytes written, seconds per phase).
     """
 
     path: str
@@ -92,6 +92,7 @@ class SaveResult:
     metadata: Metadata | None
     referenced_bytes: int = 0
     rewritten_bytes: int = 0
+    stats: SaveStats = field(default_factory=SaveStats, compare=False)
 
 
 def save(
@@ -120,9 +121,7 @@ def save(
         overwrite: replace a complete checkpoint at ``path``. The old one stays loadable until the new
             ``metadata.json`` replaces it; its data files are removed after that.
         options: how to write (:class:`~reshard.SaveOptions`: content fingerprints, the checksum chunk
-            size, whether an incremental save reads its base back, the :class:`~reshard.SaveStats` to fill
-            with this rank's bytes written and seconds per phase once the save has committed); every rank
-            passes equal ones (``stats`` aside).
+            size, whether an incremental save reads its base back); every rank passes equal ones.
         timeout: how long any collective may wait for the slowest rank (default 10 minutes).
         storage_options: passed to the object-store client (fsspec ``s3``/``gs`` filesystem options such
             as ``endpoint_url``); credentials otherwise come from the client's usual configuration.
@@ -131,12 +130,13 @@ def save(
             base's, and whose stored copy reads back as its bytes (unless ``SaveOptions(verify_base=False)``),
             is not written, and the metadata references the file that holds it (docs/format.md section 15);
             the new checkpoint records content hashes too. Every rank passes the same.
-        deprecated: ``stats=`` (deprecated, for one release: pass ``SaveOptions(stats=...)``) is still taken,
-            with a DeprecationWarning; any other keyword is a TypeError.
+        deprecated: ``stats=``, a :class:`~reshard.SaveStats` to fill, is still taken for one release with a
+            DeprecationWarning (this rank's statistics are ``SaveResult.stats``); any other keyword is a
+            TypeError.
 
     Returns:
-        A :class:`SaveResult` on every rank: the checkpoint's id, size and files; on the coordinator also
-        its committed metadata.
+        A :class:`SaveResult` on every rank: the checkpoint's id, size and files, this rank's statistics; on
+        the coordinator also its committed metadata.
 
     Raises:
         ShardingError: the ranks' boxes do not tile their tensors (same on every rank).
@@ -154,45 +154,45 @@ def save(
         CheckpointError: any failure, on every rank, naming the failing ranks; nothing is committed.
     """
     started = time.perf_counter()
-    options = _folded(options, deprecated)
+    filled = _deprecated_stats(deprecated)
+    options = options if options is not None else SaveOptions()
     comm = Communicator(group, timeout=timeout)
     storage = storage_for(path, storage_options)
     try:
         base_name = None if base is None else base_name_of(storage, base, storage_options)
         request = SaveRequest.of(storage, options, overwrite=overwrite, base_name=base_name)
         with collector_paused():
-            result, stats = _save_to(request, state_dict, comm, started=started)
+            result = _save_to(request, state_dict, comm, started=started)
     finally:
         if storage is not path:
             storage.close()
-    if options.stats is not None:
-        options.stats.__dict__.update(stats.__dict__)  # the caller's SaveStats, filled as documented
+    if filled is not None:
+        vars(filled).update(vars(result.stats))  # the caller's SaveStats, filled as before
     return result
 
 
-def _folded(options: SaveOptions | None, deprecated: dict[str, Any]) -> SaveOptions:
-    """``options``, with the ``stats=`` keyword of earlier releases folded in (a DeprecationWarning)."""
-    options = options if options is not None else SaveOptions()
+def _deprecated_stats(deprecated: dict[str, Any]) -> SaveStats | None:
+    """The ``stats=`` keyword of earlier releases (a DeprecationWarning), or None; any other keyword is a
+    TypeError, as for any function."""
     unknown = sorted(set(deprecated) - {"stats"})
     if unknown:
         raise TypeError(f"save() got an unexpected keyword argument {unknown[0]!r}")
     if "stats" not in deprecated:
-        return options
+        return None
     warnings.warn(
-        "reshard.save(stats=...) is deprecated and goes in the next release: pass SaveOptions(stats=...)",
+        "reshard.save(stats=...) is deprecated and goes in the next release: read SaveResult.stats",
         DeprecationWarning,
         stacklevel=3,
     )
-    if deprecated["stats"] is not None and options.stats is not None:
-        raise TypeError("save() got stats both as a keyword and in SaveOptions: pass SaveOptions(stats=...) alone")
-    return options if deprecated["stats"] is None else dataclasses.replace(options, stats=deprecated["stats"])
+    stats = deprecated["stats"]
+    if stats is not None and not isinstance(stats, SaveStats):
+        raise TypeError(f"save() got stats={stats!r}: a reshard.SaveStats or None")
+    return stats
 
 
-def _save_to(
-    request: SaveRequest, state_dict: Any, comm: Communicator, *, started: float
-) -> tuple[SaveResult, SaveStats]:
+def _save_to(request: SaveRequest, state_dict: Any, comm: Communicator, *, started: float) -> SaveResult:
     """The phases of :func:`save` once the storage is open (see the module doc and
-    :mod:`reshard.flows.save_phases`); the result and this rank's statistics."""
+    :mod:`reshard.flows.save_phases`); the result, with this rank's statistics."""
     clock = PhaseClock("save", comm.rank, started)
     rank = comm.rank
     described = clock.timed("plan", describe_rank)(request, state_dict, rank=rank, is_coordinator=comm.is_coordinator)
@@ -210,6 +210,7 @@ def _save_to(
         metadata=committed.metadata,
         referenced_bytes=committed.referenced_bytes,
         rewritten_bytes=committed.rewritten_bytes,
+        stats=stats,
     )
     logger.info(
         "[rank=%d] saved %s in %.3f s (%s): this rank wrote %d bytes (%.1f MB/s); the checkpoint holds %d bytes "
@@ -223,4 +224,4 @@ def _save_to(
         result.total_bytes,
         result.num_files,
     )
-    return result, stats
+    return result

@@ -34,7 +34,7 @@ EXCHANGE = "exchange"
 
 @dataclass
 class SaveStats:
-    """What one rank's save did, filled in by :func:`reshard.save` when passed as ``stats=``.
+    """What one rank's save did: ``SaveResult.stats``, what :func:`reshard.save` returns.
 
     Attributes:
         bytes_written: bytes of tensor data this rank wrote (its boxes' ``byte_length``, each box once in
