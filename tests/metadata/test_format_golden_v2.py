@@ -2,7 +2,7 @@
 
 ``tests/data/golden_v2/`` is a tiny checkpoint that ``reshard.save`` wrote once (``tests/data/make_golden_v2.py``;
 committed, never regenerated while the format version stays 2). As for version 1
-(``tests/test_format_golden.py``, which keeps passing), the expected values are written out here, so that any
+(``tests/metadata/test_format_golden.py``, which keeps passing), the expected values are written out here, so that any
 change of the packed encoding, on the reading or the writing side, fails a test:
 
 - the wire form: which tensors are packed and how (grid cuts, split cells and starts, or listed boxes), and
@@ -27,7 +27,7 @@ import torch
 import reshard
 from tests.data.make_golden_v2 import CHECKSUM_CHUNK_BYTES, golden_state_dict
 
-GOLDEN = Path(__file__).resolve().parent / "data" / "golden_v2"
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_v2"
 SAVE_ID = "fedcba9876543210fedcba9876543210"
 DATA_FILE = f"data/{SAVE_ID}-r00000.bin"
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "int16": 2}

@@ -30,7 +30,7 @@ def _template() -> dict[str, object]:
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """``reshard ARGS`` in this process (the entry point itself is run as a program in tests/test_cli.py)."""
+    """``reshard ARGS`` in this process (the entry point itself is run as a program in tests/cli/test_cli.py)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli_main(list(args))

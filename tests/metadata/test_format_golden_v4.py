@@ -37,7 +37,7 @@ from tests.data.make_golden_v2 import CHECKSUM_CHUNK_BYTES, golden_state_dict
 from tests.data.make_golden_v4 import changed_state_dict
 from tests.metadata_docs import dumps, unseal
 
-GOLDEN = Path(__file__).resolve().parent / "data" / "golden_v4"
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_v4"
 BASE_ID = "44444444444444440000000000000000"
 STEP_ID = "4444444444444444dddddddddddddddd"
 BASE_FILE = f"data/{BASE_ID}-r00000.bin"
@@ -215,7 +215,7 @@ def test_saving_the_same_states_writes_the_same_documents(tmp_path: Path) -> Non
 
 
 def test_the_files_example_of_format_md_is_the_fixture() -> None:
-    text = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parents[2] / "docs" / "format.md").read_text(encoding="utf-8")
     section = text[text.index("## 15. Version 4") :]
     block = section[section.index("```json\n") + len("```json\n") :]
     block = block[: block.index("```")]

@@ -37,7 +37,7 @@ from tests.demo_groups import layout_groups
 from tests.rankpool import RankContext, RankPool
 from tests.threads import on_threads
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HASHED = reshard.SaveOptions(content_hash=True)
 
 
@@ -211,7 +211,7 @@ def test_a_base_that_cannot_be_referenced_is_an_error_and_nothing_is_written(tmp
 def test_a_base_that_lost_a_file_fails_the_save_and_leaves_no_marker(tmp_path: Path) -> None:
     """A save that trusts its base (``verify_base=False``) learns of the lost file only from the check of the
     referenced files' sizes before its commit: it fails there. (A verifying save, the default, cannot read the
-    boxes back and writes them instead: tests/test_incremental_verify.py.)"""
+    boxes back and writes them instead: tests/flows/test_incremental_verify.py.)"""
     reshard.save(frozen_and_trained(1), tmp_path / "a", options=HASHED)
     for data_file in (tmp_path / "a" / "data").iterdir():
         data_file.unlink()
@@ -301,7 +301,7 @@ KILL_SCRIPT = textwrap.dedent(
     import reshard
     from reshard.flows.manager import step_name
     from tests.faults import Fault, FaultyRoot
-    from tests.test_incremental import frozen_and_trained
+    from tests.flows.test_incremental import frozen_and_trained
 
     root, point, marker = sys.argv[1:4]
     clean = reshard.CheckpointManager(root, keep_last=1, incremental=True)

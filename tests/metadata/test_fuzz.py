@@ -1625,7 +1625,7 @@ def _sparse_checkpoint(root: Path, shape: tuple[int, ...], chunk: int) -> None:
         "format": "reshard",
         "version": 1,
         "save_id": "0123456789abcdef0123456789abcdef",
-        "created_by": "tests/test_fuzz.py",
+        "created_by": "tests/metadata/test_fuzz.py",
         "world_size": 1,
         "checksum": {"algorithm": "crc32c", "chunk_bytes": chunk},
         "files": [{"path": name, "size": nbytes}],

@@ -33,10 +33,10 @@ from reshard.interop import convert_checkpoint
 from reshard.io.references import REFERENCES_DIR, RETIRED_FILE
 from reshard.io.retirement import delete_checkpoint
 from reshard.storage import FileWriter, LocalStorage
+from tests.flows.test_incremental import HASHED, assert_loads_as, frozen_and_trained, template
 from tests.metadata_docs import read_doc, write_doc
-from tests.test_incremental import HASHED, assert_loads_as, frozen_and_trained, template
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OLD = 1_000_000_000.0  # 2001: older than any --min-age
 
 
@@ -449,7 +449,7 @@ KILL_AT_LOCK_LINK = textwrap.dedent(
     """
     import os, signal, sys
     import reshard
-    from tests.test_incremental import frozen_and_trained
+    from tests.flows.test_incremental import frozen_and_trained
     real_link = os.link
     def link(src, dst, *args, **kwargs):
         if str(dst).endswith("step_000000003/.lock"):

@@ -2,7 +2,7 @@
 peer-memory tier, on a real GPU (docs/concepts.md, "GPU memory").
 
 Every test here needs CUDA and is skipped, with the reason, where torch sees no GPU (the CPU build that
-``make test`` installs): tests/test_device_paths.py runs the same code paths on host memory in every build.
+``make test`` installs): tests/io/test_device_paths.py runs the same code paths on host memory in every build.
 ``benchmarks/gpu_check.sh`` runs this file and ``benchmarks/gpu.py`` on a GPU machine. One GPU suffices for
 all but the NCCL data-plane tests: several processes share it with a gloo group (NCCL refuses two ranks on
 one device), and threads of one process share it through :class:`reshard.net.transports.ThreadGroup`.
@@ -30,7 +30,7 @@ from tests.threads import on_threads
 
 NO_GPU = (
     f"needs a CUDA GPU, and this torch {torch.__version__} sees none (the CPU build of make test): "
-    "benchmarks/gpu_check.sh runs these tests on a GPU machine; tests/test_device_paths.py runs the same paths on "
+    "benchmarks/gpu_check.sh runs these tests on a GPU machine; tests/io/test_device_paths.py runs the same paths on "
     "host memory"
 )
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)

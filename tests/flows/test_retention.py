@@ -37,11 +37,11 @@ from reshard.io.references import REFERENCES_DIR, RETIRED_FILE
 from reshard.net.transports import ThreadGroup
 from reshard.storage import LocalStorage, ObjectStorage, Storage
 from tests.faults import Fault, FaultyStorage
+from tests.flows.test_incremental import assert_loads_as, frozen_and_trained, template
 from tests.metadata_docs import read_doc, write_doc
-from tests.test_incremental import assert_loads_as, frozen_and_trained, template
 from tests.threads import on_threads
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HASHED = reshard.SaveOptions(content_hash=True)
 OLD = 1_000_000_000.0  # 2001: older than any --min-age
 
@@ -304,7 +304,7 @@ CUT_AFTER_RECORD = textwrap.dedent(
     import os, signal, sys
     import reshard
     from reshard.storage import LocalStorage
-    from tests.test_incremental import frozen_and_trained
+    from tests.flows.test_incremental import frozen_and_trained
 
     root = sys.argv[1]
     manager = reshard.CheckpointManager(root, incremental=True)
@@ -621,7 +621,7 @@ KILL_RUN = textwrap.dedent(
     from pathlib import Path
 
     from reshard.storage import LocalStorage
-    from tests.test_retention import prepare_scenario, run_scenario
+    from tests.flows.test_retention import prepare_scenario, run_scenario
 
     template, work, scenario = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     prepare_scenario(template, scenario)

@@ -1,4 +1,4 @@
-"""The paths GPU tensors take through save and load, run on the CPU (tests/test_gpu.py runs them on a GPU).
+"""The paths GPU tensors take through save and load, run on the CPU (tests/io/test_gpu.py runs them on a GPU).
 
 A save copies tensors that are not plain host bytes a slab at a time through a ring of staging buffers
 (:class:`reshard.io.device.HostSlabs`); a load fills destinations outside host memory through host proxies

@@ -9,7 +9,7 @@ accidental change of the on-disk format, on the reading or the writing side, fai
 - bytes: the data file must hold exactly these little-endian bytes at exactly these offsets;
 - writing: saving the same state again must produce the same data bytes and the same metadata members
   (apart from the random save id and the library version): the document is now written as version 3,
-  which is this one plus its own checksum (``tests/test_format_golden_v3.py``).
+  which is this one plus its own checksum (``tests/metadata/test_format_golden_v3.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 import reshard
 
-GOLDEN = Path(__file__).resolve().parent / "data" / "golden_v1"
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_v1"
 SAVE_ID = "0123456789abcdef0123456789abcdef"
 DATA_FILE = f"data/{SAVE_ID}-r00000.bin"
 DATA_FILE_SIZE = 496

@@ -335,7 +335,7 @@ REFUSALS = {
 
 
 def _torch_dist_save(state: dict[str, Any], path: str) -> None:
-    """Megatron's own torch_dist save (the CPU variant of its strategy, as in tests/test_megatron.py)."""
+    """Megatron's own torch_dist save (the CPU variant of its strategy, as in tests/interop/test_megatron.py)."""
     from benchmarks.compare import _megatron_cpu_save_strategy
     from megatron.core import dist_checkpointing
 

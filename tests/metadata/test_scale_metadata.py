@@ -43,7 +43,7 @@ from reshard.testing import MegatronLayout, Parallelism
 from reshard.testing.simulate import write_report
 from tests import oracle_planning as oracle
 from tests.metadata_docs import dumps
-from tests.test_scale_planning import LAYOUT_512, MODEL_512
+from tests.planning.test_scale_planning import LAYOUT_512, MODEL_512
 
 CHUNK = 4096
 SAVE_ID = "5" * 32

@@ -510,7 +510,7 @@ def test_megatron_async_save_through_its_async_request(pool4: RankPool, tmp_path
     path.mkdir()
     results = pool4.run_ok(rank_megatron_async_save, "tp=2,pp=2", str(path), timeout_s=240)
     # Before the commit, Megatron's metadata.json names the strategy already, whose load refuses a common.pt that
-    # the committed reshard checkpoint was not saved with (tests/test_megatron_crash.py kills saves there).
+    # the committed reshard checkpoint was not saved with (tests/interop/test_megatron_crash.py kills saves there).
     assert all(r["before_finalize"] == "reshard" for r in results)
     full = assemble([r["pieces"] for r in results])
     loaded = pool4.run_ok(rank_megatron_load, "tp=1", str(path), timeout_s=240)

@@ -55,7 +55,7 @@ def test_snapshot_is_consistent_and_buffers_are_reused(tmp_path: Path) -> None:
 
 
 def test_an_overlapped_snapshot_of_host_tensors_is_complete_when_save_returns(tmp_path: Path) -> None:
-    """``overlap_snapshot=True`` only defers the copies of GPU tensors (tests/test_gpu.py): host tensors are
+    """``overlap_snapshot=True`` only defers the copies of GPU tensors (tests/io/test_gpu.py): host tensors are
     copied before ``save`` returns, ``snapshot_done`` says so and ``wait_snapshot`` has nothing to order."""
     weight = torch.arange(12.0).reshape(3, 4)
     checkpointer = reshard.AsyncCheckpointer()

@@ -49,7 +49,7 @@ README_COMMANDS = [
 
 def _readme_commands() -> list[str]:
     (block,) = marked_blocks(
-        re.compile(r"<!-- example: (not run: .*tests/test_demo_exports\.py.*) -->"), [ROOT / "README.md"]
+        re.compile(r"<!-- example: (not run: .*tests/demo/test_demo_exports\.py.*) -->"), [ROOT / "README.md"]
     )
     lines = [line.split("  #")[0].strip() for line in block.values[2].splitlines()]
     return [line for line in lines if line]
