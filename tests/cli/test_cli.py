@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import reshard
+
+pytestmark = pytest.mark.dist
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

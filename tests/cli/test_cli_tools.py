@@ -49,6 +49,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, captured.out, captured.err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", SUBCOMMANDS)
 def test_every_subcommand_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as helped:
@@ -60,6 +61,7 @@ def test_every_subcommand_has_help(command: str, capsys: pytest.CaptureFixture[s
         assert "Exit codes:" in text and "--quiet" in text
 
 
+@pytest.mark.unit
 def test_diff_exit_codes_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _save(tmp_path / "a")
     _save(tmp_path / "same")
@@ -86,6 +88,7 @@ def test_diff_exit_codes_and_report(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert usage.value.code == 2
 
 
+@pytest.mark.unit
 def test_diff_compares_values_across_dtypes_and_reports_shapes(tmp_path: Path) -> None:
     from reshard.interop import diff_checkpoints
 
@@ -100,6 +103,7 @@ def test_diff_compares_values_across_dtypes_and_reports_shapes(tmp_path: Path) -
     assert shapes["ids"].problem == "global shapes differ: [8] vs [7]" and shapes["ids"].max_abs is None
 
 
+@pytest.mark.unit
 def test_convert_casts_and_copies_everything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _save(tmp_path / "src")
     code, out, _ = _run(capsys, "convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--dtype", "bf16")
@@ -131,6 +135,7 @@ def test_convert_casts_and_copies_everything(tmp_path: Path, capsys: pytest.Capt
     assert code == 2 and "exactly one" in err
 
 
+@pytest.mark.unit
 def test_convert_of_a_corrupt_source_commits_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _save(tmp_path / "src")
     metadata = reshard.read_metadata(tmp_path / "src")
@@ -144,6 +149,7 @@ def test_convert_of_a_corrupt_source_commits_nothing(tmp_path: Path, capsys: pyt
     assert not list((tmp_path / "dst" / "data").iterdir()) and not (tmp_path / "dst" / ".lock").exists()
 
 
+@pytest.mark.dist
 def test_convert_to_and_from_s3(s3_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _save(tmp_path / "src")
     url = f"s3://{s3_server.new_bucket()}/copies/step_1"
@@ -179,6 +185,7 @@ def _cli_on_a_terminal(*args: str) -> tuple[int, str]:
     return process.wait(timeout=120), shown.decode(errors="replace")
 
 
+@pytest.mark.dist
 def test_progress_bar_on_a_terminal_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     reshard.save({"t": torch.zeros(300_000)}, tmp_path / "src")
     code, shown = _cli_on_a_terminal("convert", str(tmp_path / "src"), str(tmp_path / "a"))

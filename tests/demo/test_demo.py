@@ -25,6 +25,8 @@ from reshard.models.parallel import ParallelConfig
 from tests.demo_groups import layout_groups
 from tests.rankpool import RankContext, RankPool
 
+pytestmark = pytest.mark.slow
+
 
 def _trainer(layout: str) -> Trainer | None:
     groups = layout_groups(layout)

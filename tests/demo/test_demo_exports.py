@@ -33,6 +33,8 @@ from tests.doc_blocks import ROOT, marked_blocks
 from tests.hf_models import MOE_OPTIONS, TOKENS, save_hf_model
 from tests.rankpool import RankContext, RankPool
 
+pytestmark = pytest.mark.slow
+
 FAST = ["--steps", "2", "--resume-steps", "1", "--layout-a", "tp=2", "--layout-b", "dp=2,ep=2", "--json"]
 """What the tests add to each ``reshard demo`` of the README: two steps on TP=2, one more after resuming on
 DP=2 x EP=2 (the README's are the defaults: ten and ten, TP=2 x PP=2 then DP=2 x TP=2 with ZeRO-1)."""

@@ -20,6 +20,7 @@ from tests.rankpool import RankContext, RankPool
 TIMEOUT = 60.0
 
 
+@pytest.mark.unit
 def test_snapshot_is_consistent_and_buffers_are_reused(tmp_path: Path) -> None:
     weight = torch.randn(1000, 37)
     sharded = reshard.ShardedTensor.segmented("fused", torch.randn(10, 4), (10, 4), 0, [(5, 5), (0, 5)])
@@ -54,6 +55,7 @@ def test_snapshot_is_consistent_and_buffers_are_reused(tmp_path: Path) -> None:
         assert out["rng"] == {"s": [step]} and out["step"] == step
 
 
+@pytest.mark.unit
 def test_an_overlapped_snapshot_of_host_tensors_is_complete_when_save_returns(tmp_path: Path) -> None:
     """``overlap_snapshot=True`` only defers the copies of GPU tensors (tests/io/test_gpu.py): host tensors are
     copied before ``save`` returns, ``snapshot_done`` says so and ``wait_snapshot`` has nothing to order."""
@@ -73,6 +75,7 @@ def test_an_overlapped_snapshot_of_host_tensors_is_complete_when_save_returns(tm
     )
 
 
+@pytest.mark.unit
 def test_warmup_pre_pays_the_snapshot_buffers(tmp_path: Path) -> None:
     """After warmup the first snapshot copies into memory already resident (no new peak), into the same
     buffers, and warmup reports their bytes; a save in flight is finalised before buffers are touched."""
@@ -103,6 +106,7 @@ def test_warmup_pre_pays_the_snapshot_buffers(tmp_path: Path) -> None:
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
 
 
+@pytest.mark.unit
 def test_one_save_in_flight_the_next_finalises_the_previous(tmp_path: Path) -> None:
     checkpointer = reshard.AsyncCheckpointer()
     first = checkpointer.save({"w": torch.randn(2_000_000)}, tmp_path / "a")
@@ -115,6 +119,7 @@ def test_one_save_in_flight_the_next_finalises_the_previous(tmp_path: Path) -> N
     assert second.stats.bytes_written == 40 and second.stats.seconds_write > 0
 
 
+@pytest.mark.unit
 def test_async_save_one_off_and_errors_are_raised_once(tmp_path: Path) -> None:
     reshard.save({"w": torch.ones(3)}, tmp_path / "taken")
     handle = reshard.async_save({"w": torch.ones(3)}, tmp_path / "taken")  # exists, no overwrite
@@ -151,6 +156,7 @@ def rank_async_save_with_failure(ctx: RankContext, path: str) -> list[str]:
     return outcome
 
 
+@pytest.mark.dist
 def test_background_failure_surfaces_from_wait_on_every_rank(pool4: RankPool, tmp_path: Path) -> None:
     results = pool4.run_ok(rank_async_save_with_failure, str(tmp_path / "ckpt"))
     for errors, second in results:
@@ -168,6 +174,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # the process dies while the background th
 """
 
 
+@pytest.mark.dist
 def test_crash_during_background_write_leaves_previous_checkpoint_intact(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", CRASHING_SAVER, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False

@@ -13,6 +13,8 @@ import torch
 import reshard
 from reshard.storage import FileWriter, LocalStorage, ReadRequest
 
+pytestmark = pytest.mark.unit
+
 
 class WatchedStorage(LocalStorage):
     """A real checkpoint directory that notes whether the collector was enabled when data moved."""

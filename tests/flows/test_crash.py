@@ -36,6 +36,8 @@ from reshard.metadata import METADATA_FILE
 from tests.faults import Fault, FaultyRoot, kill_pool, run_with_deaths
 from tests.rankpool import RankContext, RankFailure, RankPool
 
+pytestmark = pytest.mark.dist
+
 TIMEOUT_S = 10.0
 """The collective timeout every save here runs with."""
 

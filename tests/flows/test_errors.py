@@ -48,6 +48,7 @@ def rank_save_overlapping_primaries(ctx: RankContext, path: str) -> None:
     reshard.save({"w": reshard.ShardedTensor("w", data, (4, 2), (starts[ctx.rank], 0))}, path, timeout=TIMEOUT)
 
 
+@pytest.mark.dist
 def test_overlapping_primary_boxes_raise_sharding_error_on_every_rank(pool4: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     results = pool4.run(rank_save_overlapping_primaries, str(path))
@@ -62,6 +63,7 @@ def rank_save_with_gap(ctx: RankContext, path: str) -> None:
     reshard.save(state, path, timeout=TIMEOUT)
 
 
+@pytest.mark.dist
 def test_gap_and_orphan_replica_raise_sharding_error(pool4: RankPool, tmp_path: Path) -> None:
     results = pool4.run(rank_save_with_gap, str(tmp_path / "ckpt"))
     _assert_same_error_everywhere(results, "ShardingError", "'w'", "rank 3 holds a replica", "no rank holds as primary")
@@ -85,6 +87,7 @@ def rank_save_disagreeing_dtype(ctx: RankContext, path: str) -> None:
     reshard.save(state, path, timeout=TIMEOUT)
 
 
+@pytest.mark.dist
 def test_disagreeing_dtype_names_both_ranks(pool4: RankPool, tmp_path: Path) -> None:
     results = pool4.run(rank_save_disagreeing_dtype, str(tmp_path / "ckpt"))
     _assert_same_error_everywhere(results, "ShardingError", "'w'", "dtype", "rank 0 has float32", "rank 2 has float64")
@@ -100,6 +103,7 @@ def rank_save_unsupported_value_on_rank2(ctx: RankContext, path: str) -> None:
     reshard.save(state, path, timeout=TIMEOUT)
 
 
+@pytest.mark.dist
 def test_planning_exception_on_one_rank_fails_every_rank(pool4: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     results = pool4.run(rank_save_unsupported_value_on_rank2, str(path))
@@ -131,6 +135,7 @@ def rank_load_old(ctx: RankContext, path: str) -> list[float]:
     return out["w"].reshape(-1).tolist()
 
 
+@pytest.mark.dist
 def test_write_failure_on_one_rank_fails_all_and_commits_nothing(pool4: RankPool, tmp_path: Path) -> None:
     old = tmp_path / "old"
     pool4.run_ok(_rank_save_state, str(old))
@@ -150,6 +155,7 @@ def _rank_save_state(ctx: RankContext, path: str, overwrite: bool = False) -> No
     reshard.save(_state(ctx.rank, ctx.world_size), path, overwrite=overwrite, timeout=TIMEOUT)
 
 
+@pytest.mark.dist
 def test_existing_checkpoint_needs_overwrite(pool4: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     pool4.run_ok(_rank_save_state, str(path))
@@ -173,6 +179,7 @@ def rank_load_wrong_shape_on_rank3(ctx: RankContext, path: str) -> None:
     reshard.load({"w": reshard.ShardedTensor("w", target, global_shape, (ctx.rank, 0))}, path, timeout=TIMEOUT)
 
 
+@pytest.mark.dist
 def test_shape_mismatch_on_one_rank_raises_mismatch_error_everywhere(pool4: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     pool4.run_ok(_rank_save_state, str(path))
@@ -200,6 +207,7 @@ class _no_warning:  # a tiny context manager used in place of pytest.warns
         return None
 
 
+@pytest.mark.dist
 def test_missing_keys_strict_and_not_strict(pool4: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     pool4.run_ok(_rank_save_state, str(path))
@@ -213,6 +221,7 @@ def rank_load_plain(ctx: RankContext, path: str) -> None:
     reshard.load(_state(ctx.rank, ctx.world_size), path, timeout=TIMEOUT)
 
 
+@pytest.mark.dist
 def test_corrupt_data_is_detected_on_every_rank(pool4: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     pool4.run_ok(_rank_save_state, str(path))
@@ -228,6 +237,7 @@ def test_corrupt_data_is_detected_on_every_rank(pool4: RankPool, tmp_path: Path)
     )
 
 
+@pytest.mark.dist
 def test_truncated_and_missing_data_files(pool4: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     pool4.run_ok(_rank_save_state, str(path))
@@ -241,6 +251,7 @@ def test_truncated_and_missing_data_files(pool4: RankPool, tmp_path: Path) -> No
     _assert_same_error_everywhere(results, "CorruptCheckpointError", "is missing", first.name)
 
 
+@pytest.mark.dist
 def test_interrupted_save_is_incomplete(pool4: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     pool4.run_ok(_rank_save_state, str(path))
@@ -251,6 +262,7 @@ def test_interrupted_save_is_incomplete(pool4: RankPool, tmp_path: Path) -> None
         reshard.read_metadata(path)
 
 
+@pytest.mark.unit
 def test_missing_path_and_non_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(reshard.CheckpointNotFoundError, match="does not exist") as info:
         reshard.load({"x": torch.zeros(1)}, tmp_path / "nowhere")
@@ -264,6 +276,7 @@ def test_missing_path_and_non_checkpoint(tmp_path: Path) -> None:
     assert issubclass(reshard.CheckpointNotFoundError, FileNotFoundError)
 
 
+@pytest.mark.unit
 def test_corrupt_metadata_is_refused(tmp_path: Path) -> None:
     reshard.save({"w": torch.ones(3)}, tmp_path)
     (tmp_path / METADATA_FILE).write_text('{"format": "reshard", "version": 99}')
@@ -271,6 +284,7 @@ def test_corrupt_metadata_is_refused(tmp_path: Path) -> None:
         reshard.load({"w": torch.zeros(3)}, tmp_path)
 
 
+@pytest.mark.unit
 def test_sharded_tensor_validation_names_the_key() -> None:
     with pytest.raises(ValueError, match=r"'w'.*extends past"):
         reshard.ShardedTensor("w", torch.zeros(2, 2), (3, 2), (2, 0))
@@ -299,6 +313,7 @@ def rank_save_but_rank1_absent(ctx: RankContext, path: str) -> str:
     return "saved"
 
 
+@pytest.mark.dist
 def test_absent_rank_times_out_instead_of_hanging(tmp_path: Path) -> None:
     pool = RankPool(2)  # its own pool: the timed-out collective leaves the group unusable
     try:
@@ -310,6 +325,7 @@ def test_absent_rank_times_out_instead_of_hanging(tmp_path: Path) -> None:
     assert not (tmp_path / "ckpt" / METADATA_FILE).exists()
 
 
+@pytest.mark.unit
 def test_library_errors_are_not_base_exceptions() -> None:
     assert issubclass(reshard.CheckpointError, Exception)
     for cls in (reshard.ShardingError, reshard.MismatchError, reshard.CorruptCheckpointError):
@@ -322,12 +338,14 @@ def rank_save_to_own_path(ctx: RankContext, root: str) -> None:
     reshard.save(_state(ctx.rank, ctx.world_size), f"{root}/ckpt{ctx.rank % 2}", timeout=TIMEOUT)
 
 
+@pytest.mark.dist
 def test_ranks_passing_different_paths_are_refused(pool4: RankPool, tmp_path: Path) -> None:
     results = pool4.run(rank_save_to_own_path, str(tmp_path))
     _assert_same_error_everywhere(results, "CheckpointError", "different checkpoint paths", "ckpt1': [1, 3]")
     assert not (tmp_path / "ckpt0" / METADATA_FILE).exists()
 
 
+@pytest.mark.unit
 def test_overwrite_survives_a_failed_cleanup_of_old_files(tmp_path: Path) -> None:
     """Removing the replaced checkpoint's files happens after the commit and is best effort: a failure
     there must not cost the new checkpoint."""
@@ -341,6 +359,7 @@ def test_overwrite_survives_a_failed_cleanup_of_old_files(tmp_path: Path) -> Non
     assert torch.equal(reshard.load({"w": torch.zeros(4)}, tmp_path)["w"], torch.full((4,), 2.0))
 
 
+@pytest.mark.unit
 def test_symlinked_data_file_is_not_followed(tmp_path: Path) -> None:
     reshard.save({"w": torch.ones(4)}, tmp_path / "ckpt")
     metadata = reshard.read_metadata(tmp_path / "ckpt")

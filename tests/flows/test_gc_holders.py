@@ -68,6 +68,7 @@ def _three_steps(root: Path, *, keep_last: int | None = 1) -> reshard.Checkpoint
 # ---- 1: a holder moved to another disk and linked back ---------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_gc_of_a_holder_reached_through_a_link_deletes_nothing_and_the_reference_is_not_followed(
     tmp_path: Path,
 ) -> None:
@@ -100,6 +101,7 @@ def test_gc_of_a_holder_reached_through_a_link_deletes_nothing_and_the_reference
     assert validate_checkpoint(step3) == []
 
 
+@pytest.mark.unit
 def test_an_overwrite_of_a_holder_reached_through_a_link_keeps_the_files_others_reference(tmp_path: Path) -> None:
     """``b`` references ``a``'s file; ``a`` is moved away and linked back, then overwritten through the link: the
     overwrite's cleanup deletes nothing through the link (its referrers are not beside the directory it points
@@ -118,6 +120,7 @@ def test_an_overwrite_of_a_holder_reached_through_a_link_keeps_the_files_others_
     assert_loads_as(tmp_path / "a", 7)
 
 
+@pytest.mark.unit
 def test_a_manager_whose_newest_step_is_a_link_saves_in_full(tmp_path: Path) -> None:
     """The newest step moved to another disk and linked back: it cannot be a base (nothing would be referenced
     through the link), so the next save is made in full, with a warning, and loads; retention leaves the link."""
@@ -185,6 +188,7 @@ def _assert_references_there(path: Path) -> None:
             assert held.stat().st_size == entry.size, held
 
 
+@pytest.mark.unit
 def test_gc_that_listed_a_holders_markers_before_a_save_referenced_it_never_deletes_what_the_save_uses(
     tmp_path: Path,
 ) -> None:
@@ -216,6 +220,7 @@ def test_gc_that_listed_a_holders_markers_before_a_save_referenced_it_never_dele
     assert collect_garbage(root / step_name(1), min_age_s=0) == []
 
 
+@pytest.mark.unit
 def test_a_save_that_referenced_a_holder_before_gc_listed_it_is_protected_from_planning_on(tmp_path: Path) -> None:
     """``a`` is retired, keeping the file ``b`` references; ``c`` (base ``b``, so referencing ``a``'s file) is saving
     and stops at its first data write, after its planning; meanwhile ``b`` is deleted and gc runs on ``a``: the
@@ -248,6 +253,7 @@ def test_a_save_that_referenced_a_holder_before_gc_listed_it_is_protected_from_p
     assert_loads_as(tmp_path / "c", 3)
 
 
+@pytest.mark.unit
 def test_gc_of_an_overwritten_holder_holds_its_lock_while_it_judges_the_markers(tmp_path: Path) -> None:
     """``a`` was overwritten and keeps its old file only for ``b``; gc of ``a`` (a committed checkpoint) stops after
     listing ``refs/``: a save that would reference that file through ``b`` fails cleanly, so when ``b`` is deleted
@@ -280,6 +286,7 @@ def test_gc_of_an_overwritten_holder_holds_its_lock_while_it_judges_the_markers(
 MARKER_NAMED = f"{step_name(9)}.{'0' * 32}.json"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kind", ["link", "marker_named_link", "link_loop", "fifo", "directory", "marker_named_directory", "junk"]
 )
@@ -320,6 +327,7 @@ def test_a_stray_entry_in_refs_is_left_alone_and_never_stops_retention_or_gc(tmp
     assert_loads_as(root / step_name(5), 5)
 
 
+@pytest.mark.unit
 def test_a_referrers_marker_that_is_a_link_refuses_the_reference_as_corrupt(tmp_path: Path) -> None:
     """Step 2's own marker in step 1 replaced by a link to a copy of it: the reference is not tied (a marker must be
     a regular file), so load refuses step 2 as corrupt, naming the marker, and load_latest falls back to step 1."""
@@ -341,6 +349,7 @@ def test_a_referrers_marker_that_is_a_link_refuses_the_reference_as_corrupt(tmp_
 # ---- 4: references naming a file or an impossible name ---------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["latest.json", "x" * 300])
 def test_a_reference_that_names_a_file_or_an_impossible_name_is_corrupt_and_load_latest_falls_back(
     tmp_path: Path, name: str
@@ -388,6 +397,7 @@ KILL_BEFORE_RMDIR = textwrap.dedent(
 )
 
 
+@pytest.mark.dist
 def test_gc_killed_before_it_removed_the_directory_leaves_one_that_the_next_gc_calls_empty(tmp_path: Path) -> None:
     """A retired step whose only referrer is gone: ``kill -9`` of its gc right before the directory itself is
     removed leaves an empty directory; gc of it (any options) says there is nothing to collect and exits 0,
@@ -420,6 +430,7 @@ def test_gc_killed_before_it_removed_the_directory_leaves_one_that_the_next_gc_c
 # ---- 6: what gc says it removed ------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_gc_says_what_it_removed_by_kind(tmp_path: Path) -> None:
     """gc of a retired step whose referrer is gone removes one data file, one stale marker and the record, and
     says so (not "3 unreferenced data files"); a dry run says the same with "would remove"; gc of a checkpoint
@@ -483,6 +494,7 @@ def _save_killed_at_its_lock_link(root: Path) -> Path:
     return step
 
 
+@pytest.mark.dist
 def test_a_save_killed_at_the_link_of_its_lock_is_cleared_by_gc_and_by_retention(tmp_path: Path) -> None:
     """The lock temporary that a save killed at its lock's link leaves is reshard's own (its content is the lock
     record of a holder that is gone): ``gc --incomplete`` removes the step, and so does the retention of a later
@@ -500,6 +512,7 @@ def test_a_save_killed_at_the_link_of_its_lock_is_cleared_by_gc_and_by_retention
     assert not (copy / step_name(3)).exists()
 
 
+@pytest.mark.dist
 def test_a_file_named_like_a_temporary_that_reshard_did_not_write_stays_with_its_directory(tmp_path: Path) -> None:
     """Beside a lock temporary of a dead save, a person's file named like a lock temporary but not a lock record
     and one named like another temporary stay, and so does their directory, with a warning that names them (not
@@ -523,6 +536,7 @@ def test_a_file_named_like_a_temporary_that_reshard_did_not_write_stays_with_its
     assert sorted(p.name for p in step.iterdir() if p.is_file()) == mine
 
 
+@pytest.mark.unit
 def test_retention_removes_the_latest_temporaries_of_dead_managers_and_no_one_elses(tmp_path: Path) -> None:
     """A manager killed while it replaced ``latest.json`` leaves ``.latest.json.tmp-<hex>`` in the root: the next
     manager's retention removes it (it holds the root's lock, so no other writer of the pointer is alive), and
@@ -550,6 +564,7 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
 sys.addaudithook(_audit)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("project", [False, True], ids=["home", "project-with-data"])
 def test_gc_of_a_directory_that_is_not_reshards_lists_only_its_top_data_and_refs(tmp_path: Path, project: bool) -> None:
     """gc (a dry run of ``--incomplete`` too) of a deep directory that holds nothing reshard wrote (a home

@@ -71,6 +71,7 @@ def assert_loads_as(path: Path | str, step: int, **kwargs: Any) -> None:
     assert loaded["rng"] == {"step": step} and loaded["step"] == step
 
 
+@pytest.mark.unit
 def test_only_the_changed_boxes_are_written(tmp_path: Path) -> None:
     first = reshard.save(frozen_and_trained(1), tmp_path / "a", options=HASHED)
     assert first.referenced_bytes == 0 and first.metadata is not None and first.metadata.content_hashes
@@ -121,6 +122,7 @@ def _crc_preserving_change(data: bytes) -> bytes:
     raise AssertionError("no dependent set among 64 bit flips")
 
 
+@pytest.mark.unit
 def test_a_box_whose_crc_matches_but_bytes_differ_is_rewritten(tmp_path: Path) -> None:
     old = torch.arange(256, dtype=torch.uint8).repeat(4)
     new_bytes = _crc_preserving_change(bytes(old.numpy()))
@@ -140,6 +142,7 @@ def test_a_box_whose_crc_matches_but_bytes_differ_is_rewritten(tmp_path: Path) -
     assert torch.equal(loaded["t"], new) and torch.equal(loaded["same"], old)
 
 
+@pytest.mark.unit
 def test_a_layout_change_writes_the_changed_tensors_in_full(tmp_path: Path) -> None:
     """Saved by 2 ranks (``w`` split in two rows), then by 4 (``w`` in four): ``w``'s boxes differ, so it is
     written again; the replicated ``b`` keeps its box and is referenced."""
@@ -171,6 +174,7 @@ def test_a_layout_change_writes_the_changed_tensors_in_full(tmp_path: Path) -> N
     assert torch.equal(loaded["w"], w) and torch.equal(loaded["b"], b)
 
 
+@pytest.mark.unit
 def test_a_staged_load_of_an_incremental_checkpoint(tmp_path: Path) -> None:
     reshard.save(frozen_and_trained(1), tmp_path / "ckpts" / "a", options=HASHED)
     reshard.save(frozen_and_trained(2), tmp_path / "ckpts" / "b", base=tmp_path / "ckpts" / "a")
@@ -183,6 +187,7 @@ def test_a_staged_load_of_an_incremental_checkpoint(tmp_path: Path) -> None:
 # ---- bad input ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_a_base_that_cannot_be_referenced_is_an_error_and_nothing_is_written(tmp_path: Path) -> None:
     reshard.save(frozen_and_trained(1), tmp_path / "plain")  # no content hashes
     reshard.save(frozen_and_trained(1), tmp_path / "hashed", options=HASHED)
@@ -208,6 +213,7 @@ def test_a_base_that_cannot_be_referenced_is_an_error_and_nothing_is_written(tmp
     assert not (tmp_path / "hashed" / REFERENCES_DIR).exists()
 
 
+@pytest.mark.unit
 def test_a_base_that_lost_a_file_fails_the_save_and_leaves_no_marker(tmp_path: Path) -> None:
     """A save that trusts its base (``verify_base=False``) learns of the lost file only from the check of the
     referenced files' sizes before its commit: it fails there. (A verifying save, the default, cannot read the
@@ -229,6 +235,7 @@ def _bin_files(path: Path) -> set[str]:
     return {p.name for p in path.rglob("*.bin")}
 
 
+@pytest.mark.unit
 def test_retention_and_gc_keep_every_referenced_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "root"
     manager = reshard.CheckpointManager(root, keep_last=1, incremental=True)
@@ -264,6 +271,7 @@ def test_retention_and_gc_keep_every_referenced_file(tmp_path: Path, capsys: pyt
     assert first.total_bytes == 10 * 64 * 64 * 4
 
 
+@pytest.mark.unit
 def test_overwriting_or_deleting_a_referenced_checkpoint_keeps_what_is_referenced(tmp_path: Path) -> None:
     reshard.save(frozen_and_trained(1), tmp_path / "a", options=HASHED)
     old_files = _bin_files(tmp_path / "a")
@@ -284,6 +292,7 @@ def test_overwriting_or_deleting_a_referenced_checkpoint_keeps_what_is_reference
     assert torch.equal(loaded["frozen"]["layer0"], changed["frozen"]["layer0"])
 
 
+@pytest.mark.unit
 def test_a_manager_resumes_incremental_saves_after_full_ones(tmp_path: Path) -> None:
     root = tmp_path / "root"
     reshard.CheckpointManager(root).save(1, frozen_and_trained(1))  # no content hashes: cannot be a base
@@ -315,6 +324,7 @@ KILL_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("point", ["mid_write", "in_commit"])
 def test_kill_9_during_an_incremental_save_keeps_the_previous_checkpoints(tmp_path: Path, point: str) -> None:
     root, marker = tmp_path / "root", tmp_path / "killed.json"
@@ -354,6 +364,7 @@ def test_kill_9_during_an_incremental_save_keeps_the_previous_checkpoints(tmp_pa
 # ---- object stores -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.dist
 def test_incremental_saves_on_an_object_store(object_store: Any) -> None:
     url = f"{object_store.protocol}://{object_store.new_bucket()}/run"
     options = object_store.storage_options
@@ -424,6 +435,7 @@ def rank_lora_load(ctx: RankContext, layout: str, path: str) -> str | None:
     return state_digest(trainer.full_state())
 
 
+@pytest.mark.dist
 def test_lora_incremental_checkpoints_write_only_what_training_changes(pool4: RankPool, tmp_path: Path) -> None:
     root = tmp_path / "root"
     run = pool4.run_ok(rank_lora_incremental_run, str(root), 4)[0]
@@ -456,6 +468,7 @@ def test_lora_incremental_checkpoints_write_only_what_training_changes(pool4: Ra
         assert digests[0] == run["digests"][step], (step, layout)
 
 
+@pytest.mark.unit
 def test_a_save_into_a_retired_directory_and_retention_of_a_cut_short_deletion(tmp_path: Path) -> None:
     """A retired directory saved into becomes a checkpoint again (its referenced file still kept); a holder
     that lost its metadata.json without being retired (a deletion cut short) is retired by retention, not
@@ -481,6 +494,7 @@ def test_a_save_into_a_retired_directory_and_retention_of_a_cut_short_deletion(t
     assert_loads_as(root / step_name(3), 3)
 
 
+@pytest.mark.unit
 def test_full_every_bounds_how_long_a_checkpoint_stays_referenced(tmp_path: Path) -> None:
     root = tmp_path / "root"
     manager = reshard.CheckpointManager(root, keep_last=1, incremental=True, full_every=3)
@@ -498,6 +512,7 @@ def test_full_every_bounds_how_long_a_checkpoint_stays_referenced(tmp_path: Path
         reshard.CheckpointManager(root, full_every=3)
 
 
+@pytest.mark.unit
 def test_fingerprints_and_read_once_loads_of_an_incremental_checkpoint(tmp_path: Path) -> None:
     """The reused boxes' fingerprints are combined like the written ones' (``verify=True`` passes), and a
     read-once load of two replicas (threads) reads referenced files like its own."""

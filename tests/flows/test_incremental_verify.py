@@ -114,6 +114,7 @@ def own_file(path: Path, layer: int, rank: int) -> bool:
     return metadata.files[box.file].checkpoint is None
 
 
+@pytest.mark.unit
 def test_a_flipped_byte_in_the_base_is_written_again_not_referenced(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -139,6 +140,7 @@ def test_a_flipped_byte_in_the_base_is_written_again_not_referenced(
     assert_holds(reshard.load(template(), tmp_path / "c"), 3)
 
 
+@pytest.mark.unit
 def test_a_base_file_replaced_by_another_of_the_same_size_is_not_referenced(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -160,6 +162,7 @@ def test_a_base_file_replaced_by_another_of_the_same_size_is_not_referenced(
     assert validate_checkpoint(tmp_path / "b") == []
 
 
+@pytest.mark.unit
 def test_a_manager_heals_a_damaged_frozen_base_on_two_ranks(tmp_path: Path) -> None:
     """CheckpointManager(incremental=True) on 2 ranks: the held file of the frozen base (step 1, retired) gets a
     flipped byte after steps 1 and 2; step 3 writes that box again and loads, and so does every later step."""
@@ -195,6 +198,7 @@ def test_a_manager_heals_a_damaged_frozen_base_on_two_ranks(tmp_path: Path) -> N
     assert frozen_box(root / step_name(4), 3, 0)[0].parent.parent == root / step_name(3)
 
 
+@pytest.mark.unit
 def test_verify_base_false_references_without_reading(tmp_path: Path) -> None:
     """The storage counts the bytes it reads: a trusting save reads none of the base, a verifying one exactly
     the bytes it references. Trusting a damaged base then commits a checkpoint that does not load, which is
@@ -219,6 +223,7 @@ def test_verify_base_false_references_without_reading(tmp_path: Path) -> None:
         reshard.load({"frozen": frozen_template()}, tmp_path / "d")
 
 
+@pytest.mark.unit
 def test_a_base_that_lost_its_data_file_is_saved_in_full(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A read that fails (the file is gone) is a copy that cannot be proven: the boxes are written."""
     reshard.save(global_state(1), tmp_path / "a", options=HASHED)
@@ -235,6 +240,7 @@ def test_a_base_that_lost_its_data_file_is_saved_in_full(tmp_path: Path, caplog:
     assert all(torch.equal(loaded["frozen"][k], v) for k, v in global_state(2)["frozen"].items())
 
 
+@pytest.mark.dist
 def test_a_damaged_base_object_is_written_again(object_store: Any) -> None:
     """On S3 and GCS: a held object with a flipped byte (replaced through the store's own API) is read back with
     ranged GETs and written anew."""
@@ -262,6 +268,7 @@ def test_a_damaged_base_object_is_written_again(object_store: Any) -> None:
     assert result.rewritten_bytes == box.byte_length and result.referenced_bytes == FROZEN_BYTES - box.byte_length
 
 
+@pytest.mark.unit
 def test_reading_the_base_back_keeps_within_the_save_budget(tmp_path: Path) -> None:
     """A 64 MiB frozen tensor read back by a save with a 4 MiB budget: the peak RSS grows by far less than the
     tensor (the copy is streamed through a small buffer, never read whole)."""
@@ -275,6 +282,7 @@ def test_reading_the_base_back_keeps_within_the_save_budget(tmp_path: Path) -> N
     assert grown() < 16 * 2**20, f"peak RSS grew by {grown() / 2**20:.1f} MiB"
 
 
+@pytest.mark.dist
 def test_reading_back_from_an_object_store_takes_one_ranged_get_per_run_of_boxes(
     object_store: Any, fault_proxy: Any
 ) -> None:
@@ -307,6 +315,7 @@ def test_reading_back_from_an_object_store_takes_one_ranged_get_per_run_of_boxes
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
+@pytest.mark.dist
 def test_a_failed_read_back_is_read_again_box_by_box(object_store: Any, fault_proxy: Any) -> None:
     """The one ranged GET of a run fails (a 503, no retries left): the boxes are read back one by one, so the
     failure costs no box its reference; only the damaged one is written anew."""

@@ -21,6 +21,8 @@ from reshard.interop import HuggingFaceSource
 from reshard.storage import LocalStorage
 from tests.rankpool import RankContext, RankPool
 
+pytestmark = pytest.mark.dist
+
 TIMEOUT = 30.0
 FULL = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
 BIG = torch.arange(256 * 64, dtype=torch.float32).reshape(256, 64)  # 64 KiB: one rank reads, one receives

@@ -37,6 +37,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(["reshard", *args], code, out.getvalue(), err.getvalue())
 
 
+@pytest.mark.unit
 def test_retention_latest_and_load(tmp_path: Path) -> None:
     manager = reshard.CheckpointManager(tmp_path, keep_last=2, keep_every=2)
     for step in range(1, 6):
@@ -51,6 +52,7 @@ def test_retention_latest_and_load(tmp_path: Path) -> None:
     assert not (tmp_path / LOCK_FILE).exists()
 
 
+@pytest.mark.unit
 def test_fallback_past_corrupt_and_incomplete_checkpoints(tmp_path: Path) -> None:
     manager = reshard.CheckpointManager(tmp_path)
     for step in (10, 20, 30):
@@ -77,6 +79,7 @@ def _dead_pid() -> int:
     return int(done.stdout)
 
 
+@pytest.mark.dist
 def test_retention_removes_old_leftovers_but_not_newer_or_live_ones(tmp_path: Path) -> None:
     """What a save that died leaves (its data file, its lock naming its save) is removed once older than the
     newest complete step; a newer one, a running one, and files that no save's lock or record ties to a save
@@ -103,6 +106,7 @@ def test_retention_removes_old_leftovers_but_not_newer_or_live_ones(tmp_path: Pa
     assert untied.read_bytes() == b"no lock names this save"
 
 
+@pytest.mark.unit
 def test_two_managers_on_one_root_cannot_interleave(tmp_path: Path) -> None:
     info = LockInfo(host=socket.gethostname(), pid=os.getppid(), token="other", created=time.time())
     tmp_path.mkdir(exist_ok=True)
@@ -112,6 +116,7 @@ def test_two_managers_on_one_root_cannot_interleave(tmp_path: Path) -> None:
     assert not (tmp_path / "step_000000001").exists()
 
 
+@pytest.mark.unit
 def test_validate_and_ls_commands(tmp_path: Path) -> None:
     manager = reshard.CheckpointManager(tmp_path)
     manager.save(1, _state(1))

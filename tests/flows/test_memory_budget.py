@@ -33,6 +33,7 @@ def transposed() -> torch.Tensor:
     return torch.randn(COLS, ROWS, generator=generator).t()
 
 
+@pytest.mark.unit
 def test_save_streams_a_non_contiguous_tensor_through_its_budget(tmp_path: Path, transposed: torch.Tensor) -> None:
     """A transposed 64 MiB tensor saved with a 4 MiB budget grows the peak RSS by far less than the tensor (a
     whole contiguous copy would add 64 MiB), and loads back bit-identical."""
@@ -45,6 +46,7 @@ def test_save_streams_a_non_contiguous_tensor_through_its_budget(tmp_path: Path,
     assert torch.equal(loaded, transposed)
 
 
+@pytest.mark.unit
 def test_save_of_a_sharded_non_contiguous_view_round_trips_with_a_tiny_budget(tmp_path: Path) -> None:
     """Slabs smaller than a row, and conjugate/negative views resolved while they are copied."""
     base = torch.arange(6 * 10, dtype=torch.float64).reshape(6, 10)
@@ -66,6 +68,7 @@ def reshard_min_budget() -> int:
     return MIN_SAVE_MEMORY_BUDGET
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("budget_mib", [2, 32])
 def test_strided_load_keeps_within_its_budget(tmp_path: Path, transposed: torch.Tensor, budget_mib: int) -> None:
     """A load that cuts across the trailing axis of a 64 MiB box (strided reads, every checksum chunk touched)
@@ -84,6 +87,7 @@ def test_strided_load_keeps_within_its_budget(tmp_path: Path, transposed: torch.
     assert torch.equal(target, contiguous[:, COLS // 2 :])
 
 
+@pytest.mark.unit
 def test_budgets_below_their_minimum_are_refused() -> None:
     with pytest.raises(ValueError, match="memory_budget_bytes"):
         reshard.SaveOptions(memory_budget_bytes=MiB - 1)
@@ -96,6 +100,7 @@ def test_budgets_below_their_minimum_are_refused() -> None:
 PART = 5 * MiB  # S3's smallest part
 
 
+@pytest.mark.dist
 def test_upload_parts_in_flight_are_cut_to_the_budget(object_store: Any) -> None:
     url = f"{object_store.protocol}://{object_store.new_bucket()}/ckpt"
     storage = ObjectStorage(url, object_store.options(), transfer=TransferOptions(part_bytes=PART, max_concurrency=8))
@@ -113,6 +118,7 @@ def test_upload_parts_in_flight_are_cut_to_the_budget(object_store: Any) -> None
         storage.close()
 
 
+@pytest.mark.dist
 def test_a_budget_below_two_upload_parts_fails_the_save_and_keeps_the_checkpoint(object_store: Any) -> None:
     """SaveOptions(memory_budget_bytes=12 MiB) leaves 9 MiB for uploads after the staging buffer: less than two
     5 MiB parts. The save raises StorageError, nothing is committed, and the checkpoint already there loads."""
@@ -135,6 +141,7 @@ def test_a_budget_below_two_upload_parts_fails_the_save_and_keeps_the_checkpoint
         storage.close()
 
 
+@pytest.mark.unit
 def test_a_single_put_store_refuses_a_file_larger_than_the_budget() -> None:
     """A store without multipart uploads buffers a data object whole: the write that would take it past the
     budget raises, and a file within it is put whole."""
@@ -156,6 +163,7 @@ def test_a_single_put_store_refuses_a_file_larger_than_the_budget() -> None:
 # ---- slabs of one box, verified across their boundaries ------------------------------------------------
 
 
+@pytest.mark.unit
 def test_a_box_cut_into_slabs_reads_each_chunk_once_and_still_verifies_it(tmp_path: Path) -> None:
     """A 20 MiB box of 5120-byte rows loaded with a 16 MiB budget is read in slabs of at most 7 MiB whose edges
     fall inside
@@ -200,6 +208,7 @@ def _range_lengths(proxy: Any) -> list[int]:
     return lengths
 
 
+@pytest.mark.dist
 def test_object_store_loads_keep_their_gets_in_flight_within_the_budget(object_store: Any, fault_proxy: Any) -> None:
     """With a 16 MiB load budget, 7 MiB of it is for response bodies in flight: the ranged GETs of a 12 MiB
     box are cut to 1 MiB, at most 7 in flight; with the default budget (32 MiB) to 1 MiB, at most 15 in
@@ -222,6 +231,7 @@ def test_object_store_loads_keep_their_gets_in_flight_within_the_budget(object_s
         assert sum(lengths) == value.nbytes and max(lengths) <= MiB, lengths
 
 
+@pytest.mark.unit
 def test_get_sizes_under_the_load_budgets_of_docs_api() -> None:
     """docs/api.md: the default load budget makes 1 MiB GETs, 15 in flight; 256 MiB about 8 MiB, 16 in flight;
     without a budget, part-sized GETs at full concurrency."""

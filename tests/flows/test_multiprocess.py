@@ -34,6 +34,7 @@ def rank_load(ctx: RankContext, path: str, size: int, saved_size: int) -> dict[s
     return {"needed": stats.bytes_needed, "read": stats.bytes_read}
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(("save_size", "load_size"), list(itertools.product([1, 2, 4], [1, 2, 4])))
 def test_save_n_load_m(pool4: RankPool, tmp_path: Path, save_size: int, load_size: int) -> None:
     path = str(tmp_path / "ckpt")
@@ -50,6 +51,7 @@ def test_save_n_load_m(pool4: RankPool, tmp_path: Path, save_size: int, load_siz
     assert all(s is not None and s["read"] >= s["needed"] > 0 for s in stats[:load_size])
 
 
+@pytest.mark.unit
 def test_single_process_round_trip_without_distributed(tmp_path: Path) -> None:
     """group=None without torch.distributed initialised: one process, no collectives."""
     path = tmp_path / "ckpt"
@@ -81,6 +83,7 @@ def rank_load_crosswise(ctx: RankContext, root: str) -> tuple[str, list[float]]:
     return out["name"], out["w"].reshape(-1).tolist()
 
 
+@pytest.mark.dist
 def test_explicit_groups_save_concurrently_and_load_crosswise(pool4: RankPool, tmp_path: Path) -> None:
     """Two 2-rank groups save two checkpoints at the same time, then each loads the other's."""
     assert pool4.run_ok(rank_save_in_half, str(tmp_path)) == ["a", "a", "b", "b"]

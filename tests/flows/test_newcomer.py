@@ -28,6 +28,7 @@ def _old(path: Path) -> None:
     os.utime(path, (1_000_000_000, 1_000_000_000))
 
 
+@pytest.mark.unit
 def test_a_directory_with_its_own_data_folder_is_not_an_interrupted_save(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -47,6 +48,7 @@ def test_a_directory_with_its_own_data_folder_is_not_an_interrupted_save(
     assert csv.read_text() == "a,b\n1,2\n"
 
 
+@pytest.mark.dist
 def test_gc_of_an_interrupted_save_removes_only_the_files_a_save_names(tmp_path: Path) -> None:
     """An interrupted save (a data file named as a save names it, no metadata.json, the lock of the save that
     died) is incomplete; gc --incomplete removes that file and the lock, and leaves a file a person put beside
@@ -74,6 +76,7 @@ def test_gc_of_an_interrupted_save_removes_only_the_files_a_save_names(tmp_path:
     assert sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")) == ["data", "data/notes.txt"]
 
 
+@pytest.mark.unit
 def test_a_meta_device_template_is_an_error_not_a_silent_no_op(tmp_path: Path) -> None:
     reshard.save({"w": torch.arange(6.0), "b": torch.ones(2)}, tmp_path / "ckpt")
     stats = reshard.LoadStats()
@@ -83,6 +86,7 @@ def test_a_meta_device_template_is_an_error_not_a_silent_no_op(tmp_path: Path) -
     assert stats.bytes_read == 0
 
 
+@pytest.mark.unit
 def test_lossy_dtype_casts_need_an_opt_in(tmp_path: Path) -> None:
     """float -> int (truncation) and int64 -> int32 are MismatchErrors unless allow_lossy_cast; precision
     changes of floats and widening integer casts load as before."""
@@ -104,6 +108,7 @@ def test_lossy_dtype_casts_need_an_opt_in(tmp_path: Path) -> None:
     assert not is_lossy_cast(torch.int64, torch.float32) and not is_lossy_cast(torch.uint8, torch.int16)
 
 
+@pytest.mark.unit
 def test_the_manager_says_which_newer_steps_it_skipped(tmp_path: Path) -> None:
     """Step 3's metadata.json does not parse and step 4 was interrupted: load_latest_with_state resumes step 2,
     warning about both and listing them in ``skipped``, newest first."""
@@ -123,6 +128,7 @@ def test_the_manager_says_which_newer_steps_it_skipped(tmp_path: Path) -> None:
     assert len(messages) == 2 and "step_000000004" in messages[0] and "step_000000003" in messages[1]
 
 
+@pytest.mark.unit
 def test_ranks_started_by_a_launcher_without_a_process_group_are_told(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -136,6 +142,7 @@ def test_ranks_started_by_a_launcher_without_a_process_group_are_told(
     reshard.save({"w": torch.ones(2)}, tmp_path / "ckpt")
 
 
+@pytest.mark.unit
 def test_a_collective_timeout_says_every_rank_must_call(tmp_path: Path) -> None:
     """Only rank 0 of a group of two calls save: it fails after the timeout, saying that every rank must
     make the same call."""
@@ -147,6 +154,7 @@ def test_a_collective_timeout_says_every_rank_must_call(tmp_path: Path) -> None:
     assert not (tmp_path / "ckpt" / "metadata.json").exists()
 
 
+@pytest.mark.dist
 def test_a_missing_bucket_or_root_is_one_line_naming_it(
     object_store: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -170,6 +178,7 @@ def test_a_missing_bucket_or_root_is_one_line_naming_it(
     assert "checked" not in capsys.readouterr().out
 
 
+@pytest.mark.dist
 def test_strided_loads_from_object_stores_make_few_large_gets(object_store: Any, tmp_path: Path) -> None:
     """A column slice of a row-major tensor is 2048 strided runs. From an object store the default merges
     them into a few large ranged GETs (the gaps cost less than requests); an explicit
@@ -195,6 +204,7 @@ def test_strided_loads_from_object_stores_make_few_large_gets(object_store: Any,
     assert local.bytes_read <= 1.1 * local.bytes_needed
 
 
+@pytest.mark.unit
 def test_usage_mistakes_are_one_line_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A malformed --storage-option and a demo layout the model cannot run are usage errors (exit 2, one
     line, before anything starts); an existing destination names the command-line flag."""
@@ -209,6 +219,7 @@ def test_usage_mistakes_are_one_line_with_exit_2(tmp_path: Path, capsys: pytest.
     assert "--overwrite" in capsys.readouterr().err
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["demo", "--help"], ["gc", "--help"]])
 def test_the_command_line_answers_help_and_version_without_importing_torch(argv: list[str]) -> None:
     """``reshard --help`` and ``--version`` must not pay the seconds of importing torch: the package's
@@ -227,6 +238,7 @@ def test_the_command_line_answers_help_and_version_without_importing_torch(argv:
     assert "reshard" in _in_a_fresh_interpreter(probe)
 
 
+@pytest.mark.dist
 def test_the_package_imports_its_public_names_on_first_use() -> None:
     """``import reshard`` stays light, and the functions named like their modules (``save``, ``load``,
     ``async_save``, ``transfer``) stay functions even when their module was imported first (as every internal
@@ -252,6 +264,7 @@ def test_the_package_imports_its_public_names_on_first_use() -> None:
     _in_a_fresh_interpreter(probe)
 
 
+@pytest.mark.dist
 def test_a_moved_module_imports_from_its_old_path_with_a_warning() -> None:
     """docs/api.md "Moved modules": an old module path (``reshard.manager``, ``reshard.transports.ThreadGroup``,
     a submodule of a moved package) is the module at its new path, not a second copy, and warns once."""
@@ -303,6 +316,7 @@ class _RecordedProgress:
         self.calls.append(("finish", 0))
 
 
+@pytest.mark.unit
 def test_diff_compares_bytes_first_and_values_where_bytes_differ(tmp_path: Path) -> None:
     """``diff`` compares same-dtype slabs byte for byte and converts only those that differ: values that are
     equal with different bytes (-0.0 and 0.0, NaNs with different payloads) stay equal, and a difference in
@@ -333,6 +347,7 @@ def test_diff_compares_bytes_first_and_values_where_bytes_differ(tmp_path: Path)
     assert diff_checkpoints(tmp_path / "a", tmp_path / "a", slab_bytes=1024).ok
 
 
+@pytest.mark.unit
 def test_validate_reports_progress_and_is_quiet_on_request(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``validate`` tells a progress object the bytes it checks (the command line draws the bar on a
     terminal); ``-q`` leaves only problems on stdout, and the exit code says the outcome."""

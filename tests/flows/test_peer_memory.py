@@ -141,6 +141,7 @@ def _collect(results: Any, count: int, kind: str) -> list[tuple[Any, ...]]:
     return sorted(out, key=lambda m: m[1])
 
 
+@pytest.mark.dist
 def test_restore_from_peer_memory_into_another_layout_after_sigkill(tmp_path: Path) -> None:
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -198,6 +199,7 @@ def test_restore_from_peer_memory_into_another_layout_after_sigkill(tmp_path: Pa
                 p.kill()
 
 
+@pytest.mark.unit
 def test_too_few_nodes_for_the_copies_is_an_error() -> None:
     with pytest.raises(ValueError, match="too few"):
         reshard.PeerMemoryCheckpoint(replicas=1, node_size=1).save({"w": torch.ones(2)})
@@ -220,6 +222,7 @@ def _thread_errors(ranks: int, run: Any) -> list[str]:
     return errors
 
 
+@pytest.mark.unit
 def test_ranks_passing_other_peer_arguments_fail_every_rank() -> None:
     """A rank with another ``node_size`` (or ``replicas``) would keep copies where the others do not look for
     them; one restoring with a ``fallback`` while the others do not would load alone. Every rank raises the same
@@ -245,6 +248,7 @@ def test_ranks_passing_other_peer_arguments_fail_every_rank() -> None:
     assert all(e.startswith("CheckpointError") and "fallback: True on rank 0, False on rank 1" in e for e in errors)
 
 
+@pytest.mark.unit
 def test_a_peer_save_holds_two_generations_at_most() -> None:
     """Each save keeps the previous generation until the new one is everywhere, then releases it. Two ranks,
     each with 16 MiB of its own and a 16 MiB copy of its peer's (a 64 MiB generation): three more saves raise
@@ -274,6 +278,7 @@ def test_a_peer_save_holds_two_generations_at_most() -> None:
     assert torch.equal(restored[0]["w"], torch.full((8 * mib,), 3.0))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("arguments", "environment", "named"),
     [

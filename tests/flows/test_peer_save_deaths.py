@@ -31,6 +31,8 @@ import torch.multiprocessing as mp
 
 import reshard
 
+pytestmark = pytest.mark.dist
+
 ROWS, COLS = 12, 8
 TIMEOUT_S = 8.0
 EVENTS = ("gather_bytes", "broadcast_bytes", "scatter_bytes", "exchange")

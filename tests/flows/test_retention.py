@@ -87,6 +87,7 @@ NOT_RECORDS = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("record", sorted(NOT_RECORDS))
 def test_5_gc_never_empties_a_directory_whose_retired_json_reshard_did_not_write(tmp_path: Path, record: str) -> None:
     """A project directory (no metadata.json) with its own ``retired.json``, sources, a CSV, a file named like a
@@ -121,6 +122,7 @@ def test_5_gc_never_empties_a_directory_whose_retired_json_reshard_did_not_write
     assert _snapshot(root / step_name(1)) == before
 
 
+@pytest.mark.unit
 def test_5_gc_of_a_home_directory_or_of_files_named_like_data_deletes_nothing(tmp_path: Path) -> None:
     """``gc`` of a home directory (a ``.ssh``, a project, a ``data/`` with files named as a save names them,
     no metadata.json): refused, nothing deleted, whatever the options; ``gc /`` refuses too."""
@@ -151,6 +153,7 @@ def test_5_gc_of_a_home_directory_or_of_files_named_like_data_deletes_nothing(tm
     assert code == 3 and err.strip()
 
 
+@pytest.mark.unit
 def test_5_gc_of_a_real_retired_checkpoint_removes_only_what_its_save_wrote(tmp_path: Path) -> None:
     """A retired step that also holds a person's notes and a file named like data of another save: once no
     checkpoint references it, retention removes exactly the files its record names, its markers and the
@@ -174,6 +177,7 @@ def test_5_gc_of_a_real_retired_checkpoint_removes_only_what_its_save_wrote(tmp_
     assert_loads_as(root / step_name(3), 3)
 
 
+@pytest.mark.unit
 def test_5_a_retirement_record_of_the_previous_version_is_swept(tmp_path: Path) -> None:
     """``retired.json`` as reshard wrote it before it recorded the save (``{"retired", "kept"}``): its kept files
     are reshard's and go once unreferenced, with the directory."""
@@ -199,6 +203,7 @@ def _unprotected(path: Path, holder: str) -> str:
     return rf"{holder}.*no reference marker {marker}.*copied or moved"
 
 
+@pytest.mark.unit
 def test_6_a_copied_or_moved_step_is_refused_and_retention_and_gc_keep_what_others_use(tmp_path: Path) -> None:
     """``cp -r step_2 step_2_backup``, ``mv step_3 step_7`` and a copy of a step into another root without
     its holder are refused by load and validate, naming the reference and the missing marker (nothing of the
@@ -253,6 +258,7 @@ def test_6_a_copied_or_moved_step_is_refused_and_retention_and_gc_keep_what_othe
         assert_loads_as(copy / step_name(4), 4)
 
 
+@pytest.mark.unit
 def test_6_a_moved_newest_step_is_no_base_and_never_loaded_silently(tmp_path: Path) -> None:
     root = tmp_path / "root"
     manager = reshard.CheckpointManager(root, incremental=True)
@@ -268,6 +274,7 @@ def test_6_a_moved_newest_step_is_no_base_and_never_loaded_silently(tmp_path: Pa
     assert_loads_as(root / step_name(6), 6)
 
 
+@pytest.mark.unit
 def test_6_a_step_read_through_a_link_keeps_its_references(tmp_path: Path) -> None:
     """A link to a step (``latest -> step_2`` beside it, or from another directory) is that step: its name and
     siblings are those of the directory it points to, so its references hold."""
@@ -282,6 +289,7 @@ def test_6_a_step_read_through_a_link_keeps_its_references(tmp_path: Path) -> No
         assert validate_checkpoint(link) == []
 
 
+@pytest.mark.unit
 def test_a_manager_whose_base_lost_bytes_saves_in_full(tmp_path: Path) -> None:
     """The file that the newest step references was truncated (a damaged disk): the next save of the job is
     made in full instead of failing (it could not reference that file), and loads."""
@@ -324,6 +332,7 @@ CUT_AFTER_RECORD = textwrap.dedent(
 )
 
 
+@pytest.mark.dist
 def test_7_a_retirement_cut_short_after_its_record_is_no_checkpoint_for_any_reader(tmp_path: Path) -> None:
     root = tmp_path / "root"
     child = subprocess.run(
@@ -416,6 +425,7 @@ def _point_at(checkpoint: Path, holder: str, path: str, size: int) -> None:
     write_doc(checkpoint, doc)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "case", ["secret_file", "data_name_in_a_plain_directory", "checkpoint_without_marker", "malformed_marker"]
 )
@@ -487,6 +497,7 @@ def _assert_two_rank_step(path: Path, step: int) -> None:
     assert loaded["rng"] == {"rank": 1, "step": step} and loaded["step"] == step
 
 
+@pytest.mark.unit
 def test_10_a_retention_that_fails_after_the_commit_is_an_unconfirmed_commit_on_every_rank(tmp_path: Path) -> None:
     root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
     group = ThreadGroup(2)
@@ -523,6 +534,7 @@ def test_10_a_retention_that_fails_after_the_commit_is_an_unconfirmed_commit_on_
 # ---- hostile roots and markers -------------------------------------------------------------------------------------
 
 
+@pytest.mark.dist
 def test_retention_never_deletes_through_a_step_that_is_a_link(tmp_path: Path) -> None:
     """A manager root whose step directories are links (to a checkpoint kept on another disk, to a home
     directory): retention deletes nothing through them."""
@@ -543,6 +555,7 @@ def test_retention_never_deletes_through_a_step_that_is_a_link(tmp_path: Path) -
     assert (root / step_name(1)).is_symlink() and (root / step_name(2)).is_symlink()
 
 
+@pytest.mark.unit
 def test_retention_of_a_step_whose_data_is_a_link_deletes_nothing(tmp_path: Path) -> None:
     """A step whose ``data`` is a link to a directory elsewhere: retention deletes nothing of it (not even its
     metadata.json) and says so; the save is committed (UnconfirmedCommitError)."""
@@ -558,6 +571,7 @@ def test_retention_of_a_step_whose_data_is_a_link_deletes_nothing(tmp_path: Path
     assert_loads_as(root / step_name(2), 2)
 
 
+@pytest.mark.unit
 def test_hostile_reference_markers_protect_nothing_and_are_never_deleted(tmp_path: Path) -> None:
     root = tmp_path / "root"
     manager = reshard.CheckpointManager(root, keep_last=1, incremental=True)
@@ -586,6 +600,7 @@ def test_hostile_reference_markers_protect_nothing_and_are_never_deleted(tmp_pat
     assert_loads_as(root / step_name(3), 3)
 
 
+@pytest.mark.dist
 def test_retention_gc_and_references_on_an_object_store(object_store: Any) -> None:
     """The same rules on S3 and GCS: a step copied to another prefix beside it is refused naming the missing
     marker; retirement records its files, and the sweep leaves an object that nothing ties to a save."""
@@ -774,6 +789,7 @@ def _recover(root: Path, scenario: str) -> None:
                 collect_garbage(child, min_age_s=0, include_incomplete=True)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("scenario", ["retire", "full", "gc", "resave"])
 def test_kill_9_at_every_step_of_retention_and_gc_loses_nothing_and_converges(tmp_path: Path, scenario: str) -> None:
     """SIGKILL the process that runs retention (or gc, or a save into a retired directory) before each of its

@@ -60,6 +60,7 @@ def check_phases(stats: SaveStats | LoadStats, phases: tuple[str, ...]) -> None:
     )
 
 
+@pytest.mark.unit
 def test_save_stats_count_what_the_files_hold(tmp_path: Path) -> None:
     stats = SaveStats()
     metadata = reshard.save(
@@ -80,6 +81,7 @@ def test_save_stats_count_what_the_files_hold(tmp_path: Path) -> None:
     assert stats.write_throughput == pytest.approx(stats.bytes_written / stats.seconds_write)
 
 
+@pytest.mark.unit
 def test_load_stats_time_every_phase(tmp_path: Path) -> None:
     reshard.save(state(), tmp_path / "ckpt", options=reshard.SaveOptions(fingerprint=True))
     stats = LoadStats()
@@ -92,6 +94,7 @@ def test_load_stats_time_every_phase(tmp_path: Path) -> None:
     assert stats.seconds_stage == 0.0  # no staging directory
 
 
+@pytest.mark.unit
 def test_phases_are_logged_at_debug_with_one_info_summary(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.DEBUG, logger="reshard"):
         reshard.save(state(), tmp_path / "ckpt")
@@ -112,6 +115,7 @@ def test_phases_are_logged_at_debug_with_one_info_summary(tmp_path: Path, caplog
     assert "read " in info[1]
 
 
+@pytest.mark.dist
 def test_nothing_reaches_stderr_by_default(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
@@ -136,6 +140,7 @@ def rank_save_stats(ctx: RankContext, path: str) -> dict[str, Any]:
     return dataclasses.asdict(stats)
 
 
+@pytest.mark.dist
 def test_ranks_bytes_written_add_up_to_the_checkpoint(pool4: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     per_rank = pool4.run_ok(rank_save_stats, str(path))

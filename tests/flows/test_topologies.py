@@ -170,6 +170,7 @@ def case_id(case: tuple[Par, list[Par]]) -> str:
 # --- the layouts themselves ------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_fused_layouts_match_megatron_formulas(tp: int) -> None:
     """The segment descriptions cut the same local tensors as Megatron's reshape/chunk formulas."""
@@ -195,6 +196,7 @@ LAYOUT_SAMPLES = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("par", LAYOUT_SAMPLES, ids=str)
 def test_pieces_of_every_layout_are_global_slices(par: Par) -> None:
     """Single process: every piece reshard derives from a layout's description views exactly the
@@ -211,6 +213,7 @@ def test_pieces_of_every_layout_are_global_slices(par: Par) -> None:
                 assert torch.equal(piece.view, full[index]), (str(par), rank, key, piece.box)
 
 
+@pytest.mark.unit
 def test_zero_ranges_cut_rows_and_leave_params_out() -> None:
     """Over the ZeRO layouts tested below, the DP ranges start mid-row, some cover less than one row of a
     2-D parameter, some are empty, and some hold nothing but vocabulary padding."""
@@ -241,6 +244,7 @@ TP_CASES = [
 ]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", TP_CASES, ids=case_id)
 def test_tensor_parallel(pool8: RankPool, tmp_path: Path, case: tuple[Par, list[Par]]) -> None:
     """Fused QKV (MHA and GQA with 8 query groups), GLU, padded vocabulary, row-parallel projection and
@@ -252,6 +256,7 @@ def test_tensor_parallel(pool8: RankPool, tmp_path: Path, case: tuple[Par, list[
         load_ok(pool8, path, par, DENSE)
 
 
+@pytest.mark.dist
 def test_axis0_reshard_reads_exactly_the_needed_bytes(pool8: RankPool, tmp_path: Path) -> None:
     """Tensors split along axis 0 only (segmented QKV/GLU, padded vocabulary): any TP change reads only
     whole row runs, so nothing is read that is not needed."""
@@ -276,6 +281,7 @@ def rank_embedding_padding(ctx: RankContext, path: str, tp: int) -> list[float] 
     return [float(v) for v in out[max(first_pad, 0) :].reshape(-1).tolist()]
 
 
+@pytest.mark.dist
 def test_vocab_padding_is_zero_after_load(pool8: RankPool, tmp_path: Path) -> None:
     """The padded rows hold garbage at save and are never stored; a load zeroes them even in a template
     full of ones and NaN, including rank 7 of TP 8, whose rows are all padding."""
@@ -299,6 +305,7 @@ PP_CASES = [
 ]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", PP_CASES, ids=case_id)
 def test_pipeline_parallel(pool8: RankPool, tmp_path: Path, case: tuple[Par, list[Par]]) -> None:
     """A stacked layer axis split by PP and per-layer keys with global layer numbers: PP 2->1, 2->4,
@@ -312,6 +319,7 @@ def test_pipeline_parallel(pool8: RankPool, tmp_path: Path, case: tuple[Par, lis
         load_ok(pool8, path, par, PP_PARTS, exact=True)
 
 
+@pytest.mark.dist
 def test_tp_pp_dp_combined(pool8: RankPool, tmp_path: Path) -> None:
     """TP2 x PP2 x DP2 on 8 ranks (DP replicas, TP-replicated norms: (tp, dp) replica ids) to TP1 x PP4,
     TP4 x DP2 and a single rank."""
@@ -325,6 +333,7 @@ def test_tp_pp_dp_combined(pool8: RankPool, tmp_path: Path) -> None:
 EVERYTHING = (*DENSE, "stacked", "per_layer", "experts", "optim")
 
 
+@pytest.mark.dist
 def test_whole_model_every_dimension_at_once(pool8: RankPool, tmp_path: Path) -> None:
     """Every tensor family at once: TP2 x PP2 (2 virtual chunks each, one leaf per layer) x DP2 with EP2,
     one leaf per expert and ZeRO-1, to TP1 x DP4 x EP4 with ZeRO, to TP4 x PP2 x ETP2 without ZeRO, and
@@ -353,6 +362,7 @@ EP_CASES = [
 ]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", EP_CASES, ids=case_id)
 def test_expert_parallel(pool8: RankPool, tmp_path: Path, case: tuple[Par, list[Par]]) -> None:
     """Stacked experts split by EP (with expert-DP replicas where EP < ranks per stage): EP 2->4, 4->1,
@@ -365,6 +375,7 @@ def test_expert_parallel(pool8: RankPool, tmp_path: Path, case: tuple[Par, list[
         load_ok(pool8, path, par, parts)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("ep", [1, 2])
 def test_tp2_etp1_to_tp1_etp2(pool8: RankPool, tmp_path: Path, ep: int) -> None:
     """Dense TP2 with experts at ETP1 (EP1: experts replicated over both ranks; EP2: split) on 2 ranks,
@@ -379,6 +390,7 @@ def test_tp2_etp1_to_tp1_etp2(pool8: RankPool, tmp_path: Path, ep: int) -> None:
 ETP_TRAP = Par(tp=1, pp=1, dp=4, ep=2, etp=2)
 
 
+@pytest.mark.dist
 def test_etp_trap_keeps_all_four_expert_slices(pool8: RankPool, tmp_path: Path) -> None:
     """The seed report's topology: TP1/PP1/EP2/ETP2 on 4 ranks holding 0, 1, 10 and 11. Two ranks share
     (tp, pp, ep) but hold different ETP slices; all four must be saved and come back."""
@@ -407,6 +419,7 @@ def rank_save_trap_etp_as_replicas(ctx: RankContext, path: str) -> str | None:
     return "saved"
 
 
+@pytest.mark.dist
 def test_etp_slices_claimed_as_replicas_are_refused(pool8: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     failures = failures_of(pool8.run(rank_save_trap_etp_as_replicas, str(path)), 4)
@@ -417,6 +430,7 @@ def test_etp_slices_claimed_as_replicas_are_refused(pool8: RankPool, tmp_path: P
     assert not (path / "metadata.json").exists()
 
 
+@pytest.mark.dist
 def test_etp_slices_claimed_as_replicas_name_the_replica_ranks(pool8: RankPool, tmp_path: Path) -> None:
     failures = failures_of(pool8.run(rank_save_trap_etp_as_replicas, str(tmp_path / "ckpt")), 4)
     message = failures[0].message
@@ -444,6 +458,7 @@ def rank_save_tied(ctx: RankContext, path: str, output_first: bool) -> int | Non
     return ctx.rank
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "output_first",
     [False, True],
@@ -470,6 +485,7 @@ ZERO_CASES = [
 ]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", ZERO_CASES, ids=case_id)
 def test_distributed_optimizer(pool8: RankPool, tmp_path: Path, case: tuple[Par, list[Par]]) -> None:
     """Adam state of odd-sized params (TP-split on either axis, TP-replicated, GLU-segmented, padded
@@ -492,6 +508,7 @@ DTYPE_CASES = [
 ]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(("saved", "target", "save", "load"), DTYPE_CASES, ids=str)
 def test_dtype_conversion(pool8: RankPool, tmp_path: Path, saved: str, target: str, save: Par, load: Par) -> None:
     """A load into a template of another dtype gives exactly ``saved.to(target)``; with
@@ -509,6 +526,7 @@ def test_dtype_conversion(pool8: RankPool, tmp_path: Path, saved: str, target: s
 # --- invalid layouts --------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_invalid_descriptions_fail_at_construction() -> None:
     data = torch.zeros(4, 2)
     with pytest.raises(ShardingError, match=r"'qkv'.*overlap"):
@@ -576,6 +594,7 @@ INVALID_CASES = {
 }
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", sorted(INVALID_CASES))
 def test_invalid_layouts_fail_at_save_on_every_rank(pool8: RankPool, tmp_path: Path, case: str) -> None:
     path = tmp_path / "ckpt"
@@ -596,6 +615,7 @@ def rank_load_other_logical_shape(ctx: RankContext, path: str) -> None:
     reshard.load({"e": shard.describe(torch.zeros(shard.local_shape))}, path, group=group, timeout=TIMEOUT)
 
 
+@pytest.mark.dist
 def test_template_with_other_logical_shape_is_a_mismatch(pool8: RankPool, tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     save_ok(pool8, path, Par(tp=2), ("embed",))

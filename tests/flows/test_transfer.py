@@ -107,6 +107,7 @@ def rank_stream(ctx: RankContext, path: str) -> dict[str, Any]:
     return {"sent": stats.bytes_sent, "received": stats.bytes_received}
 
 
+@pytest.mark.dist
 def test_trainer_streams_its_weights_to_an_inference_layout(pool8: RankPool, tmp_path: Path) -> None:
     results = pool8.run_ok(rank_stream, str(tmp_path / "ckpt"))
     total = sum(t.numel() * 4 for t in FULL.values())
@@ -117,6 +118,7 @@ def test_trainer_streams_its_weights_to_an_inference_layout(pool8: RankPool, tmp
     assert all(r["received"] == 0 for r in results[:4]) and all(r["sent"] == 0 for r in results[4:])
 
 
+@pytest.mark.unit
 def test_replicas_share_the_sending_and_own_pieces_are_copied(tmp_path: Path) -> None:
     """Two ranks hold the same full tensor (replicas) and each wants half of it back, another layout:
     each copies its half locally, nothing travels; a third rank with nothing wants it whole and gets one
@@ -143,6 +145,7 @@ def test_replicas_share_the_sending_and_own_pieces_are_copied(tmp_path: Path) ->
     assert stats[2].bytes_received == 2 * half and stats[2].bytes_copied == 0
 
 
+@pytest.mark.unit
 def test_segments_flat_ranges_and_padding_transfer_as_they_load(tmp_path: Path) -> None:
     """A ZeRO-1 flat range and a fused (segmented) tensor as sources, a padded template as a target."""
     q, k = torch.arange(12.0).reshape(3, 4), 100 + torch.arange(8.0).reshape(2, 4)
@@ -172,6 +175,7 @@ def test_segments_flat_ranges_and_padding_transfer_as_they_load(tmp_path: Path) 
     assert torch.equal(out[1]["v"][:20], flat) and not out[1]["v"][20:].any()
 
 
+@pytest.mark.unit
 def test_what_no_rank_holds_is_named_on_every_rank() -> None:
     group = ThreadGroup(2)
     errors: list[BaseException | None] = [None, None]
@@ -189,6 +193,7 @@ def test_what_no_rank_holds_is_named_on_every_rank() -> None:
     assert "'missing': no rank holds it" in str(errors[0])
 
 
+@pytest.mark.unit
 def test_uncovered_parts_and_lossy_casts_are_refused() -> None:
     group = ThreadGroup(2)
     errors: list[str] = ["", ""]
@@ -209,6 +214,7 @@ def test_uncovered_parts_and_lossy_casts_are_refused() -> None:
         reshard.transfer({"w": torch.ones(3)}, {"w": torch.empty(3), "step": 0})
 
 
+@pytest.mark.unit
 def test_a_session_sends_only_what_changed() -> None:
     """A TransferSession plans once; with delta (the default) each later transfer sends only the cells
     whose content changed since they were last sent; delta=False, or target tensors at another address,

@@ -131,6 +131,7 @@ class RLLoop:
         assert rows > 0 and not last[-rows:].any(), "the padding rows are zero"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("engine_tp", [1, 3])
 def test_padding_is_zeroed_without_touching_the_real_rows(engine_tp: int) -> None:
     """The last engine rank's embedding piece is padded; a delta sync after a step that changed only ``w``
@@ -148,6 +149,7 @@ def test_padding_is_zeroed_without_touching_the_real_rows(engine_tp: int) -> Non
     loop.check()
 
 
+@pytest.mark.unit
 def test_zero_padding_touches_only_the_padding() -> None:
     """Padding past the logical shape on two axes, a piece that is all padding, a ZeRO flat range that
     ends in padding: zero_padding() zeroes exactly the elements outside the logical shape."""
@@ -225,6 +227,7 @@ CHANGES = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("engine_tp", [1, 3])
 @pytest.mark.parametrize("case", sorted(CHANGES))
 def test_a_changed_engine_tensor_is_sent_again(engine_tp: int, case: str) -> None:
@@ -244,6 +247,7 @@ def test_a_changed_engine_tensor_is_sent_again(engine_tp: int, case: str) -> Non
     loop.check()
 
 
+@pytest.mark.unit
 def test_a_trainer_that_switches_sessions_and_rolls_back_resends() -> None:
     """The trainer syncs through session A, then through a fresh session B after a step, then rolls the step
     back and syncs through A again: A last sent exactly these bytes, but the engine holds B's; only a sync
@@ -263,6 +267,7 @@ def test_a_trainer_that_switches_sessions_and_rolls_back_resends() -> None:
     assert loop.received(stats) == loop.everything()
 
 
+@pytest.mark.unit
 def test_an_engine_rank_with_a_fresh_session_gets_everything() -> None:
     """One engine rank joins with a fresh session (a restarted engine worker) while every other rank reuses
     its own: every rank agrees that no delta is valid, and everything is sent."""
@@ -277,6 +282,7 @@ def test_an_engine_rank_with_a_fresh_session_gets_everything() -> None:
     assert loop.received(loop.sync()) == 0
 
 
+@pytest.mark.unit
 def test_delta_on_some_ranks_and_not_on_others_sends_everything() -> None:
     """``delta=False`` on any rank (an engine that wants everything again) is a full sync on every rank: the
     same schedule everywhere, the engine equal to a fresh transfer; the next delta sync sends nothing."""
@@ -305,6 +311,7 @@ def _disagreement(size: int, run: Callable[[int], None]) -> list[BaseException |
     return group_errors
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("one_off", [False, True])
 @pytest.mark.parametrize(
     ("option", "values"),
@@ -332,6 +339,7 @@ def test_session_options_that_differ_across_ranks_are_refused_on_every_rank(
     assert f"different {option}" in str(errors[0])
 
 
+@pytest.mark.unit
 def test_round_bytes_must_be_a_positive_integer() -> None:
     """round_bytes=0 (or a float) cannot bound a round: a CheckpointError on every rank, not a transfer
     cut into one-element rounds."""
@@ -355,6 +363,7 @@ KEY_MAPS: dict[str, list[Any]] = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", sorted(KEY_MAPS))
 def test_key_maps_that_differ_across_ranks_are_refused_on_every_rank(case: str) -> None:
     """Two engine ranks map the same name to different trainer keys (or one has no key map): the ranks
@@ -374,6 +383,7 @@ def test_key_maps_that_differ_across_ranks_are_refused_on_every_rank(case: str) 
     assert "different key_map results" in str(errors[0])
 
 
+@pytest.mark.unit
 def test_two_names_mapped_to_one_key_are_each_checked() -> None:
     """Tied weights: two engine names from one trainer key; a name whose shape does not fit is refused
     even when another name of the same key fits."""
@@ -390,6 +400,7 @@ def test_two_names_mapped_to_one_key_are_each_checked() -> None:
     assert "'embed_tokens'" in str(errors[0]) and "[2, 2]" in str(errors[0])
 
 
+@pytest.mark.unit
 def test_a_bad_target_on_one_rank_is_the_same_error_on_every_rank() -> None:
     """A target that holds a non-tensor on one rank only: every rank raises StateDictError (the pieces are
     described inside the agreed planning step), none waits for the others."""
@@ -449,6 +460,7 @@ def rank_rl_loop(ctx: RankContext) -> list[int]:
     return received
 
 
+@pytest.mark.dist
 def test_the_rl_loop_on_gloo_processes(pool4: RankPool) -> None:
     results = pool4.run_ok(rank_rl_loop)
     assert results[0] == results[1] == [0, 0, 0, 0]
@@ -498,6 +510,7 @@ def _aliasing_sources(step: int) -> dict[str, torch.Tensor]:
     return {"x": x, "y": y}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("local", [False, True], ids=["remote", "one_source_local"])
 @pytest.mark.parametrize("case", sorted(ALIASING))
 def test_aliasing_targets_sync_like_a_fresh_transfer(case: str, local: bool) -> None:
@@ -545,6 +558,7 @@ def test_aliasing_targets_sync_like_a_fresh_transfer(case: str, local: bool) -> 
         assert received[1] == 8 * 4, received
 
 
+@pytest.mark.unit
 def test_a_delta_into_tied_targets_writes_in_the_order_of_a_fresh_transfer() -> None:
     """The last writer of tied memory decides its bytes, so a delta must write the cells it resends in the
     order a fresh transfer writes them. Rounds of 32 bytes: a fresh transfer sends ``z`` (rank 0 to 2) in

@@ -78,6 +78,7 @@ def rank_meta_source(ctx: RankContext) -> dict[str, Any]:
     return {"error": None}
 
 
+@pytest.mark.dist
 def test_a_meta_source_fails_every_rank_at_once_naming_the_rank_and_the_cause(pool4: RankPool) -> None:
     """Gloo ranks, a timeout of 60 s: the sender of a meta tensor cannot send it; every rank raises the same
     StateDictError naming rank 0, the key and the meta device, before any byte moved (not a
@@ -90,6 +91,7 @@ def test_a_meta_source_fails_every_rank_at_once_naming_the_rank_and_the_cause(po
     assert results[2]["b_untouched"] and results[3]["b_untouched"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flow", sorted(FLOWS))
 def test_a_meta_source_in_a_session_or_a_transfer_fails_every_rank_alike(flow: str) -> None:
     def run(r: int, member: Any) -> None:
@@ -110,6 +112,7 @@ class _Unreadable(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("side", ["source", "target"])
 def test_a_rank_that_fails_inside_the_exchange_fails_every_rank_at_once(side: str) -> None:
     """A tensor that cannot be read into the send buffer (on rank 0) or written from the receive buffer (on
@@ -137,6 +140,7 @@ def _restore(source: Any, target: Any, member: Any) -> Any:
     return tier.restore(target, group=member)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flow", ["transfer", "session", "restore"])
 @pytest.mark.parametrize("bad", ["meta", "expanded"])
 def test_a_target_that_cannot_hold_the_bytes_is_refused_before_any_byte_moves(flow: str, bad: str) -> None:
@@ -176,6 +180,7 @@ VIEWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 PAIRS = [("conj", "complex"), ("complex", "conj"), ("conj", "conj"), ("neg", "imag"), ("imag", "neg"), ("neg", "neg")]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("elements", [3, 1])
 @pytest.mark.parametrize(("source_view", "target_view"), PAIRS)
 def test_conjugate_and_negative_views_travel_as_their_values_in_a_session(
@@ -207,6 +212,7 @@ def test_conjugate_and_negative_views_travel_as_their_values_in_a_session(
 # ---- two primaries of one box -------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_two_primaries_of_one_box_are_refused_on_every_rank() -> None:
     """Two ranks hold ``w`` as primaries (``replica_id`` 0 on both), with different bytes: which one a
     target gets would depend on the plan. Every rank raises ShardingError naming the key and the ranks, as a
@@ -228,6 +234,7 @@ def test_two_primaries_of_one_box_are_refused_on_every_rank() -> None:
     assert torch.equal(out[2]["w"], W) and torch.equal(out[2]["p"], W)
 
 
+@pytest.mark.unit
 def test_two_leaves_of_one_box_on_one_rank_are_one_source() -> None:
     """A trainer with tied weights holds the same box of ``w`` under two paths (one key): it is kept once,
     as a save keeps it, not refused as two primaries."""
@@ -246,6 +253,7 @@ def test_two_leaves_of_one_box_on_one_rank_are_one_source() -> None:
 # ---- a key map changed between syncs -------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_a_key_map_dict_changed_between_syncs_is_used_on_the_next() -> None:
     """The session reads a dict key map at every transfer, as it calls a function one: an entry changed
     on every rank between syncs takes effect (a new plan: everything is sent again), never the old map."""

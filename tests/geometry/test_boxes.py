@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from reshard.geometry.boxes import Box, ReadPattern, read_pattern, row_major_strides
 
+pytestmark = pytest.mark.unit
+
 PROPERTY = settings(max_examples=150, deadline=None, database=None)
 
 

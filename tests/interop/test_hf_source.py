@@ -74,6 +74,7 @@ def _write_sharded(hf: dict[str, torch.Tensor], out: Path, shards: int) -> int:
     return total
 
 
+@pytest.mark.dist
 def test_llama_style_checkpoint_loads_straight_into_tp2_pp2(pool4: RankPool, tmp_path: Path) -> None:
     full = pool4.run_ok(rank_trained_model)[0]
     hf = to_hf_tensors(full, ModelConfig())
@@ -91,6 +92,7 @@ def test_llama_style_checkpoint_loads_straight_into_tp2_pp2(pool4: RankPool, tmp
     assert results[0]["loss"] == pytest.approx(reference["loss"], rel=2e-5)
 
 
+@pytest.mark.unit
 def test_single_file_source_without_key_map_and_with_casts(tmp_path: Path) -> None:
     """``model.safetensors`` alone, template keys = tensor names, a bf16 source into fp32, a row slice,
     and Concat / Stack in one process."""
@@ -117,6 +119,7 @@ def test_single_file_source_without_key_map_and_with_casts(tmp_path: Path) -> No
     assert torch.equal(out["stacked"], torch.stack([a, a + 100]))
 
 
+@pytest.mark.unit
 def test_bad_sources_and_key_maps_fail_clearly(tmp_path: Path) -> None:
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
@@ -160,6 +163,7 @@ def test_bad_sources_and_key_maps_fail_clearly(tmp_path: Path) -> None:
         reshard.load({"a": torch.zeros(2, 3)}, hf_dir)
 
 
+@pytest.mark.dist
 def test_source_on_an_object_store_reads_only_the_ranges_needed(object_store: Any, tmp_path: Path) -> None:
     """An indexed safetensors set in a bucket: headers and the template's rows come as ranged reads."""
     from reshard.storage import ObjectStorage
@@ -188,6 +192,7 @@ def test_source_on_an_object_store_reads_only_the_ranges_needed(object_store: An
     assert stats.bytes_read == stats.bytes_needed == 4 * 4 * 4
 
 
+@pytest.mark.unit
 def test_source_tensors_no_template_uses_are_an_error_unless_allowed(tmp_path: Path) -> None:
     """A key map that does not fit silently drops weights: source tensors that no template key uses raise
     MismatchError naming them; allow_unused=True loads part of the source."""

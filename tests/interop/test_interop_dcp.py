@@ -22,6 +22,8 @@ from reshard.flows.maintenance import validate_checkpoint
 from reshard.interop import import_dcp
 from tests.rankpool import RankContext, RankPool
 
+pytestmark = pytest.mark.dist
+
 
 def _full(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     seed = sum(map(ord, key)) % 97

@@ -59,6 +59,7 @@ def _load_export(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, object]]
     return tensors, index
 
 
+@pytest.mark.unit
 def test_export_shards_index_and_values(tmp_path: Path) -> None:
     expected = _checkpoint(tmp_path / "ckpt")
     result = export_safetensors(tmp_path / "ckpt", tmp_path / "hf", max_shard_bytes=200)
@@ -78,6 +79,7 @@ def test_export_shards_index_and_values(tmp_path: Path) -> None:
     assert result.not_tensors == 2  # the object and the common value
 
 
+@pytest.mark.unit
 def test_export_casts_floating_tensors_and_maps_keys(tmp_path: Path) -> None:
     expected = _checkpoint(tmp_path / "ckpt")
     key_map = {"layer.weight": "model.w", "embed": None}
@@ -96,6 +98,7 @@ def test_export_casts_floating_tensors_and_maps_keys(tmp_path: Path) -> None:
     assert not (tmp_path / "hf2").exists() or not any((tmp_path / "hf2").iterdir())
 
 
+@pytest.mark.unit
 def test_export_refuses_an_earlier_export_unless_overwrite(tmp_path: Path) -> None:
     _checkpoint(tmp_path / "ckpt")
     out = tmp_path / "hf"
@@ -110,6 +113,7 @@ def test_export_refuses_an_earlier_export_unless_overwrite(tmp_path: Path) -> No
     )
 
 
+@pytest.mark.unit
 def test_export_cli_with_key_map_file_and_prefix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _checkpoint(tmp_path / "ckpt")
     key_map = tmp_path / "map.json"
@@ -159,6 +163,7 @@ _PEAK_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.dist
 def test_export_memory_stays_at_one_tensor_not_the_checkpoint(tmp_path: Path) -> None:
     tensor_bytes = 4 * 2**20
     reshard.save({f"t{i}": torch.full((tensor_bytes // 4,), float(i)) for i in range(8)}, tmp_path / "big")

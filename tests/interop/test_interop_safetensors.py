@@ -16,6 +16,8 @@ from reshard.errors import CorruptCheckpointError, StateDictError
 from reshard.interop.safetensors import SafetensorsWriter, TensorSpec, encode_header, parse_header, read_header
 from reshard.storage import LocalStorage
 
+pytestmark = pytest.mark.unit
+
 
 def _samples() -> dict[str, torch.Tensor]:
     values = torch.linspace(-3, 3, 24, dtype=torch.float64).reshape(2, 3, 4)

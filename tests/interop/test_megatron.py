@@ -17,6 +17,8 @@ from tests.conftest import PoolRegistry
 from tests.megatron_models import MegatronLayout, assemble, check_pieces, rank_release_megatron, rank_thread_count
 from tests.rankpool import RankContext, RankPool
 
+pytestmark = pytest.mark.dist
+
 pytest.importorskip("megatron.core")
 
 

@@ -28,6 +28,8 @@ import torch
 from tests.faults import kill_pool, run_with_deaths
 from tests.rankpool import RankContext, RankFailure, RankPool
 
+pytestmark = pytest.mark.dist
+
 pytest.importorskip("megatron.core")
 
 ROWS, COLS = 16, 64  # rows per saving rank

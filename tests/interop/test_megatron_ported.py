@@ -28,6 +28,8 @@ from tests.conftest import PoolRegistry
 from tests.megatron_models import MegatronLayout, rank_release_megatron, rank_thread_count
 from tests.rankpool import RankContext, RankPool
 
+pytestmark = pytest.mark.dist
+
 pytest.importorskip("megatron.core")
 
 WORLD = 4

@@ -84,6 +84,7 @@ BUDGETS = [None, 3 * CHUNK, 2 * CHUNK, CHUNK // 2]
 """The default budget, and budgets below four chunks (down to half a chunk)."""
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("budget", BUDGETS, ids=["default", "3_chunks", "2_chunks", "half_a_chunk"])
 @pytest.mark.parametrize("name", list(TEMPLATES))
 @pytest.mark.parametrize("storage_class", [LocalStorage, NoMapStorage], ids=["mapped", "staged"])
@@ -101,6 +102,7 @@ def test_each_touched_chunk_is_read_once_on_local_files(
         assert read == stats.bytes_verified == touched, (read, touched)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("budget", [None, 2 * CHUNK], ids=["default", "2_chunks"])
 @pytest.mark.parametrize("name", ["columns", "every_other_row"])
 def test_each_touched_chunk_is_read_once_on_object_stores(object_store: Any, name: str, budget: int | None) -> None:
@@ -114,6 +116,7 @@ def test_each_touched_chunk_is_read_once_on_object_stores(object_store: Any, nam
     assert read == stats.bytes_verified == TOUCHED[name], (read, stats.bytes_verified)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("budget", [None, 2 * CHUNK, CHUNK // 2], ids=["default", "2_chunks", "half_a_chunk"])
 @pytest.mark.parametrize("name", ["columns", "every_other_row", "cast"])
 @pytest.mark.parametrize("storage_class", [LocalStorage, NoMapStorage], ids=["mapped", "staged"])

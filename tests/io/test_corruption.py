@@ -14,6 +14,8 @@ import pytest
 
 from tests import corruption
 
+pytestmark = pytest.mark.dist
+
 SEED = 20261201
 CORRUPTIONS = 150
 

@@ -25,6 +25,8 @@ from reshard.net.transports import ThreadGroup
 from reshard.storage import LocalStorage
 from tests.threads import on_threads
 
+pytestmark = pytest.mark.dist  # in-process, but seconds: kept out of make test-fast
+
 SENTINEL = -7.0
 
 

@@ -36,6 +36,7 @@ def _stored_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.detach().resolve_conj().resolve_neg().contiguous().numpy().tobytes()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("slots", [1, 2, 3])
 def test_host_slabs_cover_every_tensor_in_order(slots: int) -> None:
     """Plain host tensors pass whole and uncopied; views are staged in slabs of at most ``slab_bytes`` (rows
@@ -67,6 +68,7 @@ def test_host_slabs_cover_every_tensor_in_order(slots: int) -> None:
     assert slabs.held_bytes <= slots * 64
 
 
+@pytest.mark.unit
 def test_copy_to_host_fills_every_pair() -> None:
     sources = [torch.arange(12.0).reshape(3, 4).t(), torch.tensor(7, dtype=torch.int64), torch.empty(0)]
     hosts = [torch.empty(s.shape, dtype=s.dtype) for s in sources]
@@ -137,6 +139,7 @@ def _read_through_proxies(storage: Any, template: dict[str, Any], budget: int) -
     return executor
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("budget", "chunk"),
     [(32 * MiB, 4 * MiB), (256 * 1024, 4096), (64 * 1024, 1 << 20)],
@@ -176,6 +179,7 @@ def test_proxies_fill_every_destination_like_a_plain_load(
         storage.close()
 
 
+@pytest.mark.unit
 def test_device_fill_flushes_an_arena_before_reusing_it() -> None:
     """Two arenas of 256 bytes: a third proxy waits for the first arena's flush; a proxy larger than an arena
     gets an arena of its own size; what each destination receives is its proxy's content, converted."""
@@ -197,6 +201,7 @@ def test_device_fill_flushes_an_arena_before_reusing_it() -> None:
     assert fill.bytes_copied == sum(d.numel() * 4 for d in dests)
 
 
+@pytest.mark.unit
 def test_the_device_budget_keeps_a_read_item_within_an_arena() -> None:
     for budget in (16, 1000, 32 * MiB, 1 << 30):
         plain, device = ReadBudget.of(budget), ReadBudget.of(budget, device=True)
@@ -208,6 +213,7 @@ def test_the_device_budget_keeps_a_read_item_within_an_arena() -> None:
 # ---- the planes of a process group --------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("config", "planes"),
     [
@@ -250,6 +256,7 @@ def rank_plane_groups(ctx: RankContext, path: str) -> dict[str, Any]:
     return {"control_is_twin": transport.control_group is control, "from_peers": stats.bytes_from_peers}
 
 
+@pytest.mark.dist
 def test_plane_groups_carry_the_protocol_on_their_own_group(pool4: RankPool, tmp_path: Path) -> None:
     results = pool4.run_ok(rank_plane_groups, str(tmp_path / "ckpt"))
     assert all(r["control_is_twin"] for r in results)

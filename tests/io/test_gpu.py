@@ -33,7 +33,7 @@ NO_GPU = (
     "benchmarks/gpu_check.sh runs these tests on a GPU machine; tests/io/test_device_paths.py runs the same paths on "
     "host memory"
 )
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]
 
 TWO_GPUS = pytest.mark.skipif(
     torch.cuda.device_count() < 2,

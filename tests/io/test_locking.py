@@ -22,6 +22,7 @@ def _plant_lock(path: Path, pid: int, created: float | None = None) -> None:
     (path / LOCK_FILE).write_bytes(info.to_bytes())
 
 
+@pytest.mark.unit
 def test_a_live_writer_holds_the_path(tmp_path: Path) -> None:
     _plant_lock(tmp_path / "ckpt", os.getppid())  # a live process (our parent) holds it
     with pytest.raises(reshard.CheckpointLockedError, match=rf"being written by another save.*process {os.getppid()}"):
@@ -31,6 +32,7 @@ def test_a_live_writer_holds_the_path(tmp_path: Path) -> None:
         reshard.load({"w": torch.zeros(2)}, tmp_path / "ckpt")
 
 
+@pytest.mark.dist
 def test_a_crashed_holders_lock_is_broken(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
@@ -43,12 +45,14 @@ def test_a_crashed_holders_lock_is_broken(tmp_path: Path, caplog: pytest.LogCapt
     assert torch.equal(reshard.load({"w": torch.zeros(2)}, tmp_path / "ckpt")["w"], torch.ones(2))
 
 
+@pytest.mark.unit
 def test_an_old_lock_is_stale_whatever_its_holder(tmp_path: Path) -> None:
     _plant_lock(tmp_path / "ckpt", os.getppid(), created=time.time() - 48 * 3600)
     reshard.save({"w": torch.ones(2)}, tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "metadata.json").exists()
 
 
+@pytest.mark.unit
 def test_a_failed_save_releases_its_lock(tmp_path: Path) -> None:
     reshard.save({"w": torch.ones(2)}, tmp_path / "ckpt")
     with pytest.raises(reshard.CheckpointExistsError):

@@ -77,6 +77,7 @@ def rank_load_replicated(ctx: RankContext, path: str, tp_size: int, read_once: b
     }
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("tp_size", [2, 1], ids=["DP2xTP2", "DP2xCP2"])
 def test_replicas_read_each_unique_byte_once(pool4: RankPool, tmp_path: Path, tp_size: int) -> None:
     """DP=2 x TP=2, and DP=2 x CP=2 (4 replicas of one TP rank): storage serves each unique byte once over
@@ -106,6 +107,7 @@ def rank_load_uneven(ctx: RankContext, path: str) -> dict[str, int]:
     return {"storage": storage.range_bytes_read, "from_peers": stats.bytes_from_peers}
 
 
+@pytest.mark.dist
 def test_uneven_overlaps_are_read_once(pool4: RankPool, tmp_path: Path) -> None:
     """Overlaps shared by some ranks only (grid cells of the row ranges): every row of ``w`` read once."""
     reshard.save({"w": FULL["w"]}, tmp_path / "ckpt", options=SMALL_CHUNKS)
@@ -118,6 +120,7 @@ def rank_load_corrupt(ctx: RankContext, path: str) -> None:
     reshard.load(_template(ctx.rank % 2, 2), path, options=reshard.LoadOptions(read_once=True))
 
 
+@pytest.mark.dist
 def test_a_checksum_failure_of_a_reader_fails_every_rank_without_waiting(pool4: RankPool, tmp_path: Path) -> None:
     """The reads are agreed on before any byte is exchanged: a corrupt box fails the load on every rank
     (the same error), and no rank waits for bytes that will not come."""
@@ -130,6 +133,7 @@ def test_a_checksum_failure_of_a_reader_fails_every_rank_without_waiting(pool4: 
     assert all(isinstance(r, RankFailure) and r.error_class == CorruptCheckpointError.__name__ for r in results)
 
 
+@pytest.mark.dist
 def test_object_store_loads_read_once_by_default(object_store: Any, tmp_path: Path) -> None:
     """On S3 and GCS (a request costs as much as megabytes of reading), replicas read once without being
     asked: 4 replicas (threads) fetch the checkpoint's bytes once in all."""
@@ -149,6 +153,7 @@ def test_object_store_loads_read_once_by_default(object_store: Any, tmp_path: Pa
     assert sum(s.bytes_from_peers for s in results) == 3 * UNIQUE_BYTES
 
 
+@pytest.mark.unit
 def test_casts_padding_flat_ranges_and_many_rounds(tmp_path: Path) -> None:
     """Replicas with a dtype cast, a padded (logical-shape) tensor and ZeRO-1 flat ranges, through a
     budget so small that the exchange takes many rounds: the same result as plain loads."""
@@ -178,6 +183,7 @@ def test_casts_padding_flat_ranges_and_many_rounds(tmp_path: Path) -> None:
     assert stats[0].exchange_rounds == stats[1].exchange_rounds >= 4  # 64 KiB of float64 per rank, 32 KiB rounds
 
 
+@pytest.mark.unit
 def test_schedule_balances_readers_and_bounds_rounds() -> None:
     """Pure schedule: a shared box is cut into one slab per needer, each needer reads about the same, and
     no round sends or receives more than its bound."""
@@ -195,11 +201,13 @@ def test_schedule_balances_readers_and_bounds_rounds() -> None:
             assert sent <= nbytes // 8 and received <= nbytes // 8
 
 
+@pytest.mark.unit
 def test_read_once_and_node_staging_exclude_each_other(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="read_once"):
         reshard.LoadOptions(read_once=True, staging=reshard.StagingOptions(directory=str(tmp_path)))
 
 
+@pytest.mark.unit
 def test_a_key_held_twice_by_a_rank_and_a_rank_with_nothing_to_load(tmp_path: Path) -> None:
     """Tied weights: a rank's template holds the same key twice (both filled, the second by a local copy of
     what it read or received); and a rank that loads nothing still takes part in the exchange."""

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import reshard
@@ -18,6 +19,8 @@ from reshard.errors import ShardingError
 from reshard.net.comm import Communicator, padded_size
 from tests.metadata_docs import read_doc
 from tests.rankpool import RankContext, RankFailure, RankPool
+
+pytestmark = pytest.mark.dist
 
 TIMEOUT = 60.0
 

@@ -50,6 +50,7 @@ def rank_load_verified(ctx: RankContext, path: str, size: int, axis: int) -> str
     return "verified"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(("size", "axis"), [(1, 0), (2, 1), (4, 0), (4, 1)])
 def test_correct_loads_on_four_layouts_pass(pool4: RankPool, tmp_path: Path, size: int, axis: int) -> None:
     path = str(tmp_path / "ckpt")
@@ -58,6 +59,7 @@ def test_correct_loads_on_four_layouts_pass(pool4: RankPool, tmp_path: Path, siz
     assert pool4.run_ok(rank_load_verified, path, size, axis)[:size] == ["verified"] * size
 
 
+@pytest.mark.dist
 def test_damage_with_a_forged_chunk_checksum_is_caught_on_every_rank(pool4: RankPool, tmp_path: Path) -> None:
     """Chunk checksums cannot see damage whose checksum was rewritten to match (and the document resealed):
     the content fingerprint can, on every rank of another layout."""
@@ -79,6 +81,7 @@ def test_damage_with_a_forged_chunk_checksum_is_caught_on_every_rank(pool4: Rank
     assert all("content fingerprint mismatch" in r.message and "'a'" in r.message for r in results)
 
 
+@pytest.mark.unit
 def test_verify_needs_fingerprints_and_skips_what_it_cannot_check(tmp_path: Path) -> None:
     reshard.save({"w": torch.ones(4)}, tmp_path / "plain")
     with pytest.raises(reshard.CheckpointError, match=r"no fingerprint of 'w'.*fingerprint=True"):
@@ -101,6 +104,7 @@ def _reference(full: torch.Tensor) -> int:
     return total % (1 << 64)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex128])
 def test_fingerprint_matches_its_definition_and_adds_up_over_any_tiling(dtype: torch.dtype) -> None:
     from reshard.geometry.boxes import Box
@@ -123,6 +127,7 @@ def test_fingerprint_matches_its_definition_and_adds_up_over_any_tiling(dtype: t
         assert fingerprint(swapped, Box((0, 0, 0), shape), shape) != whole
 
 
+@pytest.mark.unit
 def test_contiguous_partial_reads_verify_every_chunk_they_touch(tmp_path: Path) -> None:
     """An axis-0 slice that starts and ends inside checksum chunks reads what it needs straight into its
     destination, and the rest of its two boundary chunks beside it, so that every chunk it touches is

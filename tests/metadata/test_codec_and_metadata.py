@@ -30,6 +30,8 @@ from reshard.state.codec import decode_object_blob, decode_tagged, encode_object
 from reshard.state.dtypes import DTYPE_BY_NAME
 from tests.metadata_docs import dumps, read_doc, seal, unseal
 
+pytestmark = pytest.mark.unit
+
 PROPERTY = settings(max_examples=150, deadline=None, database=None)
 
 

@@ -21,9 +21,12 @@ import struct
 from pathlib import Path
 
 import crc32c
+import pytest
 import torch
 
 import reshard
+
+pytestmark = pytest.mark.unit
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_v1"
 SAVE_ID = "0123456789abcdef0123456789abcdef"

@@ -22,10 +22,13 @@ from typing import Any
 
 import crc32c
 import numpy as np
+import pytest
 import torch
 
 import reshard
 from tests.data.make_golden_v2 import CHECKSUM_CHUNK_BYTES, golden_state_dict
+
+pytestmark = pytest.mark.unit
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_v2"
 SAVE_ID = "fedcba9876543210fedcba9876543210"

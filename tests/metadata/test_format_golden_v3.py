@@ -30,6 +30,8 @@ import reshard
 from tests.data.make_golden_v2 import CHECKSUM_CHUNK_BYTES, golden_state_dict
 from tests.metadata_docs import seal, unseal
 
+pytestmark = pytest.mark.unit
+
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_v3"
 GOLDEN_V2 = Path(__file__).resolve().parents[1] / "data" / "golden_v2"
 SAVE_ID = "3333333333333333cccccccccccccccc"

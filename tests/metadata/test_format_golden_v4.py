@@ -37,6 +37,8 @@ from tests.data.make_golden_v2 import CHECKSUM_CHUNK_BYTES, golden_state_dict
 from tests.data.make_golden_v4 import changed_state_dict
 from tests.metadata_docs import dumps, unseal
 
+pytestmark = pytest.mark.unit
+
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden_v4"
 BASE_ID = "44444444444444440000000000000000"
 STEP_ID = "4444444444444444dddddddddddddddd"

@@ -1495,6 +1495,7 @@ def run_example(pristine: Pristine, seed: int, atime: bool) -> None:
 # The tests
 
 
+@pytest.mark.unit
 def test_reference_reads_the_pristine_checkpoint(pristine: Pristine) -> None:
     """The oracle is sound: the reference reader and reshard both read back exactly what was saved."""
     raw = (pristine.root / METADATA_FILE).read_bytes()
@@ -1511,6 +1512,7 @@ def test_reference_reads_the_pristine_checkpoint(pristine: Pristine) -> None:
         assert all(same_value(out[path], value) for path, value in COMMON.items())
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_mutated_checkpoints_load_correctly_or_raise_checkpoint_error(
     pristine: Pristine, reads_move_access_times: bool
@@ -1582,6 +1584,7 @@ BOMBS: dict[str, Callable[[dict[str, Any], Path], list[Template]]] = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(BOMBS))
 def test_memory_bombs_fail_before_allocating(pristine: Pristine, name: str) -> None:
     top = make_sandbox(pristine)
@@ -1653,6 +1656,7 @@ def _huge_templates(what: str) -> dict[str, Any]:
 MiB4 = 4 * 2**20
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("chunk", "what"),
     [
@@ -1685,6 +1689,7 @@ def _small_checkpoint(path: Path, **save_options: Any) -> dict[str, Any]:
     return read_doc(path)
 
 
+@pytest.mark.unit
 def test_box_at_an_offset_not_a_multiple_of_its_itemsize_loads_resharded(tmp_path: Path) -> None:
     doc = _small_checkpoint(tmp_path)
     data = tmp_path / doc["files"][0]["path"]
@@ -1697,6 +1702,7 @@ def test_box_at_an_offset_not_a_multiple_of_its_itemsize_loads_resharded(tmp_pat
     assert torch.equal(reshard.load(template, tmp_path)["w"], torch.arange(24.0).reshape(4, 6)[:, 3:])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", ["strided_short_last_chunk", "cast_of_a_box_smaller_than_a_chunk"])
 def test_every_chunk_a_mapped_read_covers_is_verified(tmp_path: Path, case: str) -> None:
     doc = _small_checkpoint(tmp_path, checksum_chunk_bytes=40)  # chunks [0, 40), [40, 80), [80, 96) of w
@@ -1743,6 +1749,7 @@ def _load_in_thread(path: Path, template: dict[str, Any], fifo: Path) -> tuple[b
     return not hung, outcome[0] if outcome else ""
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("which", ["metadata", "data", "lock"])
 def test_a_fifo_in_the_checkpoint_does_not_hang_a_load(tmp_path: Path, which: str) -> None:
     reshard.save({"w": torch.ones(2), "o": reshard.ShardedObject("o", 1, (1,), (0,))}, tmp_path)
@@ -1766,6 +1773,7 @@ def test_a_fifo_in_the_checkpoint_does_not_hang_a_load(tmp_path: Path, which: st
     assert outcome.startswith(("CorruptCheckpointError", "StorageError", "IncompleteCheckpointError")), outcome
 
 
+@pytest.mark.unit
 def test_a_symlinked_data_directory_is_not_followed(tmp_path: Path) -> None:
     _small_checkpoint(tmp_path / "ckpt")
     shutil.move(tmp_path / "ckpt" / "data", tmp_path / "elsewhere")
@@ -1774,6 +1782,7 @@ def test_a_symlinked_data_directory_is_not_followed(tmp_path: Path) -> None:
         reshard.load({"w": torch.zeros(4, 6)}, tmp_path / "ckpt")
 
 
+@pytest.mark.unit
 def test_a_symlinked_metadata_file_is_not_followed(tmp_path: Path) -> None:
     _small_checkpoint(tmp_path / "ckpt")
     shutil.move(tmp_path / "ckpt" / METADATA_FILE, tmp_path / "elsewhere.json")
@@ -1782,6 +1791,7 @@ def test_a_symlinked_metadata_file_is_not_followed(tmp_path: Path) -> None:
         reshard.load({"w": torch.zeros(4, 6)}, tmp_path / "ckpt")
 
 
+@pytest.mark.unit
 def test_unencodable_file_name_is_corrupt_metadata(tmp_path: Path) -> None:
     doc = _small_checkpoint(tmp_path)
     doc["files"][0]["path"] = "data/\ud800.bin"
@@ -1790,6 +1800,7 @@ def test_unencodable_file_name_is_corrupt_metadata(tmp_path: Path) -> None:
         reshard.read_metadata(tmp_path)
 
 
+@pytest.mark.unit
 def test_overflowing_float_literal_is_refused(tmp_path: Path) -> None:
     doc = _small_checkpoint(tmp_path)
     text = unseal(dumps(doc)).replace(b'"common":{}', b'"common":{"lr":1e400}')
@@ -1799,6 +1810,7 @@ def test_overflowing_float_literal_is_refused(tmp_path: Path) -> None:
         reshard.read_metadata(tmp_path)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bomb", ["object_blob_of_2**61_bytes", "tensor_of_2**59_elements"])
 def test_validate_refuses_absurd_sizes_without_allocating(pristine: Pristine, bomb: str) -> None:
     top = make_sandbox(pristine)
@@ -1815,6 +1827,7 @@ def test_validate_refuses_absurd_sizes_without_allocating(pristine: Pristine, bo
         shutil.rmtree(top)
 
 
+@pytest.mark.unit
 def test_validate_handles_large_checksum_chunks(tmp_path: Path) -> None:
     """A valid checkpoint with one checksum chunk per box (chunk_bytes 2**62): validate reads by box, it does
     not allocate chunk_bytes (a bug found by the fuzzer, fixed in 9a45442)."""

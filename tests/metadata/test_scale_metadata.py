@@ -45,6 +45,8 @@ from tests import oracle_planning as oracle
 from tests.metadata_docs import dumps
 from tests.planning.test_scale_planning import LAYOUT_512, MODEL_512
 
+pytestmark = pytest.mark.dist  # in-process, but seconds: kept out of make test-fast
+
 CHUNK = 4096
 SAVE_ID = "5" * 32
 

@@ -24,6 +24,8 @@ from reshard.models.hf_config import HF_DEFAULT_THETA, HF_DEFAULTS
 from tests.hf_models import BASE, MOE_OPTIONS, TOKENS, hf_classes, rank_hf_logits, save_hf_model
 from tests.rankpool import RankPool
 
+pytestmark = pytest.mark.dist
+
 
 def _model(architecture: str, options: dict[str, Any]) -> Any:
     """The tiny random model of ``architecture`` with ``options``, in eval mode, its weights fixed by the seed

@@ -86,6 +86,7 @@ def llama_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path
 LAYOUTS = ["tp=1", "tp=2,pp=2", "tp=4"]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("variant", list(LLAMAS))
 def test_hf_logits_equal_transformers_on_every_layout(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], variant: str
@@ -108,6 +109,7 @@ def test_hf_logits_equal_transformers_on_every_layout(
             assert r["read"] == r["needed"], layout  # each rank reads exactly its bytes
 
 
+@pytest.mark.dist
 def test_from_hf_reads_every_option_and_refuses_what_it_cannot_compute(
     llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
@@ -188,6 +190,7 @@ def rank_lora_from_hf(
     return {"logits": trainer.logits(TOKENS)}
 
 
+@pytest.mark.dist
 def test_peft_loads_an_exported_adapter_onto_the_transformers_base(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
@@ -246,6 +249,7 @@ def test_peft_loads_an_exported_adapter_onto_the_transformers_base(
             assert "target_parameters" not in json.loads((out_dense / "adapter_config.json").read_text())
 
 
+@pytest.mark.dist
 def test_export_peft_refuses_what_peft_would_misplace(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
@@ -297,6 +301,7 @@ def _hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.dist
 def test_export_hf_of_an_untrained_model_is_bit_exact_with_the_original_files(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
@@ -335,6 +340,7 @@ def test_export_hf_of_an_untrained_model_is_bit_exact_with_the_original_files(
             torch.testing.assert_close(reloaded.eval()(TOKENS).logits, llama_dirs[variant][1], rtol=0, atol=1e-6)
 
 
+@pytest.mark.dist
 def test_a_trained_model_exported_loads_in_transformers_with_its_logits(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
@@ -362,6 +368,7 @@ def test_a_trained_model_exported_loads_in_transformers_with_its_logits(
             torch.testing.assert_close(single[0]["logits"], expected, rtol=0, atol=1e-4)
 
 
+@pytest.mark.dist
 def test_tied_embeddings_over_pipeline_stages_train_as_one_tensor(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
@@ -391,6 +398,7 @@ def test_tied_embeddings_over_pipeline_stages_train_as_one_tensor(
             torch.testing.assert_close(model(TOKENS).logits, logits, rtol=0, atol=1e-5, msg=layout)
 
 
+@pytest.mark.dist
 def test_export_hf_refuses_what_it_cannot_write_and_leaves_nothing(
     pool4: RankPool, llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
@@ -415,6 +423,7 @@ def test_export_hf_refuses_what_it_cannot_write_and_leaves_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "ckpt", "moe", "taken"]
 
 
+@pytest.mark.slow
 def test_demo_from_hf_starts_from_the_transformers_weights(
     llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:
@@ -443,6 +452,7 @@ def test_demo_from_hf_starts_from_the_transformers_weights(
     assert refused.returncode == 2 and "drop --hidden" in refused.stderr
 
 
+@pytest.mark.dist
 def test_demo_lora_from_hf_resumes_its_adapters_on_the_transformers_base(
     llama_dirs: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
 ) -> None:

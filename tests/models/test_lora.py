@@ -65,6 +65,7 @@ def rank_lora_losses(ctx: RankContext, layout: str, steps: int) -> dict[str, Any
 LORA_LAYOUTS = ["tp=2", "dp=2,ep=2", "tp=2,etp=2", "cp=2,dp=2,ep=2,etp=2", "tp=2,pp=2,dp=2,ep=2,etp=2,zero"]
 
 
+@pytest.mark.dist
 def test_lora_trains_the_same_on_every_layout_with_the_base_frozen(pool8: RankPool) -> None:
     """The TP/ETP-aware adapters are correct: losses match one rank (up to reassociation), only adapters
     move, and Adam holds state for the adapters alone."""
@@ -102,6 +103,7 @@ def rank_load_expert_adapter(ctx: RankContext, layout: str, path: str) -> dict[s
     return {"full": trainer.full_state()[EXPERT_B]}
 
 
+@pytest.mark.dist
 def test_seed_etp_slices_are_all_saved_and_restored(pool8: RankPool, tmp_path: Path) -> None:
     path = str(tmp_path / "adapter")
     saved = pool8.run_ok(rank_save_seed_values, path)[:4]
@@ -146,6 +148,7 @@ def rank_resume_adapter(ctx: RankContext, layout: str, path: str, steps: int) ->
     return {"digest": state_digest(adapters), "step": trainer.step, "losses": losses}
 
 
+@pytest.mark.dist
 def test_adapter_checkpoint_resumes_bit_exactly_on_other_layouts(pool8: RankPool, tmp_path: Path) -> None:
     path = str(tmp_path / "adapter")
     saved = pool8.run_ok(rank_train_and_save_adapter, "tp=2,pp=2,dp=2,ep=2,etp=2,zero", 2, path)[0]
@@ -204,6 +207,7 @@ def _errors(results: list[Any], world: int) -> set[tuple[str, str]]:
     return {(r["error"], r["message"]) for r in results[:world]}
 
 
+@pytest.mark.dist
 def test_incompatible_adapters_raise_mismatch_listing_the_differences(pool8: RankPool, tmp_path: Path) -> None:
     rank8 = tmp_path / "rank8"
     pool8.run_ok(rank_save_adapter, "dp=2,ep=2", {**RANDOM_B.to_dict(), "rank": 8}, str(rank8))
@@ -236,6 +240,7 @@ def test_incompatible_adapters_raise_mismatch_listing_the_differences(pool8: Ran
     assert error == "MismatchError" and "missing from the checkpoint" in message
 
 
+@pytest.mark.dist
 def test_interrupted_or_missing_adapter_checkpoints_never_mean_fresh_adapters(pool8: RankPool, tmp_path: Path) -> None:
     saved = tmp_path / "adapter"
     pool8.run_ok(rank_save_adapter, "dp=2,ep=2", RANDOM_B.to_dict(), str(saved))
@@ -262,6 +267,7 @@ def test_interrupted_or_missing_adapter_checkpoints_never_mean_fresh_adapters(po
 # ---- Hugging Face PEFT export ----------------------------------------------------------------------------
 
 
+@pytest.mark.dist
 def test_peft_export_of_a_tp2_adapter_checkpoint_equals_the_gathered_adapter(pool8: RankPool, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -338,6 +344,7 @@ def test_peft_export_of_a_tp2_adapter_checkpoint_equals_the_gathered_adapter(poo
     assert not (tmp_path / "peft-of-experts").exists()
 
 
+@pytest.mark.slow
 def test_demo_entry_point_with_lora(tmp_path: Path) -> None:
     """`reshard demo --lora 4`: adapter-only checkpoint on one layout, bit-exact resume on another."""
     out = tmp_path / "lora-demo"

@@ -29,6 +29,8 @@ from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION
 from reshard.state.sharding import ReplicaId
 from tests.threads import on_threads
 
+pytestmark = pytest.mark.dist  # in-process, but seconds: kept out of make test-fast
+
 T = TypeVar("T")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 MAX_SAVE_BOXES = 8

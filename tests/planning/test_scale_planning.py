@@ -35,6 +35,8 @@ from reshard.state.statedict import flatten_state_dict
 from reshard.testing import MegatronLayout, MoETransformer, Parallelism
 from tests import oracle_planning as oracle
 
+pytestmark = pytest.mark.dist  # in-process, but seconds: kept out of make test-fast
+
 SMALL = MoETransformer(
     layers=4,
     hidden=16,

@@ -23,6 +23,8 @@ from reshard.planning.descriptions import LocalSaveDescription, ObjectPiece, Ten
 from reshard.planning.save_plan import plan_save
 from reshard.state.sharding import ReplicaId
 
+pytestmark = pytest.mark.unit
+
 PROPERTY = settings(max_examples=100, deadline=None, database=None)
 
 

@@ -57,6 +57,7 @@ def placement_choices() -> list[Any]:
 MESH_SHAPES = [(n,) for n in range(1, 5)] + list(itertools.product(range(1, 4), repeat=2)) + [(2, 3, 2), (3, 2, 2)]
 
 
+@pytest.mark.dist  # in-process, but seconds: kept out of make test-fast
 @pytest.mark.parametrize("mesh_shape", MESH_SHAPES, ids=str)
 def test_local_index_runs_match_torch_splitting(mesh_shape: tuple[int, ...]) -> None:
     """Shard and _StridedShard nest left to right exactly as torch splits, on even, uneven and empty shards."""
@@ -75,6 +76,7 @@ def test_local_index_runs_match_torch_splitting(mesh_shape: tuple[int, ...]) -> 
     assert checked == 7 * 4 ** len(mesh_shape) * math.prod(mesh_shape)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("global_shape", [(7, 5), (3, 11), (1, 4), (0, 3), (9, 9)], ids=str)
 def test_local_box_matches_torch_local_shape_and_offset(global_shape: tuple[int, int]) -> None:
     """Shard/Replicate on 2-d meshes: the box is torch's (local shape, global offset) on every coordinate."""
@@ -92,6 +94,7 @@ def test_local_box_matches_torch_local_shape_and_offset(global_shape: tuple[int,
                     assert tuple(r[0][0] for r in runs) == tuple(offset), (placements, mesh_shape, coordinate)
 
 
+@pytest.mark.unit
 def test_local_index_runs_follow_a_shard_order() -> None:
     """Tensor axis 0 cut by mesh dim 1 first, then mesh dim 0 (the order torch's redistribution uses)."""
     rows = {
@@ -101,6 +104,7 @@ def test_local_index_runs_follow_a_shard_order() -> None:
     assert rows == {(0, 0): [0, 1], (1, 0): [2, 3], (0, 1): [4, 5], (1, 1): [6]}
 
 
+@pytest.mark.unit
 def test_partial_and_unknown_placements_are_refused_naming_the_key() -> None:
     with pytest.raises(ShardingError, match=r"'layers\.0\.w'.*Partial"):
         local_index_runs("layers.0.w", (4,), (2, 2), (0, 1), [Partial(), Shard(0)])
@@ -299,6 +303,7 @@ def load_whole(path: Path) -> Any:
     return reshard.load(template, path)
 
 
+@pytest.mark.dist
 def test_save_on_2x2_mesh_load_on_4_1_and_whole(pool4: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     keys = pool4.run_ok(rank_save_2x2, str(path))
@@ -321,6 +326,7 @@ def test_save_on_2x2_mesh_load_on_4_1_and_whole(pool4: RankPool, tmp_path: Path)
     assert pool4.run_ok(rank_load_1, str(path)) == [len(SAVE_LAYOUT), None, None, None]
 
 
+@pytest.mark.dist
 def test_async_save_of_dtensors(pool4: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     pool4.run_ok(rank_async_save_2x2, str(path))
@@ -329,6 +335,7 @@ def test_async_save_of_dtensors(pool4: RankPool, tmp_path: Path) -> None:
         assert torch.equal(whole["model"][key], global_value(key)), key
 
 
+@pytest.mark.dist
 def test_shard_order_of_the_spec_is_followed(pool4: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     rows = pool4.run_ok(rank_save_shard_order, str(path))
@@ -337,6 +344,7 @@ def test_shard_order_of_the_spec_is_followed(pool4: RankPool, tmp_path: Path) ->
     assert torch.equal(loaded["o"], torch.arange(14, dtype=torch.float32).reshape(7, 2))
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("mode", ["save", "load"])
 def test_partial_placement_fails_on_every_rank_naming_the_key(pool4: RankPool, tmp_path: Path, mode: str) -> None:
     path = tmp_path / "ckpt"
@@ -353,6 +361,7 @@ def test_partial_placement_fails_on_every_rank_naming_the_key(pool4: RankPool, t
         assert not (path / "metadata.json").exists()
 
 
+@pytest.mark.dist
 def test_save_group_must_hold_the_primary_copies(pool4: RankPool, tmp_path: Path) -> None:
     """Mesh row 0 holds a whole replica of a (Replicate, Shard) DTensor, so it can save it alone; a DTensor
     sharded on both mesh dimensions leaves a gap, which save refuses on every rank of the group."""

@@ -14,6 +14,8 @@ import reshard
 from reshard.net.transports import ThreadGroup
 from tests.threads import on_threads
 
+pytestmark = pytest.mark.unit
+
 
 def _freed(rows: int) -> torch.Tensor:
     tensor = torch.ones(rows, 4)

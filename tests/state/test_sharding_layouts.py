@@ -20,6 +20,8 @@ import reshard
 from reshard.geometry.boxes import Box, flat_range_boxes
 from reshard.state.sharding import ShardedTensor
 
+pytestmark = pytest.mark.unit
+
 SETTINGS = settings(max_examples=150, deadline=None)
 
 

@@ -20,6 +20,8 @@ from reshard.storage.objectstore import ObjectStorage, RetryPolicy
 from tests.layouts import check_loaded, load_layout, save_layout
 from tests.rankpool import RankContext, RankFailure, RankPool
 
+pytestmark = pytest.mark.dist
+
 TIMEOUT = 120.0
 FAST_RETRY = RetryPolicy(max_attempts=8, base_delay_s=0.01, max_delay_s=0.2)
 

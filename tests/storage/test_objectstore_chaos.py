@@ -21,6 +21,8 @@ import torch
 import reshard
 from reshard.storage import ObjectStorage, RetryPolicy
 
+pytestmark = pytest.mark.dist
+
 ROUNDS = 8
 FAULTS = {"503": 1.0, "429": 1.0, "drop": 1.0, "drop_after": 1.0, "truncate": 1.0, "ignore_range": 0.5, "slow": 1.0}
 RETRY = RetryPolicy(max_attempts=6, base_delay_s=0.005, max_delay_s=0.02)

@@ -42,7 +42,7 @@ from tests.objectstores import (
     start_gcs_server,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(60)]
 
 Server = S3Server | GcsServer
 MakeProxy = Callable[..., FaultProxy]
