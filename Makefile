@@ -26,7 +26,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: lint typecheck
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=40
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -m unit -q --durations=0 --durations-min=1.0

@@ -84,7 +84,7 @@ BUDGETS = [None, 3 * CHUNK, 2 * CHUNK, CHUNK // 2]
 """The default budget, and budgets below four chunks (down to half a chunk)."""
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # a 48-case matrix, seconds: kept out of make test-fast
 @pytest.mark.parametrize("budget", BUDGETS, ids=["default", "3_chunks", "2_chunks", "half_a_chunk"])
 @pytest.mark.parametrize("name", list(TEMPLATES))
 @pytest.mark.parametrize("storage_class", [LocalStorage, NoMapStorage], ids=["mapped", "staged"])

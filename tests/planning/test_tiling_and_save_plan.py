@@ -23,8 +23,6 @@ from reshard.planning.descriptions import LocalSaveDescription, ObjectPiece, Ten
 from reshard.planning.save_plan import plan_save
 from reshard.state.sharding import ReplicaId
 
-pytestmark = pytest.mark.unit
-
 PROPERTY = settings(max_examples=100, deadline=None, database=None)
 
 
@@ -41,6 +39,7 @@ def grid_boxes(global_shape: tuple[int, ...], cuts: list[list[int]]) -> list[Box
 # find_tiling_problem
 
 
+@pytest.mark.unit
 class TestFindTilingProblem:
     def test_exact_grid_tiling(self) -> None:
         assert find_tiling_problem((4, 6), grid_boxes((4, 6), [[2], [1, 3]])) is None
@@ -116,6 +115,7 @@ def grid_tiling(draw: st.DrawFn) -> tuple[tuple[int, ...], list[Box]]:
     return shape, draw(st.permutations(boxes))
 
 
+@pytest.mark.unit
 class TestFindTilingProblemProperties:
     @PROPERTY
     @given(tiling=grid_tiling())
@@ -185,6 +185,7 @@ def sharding_error(descriptions: list[LocalSaveDescription]) -> str:
     return str(info.value)
 
 
+@pytest.mark.unit
 class TestPlanSaveValidation:
     def test_valid_layout_writes_every_box_once(self) -> None:
         g = (4, 6)
@@ -325,6 +326,7 @@ class TestPlanSaveValidation:
         assert "'w'" in sharding_error(descriptions)
 
 
+@pytest.mark.unit
 class TestPlanSaveObjects:
     def test_one_writer_per_cell(self) -> None:
         grid = (2, 2)
@@ -393,6 +395,7 @@ def replicated_layout(sizes: list[int], replicas: int) -> list[LocalSaveDescript
     ]
 
 
+@pytest.mark.unit
 class TestWriterElection:
     def test_replicas_of_equal_boxes_are_spread_over_holders(self) -> None:
         descriptions = replicated_layout([16] * 8, 4)
@@ -455,6 +458,7 @@ def replicated_grid_layout(draw: st.DrawFn) -> list[LocalSaveDescription]:
     return [desc(*draw(st.permutations(pieces))) for pieces in per_rank]
 
 
+@pytest.mark.dist  # hypothesis at scale, seconds: kept out of make test-fast
 class TestWriterElectionProperties:
     @PROPERTY
     @given(descriptions=replicated_grid_layout())
@@ -481,6 +485,7 @@ class TestWriterElectionProperties:
         assert max(loads) <= sum(loads) / replicas + max(sizes) * 4
 
 
+@pytest.mark.unit
 def test_error_messages_quote_the_key_exactly() -> None:
     key = "decoder.layers.3.mlp.experts.7.weight"
     g = (2,)
