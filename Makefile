@@ -1,4 +1,5 @@
-# The two commands: `make demo` (the main job) and `make test` (lint, type check, test suite).
+# The commands: `make demo` (the main job), `make test` (lint, type check, the whole test suite) and
+# `make test-fast` (the unit tier only: no processes or servers, under 30 s; see tests/tiers.py).
 # Both create .venv and install what they need. torch is pinned first so that pip takes the local
 # CPU build instead of a multi-GB CUDA build.
 
@@ -8,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint typecheck venv dist clean
+.PHONY: demo test test-fast lint typecheck venv dist clean
 
 venv: $(STAMP)
 
@@ -25,7 +26,10 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: lint typecheck
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=40
+
+test-fast: $(STAMP)
+	$(BIN)/pytest -m unit -q --durations=0 --durations-min=1.0
 
 demo: $(STAMP)
 	$(BIN)/reshard demo --plot demo-loss.png

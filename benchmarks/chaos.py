@@ -1,7 +1,7 @@
 """The long mode of the contract and fault suite: every flow through every fault source, for the figures in
 docs/reliability.md.
 
-``make test`` runs a sample of the same harnesses (tests/contract/, tests/test_corruption.py); this runs
+``make test`` runs a sample of the same harnesses (tests/contract/, tests/io/test_corruption.py); this runs
 them in full::
 
     .venv/bin/python -m benchmarks.chaos --all-flows                 # everything (about an hour on 2 cores)

@@ -38,7 +38,7 @@ run() {
         nproc; free -g | head -2; df -h /tmp | tail -1
     } > "$out/env.txt" 2>&1
     cat "$out/env.txt"
-    timeout 210 python3 -m pytest -q -ra -p no:cacheprovider tests/test_gpu.py tests/test_device_paths.py \
+    timeout 210 python3 -m pytest -q -ra -p no:cacheprovider tests/io/test_gpu.py tests/io/test_device_paths.py \
         > "$out/tests.log" 2>&1
     echo "tests: exit $?"; tail -25 "$out/tests.log"
     timeout 330 python3 benchmarks/gpu.py --size-gib "$SIZE_GIB" --repeat "$REPEAT" --json "$out/gpu.json" \

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.objectstores import FaultProxy, GcsServer, S3Server
 from tests.rankpool import RankPool
+from tests.tiers import UnitGuard, tier_errors, tiers_of, unit_guard
 
 # gcsfs (2026.10.1 here) picks its GCSFileSystem class when it is *imported*: unless this variable is "false",
 # ``gcsfs.GCSFileSystem`` is the experimental ExtendedGcsFileSystem, which asks Google's Storage Control
@@ -62,6 +64,51 @@ def pytest_configure(config: pytest.Config) -> None:
     import tempfile
 
     os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "reshard-hypothesis"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test has exactly one tier (unit, dist or slow; tests/tiers.py): a test without one, or with two, stops
+    the run before anything runs, so a new test file cannot forget its ``pytestmark``."""
+    errors = tier_errors(items)
+    if errors:
+        raise pytest.UsageError("tests without exactly one tier:\n" + "\n".join(errors))
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m unit`` (``make test-fast``), a test file that never names the unit mark holds no unit test, so it
+    is not even imported: importing megatron-core, transformers or the object store clients would cost the fast
+    tier seconds before its first test."""
+    if config.option.markexpr != "unit" or not collection_path.name.startswith("test_"):
+        return None
+    if collection_path.suffix != ".py":
+        return None
+    return True if "pytest.mark.unit" not in collection_path.read_text(encoding="utf-8") else None
+
+
+UNIT_GUARD = pytest.StashKey[UnitGuard]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    """A ``unit`` test that starts a process or a server fails (tests/tiers.py, :func:`unit_guard`); the guard
+    covers its setup (fixtures) and teardown too."""
+    if tiers_of(item) != ["unit"]:
+        return (yield)
+    guard = item.stash[UNIT_GUARD] = UnitGuard(item.nodeid)
+    with unit_guard(guard):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """A start refused in another thread than the test's (a server thread) fails the test's report all the same."""
+    report: pytest.TestReport = yield
+    guard = item.stash.get(UNIT_GUARD, None)
+    if guard is not None and guard.violations and report.passed:
+        report.outcome = "failed"
+        report.longrepr = "\n".join(guard.violations)
+        guard.violations.clear()  # once: the teardown of a failed test is not failed again
+    return report
 
 
 @pytest.fixture

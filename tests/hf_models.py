@@ -1,6 +1,6 @@
 """Tiny random transformers models for the tests that hold the reference model against transformers
-(tests/test_hf_models.py, tests/test_hf_config.py, tests/test_demo_exports.py), and the rank function that runs
-the reference model built from one of them."""
+(tests/models/test_hf_models.py, tests/models/test_hf_config.py, tests/demo/test_demo_exports.py), and the rank
+function that runs the reference model built from one of them."""
 
 from __future__ import annotations
 

@@ -65,6 +65,7 @@ DIFFERENCE_EXITS = {"diff": {0, 1}, "validate": {0, 1}}
 """Commands whose exit 1 is an outcome, not a failure (docs/cli.md, "Exit codes")."""
 
 
+@pytest.mark.unit
 def test_every_block_says_how_it_is_checked() -> None:
     """A new example cannot go unchecked by accident: it is run, compared, or says why not."""
     unmarked = [
@@ -211,6 +212,7 @@ def _run_reshard(session: Session, line: str, capsys: pytest.CaptureFixture[str]
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(("where", "setups", "block"), marked_blocks(SH_MARK))
 def test_command_example_runs(
     where: str, setups: str | None, block: str, session: Session, capsys: pytest.CaptureFixture[str]
@@ -231,6 +233,7 @@ def _matches(expected: list[str], actual: list[str]) -> bool:
     return bool(actual) and actual[0].rstrip() == expected[0].rstrip() and _matches(expected[1:], actual[1:])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("where", "setups", "block"), marked_blocks(TRANSCRIPT_MARK))
 def test_transcript_example_prints_what_it_shows(
     where: str, setups: str | None, block: str, session: Session, capsys: pytest.CaptureFixture[str]
@@ -254,6 +257,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(("where", "options", "block"), marked_blocks(BASH_MARK))
 def test_shell_session_example_runs(where: str, options: str | None, block: str, session: Session) -> None:
     settings = dict(item.split("=", 1) for item in (options or "").split())
@@ -278,6 +282,7 @@ def _reshard_options() -> dict[str, set[str]]:
     return found
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(("where", "unused", "block"), marked_blocks(OPTIONS_MARK, MARKED_DOCS))
 def test_synopsis_names_only_real_options(where: str, unused: str | None, block: str) -> None:
     known = _reshard_options()
@@ -314,6 +319,7 @@ def test_synopsis_names_only_real_options(where: str, unused: str | None, block:
     assert not problems, f"{where}:\n" + "\n".join(problems)
 
 
+@pytest.mark.unit
 def test_the_format_example_is_what_two_ranks_write(tmp_path: Path) -> None:
     """docs/format.md section 12: its Python block, run by two ranks (threads of this process, the same
     protocol and files), writes the document shown there, member for member: the same tensors, boxes, byte

@@ -33,6 +33,7 @@ RUN_MARK = re.compile(r"<!-- example: run(?: needs=([\w.]+))? -->")
 SIGNATURE_MARK = re.compile(r"<!-- signature: ([\w.]+) -->")
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(("where", "needs", "code"), marked_blocks(RUN_MARK))
 def test_example_runs(
     where: str, needs: str | None, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -93,12 +94,14 @@ def render_signature(dotted: str) -> str:
     return f"{dotted}(\n" + "".join(f"    {p},\n" for p in params) + f"){returns}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("where", "name", "text"), marked_blocks(SIGNATURE_MARK))
 def test_signature_matches_code(where: str, name: str, text: str) -> None:
     expected = render_signature(name)
     assert text.strip() == expected, f"{where}: the signature of {name} changed; the code has:\n{expected}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("module", [reshard, reshard.storage, reshard.interop], ids=lambda m: m.__name__)
 def test_every_public_name_is_in_the_api_reference(module: Any) -> None:
     api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
@@ -124,6 +127,7 @@ def _anchors(path: Path) -> set[str]:
     return anchors
 
 
+@pytest.mark.unit
 def test_relative_links_point_at_files_and_headings() -> None:
     broken = []
     for path in DOCS:
@@ -162,6 +166,7 @@ def rank_save_megatron_torch_dist(ctx: RankContext, path: str) -> None:
         dist_checkpointing.save(state, path, sharded_strategy=_megatron_cpu_save_strategy())
 
 
+@pytest.mark.dist
 @pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None, reason="megatron-core (the bench extra) is not installed"
 )
@@ -199,6 +204,7 @@ LAYERS = {
 }
 
 
+@pytest.mark.unit
 def test_layers_import_only_downwards() -> None:
     """docs/architecture.md: no module of src/reshard imports from a layer above its own, or another
     module's underscore names."""
@@ -233,6 +239,7 @@ def test_layers_import_only_downwards() -> None:
 TEST_REFERENCE = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+)[^`]*)?`|`::(\w+)[^`]*`")
 
 
+@pytest.mark.unit
 def test_every_test_the_docs_cite_exists() -> None:
     """A claim of the docs names its test (``tests/FILE.py::test_name``, or ``::test_name`` for another test of the
     file named before it; a name ending in ``…`` is a prefix): each must exist, so a renamed or removed test cannot

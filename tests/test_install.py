@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

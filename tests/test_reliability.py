@@ -42,6 +42,7 @@ def _event_index(events: list[str], name: str, occurrence: int) -> int:
 # ---- D1: a rank dies after its write was reported; the commit must stay ---------------------------------
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 3])
 def test_d1_a_rank_dying_after_the_commit_never_costs_the_checkpoint(tmp_path: Path, world: int) -> None:
     """Rank 1 dies right after the coordinator has gathered its report and committed metadata.json, before
@@ -65,6 +66,7 @@ def test_d1_a_rank_dying_after_the_commit_never_costs_the_checkpoint(tmp_path: P
         assert outcome.answers[rank].get("ok") or outcome.answers[rank]["error"] == "UnconfirmedCommitError"
 
 
+@pytest.mark.dist
 def test_d1_the_manager_points_latest_at_a_step_committed_before_a_rank_died(tmp_path: Path) -> None:
     events, _ = harness.dry_run("manager", 3, tmp_path / "dry")
     report = _event_index(events[2], "gather_bytes", 2)  # rank 2's write report in the save of step 2
@@ -86,6 +88,7 @@ def rank_save_rows(ctx: RankContext, path: str) -> None:
         reshard.save({"w": reshard.ShardedTensor("w", rows.clone(), (8, 256), (4 * ctx.rank, 0))}, path, group=group)
 
 
+@pytest.mark.dist
 def test_d2_a_resharded_contiguous_load_verifies_the_chunks_of_both_files(pool4: RankPool, tmp_path: Path) -> None:
     """Both boxes start at byte 0 of their own data file; row 2, inside rank 0's box, is zeroed. Rows [1, 6)
     span both boxes: each one's touched chunk must be verified (they were keyed by offset alone)."""
@@ -108,6 +111,7 @@ def test_d2_a_resharded_contiguous_load_verifies_the_chunks_of_both_files(pool4:
     assert torch.equal(reshard.load(untouched, path)["w"], full[5:])
 
 
+@pytest.mark.unit
 def test_d2_every_byte_of_a_strided_load_is_verified(tmp_path: Path) -> None:
     """A column slice of rows (runs shorter than a chunk) reads and verifies the chunks it touches whole:
     damage in a byte the load uses is caught, whatever the read pattern."""
@@ -138,6 +142,7 @@ class _NoMapStorage(LocalStorage):
         return None
 
 
+@pytest.mark.unit
 def test_d2_strided_loads_read_whole_chunks_and_report_it(tmp_path: Path) -> None:
     full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
     reshard.save({"w": full}, tmp_path / "ckpt", options=reshard.SaveOptions(checksum_chunk_bytes=1024))
@@ -154,6 +159,7 @@ def test_d2_strided_loads_read_whole_chunks_and_report_it(tmp_path: Path) -> Non
 # ---- D7: an endpoint that ignores Range ------------------------------------------------------------------
 
 
+@pytest.mark.dist
 def test_d7_an_answer_of_another_range_is_never_used(object_store: Any, fault_proxy: Any) -> None:
     """Behind a proxy that drops the Range header of every GET (HTTP allows a 200 with the whole object),
     a load of rows [10, 20) must fail, never return rows [0, 10)."""
@@ -188,6 +194,7 @@ def rank_save_with(ctx: RankContext, path: str, options: dict[str, list[Any]]) -
     return {"ok": True}
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     ("options", "named"),
     [
@@ -227,6 +234,7 @@ def rank_save_or_load(ctx: RankContext, path: str) -> dict[str, Any]:
     return {"ok": True}
 
 
+@pytest.mark.dist
 def test_d9_one_rank_saving_while_another_loads_is_a_reshard_error_everywhere(pool4: RankPool, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     reshard.save({"w": torch.ones(4)}, path)
@@ -253,6 +261,7 @@ def _checkpoint_with_linked_data(tmp_path: Path) -> tuple[Path, Path, list[Path]
     return path, elsewhere, sorted(elsewhere.iterdir())
 
 
+@pytest.mark.dist
 def test_d3_gc_refuses_a_symlinked_data_directory(tmp_path: Path) -> None:
     from reshard.flows.maintenance import collect_garbage
 
@@ -270,6 +279,7 @@ def test_d3_gc_refuses_a_symlinked_data_directory(tmp_path: Path) -> None:
     assert all(f.exists() for f in files)
 
 
+@pytest.mark.unit
 def test_d3_an_overwrite_never_deletes_through_a_symlinked_data_directory(tmp_path: Path) -> None:
     path, _, files = _checkpoint_with_linked_data(tmp_path)
     with pytest.raises(reshard.StorageError, match="symbolic link"):
@@ -278,6 +288,7 @@ def test_d3_an_overwrite_never_deletes_through_a_symlinked_data_directory(tmp_pa
     assert sorted(p.name for p in path.iterdir()) == ["data", METADATA_FILE]  # nothing written, nothing lost
 
 
+@pytest.mark.unit
 def test_d3_gc_deletes_only_the_names_a_save_writes(tmp_path: Path) -> None:
     from reshard.flows.maintenance import collect_garbage
 
@@ -293,6 +304,7 @@ def test_d3_gc_deletes_only_the_names_a_save_writes(tmp_path: Path) -> None:
 # ---- D5: a peer dying during planning must not leave the lock held ------------------------------------------
 
 
+@pytest.mark.dist
 def test_d5_a_peer_dying_in_planning_releases_the_coordinators_lock(tmp_path: Path) -> None:
     events, _ = harness.dry_run("fresh", 2, tmp_path / "dry")
     planning = _event_index(events[1], "gather_bytes", 0)
@@ -334,6 +346,7 @@ class _PausingStorage(LocalStorage):
         return data
 
 
+@pytest.mark.dist
 def test_d6_two_writers_finding_the_same_stale_lock_cannot_both_take_it(tmp_path: Path) -> None:
     stale = LockInfo(host=socket.gethostname(), pid=_dead_pid(), token="crashed", created=time.time())
     (tmp_path / LOCK_FILE).write_bytes(stale.to_bytes())
@@ -362,6 +375,7 @@ def test_d6_two_writers_finding_the_same_stale_lock_cannot_both_take_it(tmp_path
     assert lock_markers(LocalStorage(tmp_path)) == {}
 
 
+@pytest.mark.dist
 def test_d6_racing_writers_on_a_stale_lock_take_it_exactly_once(tmp_path: Path) -> None:
     """Eight threads, each with its own storage, race to break one stale lock, twenty times over."""
     for round_ in range(20):
@@ -396,6 +410,7 @@ def test_d6_racing_writers_on_a_stale_lock_take_it_exactly_once(tmp_path: Path) 
         assert read_lock(LocalStorage(root)).token == won[0]  # type: ignore[union-attr]
 
 
+@pytest.mark.unit
 def test_a_lock_of_another_host_is_taken_over_once_it_stops_moving(tmp_path: Path) -> None:
     """A holder on another host cannot be checked by pid: it is stale once the lock has not moved for a
     lease (measured on this host's clock); a live holder renews and keeps it."""
@@ -433,6 +448,7 @@ def mock_host(name: str) -> Any:
 # ---- D10: sizes checked before reading --------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_d10_an_oversized_metadata_file_is_refused_unread(tmp_path: Path) -> None:
     reshard.save({"w": torch.ones(4)}, tmp_path / "ckpt")
     target = tmp_path / "ckpt" / METADATA_FILE
@@ -444,6 +460,7 @@ def test_d10_an_oversized_metadata_file_is_refused_unread(tmp_path: Path) -> Non
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.unit
 def test_d10_an_oversized_safetensors_index_is_refused_unread(tmp_path: Path) -> None:
     from reshard.interop.hf_source import describe_source
 
@@ -457,6 +474,7 @@ def test_d10_an_oversized_safetensors_index_is_refused_unread(tmp_path: Path) ->
 # ---- D11: what the command line prints from a checkpoint ------------------------------------------------------
 
 
+@pytest.mark.dist
 def test_d11_inspect_escapes_control_characters_of_keys(tmp_path: Path) -> None:
     reshard.save({"evil\x1b[2J\x1b[31m": torch.ones(2), "rtl\u202egpj.exe": torch.ones(1)}, tmp_path / "ckpt")
     done = subprocess.run(
@@ -467,6 +485,7 @@ def test_d11_inspect_escapes_control_characters_of_keys(tmp_path: Path) -> None:
     assert b"evil\\x1b[2J\\x1b[31m" in done.stdout and b"rtl\\u202egpj.exe" in done.stdout
 
 
+@pytest.mark.dist
 def test_d11_a_lone_surrogate_in_a_key_is_refused_cleanly(tmp_path: Path) -> None:
     with pytest.raises(reshard.StateDictError, match="lone surrogate"):
         reshard.save({"a\ud800b": torch.ones(2)}, tmp_path / "refused")
@@ -493,6 +512,7 @@ class _FullDiskForLocks(LocalStorage):
         super().commit(name, data, replace=replace)
 
 
+@pytest.mark.unit
 def test_d12_a_lock_that_cannot_be_written_names_the_rank_and_the_file(tmp_path: Path) -> None:
     with pytest.raises(reshard.StorageError) as info:
         reshard.save({"w": torch.ones(2)}, _FullDiskForLocks(tmp_path / "ckpt"))
@@ -503,6 +523,7 @@ def test_d12_a_lock_that_cannot_be_written_names_the_rank_and_the_file(tmp_path:
 # ---- metadata.json carries its own checksum --------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_damage_that_leaves_valid_json_is_caught_by_every_reader(tmp_path: Path) -> None:
     """A digit of an offset changed in metadata.json (valid JSON, consistent-looking): load, read_metadata,
     validate, export and convert all refuse it."""
@@ -542,6 +563,7 @@ def _lose_the_answer_to_the_commit(proxy: Any, protocol: str) -> None:
         proxy.fail_next(1, "drop_after", method="POST", contains="/upload/", body_contains=b"metadata.json")
 
 
+@pytest.mark.dist
 def test_a_lost_answer_to_the_offline_commit_keeps_the_committed_checkpoint(
     object_store: Any, fault_proxy: Any, tmp_path: Path
 ) -> None:
@@ -563,6 +585,7 @@ def test_a_lost_answer_to_the_offline_commit_keeps_the_committed_checkpoint(
     assert torch.equal(loaded["w"], torch.arange(32.0)) and loaded["step"] == 3
 
 
+@pytest.mark.dist
 def test_a_lost_answer_to_a_saves_commit_keeps_the_committed_checkpoint(object_store: Any, fault_proxy: Any) -> None:
     proxy = fault_proxy(object_store)
     bucket = object_store.new_bucket()
@@ -592,12 +615,14 @@ class _CommitFailsUnreadably(LocalStorage):
         return super().read_bytes(name, max_bytes=max_bytes)
 
 
+@pytest.mark.unit
 def test_a_commit_of_unknown_outcome_deletes_nothing(tmp_path: Path) -> None:
     with pytest.raises(reshard.StorageError, match="outcome cannot be read back"):
         reshard.save({"w": torch.arange(4.0)}, _CommitFailsUnreadably(tmp_path / "ckpt"))
     assert torch.equal(reshard.load({"w": torch.zeros(4)}, tmp_path / "ckpt")["w"], torch.arange(4.0))
 
 
+@pytest.mark.dist
 def test_failures_in_save_planning_are_rank_failures_not_parse_errors(pool4: RankPool, tmp_path: Path) -> None:
     """A RankFailure here would mean a raw exception escaped; every rank gets a CheckpointError."""
     results = pool4.run(rank_save_or_load, str(tmp_path / "nothing"))
@@ -628,6 +653,7 @@ def _race_saves(path: Path, writers: int, *, overwrite: bool) -> dict[int, str]:
     return outcomes
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_racing_writers_leave_exactly_one_whole_checkpoint(tmp_path: Path, overwrite: bool) -> None:
     for round_ in range(8):

@@ -11,6 +11,8 @@ import pytest
 
 from tests.contract import damage
 
+pytestmark = pytest.mark.dist
+
 SEED = 20261202
 DAMAGES = 40
 """Damaged copies in ``make test`` (``benchmarks.chaos --all-flows``: 1,000)."""

@@ -11,6 +11,8 @@ import pytest
 import reshard
 from tests.contract import disagreement
 
+pytestmark = pytest.mark.dist
+
 CASES = disagreement.cases()
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from tests.contract import hostile_tensors
 
+pytestmark = pytest.mark.dist
+
 CASES = hostile_tensors.cases()
 
 

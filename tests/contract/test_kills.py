@@ -17,6 +17,8 @@ import pytest
 from tests.contract import harness
 from tests.contract.flows import FLOWS
 
+pytestmark = pytest.mark.dist
+
 SEED = 20261202
 # (flow, ranks): kill points sampled from the dry run's events (None: every one), kills at random delays
 PLAN: dict[tuple[str, int], tuple[int | None, int]] = {

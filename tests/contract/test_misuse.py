@@ -9,6 +9,8 @@ import pytest
 
 from tests.contract import misuse
 
+pytestmark = pytest.mark.dist
+
 
 def test_two_jobs_saving_into_one_root_at_once(tmp_path: Path) -> None:
     assert misuse.two_managers_on_one_root(tmp_path) == []
