@@ -94,8 +94,18 @@ def render_signature(dotted: str) -> str:
     return f"{dotted}(\n" + "".join(f"    {p},\n" for p in params) + f"){returns}"
 
 
-@pytest.mark.unit
-@pytest.mark.parametrize(("where", "name", "text"), marked_blocks(SIGNATURE_MARK))
+def _signature_cases() -> list[Any]:
+    """The signature blocks, each in the unit tier but those of reshard.interop.megatron, whose import of
+    megatron-core takes two seconds (dist tier)."""
+    return [
+        pytest.param(
+            *case.values, id=case.id, marks=pytest.mark.dist if "megatron" in case.values[1] else pytest.mark.unit
+        )
+        for case in marked_blocks(SIGNATURE_MARK)
+    ]
+
+
+@pytest.mark.parametrize(("where", "name", "text"), _signature_cases())
 def test_signature_matches_code(where: str, name: str, text: str) -> None:
     expected = render_signature(name)
     assert text.strip() == expected, f"{where}: the signature of {name} changed; the code has:\n{expected}"

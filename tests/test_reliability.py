@@ -410,7 +410,7 @@ def test_d6_racing_writers_on_a_stale_lock_take_it_exactly_once(tmp_path: Path) 
         assert read_lock(LocalStorage(root)).token == won[0]  # type: ignore[union-attr]
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # in one process, but it waits out a real lease of 0.6 s
 def test_a_lock_of_another_host_is_taken_over_once_it_stops_moving(tmp_path: Path) -> None:
     """A holder on another host cannot be checked by pid: it is stale once the lock has not moved for a
     lease (measured on this host's clock); a live holder renews and keeps it."""

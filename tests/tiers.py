@@ -30,6 +30,16 @@ import pytest
 
 TIERS = ("unit", "dist", "slow")
 
+FAST_TIER_ENV = "RESHARD_FAST_TIER"
+"""Set by ``make test-fast``: property tests of the unit tier draw a fifth of their examples (at least 20), so
+the developer's loop stays under 30 s; ``make test`` draws them all."""
+
+
+def examples(count: int) -> int:
+    """How many examples a property test draws: ``count``, or a fifth of it (at least 20) under
+    ``make test-fast``."""
+    return max(20, count // 5) if os.environ.get(FAST_TIER_ENV) else count
+
 
 def tiers_of(item: pytest.Item) -> list[str]:
     """The tier marks a collected test carries, from its own marks, its class's and its module's."""

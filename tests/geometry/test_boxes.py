@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.geometry.boxes import Box, ReadPattern, read_pattern, row_major_strides
+from tests.tiers import examples
 
 pytestmark = pytest.mark.unit
 
-PROPERTY = settings(max_examples=150, deadline=None, database=None)
+PROPERTY = settings(max_examples=examples(150), deadline=None, database=None)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -29,10 +29,11 @@ from reshard.metadata import METADATA_FILE, Metadata, check_relative_path
 from reshard.state.codec import decode_object_blob, decode_tagged, encode_object_blob, encode_tagged
 from reshard.state.dtypes import DTYPE_BY_NAME
 from tests.metadata_docs import dumps, read_doc, seal, unseal
+from tests.tiers import examples
 
 pytestmark = pytest.mark.unit
 
-PROPERTY = settings(max_examples=150, deadline=None, database=None)
+PROPERTY = settings(max_examples=examples(150), deadline=None, database=None)
 
 
 def same(a: object, b: object) -> bool:
@@ -791,7 +792,7 @@ JSON_VALUES = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzzed_metadata_never_raises_another_exception(valid_doc: dict[str, Any], data: st.DataObject) -> None:
     doc = copy.deepcopy(valid_doc)

@@ -72,6 +72,7 @@ from reshard.io.locking import LOCK_FILE
 from reshard.metadata import METADATA_FILE
 from tests.memory import peak_rss_growth
 from tests.metadata_docs import CHECKSUM_MEMBER, dumps, read_doc, seal, unseal, write_doc
+from tests.tiers import examples
 
 # --------------------------------------------------------------------------------------------------
 # Known bugs the fuzzer would tolerate until fixed (none now; the regression tests below pin the fixed ones).
@@ -83,7 +84,7 @@ is at least ``chunk_bytes`` long, so a chunk shorter than that (the last chunk o
 when the box is smaller than a chunk) goes unchecked although the run covers it. The reference then does not
 demand it. Set to False once test_every_chunk_a_mapped_read_covers_is_verified passes."""
 
-EXAMPLES = 300
+EXAMPLES = examples(300)
 LOAD_SECONDS = 5.0
 FUZZ_RSS_GROWTH = 300 * 2**20
 BOMB_RSS_GROWTH = 200 * 2**20

@@ -22,8 +22,9 @@ from reshard.geometry.tiling import TilingProblem, find_tiling_problem
 from reshard.planning.descriptions import LocalSaveDescription, ObjectPiece, TensorPiece, WriteAssignment
 from reshard.planning.save_plan import plan_save
 from reshard.state.sharding import ReplicaId
+from tests.tiers import examples
 
-PROPERTY = settings(max_examples=100, deadline=None, database=None)
+PROPERTY = settings(max_examples=examples(100), deadline=None, database=None)
 
 
 def grid_boxes(global_shape: tuple[int, ...], cuts: list[list[int]]) -> list[Box]:

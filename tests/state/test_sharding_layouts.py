@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 import reshard
 from reshard.geometry.boxes import Box, flat_range_boxes
 from reshard.state.sharding import ShardedTensor
+from tests.tiers import examples
 
 pytestmark = pytest.mark.unit
 
-SETTINGS = settings(max_examples=150, deadline=None)
+SETTINGS = settings(max_examples=examples(150), deadline=None)
 
 
 def region(t: torch.Tensor, box: Box) -> torch.Tensor:
