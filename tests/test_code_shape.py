@@ -66,3 +66,11 @@ def test_the_function_length_count_sees_a_long_function(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text(f"class C:\n    def f(self):\n    {body.replace(chr(10), chr(10) + '    ')}\n")
     assert dict(_function_lengths(module)) == {"C.f": 81}
+
+
+@pytest.mark.parametrize(("module", "flow"), [("flows/save.py", "_save_to"), ("flows/load.py", "_load_from")])
+def test_the_flows_read_as_short_lists_of_phases(module: str, flow: str) -> None:
+    """docs/architecture.md "The flows, layer by layer": save and load once their storage is open are a list
+    of phase calls of about 40 lines (docstrings, logging and the result included), not a function that grows
+    a branch per mode."""
+    assert dict(_function_lengths(SRC / module))[flow] <= 50
