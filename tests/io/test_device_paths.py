@@ -64,7 +64,7 @@ def test_host_slabs_cover_every_tensor_in_order(slots: int) -> None:
     for position, tensor in enumerate(tensors):
         assert bytes(seen[position]) == _stored_bytes(tensor), position
     staged = sum(t.nbytes for i, t in enumerate(tensors) if i not in (0, 2, 3, 7))
-    assert slabs.bytes_staged == staged
+    assert slabs.bytes_copied == staged
     assert slabs.held_bytes <= slots * 64
 
 
@@ -207,7 +207,7 @@ def test_the_device_budget_keeps_a_read_item_within_an_arena() -> None:
         plain, device = ReadBudget.of(budget), ReadBudget.of(budget, device=True)
         assert plain.arena_bytes == 0
         assert device.max_read_bytes <= device.arena_bytes
-        assert device.staging_bytes + device.stream_bytes + device.max_read_bytes + 2 * device.arena_bytes <= budget
+        assert device.read_buffer_bytes + device.stream_bytes + device.max_read_bytes + 2 * device.arena_bytes <= budget
 
 
 # ---- the planes of a process group --------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from reshard.errors import (
 from reshard.flows.options import SaveOptions
 from reshard.flows.stats import PhaseClock
 from reshard.io.commit import CommitOutcome, SaveCommit
-from reshard.io.datafile import DataFileWriter, data_file_name, staging_slabs
+from reshard.io.datafile import DataFileWriter, data_file_name, host_slabs
 from reshard.io.locking import LockTiming
 from reshard.io.references import (
     mark_holders,
@@ -349,7 +349,7 @@ def write_assigned(request: SaveRequest, described: Described, planned: Planned,
     (:func:`~reshard.io.reuse.choose_reused`). Never raises: a failure is returned in ``error``, and a data file
     begun is removed."""
     try:
-        slabs = staging_slabs(request.memory_budget_bytes)  # for hashing here, then for writing
+        slabs = host_slabs(request.memory_budget_bytes)  # for hashing here, then for writing
         reuse = choose_reused(
             request.storage,
             planned.assignment,

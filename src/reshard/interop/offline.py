@@ -3,7 +3,7 @@
 The tools of the command line (``convert``, ``diff``, ``export``, ``import-dcp``) work on whole
 checkpoints that may be larger than memory, in a single process that may or may not have a process
 group. :class:`CheckpointReader` reads a tensor as consecutive slabs of its row-major flattening,
-through the same load planning, direct reads, staging buffer and checksum verification as
+through the same load planning, direct reads, read buffer and checksum verification as
 :func:`reshard.load`, but without any collective. :class:`CheckpointWriter` writes a checkpoint one
 tensor at a time, each as a single box streamed in pieces, in the format and with the commit protocol of
 :func:`reshard.save` (the save lock, data file names unique to the write, ``metadata.json`` validated and
@@ -58,7 +58,7 @@ DEFAULT_SLAB_BYTES = 64 * 1024 * 1024
 """Largest piece of a tensor a reader hands out at once (in bytes of the requested dtype)."""
 
 DEFAULT_MEMORY_BUDGET_BYTES = 16 * 1024 * 1024
-"""The reader's buffers: staging for reads that cannot land directly in a slab (strided boxes, dtype
+"""The reader's buffers: the read buffer for reads that cannot land directly in a slab (strided boxes, dtype
 conversions) and mapped windows (see :class:`reshard.io.reader.ReadExecutor`)."""
 
 CAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -36,7 +36,6 @@ __all__ = [
     "data_file_name",
     "host_slabs",
     "is_data_file_of",
-    "staging_slabs",
     "tensor_bytes",
 ]
 
@@ -68,11 +67,6 @@ def host_slabs(memory_budget_bytes: int) -> HostSlabs:
     """The host slabs of a save with this budget: :data:`HOST_SLAB_SLOTS` of an eighth of it each, at most
     :data:`MAX_HOST_SLAB_BYTES` (allocated at first need)."""
     return HostSlabs(max(1, min(MAX_HOST_SLAB_BYTES, memory_budget_bytes // 8)), slots=HOST_SLAB_SLOTS)
-
-
-def staging_slabs(memory_budget_bytes: int) -> HostSlabs:
-    """:func:`host_slabs`, under its former name (a save's host slabs are not node-local staging)."""
-    return host_slabs(memory_budget_bytes)
 
 
 def data_file_name(save_id: str, rank: int) -> str:

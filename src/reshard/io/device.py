@@ -161,11 +161,6 @@ class HostSlabs:
         """Bytes copied through the host slabs (device-to-host, or host views that were not plain bytes)."""
 
     @property
-    def bytes_staged(self) -> int:
-        """:attr:`bytes_copied`, under its former name."""
-        return self.bytes_copied
-
-    @property
     def held_bytes(self) -> int:
         """Host memory the buffers hold now."""
         return sum(b.numel() for b in self._buffers)

@@ -66,11 +66,6 @@ class ReadBudget:
     """For a load into device memory: each of the two host arenas of :class:`~reshard.io.device.DeviceFill`
     (0 otherwise)."""
 
-    @property
-    def staging_bytes(self) -> int:
-        """The read buffer's share, under its former name (:attr:`read_buffer_bytes`)."""
-        return self.read_buffer_bytes
-
     @classmethod
     def of(cls, memory_budget_bytes: int, *, device: bool = False) -> ReadBudget:
         """The shares of ``memory_budget_bytes``; with ``device`` (some destinations are not in host memory),
