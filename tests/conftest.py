@@ -104,10 +104,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     """A start refused in another thread than the test's (a server thread) fails the test's report all the same."""
     report: pytest.TestReport = yield
     guard = item.stash.get(UNIT_GUARD, None)
-    if guard is not None and guard.violations and report.passed:
-        report.outcome = "failed"
-        report.longrepr = "\n".join(guard.violations)
-        guard.violations.clear()  # once: the teardown of a failed test is not failed again
+    if guard is not None and guard.violations:
+        if report.passed:
+            report.outcome = "failed"
+            report.longrepr = "\n".join(guard.violations)
+        # once: a violation already failed this phase (in the test's own thread) or now fails it; the next
+        # phase (the teardown of a failed test) is not failed again for it
+        guard.violations.clear()
     return report
 
 

@@ -3,13 +3,18 @@ server: the guard refuses it, in the test's thread and in others."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
+import multiprocessing.util
+import os
+import pty
 import socket
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -60,10 +65,45 @@ def test_the_guard_refuses_processes_and_servers_and_notes_each() -> None:
         with pytest.raises(pytest.fail.Exception, match=r"tests/x\.py::test_y is marked unit but starts a process"):
             multiprocessing.get_context("spawn").Process(target=print).start()
         with socket.socket() as server:
-            server.bind(("127.0.0.1", 0))
+            with pytest.raises(pytest.fail.Exception, match="binds a socket"):
+                server.bind(("127.0.0.1", 0))
             with pytest.raises(pytest.fail.Exception, match="listens on a socket"):
                 server.listen()
-    assert len(guard.violations) == 2
+    assert len(guard.violations) == 3
+
+
+async def _datagram_endpoint() -> None:
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(asyncio.DatagramProtocol, local_addr=("127.0.0.1", 0))
+    transport.close()
+
+
+def _udp_server() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as server:
+        server.bind(("127.0.0.1", 0))
+
+
+@pytest.mark.parametrize(
+    "start",
+    [
+        pytest.param(lambda: os.forkpty(), id="forkpty"),  # noqa: PLW0108 (looked up at call time, once patched)
+        pytest.param(pty.fork, id="pty.fork"),
+        pytest.param(
+            lambda: multiprocessing.util.spawnv_passfds(sys.executable, [sys.executable, "-c", "pass"], ()),
+            id="fork_exec",  # how the resource tracker of shared memory starts
+        ),
+        pytest.param(_udp_server, id="udp"),
+        pytest.param(lambda: asyncio.run(_datagram_endpoint()), id="asyncio-udp"),
+    ],
+)
+def test_the_guard_refuses_the_other_ways_to_start_a_process_or_a_server(start: Any) -> None:
+    """Found by the outside attack on the tiers: a pseudo-terminal fork, the resource tracker that shared
+    memory starts through ``_posixsubprocess``, a UDP server (bound, never listening), asyncio's datagram
+    endpoints. Each is refused and noted."""
+    guard = UnitGuard("tests/x.py::test_w")
+    with unit_guard(guard), pytest.raises(pytest.fail.Exception, match=r"tests/x\.py::test_w is marked unit but"):
+        start()
+    assert len(guard.violations) >= 1
 
 
 def test_a_start_in_another_thread_is_noted_for_the_report() -> None:

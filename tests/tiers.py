@@ -18,6 +18,7 @@ test, so a ``unit`` mark cannot hide a test that belongs to ``dist``.
 
 from __future__ import annotations
 
+import _posixsubprocess
 import multiprocessing.process
 import os
 import socket
@@ -88,10 +89,13 @@ def unit_guard(guard: UnitGuard) -> Iterator[None]:
         patch.setattr(subprocess.Popen, "_execute_child", refuse("starts a subprocess"))
         patch.setattr(multiprocessing.process.BaseProcess, "start", refuse("starts a process"))
         patch.setattr(os, "fork", refuse("forks"))
+        patch.setattr(os, "forkpty", refuse("forks (a pseudo-terminal child)"))
+        patch.setattr(_posixsubprocess, "fork_exec", refuse("starts a process (fork_exec)"))
         patch.setattr(os, "system", refuse("runs a shell command"))
         patch.setattr(os, "posix_spawn", refuse("spawns a process"))
         patch.setattr(os, "posix_spawnp", refuse("spawns a process"))
         patch.setattr(socket.socket, "listen", refuse("listens on a socket (starts a server)"))
+        patch.setattr(socket.socket, "bind", refuse("binds a socket (a server, UDP ones included)"))
         patch.setattr(tests.rankpool.RankPool, "__init__", refuse("starts a pool of ranks"))
         patch.setattr(tests.objectstores, "start_s3_server", refuse("starts the S3 server"))
         patch.setattr(tests.objectstores, "start_gcs_server", refuse("starts the GCS server"))

@@ -42,6 +42,16 @@ MOVED_MODULES = {
     "reshard.collector": "reshard.flows.collector",
     "reshard.progress": "reshard.flows.progress",
     "reshard.megatron": "reshard.interop.megatron",
+    # moved in the two releases' worth of changes before the folders (still documented then):
+    "reshard.demo.model": "reshard.models.gpt",
+    "reshard.demo.parallel": "reshard.models.parallel",
+    "reshard.demo.collectives": "reshard.models.collectives",
+    "reshard.demo.peft": "reshard.models.peft",
+    "reshard.demo.hf": "reshard.models.hf",
+    "reshard.demo.hf_export": "reshard.models.hf_export",
+    "reshard.boxes": "reshard.geometry.boxes",
+    "reshard.planning.grid": "reshard.geometry.grid",
+    "reshard.planning.tiling": "reshard.geometry.tiling",
 }
 
 
@@ -55,10 +65,16 @@ def new_module_name(old: str) -> str | None:
 
 
 class _AliasLoader(importlib.abc.Loader):
-    """Loads an old path as the module already at its new path."""
+    """Loads an old path as the module already at its new path.
+
+    The import system sets ``__spec__`` of whatever :meth:`create_module` returns to the old path's spec;
+    :meth:`exec_module` gives the module its own spec back, so that ``importlib.reload`` and ``find_spec`` of
+    the new path keep working after an old path was imported.
+    """
 
     def __init__(self, old: str, new: str) -> None:
         self.old, self.new = old, new
+        self.own_spec: importlib.machinery.ModuleSpec | None = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         warnings.warn(
@@ -66,10 +82,13 @@ class _AliasLoader(importlib.abc.Loader):
             DeprecationWarning,
             stacklevel=2,
         )
-        return importlib.import_module(self.new)
+        module = importlib.import_module(self.new)
+        self.own_spec = module.__spec__
+        return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        """Nothing to run: the module at the new path is already executed."""
+        """Nothing to run (the module at the new path is already executed): restore its own spec."""
+        module.__spec__ = self.own_spec
 
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder):

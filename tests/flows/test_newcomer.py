@@ -288,6 +288,16 @@ def test_a_moved_module_imports_from_its_old_path_with_a_warning() -> None:
         "assert sys.modules['reshard.statedict'] is reshard.state.statedict\n"
         "import reshard\n"
         "assert callable(reshard.save) and callable(reshard.transfer)\n"
+        # the alias leaves the module its own spec: find_spec and reload of the new path still work
+        "import importlib, importlib.util\n"
+        "assert reshard.flows.manager.__spec__.name == 'reshard.flows.manager'\n"
+        "assert importlib.util.find_spec('reshard.flows.manager').name == 'reshard.flows.manager'\n"
+        "old_class = reshard.flows.manager.CheckpointManager\n"
+        "assert importlib.reload(reshard.flows.manager).CheckpointManager is not old_class\n"
+        # modules moved before the folders keep their old paths too
+        "import reshard.demo.parallel, reshard.boxes, reshard.planning.tiling\n"
+        "assert sys.modules['reshard.demo.parallel'] is sys.modules['reshard.models.parallel']\n"
+        "assert sys.modules['reshard.boxes'] is sys.modules['reshard.geometry.boxes']\n"
     )
     _in_a_fresh_interpreter(probe)
 

@@ -74,3 +74,27 @@ def test_stored_ranges_lists_every_box_and_blob_of_the_file(tmp_path: Path) -> N
     assert sorted(ranges) == sorted(
         [(box.byte_offset, box.byte_length, box.checksums), (blob.byte_offset, blob.byte_length, blob.checksums)]
     )
+
+
+@pytest.mark.parametrize("damage", ["truncated", "grown", "missing"])
+def test_a_staged_load_of_a_damaged_source_file_is_corrupt_like_a_plain_load(tmp_path: Path, damage: str) -> None:
+    """Found by the outside attack on issue 31: a data file of another size than the metadata says, or gone,
+    is a damaged checkpoint (``CorruptCheckpointError`` naming the file, as the plain load says), not a storage
+    failure, whether or not the load stages files on node-local disk; nothing is left in the staging
+    directory."""
+    metadata, _ = _saved(tmp_path)
+    (entry,) = metadata.files
+    data_file = tmp_path / "ckpt" / entry.path
+    if damage == "missing":
+        data_file.unlink()
+    else:
+        raw = data_file.read_bytes()
+        data_file.write_bytes(raw[:-4] if damage == "truncated" else raw + b"\0")
+    template = {"w": torch.empty(512), "o": reshard.ShardedObject("o", None, (1,), (0,))}
+    errors = []
+    for staging in (None, reshard.StagingOptions(directory=tmp_path / "node")):
+        with pytest.raises(reshard.CorruptCheckpointError, match=entry.path.split("/")[-1]) as caught:
+            reshard.load(template, tmp_path / "ckpt", options=reshard.LoadOptions(staging=staging))
+        errors.append(type(caught.value))
+    assert errors[0] is errors[1]
+    assert not [p for p in (tmp_path / "node").rglob("*") if p.is_file()]

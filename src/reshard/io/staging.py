@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from reshard.errors import StorageError
+from reshard.errors import CorruptCheckpointError
 from reshard.io.verified import verify_stored_ranges
 from reshard.metadata import DataFile, Metadata
 from reshard.storage import LocalStorage, Storage
@@ -169,14 +169,17 @@ def stage_files(
             try:
                 storage.download(source, temp)
                 size = os.stat(temp).st_size
+            except FileNotFoundError:
+                temp.unlink(missing_ok=True)
+                raise CorruptCheckpointError(f"data file {storage.describe(source)} is missing") from None
             except BaseException:
                 temp.unlink(missing_ok=True)
                 raise
             if size != metadata.files[file].size:
                 temp.unlink(missing_ok=True)
-                expected = metadata.files[file].size
-                raise StorageError(
-                    f"downloading {storage.describe(source)} gave {size} bytes, metadata says {expected}"
+                raise CorruptCheckpointError(  # as a plain load says it (reshard.io.verified)
+                    f"data file {storage.describe(source)} has {size} bytes, the metadata says "
+                    f"{metadata.files[file].size}: it was truncated or altered"
                 )
             os.replace(temp, final)
             staged.downloaded.append(name)
