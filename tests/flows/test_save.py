@@ -54,3 +54,17 @@ def test_save_and_load_take_at_most_eight_named_parameters() -> None:
             p for p in inspect.signature(function).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD
         ]
         assert len(named) <= 8, (function.__name__, [p.name for p in named])
+
+
+def test_an_incremental_save_that_references_every_box_records_their_fingerprints(tmp_path: Path) -> None:
+    """Found while attacking issue 31's redesign (older than it): with ``fingerprint=True``, an incremental save
+    whose every box is referenced (no rank writes a file: a frozen model saved again) recorded no fingerprint,
+    and ``LoadOptions(verify=True)`` then refused the checkpoint as saved without fingerprints."""
+    options = reshard.SaveOptions(content_hash=True, fingerprint=True)
+    reshard.save(state(), tmp_path / "a", options=options)
+    result = reshard.save(state(), tmp_path / "b", options=options, base=tmp_path / "a")
+    assert result.num_files == 0 and result.referenced_bytes == 24
+    base, again = reshard.read_metadata(tmp_path / "a"), reshard.read_metadata(tmp_path / "b")
+    assert again.tensors["w"].fingerprint == base.tensors["w"].fingerprint is not None
+    loaded = reshard.load({"w": torch.empty(6)}, tmp_path / "b", options=reshard.LoadOptions(verify=True))
+    assert torch.equal(loaded["w"], state()["w"])

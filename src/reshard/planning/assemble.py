@@ -185,7 +185,7 @@ def assemble_metadata(
     files, written, entries = written_parts(table, reports)
     referenced_files, referenced = referenced_parts(table, reports, references, first_file=len(files))
     row, columns = (written + referenced).columns(table, chunk_bytes=chunk_bytes, content_hashes=content_hashes)
-    prints = written.fingerprints + referenced.fingerprints if written.fingerprinted else None
+    prints = written.fingerprints + referenced.fingerprints if (written + referenced).fingerprinted else None
     object_shapes: dict[str, tuple[int, ...]] = {}
     for objects in table.objects:
         for obj in objects:
@@ -336,6 +336,7 @@ def referenced_parts(
             crc=tuple(ref.checksums for ref in reused),
             content_hash=tuple(ref.content_hash for ref in reused),
             fingerprints=report.tensors.reused_fingerprint or (),
+            fingerprinted=report.tensors.reused_fingerprint is not None,
         )
     return files, parts
 
