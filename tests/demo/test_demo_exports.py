@@ -26,7 +26,7 @@ import reshard
 from reshard import cli
 from reshard.demo.run import DemoOptions
 from reshard.demo.training import Trainer, TrainingConfig, global_batch
-from reshard.models.config import LoraConfig, ModelConfig
+from reshard.models.config import LoraConfig, ModelConfig, is_adapter_key
 from reshard.models.hf import checkpoint_model_config, common_tree
 from tests.demo_groups import layout_groups
 from tests.doc_blocks import ROOT, marked_blocks
@@ -172,13 +172,16 @@ def test_demo_lora_on_the_export_goes_to_peft_with_its_logits(
 def test_demo_lora_adapters_of_the_default_model_export_to_peft(
     pool4: RankPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """reshard demo --lora 4 (on the demo's initial weights) -> reshard export-peft: written, not refused (the
+    """reshard demo --lora 4 (on the demo's initial weights; an adapter-only checkpoint, resumed bit-exactly on
+    another layout) -> reshard export-peft: written, not refused (the
     demo's default model used to adapt un-gated experts that no Hugging Face model has); PEFT puts it on the
     initial weights exported as the README says (a demo of 0 steps, export-hf), with the reshard model's logits."""
     import peft
 
     monkeypatch.chdir(tmp_path)
-    _reshard(tmp_path, "reshard demo --lora 4 --out demo-lora")
+    report = _reshard(tmp_path, "reshard demo --lora 4 --out demo-lora")  # a bit-exact resume on another layout
+    assert report is not None and report["phase_b"]["first_step"] == 2
+    assert all(is_adapter_key(k) for k in reshard.read_metadata(tmp_path / "demo-lora").tensors)  # adapters only
     _reshard(tmp_path, "reshard export-peft demo-lora peft-demo")
     _reshard(tmp_path, "reshard demo --steps 0 --resume-steps 0 --out demo-initial")
     _reshard(tmp_path, "reshard export-hf demo-initial hf-initial")

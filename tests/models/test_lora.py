@@ -342,17 +342,3 @@ def test_peft_export_of_a_tp2_adapter_checkpoint_equals_the_gathered_adapter(poo
     refused = export(experts, tmp_path / "peft-of-experts")
     assert refused.returncode == 3 and "have no PEFT target" in refused.stderr and "mlp.experts.fc1" in refused.stderr
     assert not (tmp_path / "peft-of-experts").exists()
-
-
-@pytest.mark.slow
-def test_demo_entry_point_with_lora(tmp_path: Path) -> None:
-    """`reshard demo --lora 4`: adapter-only checkpoint on one layout, bit-exact resume on another."""
-    out = tmp_path / "lora-demo"
-    command = [sys.executable, "-m", "reshard", "demo", "--lora", "4", "--steps", "1", "--resume-steps", "1"]
-    command += ["--layout-a", "tp=2", "--layout-b", "dp=2,ep=2", "--out", str(out), "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
-    assert result["phase_a"]["digest_saved"] == result["phase_b"]["digest_loaded"] != ""
-    assert result["phase_b"]["first_step"] == 1
-    assert all(is_adapter_key(k) for k in reshard.read_metadata(out).tensors)
