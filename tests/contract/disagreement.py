@@ -62,6 +62,7 @@ ALTERNATES: dict[str, dict[str, Any]] = {
         "verify": True,
         "staging": "staging",
         "read_once": True,
+        "object_grid": "same_coordinate",
     },
 }
 

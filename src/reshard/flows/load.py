@@ -144,12 +144,7 @@ def _load_from(
         matched = attempt(match_template, state_dict, metadata, rank=comm.rank, strict=strict, options=options)
     planned = plan_reads(ctx, agreed, matched)
     template = matched.get()  # the planning step succeeded on every rank, this one's matching too
-    if template.missing:
-        warnings.warn(
-            f"reshard.load(strict=False): {len(template.missing)} entries are not in the checkpoint and were left "
-            f"as they are: {', '.join(template.missing[:20])}{' ...' if len(template.missing) > 20 else ''}",
-            stacklevel=3,
-        )
+    _warn_unloaded(template, options)
     staged = stage(ctx, metadata, template, planned)
     try:
         done = read(ctx, metadata, template, planned, staged)
@@ -166,9 +161,33 @@ def _load_from(
     result = map_back(state_dict, metadata, done.objects)
     if stats is not None:
         needed = _bytes_needed(metadata, template, planned)
-        _fill_stats(stats, ctx.clock, planned, done, exchanged, staged, needed=needed, missing=template.missing)
+        _fill_stats(stats, ctx.clock, planned, done, exchanged, staged, needed=needed, template=template)
     _log(ctx, planned)
     return result
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    return ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
+
+
+def _warn_unloaded(template: Matched, options: LoadOptions) -> None:
+    """Warn of the template's entries this load leaves as they are: missing ones (``strict=False``), and
+    object cells of a changed grid under ``LoadOptions(object_grid=...)`` with the saved cells no rank gets."""
+    if template.missing:
+        warnings.warn(
+            f"reshard.load(strict=False): {len(template.missing)} entries are not in the checkpoint and were left "
+            f"as they are: {_listed(template.missing)}",
+            stacklevel=4,
+        )
+    grids = template.regridded
+    if grids.changed:
+        kept = f"this rank's cells keep the template's value: {_listed(grids.kept)}" if grids.kept else ""
+        ignored = f"saved cells loaded by no rank: {_listed(grids.ignored)}" if grids.ignored else ""
+        warnings.warn(
+            f"reshard.load(LoadOptions(object_grid={options.object_grid!r})): {'; '.join(grids.changed)}: "
+            + "; ".join(part for part in (kept, ignored) if part),
+            stacklevel=4,
+        )
 
 
 def _bytes_needed(metadata: Metadata, template: Matched, planned: ReadPlan) -> int:
@@ -190,7 +209,7 @@ def _fill_stats(
     staged: Staged,
     *,
     needed: int,
-    missing: tuple[str, ...],
+    template: Matched,
 ) -> None:
     """Fill the caller's ``stats`` once the load succeeded."""
     stats.bytes_needed = needed
@@ -207,7 +226,9 @@ def _fill_stats(
         stats.files_downloaded = len(staged.files.downloaded)
         stats.bytes_downloaded = staged.files.bytes_downloaded
         stats.files_reused = len(staged.files.reused)
-    stats.missing = missing
+    stats.missing = template.missing
+    stats.objects_kept = template.regridded.kept
+    stats.objects_ignored = template.regridded.ignored
     stats.seconds_metadata = clock.get("metadata")
     stats.seconds_plan = clock.get("plan")
     stats.seconds_stage = clock.get("stage")

@@ -27,7 +27,7 @@ import functools
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -44,6 +44,7 @@ from reshard.metadata import Metadata, SavedObject
 from reshard.net.comm import Communicator
 from reshard.planning.exchange import MIN_SLAB_BYTES, CellRef, RankSchedule, schedule_reads
 from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan, TargetPiece, check_template, plan_load
+from reshard.planning.objects import ObjectMatch
 from reshard.state.codec import decode_object_blob
 from reshard.state.dtypes import dtype_name
 from reshard.state.fingerprint import fingerprint
@@ -173,25 +174,30 @@ def read_metadata_once(ctx: LoadContext) -> Agreed:
 @dataclass(frozen=True)
 class Matched:
     """This rank's template against the checkpoint: the tensors, their pieces (and each piece's key) and
-    the objects to read, and the entries the checkpoint does not hold (``strict=False``)."""
+    the objects to read, the entries the checkpoint does not hold (``strict=False``), and what the
+    ``object_grid`` policy decided for objects whose grid changed (:class:`~reshard.planning.objects.ObjectMatch`:
+    the cells kept as the template's, the saved cells no rank loads, one line per changed grid)."""
 
     tensors: tuple[ShardedTensor, ...]
     objects: tuple[ShardedObject, ...]
     pieces: tuple[LocalPiece, ...]
     keys: tuple[str, ...]
     missing: tuple[str, ...]
+    regridded: ObjectMatch = field(default_factory=ObjectMatch)
 
 
 def match_template(state_dict: Any, metadata: Metadata, *, rank: int, strict: bool, options: LoadOptions) -> Matched:
     """Phase 2, local: flatten the template and check it against the metadata (shapes, dtypes, casts,
-    missing entries: :func:`~reshard.planning.load_plan.check_template`). ``state_dict`` is not changed."""
+    missing entries, object grids under ``LoadOptions(object_grid=...)``:
+    :func:`~reshard.planning.load_plan.check_template`). ``state_dict`` is not changed."""
     template = flatten_state_dict(state_dict, rank=rank, dedup=False)
-    missing = check_template(
+    missing, objects = check_template(
         template,
         metadata,
         strict=strict,
         allow_dtype_cast=options.allow_dtype_cast,
         allow_lossy_cast=options.allow_lossy_cast,
+        object_grid=options.object_grid,
     )
     pairs = [(tensor.key, piece) for tensor in template.tensors for piece in tensor.pieces()]
     return Matched(
@@ -200,6 +206,7 @@ def match_template(state_dict: Any, metadata: Metadata, *, rank: int, strict: bo
         pieces=tuple(piece for _, piece in pairs),
         keys=tuple(key for key, _ in pairs),
         missing=tuple(missing),
+        regridded=ObjectMatch(kept=objects.kept, ignored=objects.ignored, changed=objects.changed),
     )
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from reshard.errors import CheckpointError
 from reshard.io.datafile import DEFAULT_SAVE_MEMORY_BUDGET, MIN_SAVE_MEMORY_BUDGET
 from reshard.io.reader import DEFAULT_LOAD_MEMORY_BUDGET, MIN_LOAD_MEMORY_BUDGET
+from reshard.planning.objects import OBJECT_GRIDS, ObjectGrid
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -143,6 +144,15 @@ class LoadOptions:
             where the ranks' storages differ, on when any of them is an object store (every rank decides
             alike). The exchange's buffers come out of ``memory_budget_bytes`` (half for sending, half for
             receiving, at least 4 KiB each), after the reads released theirs.
+        object_grid: what a per-rank :class:`~reshard.ShardedObject` whose template grid differs from the
+            saved one loads (a resume on another layout; :mod:`reshard.planning.objects`): ``"exact"`` (the
+            default) raises :class:`~reshard.MismatchError` on every rank; ``"same_coordinate"`` loads each
+            requested cell from the saved cell of the same coordinate, and a requested cell the saved grid
+            does not have keeps the template's value (``LoadStats.objects_kept``), while saved cells outside
+            the requested grid are loaded by no rank (``LoadStats.objects_ignored``), both named in a warning
+            (grids of another number of axes raise :class:`~reshard.MismatchError`); ``"skip"`` loads no cell
+            of a changed grid (every one keeps the template's value, every saved cell is named). An object
+            whose grid did not change loads as ever.
 
     Every rank of a load passes the same options, checked in the load's first collective step (a difference
     is a :class:`~reshard.CheckpointError` on every rank naming the option and the ranks of each value, before
@@ -153,8 +163,9 @@ class LoadOptions:
     ``staging.directory`` must agree among the ranks of a node (another node may stage elsewhere).
 
     Raises (on construction):
-        ValueError: ``max_read_amplification`` below 1.0, ``memory_budget_bytes`` below 16, or
-            ``read_once=True`` with ``staging`` (staging already downloads each file once per node).
+        ValueError: ``max_read_amplification`` below 1.0, ``memory_budget_bytes`` below 16,
+            ``read_once=True`` with ``staging`` (staging already downloads each file once per node), or an
+            ``object_grid`` other than ``"exact"``, ``"same_coordinate"`` and ``"skip"``.
     """
 
     allow_dtype_cast: bool = True
@@ -164,8 +175,12 @@ class LoadOptions:
     verify: bool = False
     staging: StagingOptions | None = None
     read_once: bool | None = None
+    object_grid: ObjectGrid = "exact"
 
     def __post_init__(self) -> None:
+        if self.object_grid not in OBJECT_GRIDS:
+            choices = ", ".join(map(repr, OBJECT_GRIDS))
+            raise ValueError(f"object_grid must be one of {choices}, got {self.object_grid!r}")
         if self.read_once and self.staging is not None:
             raise ValueError("read_once=True and staging exclude each other: staging downloads each file once per node")
         if self.max_read_amplification is not None and not self.max_read_amplification >= 1.0:
@@ -187,6 +202,7 @@ def load_terms(options: LoadOptions, *, strict: bool, source: str, node: str) ->
         "allow_lossy_cast": bool(options.allow_lossy_cast),
         "verify": bool(options.verify),
         "read_once": options.read_once if options.read_once is None else bool(options.read_once),
+        "object_grid": str(options.object_grid),
         "staging": staging is not None,
         "staging.keep": None if staging is None else bool(staging.keep),
         "staging.directory": None if staging is None else [node, os.path.abspath(staging.path)],

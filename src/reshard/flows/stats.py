@@ -111,6 +111,12 @@ class LoadStats:
         files_reused: with staging, complete files found in the staging directory and reused.
         missing: with ``strict=False``, the template's entries that the checkpoint does not hold (left as
             they were), as the warning names them (``tensor 'key'``, ``object 'key' at [0]``, ``common value 'path'``).
+        objects_kept: with ``LoadOptions(object_grid="same_coordinate")`` or ``"skip"``, this rank's
+            ShardedObject cells whose saved grid changed and that kept the template's value (``same_coordinate``:
+            the cells outside the saved grid; ``skip``: every cell of a changed grid), as ``object 'key' at [2, 0]``.
+        objects_ignored: with the same options, the saved cells of a changed grid that the load did not return
+            to any rank (``same_coordinate``: those outside the requested grid; ``skip``: all of them); the same
+            on every rank whose template holds the object.
         seconds_metadata: reading and validating ``metadata.json`` (on the coordinator) or decoding the
             broadcast copy (on the others).
         seconds_plan: flattening the template, checking it against the metadata and planning the reads.
@@ -136,6 +142,8 @@ class LoadStats:
     bytes_downloaded: int = 0
     files_reused: int = 0
     missing: tuple[str, ...] = ()
+    objects_kept: tuple[str, ...] = ()
+    objects_ignored: tuple[str, ...] = ()
     seconds_metadata: float = 0.0
     seconds_plan: float = 0.0
     seconds_stage: float = 0.0

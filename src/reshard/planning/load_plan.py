@@ -21,6 +21,7 @@ from reshard.errors import MismatchError
 from reshard.geometry.boxes import Box, ReadPattern, read_pattern, row_major_strides
 from reshard.geometry.grid import BoxIndex
 from reshard.metadata import Metadata, SavedBox, SavedBoxes
+from reshard.planning.objects import ObjectGrid, ObjectMatch, match_objects
 from reshard.state.dtypes import dtype_name, is_lossy_cast
 from reshard.state.statedict import FlatStateDict, check_tensors, is_empty_container
 
@@ -243,16 +244,24 @@ class _Saved:
 
 
 def check_template(
-    flat: FlatStateDict, metadata: Metadata, *, strict: bool, allow_dtype_cast: bool, allow_lossy_cast: bool
-) -> list[str]:
-    """Compare the template with the checkpoint. Return the missing entries (when not strict) and drop
-    them from ``flat.tensors`` and ``flat.objects``, so that only present entries are planned and read.
+    flat: FlatStateDict,
+    metadata: Metadata,
+    *,
+    strict: bool,
+    allow_dtype_cast: bool,
+    allow_lossy_cast: bool,
+    object_grid: ObjectGrid = "exact",
+) -> tuple[list[str], ObjectMatch]:
+    """Compare the template with the checkpoint. Return the missing entries (when not strict) and how the
+    ShardedObject cells matched under the ``object_grid`` policy (:func:`~reshard.planning.objects.match_objects`);
+    drop the missing entries, and the object cells the policy leaves as they are, from ``flat.tensors`` and
+    ``flat.objects``, so that only present entries are planned and read.
 
     Raises:
         StateDictError: template tensors reshard cannot fill (:func:`reshard.state.statedict.check_tensors`: on the
             meta device, not dense, a freed storage, elements that overlap in memory).
-        MismatchError: a global shape differs, a dtype differs and the cast is not allowed, or
-            entries are missing (with ``strict``).
+        MismatchError: a global shape differs, a dtype differs and the cast is not allowed, an object's
+            grid differs and ``object_grid`` refuses the change, or entries are missing (with ``strict``).
     """
     check_tensors(flat.tensors, what="load: template", fill=True)
     missing: list[str] = []
@@ -280,17 +289,9 @@ def check_template(
                 "conversion (LoadOptions(allow_lossy_cast=True) allows it)"
             )
         present.append(st)
-    present_objects = []
-    for obj in flat.objects:
-        saved_obj = metadata.objects.get(obj.key)
-        if saved_obj is not None and saved_obj.global_shape != obj.global_shape:
-            mismatches.append(
-                f"object {obj.key!r}: saved grid {list(saved_obj.global_shape)}, requested {list(obj.global_shape)}"
-            )
-        elif saved_obj is None or not any(e.offset == obj.global_offset for e in saved_obj.entries):
-            missing.append(f"object {obj.key!r} at {list(obj.global_offset)}")
-        else:
-            present_objects.append(obj)
+    objects = match_objects(flat.objects, metadata.objects, object_grid)
+    mismatches += objects.mismatches
+    missing += objects.missing
     for path, value in flat.common.items():
         # An empty container is structure: checkpoints saved before empty containers were kept lack it.
         if path not in metadata.common and not is_empty_container(value):
@@ -304,5 +305,5 @@ def check_template(
             + (" ..." if len(missing) > 50 else "")
         )
     flat.tensors = present
-    flat.objects = present_objects
-    return missing
+    flat.objects = list(objects.present)
+    return missing, objects
