@@ -82,6 +82,7 @@ def cases() -> list[Case]:
         Case("manager_save", "keep_every", 2),
         Case("manager_save", "incremental", True),
         Case("manager_save", "overwrite", True),
+        Case("manager_save", "rewind", True),
         Case("manager_load", "strict", False),
         Case("transfer", "allow_lossy_cast", True),
         Case("transfer", "round_bytes", 4096),
@@ -184,7 +185,8 @@ def _manager(case: Case, rank: int, group: Any, place: Path, state: dict[str, An
             manager.load_latest_with_state(states.column_template(rank, WORLD), strict=strict)
         else:
             overwrite = _value(case, rank, False) if case.option == "overwrite" else False
-            manager.save(2, state, overwrite=overwrite, options=_save_options(case, rank))
+            rewind = _value(case, rank, False) if case.option == "rewind" else False
+            manager.save(2, state, overwrite=overwrite, rewind=rewind, options=_save_options(case, rank))
     finally:
         manager.close()
 

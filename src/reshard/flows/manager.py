@@ -46,6 +46,7 @@ from typing import Any
 
 from reshard.errors import (
     CheckpointError,
+    CheckpointExistsError,
     CheckpointLockedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -90,6 +91,37 @@ def step_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"steps are non-negative, got {step}")
     return f"step_{step:09d}"
+
+
+def _steps_text(steps: list[int]) -> str:
+    shown = ", ".join(str(s) for s in steps[:10])
+    return shown if len(steps) <= 10 else f"{shown}, ... ({len(steps)} in all, up to {steps[-1]})"
+
+
+def _refusal(root: Storage, infos: list[StepInfo], *, step: int, overwrite: bool, rewind: bool) -> str | None:
+    """On the coordinator, under the manager lock, from the root's steps ``infos``: why a save of ``step`` must not
+    run (a step older than the newest complete one without ``rewind``; a complete step again without
+    ``overwrite``), saying the ways out; None when it may. Only complete checkpoints count: leftovers of
+    interrupted saves never stop a restart."""
+    complete = [s.step for s in infos if s.status == "complete"]
+    newer = [s for s in complete if s > step]
+    exists = step in complete and not overwrite
+    call = f"CheckpointManager.save of step {step} under {root.describe()}"
+    if newer and not rewind:
+        also = f" and overwrite=True (step {step} is complete already)" if exists else ""
+        return (
+            f"{call} would go back in time: the root holds newer complete checkpoints, steps {_steps_text(newer)}. "
+            f"Resume from the newest, step {newer[-1]} (CheckpointManager.load_latest), and save a later step; or "
+            f"pass rewind=True{also} to save step {step} and then delete every step newer than it "
+            f"({_steps_text(newer)})"
+        )
+    if exists:
+        then = f" and then delete the newer steps {_steps_text(newer)}" if newer else ""
+        return (
+            f"{call}: step {step} is complete already ({root.describe(step_name(step))}). Pass overwrite=True to "
+            f"replace it{then}, or save a step after the newest, {max(complete)}"
+        )
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -229,15 +261,30 @@ class CheckpointManager:
     # ---- save (collective) -----------------------------------------------------------------------
 
     def save(
-        self, step: int, state_dict: Any, *, overwrite: bool = False, options: SaveOptions | None = None
+        self,
+        step: int,
+        state_dict: Any,
+        *,
+        overwrite: bool = False,
+        rewind: bool = False,
+        options: SaveOptions | None = None,
     ) -> SaveResult:
         """Save ``state_dict`` as step ``step`` (``options`` as for :func:`reshard.save`), then
         (coordinator) point ``latest`` at it and apply the retention policy. Called by all ranks of the
         group. Two managers saving to one root at the same time cannot interleave: the second gets
-        CheckpointLockedError. With ``incremental``, the base is the newest complete checkpoint that records
-        content hashes with the same checksum chunk size (none: a full save).
+        CheckpointLockedError. With ``incremental``, the base is the newest complete checkpoint older than
+        ``step`` that records content hashes with the same checksum chunk size (none: a full save).
+
+        A save never goes back in time by accident: a step older than the newest complete checkpoint is
+        refused, unless ``rewind`` is set. A rewind saves ``step`` and then, once it is committed, deletes every
+        step directory newer than ``step`` (complete checkpoints and leftovers of interrupted saves; what is
+        not reshard's, or a live save, stays), so that ``latest``, :meth:`load_latest` and later saves of those
+        steps all follow the new timeline. ``overwrite`` replaces a complete checkpoint of ``step`` itself.
 
         Raises:
+            CheckpointExistsError: on every rank, before anything is written: ``step`` is complete already and
+                ``overwrite`` is off, or the root holds complete checkpoints newer than ``step`` and ``rewind``
+                is off (the message names them).
             UnconfirmedCommitError: the step was committed and is complete (``latest`` points at it where the
                 coordinator could still say so), but a rank died or lost contact after the commit (retention
                 did not run), or, on every rank, updating ``latest`` or retention failed after the commit
@@ -252,7 +299,7 @@ class CheckpointManager:
         base: Storage | None = None
         try:
             base_name = self._lock_step(
-                comm, held, step=step, overwrite=overwrite, chunk_bytes=options.checksum_chunk_bytes
+                comm, held, step=step, overwrite=overwrite, rewind=rewind, chunk_bytes=options.checksum_chunk_bytes
             )
             base = self.root.child(base_name) if base_name is not None else None
             try:
@@ -269,7 +316,7 @@ class CheckpointManager:
                 if comm.is_coordinator:
                     self._point_latest_at(step)  # the step is complete; the group is not: no retention
                 raise
-            self._publish_step(comm, held[0] if held else None, step=step, result=result)
+            self._publish_step(comm, held[0] if held else None, step=step, rewind=rewind, result=result)
         finally:
             for lock_held in held:
                 lock_held.release()
@@ -278,31 +325,43 @@ class CheckpointManager:
         return result
 
     def _lock_step(
-        self, comm: Communicator, held: list[Lock], *, step: int, overwrite: bool, chunk_bytes: int
+        self, comm: Communicator, held: list[Lock], *, step: int, overwrite: bool, rewind: bool, chunk_bytes: int
     ) -> str | None:
         """The first step of :meth:`save` (collective ``manager lock``, every rank): the ranks' terms agree, and the
-        coordinator takes the manager lock (appended to ``held``, which the caller releases) and chooses the base of
-        an incremental save; that base's name (None: a full save) on every rank."""
+        coordinator takes the manager lock (appended to ``held``, which the caller releases), checks that the save
+        goes forward in time (or may not) and chooses the base of an incremental save; that base's name (None: a
+        full save) on every rank.
+
+        Raises:
+            CheckpointExistsError: on every rank, as :meth:`save` says.
+        """
 
         def lock() -> list[Any]:
-            terms = self._terms(step=step, overwrite=overwrite)
+            terms = self._terms(step=step, overwrite=overwrite, rewind=rewind)
             if not comm.is_coordinator:
-                return [terms, None]
+                return [terms, None, None]
             held.append(acquire_lock(self.root, uuid.uuid4().hex, what="manager"))
             held[0].start_renewing()
-            return [terms, self._base_for(step, chunk_bytes) if self.incremental else None]
+            refusal = _refusal(self.root, scan_root(self.root), step=step, overwrite=overwrite, rewind=rewind)
+            if refusal is not None:
+                return [terms, None, refusal]
+            return [terms, self._base_for(step, chunk_bytes) if self.incremental else None, None]
 
         def coordinators(values: list[list[Any]]) -> str | None:
-            check_terms([terms for terms, _ in values], "CheckpointManager.save")
+            check_terms([terms for terms, _, _ in values], "CheckpointManager.save")
             base_name: str | None = values[0][1]
+            if values[0][2] is not None:
+                raise CheckpointExistsError(values[0][2])
             return base_name
 
         return comm.step("manager lock", lock, coordinators)
 
-    def _publish_step(self, comm: Communicator, held: Lock | None, *, step: int, result: SaveResult) -> None:
+    def _publish_step(
+        self, comm: Communicator, held: Lock | None, *, step: int, rewind: bool, result: SaveResult
+    ) -> None:
         """The last step of :meth:`save` (collective ``manager retention``, every rank), after the commit: the
         coordinator, still holding the manager lock ``held``, points ``latest`` at ``step`` and applies the retention
-        policy.
+        policy (with ``rewind``, deleting the steps newer than ``step`` too).
 
         Raises:
             UnconfirmedCommitError: on every rank, when that failed (the step is committed).
@@ -314,7 +373,7 @@ class CheckpointManager:
                     held.check()
                 self._point_latest_at(step)
                 try:
-                    self._retain(keep_step=step)
+                    self._retain(keep_step=step, rewind=rewind)
                 except (OSError, CheckpointError) as exc:
                     raise StorageError(f"retention failed ({LATEST_FILE} names {step_name(step)}): {exc}") from exc
 
@@ -345,7 +404,7 @@ class CheckpointManager:
     def _base_for(self, step: int, chunk_bytes: int) -> str | None:
         """On the coordinator: the base of an incremental save of ``step``, or None (a full save)."""
         for info in reversed(scan_root(self.root)):
-            if info.status == "complete" and info.step != step:
+            if info.status == "complete" and info.step < step:
                 if not info.content_hashes or info.checksum_chunk_bytes != chunk_bytes:
                     logger.info("incremental save of step %d: %s cannot be its base, saving in full", step, info.name)
                     return None
@@ -387,11 +446,12 @@ class CheckpointManager:
         except OSError as exc:
             raise StorageError(f"updating {self.root.describe(LATEST_FILE)} failed: {exc}") from exc
 
-    def _retain(self, *, keep_step: int) -> None:
-        """On the coordinator, under the manager lock: delete what the policy no longer keeps."""
+    def _retain(self, *, keep_step: int, rewind: bool = False) -> None:
+        """On the coordinator, under the manager lock: delete what the policy no longer keeps (with ``rewind``,
+        every step newer than ``keep_step`` as well: ``keep_step`` is the newest)."""
         self._sweep_pointer_temporaries()
         infos = scan_root(self.root)
-        complete = [s.step for s in infos if s.status == "complete"]
+        complete = [s.step for s in infos if s.status == "complete" and not (rewind and s.step > keep_step)]
         if not complete:
             return
         newest = max(complete)
@@ -399,13 +459,17 @@ class CheckpointManager:
         if self.keep_every is not None:
             keep |= {s for s in complete if s % self.keep_every == 0}
         keep |= {newest, keep_step}
+
+        def rewound(info: StepInfo) -> bool:  # a leftover of the timeline a rewind abandons
+            return rewind and info.step > keep_step
+
         # Newest first, so that a checkpoint referenced only by older ones being deleted too goes whole;
         # then the retired ones, whose referrers may just have gone.
         for info in sorted(infos, key=lambda i: -i.step):
             live = info.locked and self._lock_is_live(info.name)
             if info.status == "complete" and info.step not in keep and not live:
                 self._remove(info.name, "deleting")
-            elif info.status not in ("complete", "retired") and info.step < newest and not live:
+            elif info.status not in ("complete", "retired") and not live and (info.step < newest or rewound(info)):
                 self._remove(info.name, "removing the leftovers of interrupted save")
         for info in infos:
             if info.status == "retired":

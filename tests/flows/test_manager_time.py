@@ -1,0 +1,210 @@
+"""CheckpointManager and the order of steps (issue 38, item 5): a save older than the newest complete step is
+refused on every rank unless ``rewind=True``, which deletes the newer steps after the rewound step commits; a step
+that is complete already is refused naming it; a restart after either can always proceed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import reshard
+from reshard.flows.manager import step_name
+from reshard.metadata import METADATA_FILE
+from reshard.net.transports import ThreadGroup
+from tests.rankpool import RankContext, RankFailure, RankPool
+from tests.threads import on_threads
+
+
+def _state(rank: int, world: int, step: int) -> dict[str, Any]:
+    """Each rank's rows of one tensor whose values say the step (and a per-rank object)."""
+    rows = torch.full((4, 8), float(step * 10 + rank))
+    return {
+        "w": reshard.ShardedTensor.from_rank_offsets("w", rows, (0, rank, world)),
+        "rng": reshard.ShardedObject("rng", {"rank": rank, "step": step}, (world,), (rank,)),
+        "step": step,
+    }
+
+
+def _template(rank: int, world: int) -> dict[str, Any]:
+    return {
+        "w": reshard.ShardedTensor.from_rank_offsets("w", torch.zeros(4, 8), (0, rank, world)),
+        "rng": reshard.ShardedObject("rng", None, (world,), (rank,)),
+        "step": -1,
+    }
+
+
+def _manager_call(rank: int, world: int, group: Any, root: Path, call: str, step: int, **kwargs: Any) -> Any:
+    """One rank's ``CheckpointManager`` call: ``save`` of ``step`` (its error returned, not raised) or ``load``
+    (the step loaded, checked against the values that step saved)."""
+    incremental = kwargs.pop("incremental", False)
+    manager = reshard.CheckpointManager(root, group=group, timeout=30, incremental=incremental)
+    try:
+        if call == "save":
+            return manager.save(step, _state(rank, world, step), **kwargs)
+        template = _template(rank, world)
+        found = manager.load_latest_with_state(template)
+        assert found is not None
+        loaded_step, loaded = found
+        assert loaded["step"] == loaded_step and loaded["rng"] == {"rank": rank, "step": loaded_step}
+        assert torch.equal(template["w"].data, torch.full((4, 8), float(loaded_step * 10 + rank)))
+        return loaded_step
+    except reshard.CheckpointError as exc:
+        return exc
+    finally:
+        manager.close()
+
+
+def _on_two_ranks(root: Path, call: str, step: int, **kwargs: Any) -> list[Any]:
+    group = ThreadGroup(2, timeout=30.0)
+    return on_threads(2, lambda rank: _manager_call(rank, 2, group.member(rank), root, call, step, **dict(kwargs)))
+
+
+def _saved(root: Path, step: int, **kwargs: Any) -> None:
+    for rank, result in enumerate(_on_two_ranks(root, "save", step, **kwargs)):
+        assert isinstance(result, reshard.SaveResult), (rank, result)
+
+
+def _refused(root: Path, step: int, **kwargs: Any) -> list[reshard.CheckpointError]:
+    """Save ``step``; every rank must raise the same CheckpointExistsError, which is returned."""
+    results = _on_two_ranks(root, "save", step, **kwargs)
+    for rank, result in enumerate(results):
+        assert isinstance(result, reshard.CheckpointExistsError), (rank, result)
+    assert len({str(e) for e in results}) == 1, results
+    return list(results)
+
+
+def _complete(root: Path) -> list[int]:
+    manager = reshard.CheckpointManager(root)
+    try:
+        return manager.steps()
+    finally:
+        manager.close()
+
+
+def _latest(root: Path) -> int | None:
+    manager = reshard.CheckpointManager(root)
+    try:
+        return manager.latest_pointer()
+    finally:
+        manager.close()
+
+
+@pytest.mark.unit
+def test_a_save_older_than_the_newest_step_is_refused_on_every_rank_naming_the_ways_out(tmp_path: Path) -> None:
+    _saved(tmp_path, 4)
+    _saved(tmp_path, 6)
+    error = _refused(tmp_path, 2)[0]
+    message = str(error)
+    assert "step 2" in message and "4, 6" in message and "rewind=True" in message and "load_latest" in message
+    assert _complete(tmp_path) == [4, 6] and _latest(tmp_path) == 6
+    assert not (tmp_path / step_name(2) / METADATA_FILE).exists()
+    assert _on_two_ranks(tmp_path, "load", 0) == [6, 6]
+    _saved(tmp_path, 8)  # resuming from the latest proceeds
+    assert _complete(tmp_path) == [4, 6, 8] and _latest(tmp_path) == 8
+
+
+@pytest.mark.unit
+def test_an_overwrite_of_an_older_step_is_going_back_in_time_too(tmp_path: Path) -> None:
+    _saved(tmp_path, 4)
+    _saved(tmp_path, 6)
+    message = str(_refused(tmp_path, 4, overwrite=True)[0])
+    assert "step 4" in message and "6" in message and "rewind=True" in message
+    assert _complete(tmp_path) == [4, 6] and _latest(tmp_path) == 6
+    assert _on_two_ranks(tmp_path, "load", 0) == [6, 6]
+
+
+@pytest.mark.unit
+def test_a_rewind_deletes_the_newer_steps_and_a_restart_saves_them_again(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        _saved(tmp_path, step)
+    (tmp_path / step_name(8) / "data").mkdir(parents=True)  # the leftover of an interrupted save of step 8
+    _saved(tmp_path, 3, rewind=True)
+    assert _complete(tmp_path) == [2, 3] and _latest(tmp_path) == 3
+    assert not (tmp_path / step_name(4)).exists() and not (tmp_path / step_name(6)).exists()
+    assert not (tmp_path / step_name(8)).exists()
+    assert _on_two_ranks(tmp_path, "load", 0) == [3, 3]  # the restart resumes from the rewound step
+    _saved(tmp_path, 4)  # and saves step 4 again, of the new timeline
+    assert _complete(tmp_path) == [2, 3, 4] and _latest(tmp_path) == 4
+    assert _on_two_ranks(tmp_path, "load", 0) == [4, 4]
+
+
+@pytest.mark.unit
+def test_a_rewind_over_an_existing_step_needs_overwrite_and_keeps_the_older_steps(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        _saved(tmp_path, step)
+    message = str(_refused(tmp_path, 4, rewind=True)[0])
+    assert "step 4" in message and "overwrite=True" in message
+    assert _complete(tmp_path) == [2, 4, 6] and _latest(tmp_path) == 6
+    _saved(tmp_path, 4, rewind=True, overwrite=True)
+    assert _complete(tmp_path) == [2, 4] and _latest(tmp_path) == 4
+    assert _on_two_ranks(tmp_path, "load", 0) == [4, 4]
+
+
+@pytest.mark.unit
+def test_an_incremental_rewind_references_only_older_steps(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        _saved(tmp_path, step, incremental=True)
+    _saved(tmp_path, 3, rewind=True, incremental=True)
+    assert reshard.read_metadata(tmp_path / step_name(3)).referenced_checkpoints in ((), (step_name(2),))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [step_name(2), step_name(3)]
+    assert _on_two_ranks(tmp_path, "load", 0) == [3, 3]
+
+
+@pytest.mark.unit
+def test_saving_a_complete_step_again_names_the_step_on_every_rank(tmp_path: Path) -> None:
+    _saved(tmp_path, 4)
+    message = str(_refused(tmp_path, 4)[0])
+    assert "step 4" in message and step_name(4) in message and "overwrite=True" in message
+    assert _complete(tmp_path) == [4] and _latest(tmp_path) == 4
+    _saved(tmp_path, 4, overwrite=True)
+    assert _on_two_ranks(tmp_path, "load", 0) == [4, 4]
+
+
+@pytest.mark.unit
+def test_an_interrupted_newer_save_does_not_stop_a_restart(tmp_path: Path) -> None:
+    """Only complete steps are newer steps: a restart after a crash in the save of step 6 saves step 5."""
+    _saved(tmp_path, 4)
+    _saved(tmp_path, 6)
+    (tmp_path / step_name(6) / METADATA_FILE).unlink()  # the save of step 6 never committed
+    assert _on_two_ranks(tmp_path, "load", 0) == [4, 4]
+    _saved(tmp_path, 5)
+    _saved(tmp_path, 6)
+    assert _complete(tmp_path) == [4, 5, 6] and _latest(tmp_path) == 6
+
+
+# ---- the user's sequence, on real processes --------------------------------------------------------------------
+
+
+def rank_manager(ctx: RankContext, root: str, call: str, step: int, kwargs: dict[str, Any]) -> Any:
+    """On each rank of the pool: one manager call; an error comes back as its class and message."""
+    result = _manager_call(ctx.rank, ctx.world_size, None, Path(root), call, step, **kwargs)
+    if isinstance(result, reshard.CheckpointError):
+        return {"error_class": type(result).__name__, "message": str(result)}
+    return "saved" if isinstance(result, reshard.SaveResult) else result
+
+
+@pytest.mark.dist
+def test_the_users_restart_that_forgot_to_resume(pool4: RankPool, tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+
+    def run(call: str, step: int, **kwargs: Any) -> list[Any]:
+        results = pool4.run(rank_manager, root, call, step, kwargs)
+        assert not any(isinstance(r, RankFailure) for r in results), results
+        return results
+
+    assert run("save", 4) == run("save", 6) == ["saved"] * 4
+    refused = run("save", 2)  # a new manager, a restart that forgot to resume
+    assert len({r["message"] for r in refused}) == 1, refused
+    for result in refused:
+        assert result["error_class"] == "CheckpointExistsError", result
+        assert "4, 6" in result["message"] and "rewind=True" in result["message"]
+    assert _latest(tmp_path / "root") == 6 and _complete(tmp_path / "root") == [4, 6]
+    assert run("save", 2, rewind=True) == ["saved"] * 4
+    assert _latest(tmp_path / "root") == 2 and _complete(tmp_path / "root") == [2]
+    assert run("load", 0) == [2] * 4  # the next restart resumes from step 2 and proceeds
+    assert run("save", 4) == ["saved"] * 4
+    assert _latest(tmp_path / "root") == 4 and _complete(tmp_path / "root") == [2, 4]
+    assert run("load", 0) == [4] * 4
