@@ -4,6 +4,7 @@ that is complete already is refused naming it; a restart after either can always
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +209,42 @@ def test_the_users_restart_that_forgot_to_resume(pool4: RankPool, tmp_path: Path
     assert run("save", 4) == ["saved"] * 4
     assert _latest(tmp_path / "root") == 4 and _complete(tmp_path / "root") == [2, 4]
     assert run("load", 0) == [4] * 4
+
+
+def _resume_then_save(rank: int, group: Any, root: Path, step: int) -> tuple[int | None, Any]:
+    """A restart: a manager resumes with ``load_latest`` (which skips what it cannot load), then saves ``step``;
+    the step it resumed from, and the save's result or error."""
+    manager = reshard.CheckpointManager(root, group=group, timeout=30)
+    try:
+        resumed = manager.load_latest(_template(rank, 2))
+        try:
+            return resumed, manager.save(step, _state(rank, 2, step))
+        except reshard.CheckpointError as exc:
+            return resumed, exc
+    finally:
+        manager.close()
+
+
+@pytest.mark.unit
+def test_a_restart_that_resumed_past_a_damaged_newest_step_can_save_again(tmp_path: Path) -> None:
+    """Found while reviewing the fix above: with steps 4 and 6 saved and 6 damaged, ``load_latest`` resumes from
+    4; the next save (5) is then older than 6, and an automatic restart loop would be refused for ever. A save
+    may go past the steps its manager's ``load_latest`` skipped as unloadable (they are deleted once it commits,
+    with a warning); a manager that did not resume is still refused."""
+    _saved(tmp_path, 4)
+    _saved(tmp_path, 6)
+    data_file = sorted((tmp_path / step_name(6) / "data").iterdir())[0]
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+    _refused(tmp_path, 5)  # no resume: the damaged step still counts
+    group = ThreadGroup(2, timeout=30.0)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        results = on_threads(2, lambda rank: _resume_then_save(rank, group.member(rank), tmp_path, 5))
+    messages = [str(w.message) for w in warned]
+    assert any("skipping checkpoint" in m for m in messages) and any("saved past steps [6]" in m for m in messages)
+    for rank, (resumed, result) in enumerate(results):
+        assert resumed == 4 and isinstance(result, reshard.SaveResult), (rank, resumed, result)
+    assert _complete(tmp_path) == [4, 5] and _latest(tmp_path) == 5
+    assert _on_two_ranks(tmp_path, "load", 0) == [5, 5]

@@ -58,6 +58,7 @@ from reshard.flows.load import load
 from reshard.flows.maintenance import validate_checkpoint
 from reshard.flows.options import SaveOptions, check_terms
 from reshard.flows.save import SaveResult, save
+from reshard.flows.timeline import Timeline, refusal
 from reshard.io.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
 from reshard.io.references import is_retired
 from reshard.io.retirement import remove_checkpoint
@@ -91,37 +92,6 @@ def step_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"steps are non-negative, got {step}")
     return f"step_{step:09d}"
-
-
-def _steps_text(steps: list[int]) -> str:
-    shown = ", ".join(str(s) for s in steps[:10])
-    return shown if len(steps) <= 10 else f"{shown}, ... ({len(steps)} in all, up to {steps[-1]})"
-
-
-def _refusal(root: Storage, infos: list[StepInfo], *, step: int, overwrite: bool, rewind: bool) -> str | None:
-    """On the coordinator, under the manager lock, from the root's steps ``infos``: why a save of ``step`` must not
-    run (a step older than the newest complete one without ``rewind``; a complete step again without
-    ``overwrite``), saying the ways out; None when it may. Only complete checkpoints count: leftovers of
-    interrupted saves never stop a restart."""
-    complete = [s.step for s in infos if s.status == "complete"]
-    newer = [s for s in complete if s > step]
-    exists = step in complete and not overwrite
-    call = f"CheckpointManager.save of step {step} under {root.describe()}"
-    if newer and not rewind:
-        also = f" and overwrite=True (step {step} is complete already)" if exists else ""
-        return (
-            f"{call} would go back in time: the root holds newer complete checkpoints, steps {_steps_text(newer)}. "
-            f"Resume from the newest, step {newer[-1]} (CheckpointManager.load_latest), and save a later step; or "
-            f"pass rewind=True{also} to save step {step} and then delete every step newer than it "
-            f"({_steps_text(newer)})"
-        )
-    if exists:
-        then = f" and then delete the newer steps {_steps_text(newer)}" if newer else ""
-        return (
-            f"{call}: step {step} is complete already ({root.describe(step_name(step))}). Pass overwrite=True to "
-            f"replace it{then}, or save a step after the newest, {max(complete)}"
-        )
-    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -237,6 +207,9 @@ class CheckpointManager:
         self.full_every = full_every
         self.group = group
         self.timeout = timeout
+        self.resumed_past: frozenset[int] = frozenset()
+        """The steps newer than the one :meth:`load_latest` resumed from, which it skipped as unloadable: a save
+        may go past them (they are deleted once it commits, as a rewind deletes)."""
 
     def close(self) -> None:
         self.root.close()
@@ -279,7 +252,9 @@ class CheckpointManager:
         refused, unless ``rewind`` is set. A rewind saves ``step`` and then, once it is committed, deletes every
         step directory newer than ``step`` (complete checkpoints and leftovers of interrupted saves; what is
         not reshard's, or a live save, stays), so that ``latest``, :meth:`load_latest` and later saves of those
-        steps all follow the new timeline. ``overwrite`` replaces a complete checkpoint of ``step`` itself.
+        steps all follow the new timeline. Steps that this manager's :meth:`load_latest` skipped as unloadable
+        do not count as newer: a save goes past them (with a warning), and they are deleted once it commits.
+        ``overwrite`` replaces a complete checkpoint of ``step`` itself.
 
         Raises:
             CheckpointExistsError: on every rank, before anything is written: ``step`` is complete already and
@@ -298,7 +273,7 @@ class CheckpointManager:
         held: list[Lock] = []  # the manager lock, on the coordinator once taken (released below, whatever fails)
         base: Storage | None = None
         try:
-            base_name = self._lock_step(
+            base_name, rewinds = self._lock_step(
                 comm, held, step=step, overwrite=overwrite, rewind=rewind, chunk_bytes=options.checksum_chunk_bytes
             )
             base = self.root.child(base_name) if base_name is not None else None
@@ -316,7 +291,7 @@ class CheckpointManager:
                 if comm.is_coordinator:
                     self._point_latest_at(step)  # the step is complete; the group is not: no retention
                 raise
-            self._publish_step(comm, held[0] if held else None, step=step, rewind=rewind, result=result)
+            self._publish_step(comm, held[0] if held else None, step=step, rewind=rewinds, result=result)
         finally:
             for lock_held in held:
                 lock_held.release()
@@ -326,11 +301,12 @@ class CheckpointManager:
 
     def _lock_step(
         self, comm: Communicator, held: list[Lock], *, step: int, overwrite: bool, rewind: bool, chunk_bytes: int
-    ) -> str | None:
+    ) -> tuple[str | None, bool]:
         """The first step of :meth:`save` (collective ``manager lock``, every rank): the ranks' terms agree, and the
         coordinator takes the manager lock (appended to ``held``, which the caller releases), checks that the save
         goes forward in time (or may not) and chooses the base of an incremental save; that base's name (None: a
-        full save) on every rank.
+        full save) and whether the save rewinds (``rewind``, or newer steps that are all ones :meth:`load_latest`
+        skipped as unloadable) on every rank.
 
         Raises:
             CheckpointExistsError: on every rank, as :meth:`save` says.
@@ -339,22 +315,35 @@ class CheckpointManager:
         def lock() -> list[Any]:
             terms = self._terms(step=step, overwrite=overwrite, rewind=rewind)
             if not comm.is_coordinator:
-                return [terms, None, None]
+                return [terms, None, None, False]
             held.append(acquire_lock(self.root, uuid.uuid4().hex, what="manager"))
             held[0].start_renewing()
-            refusal = _refusal(self.root, scan_root(self.root), step=step, overwrite=overwrite, rewind=rewind)
-            if refusal is not None:
-                return [terms, None, refusal]
-            return [terms, self._base_for(step, chunk_bytes) if self.incremental else None, None]
+            complete = [s.step for s in scan_root(self.root) if s.status == "complete"]
+            where = f"CheckpointManager under {self.root.describe()}"
+            timeline = Timeline.of(
+                where, self.root.describe(step_name(step)), complete, step=step, unloadable=self.resumed_past
+            )
+            refused = refusal(timeline, overwrite=overwrite, rewind=rewind)
+            if refused is not None:
+                return [terms, None, refused, False]
+            base = self._base_for(step, chunk_bytes) if self.incremental else None
+            return [terms, base, None, rewind or bool(timeline.newer)]
 
-        def coordinators(values: list[list[Any]]) -> str | None:
-            check_terms([terms for terms, _, _ in values], "CheckpointManager.save")
-            base_name: str | None = values[0][1]
-            if values[0][2] is not None:
-                raise CheckpointExistsError(values[0][2])
-            return base_name
+        def coordinators(values: list[list[Any]]) -> list[Any]:
+            check_terms([terms for terms, _, _, _ in values], "CheckpointManager.save")
+            _, base_name, refused, rewinds = values[0]
+            if refused is not None:
+                raise CheckpointExistsError(refused)
+            return [base_name, rewinds]
 
-        return comm.step("manager lock", lock, coordinators)
+        base_name, rewinds = comm.step("manager lock", lock, coordinators)
+        if rewinds and not rewind:
+            warnings.warn(
+                f"reshard: step {step} is saved past steps {sorted(self.resumed_past)}, which load_latest skipped as "
+                "unloadable; they are deleted once it commits",
+                stacklevel=3,
+            )
+        return base_name, bool(rewinds)
 
     def _publish_step(
         self, comm: Communicator, held: Lock | None, *, step: int, rewind: bool, result: SaveResult
@@ -565,7 +554,9 @@ class CheckpointManager:
             if skipped is not None:
                 skipped.append((step, reason))
 
+        passed: list[int] = []
         for step, status, problem in listed:
+            passed.append(step)
             if status == "retired":
                 skip(step, "it was deleted by retention and keeps only data files that newer checkpoints reference")
                 continue
@@ -579,7 +570,9 @@ class CheckpointManager:
             except (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError) as exc:
                 skip(step, str(exc))
                 continue
+            self.resumed_past = frozenset(passed[:-1])
             return step, loaded
+        self.resumed_past = frozenset(passed)
         return None
 
     def load_latest(self, state_dict: Any, **load_kwargs: Any) -> int | None:
