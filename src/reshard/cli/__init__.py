@@ -306,8 +306,9 @@ def _add_checkpoint_parsers(sub: Any, storage: argparse.ArgumentParser, quiet: a
         help="remove data files that no commit references (failed or interrupted saves)",
         description="Remove the data files under PATH/data that metadata.json does not reference: leftovers of "
         "saves that failed, were interrupted, or lost a race. Only names a save writes are candidates; files "
-        "younger than --min-age are kept, since a save may still be writing them; a PATH or a data directory that is "
-        "a symbolic link is refused. Loads ignore such files, so this only frees space.",
+        "younger than --min-age are kept, since a save may still be writing them, and gc says what it kept and why; a "
+        "PATH or a data directory that is a symbolic link is refused. Loads ignore such files, so this only frees "
+        "space.",
     )
     gc.add_argument("path", help="checkpoint directory or URL")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")

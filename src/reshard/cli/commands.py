@@ -60,9 +60,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from reshard.flows.maintenance import collect_garbage, describe_removed
+    from reshard.flows.maintenance import collect_garbage_report, describe_kept, describe_removed
 
-    removed = collect_garbage(
+    report = collect_garbage_report(
         args.path,
         dry_run=args.dry_run,
         min_age_s=args.min_age,
@@ -70,9 +70,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         storage_options=storage_options_of(args),
     )
     verb = "would remove" if args.dry_run else "removed"
-    for name in removed:
+    for name in report.removed:
         sys.stdout.write(f"{verb} {name}\n")
-    sys.stdout.write(f"{verb} {describe_removed(removed)}\n" if removed else "nothing to collect\n")
+    sys.stdout.write(f"{verb} {describe_removed(report.removed)}\n" if report.removed else "nothing to collect\n")
+    for line in describe_kept(report, age_option="--min-age"):
+        sys.stdout.write(f"{line}\n")
     return 0
 
 
@@ -114,6 +116,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         "name": i.name,
                         "status": i.status,
                         "locked": i.locked,
+                        "dead_writer_pid": i.dead_writer_pid,
                         "tensor_bytes": i.tensor_bytes,
                         "written_bytes": i.written_bytes,
                         "referenced_bytes": i.referenced_bytes,
@@ -131,6 +134,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     sys.stdout.write(f"{args.root}: {len(infos)} step directories, latest -> {latest}\n")
     for info in infos:
         flags = (" (latest)" if info.step == latest else "") + (" (locked: being written)" if info.locked else "")
+        if info.dead_writer_pid is not None:
+            flags += f" (interrupted: writer pid {info.dead_writer_pid} on this host is gone)"
         size = human_bytes(info.tensor_bytes) if info.status == "complete" else "-"
         if info.referenced_bytes:
             written, referenced = human_bytes(info.written_bytes), human_bytes(info.referenced_bytes)

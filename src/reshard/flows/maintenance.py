@@ -26,6 +26,7 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, StorageError
@@ -41,16 +42,57 @@ from reshard.io.references import (
     reference_problems,
     refuse_a_link,
 )
-from reshard.io.retirement import remove_checkpoint
+from reshard.io.retirement import Removal, remove_checkpoint
 from reshard.io.sources import read_metadata_bytes
 from reshard.io.verified import StoredEntry, verify_stored_ranges
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
-__all__ = ["DEFAULT_GC_MIN_AGE_S", "collect_garbage", "describe_removed", "validate_checkpoint"]
+__all__ = [
+    "DEFAULT_GC_MIN_AGE_S",
+    "KEPT_OTHER_NAME",
+    "KEPT_REFERENCED",
+    "KEPT_UNTIED",
+    "KEPT_YOUNG",
+    "GarbageReport",
+    "Kept",
+    "collect_garbage",
+    "collect_garbage_report",
+    "describe_kept",
+    "describe_removed",
+    "validate_checkpoint",
+]
 
 DEFAULT_GC_MIN_AGE_S = 3600.0
 """Files younger than this are never collected: a save may still be writing them."""
+
+
+KEPT_YOUNG = "young"
+"""Why a file was kept: not referenced, but younger than ``min_age_s`` (a save may still be writing it)."""
+KEPT_REFERENCED = "referenced"
+"""Why a file was kept: a live reference marker protects it (another checkpoint uses it)."""
+KEPT_UNTIED = "untied"
+"""Why a file was kept: nothing reshard wrote ties it to a reshard save (it may be a person's)."""
+KEPT_OTHER_NAME = "other name"
+"""Why a file was kept: it is under ``data/`` but not named as a save names its files."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """Files that :func:`collect_garbage_report` left in place for one reason (``why``, one of ``KEPT_*``)."""
+
+    why: str
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GarbageReport:
+    """What :func:`collect_garbage_report` removed (or, dry, would remove), and what it kept and why; ``min_age_s``
+    is the age under which files were kept."""
+
+    removed: tuple[str, ...]
+    kept: tuple[Kept, ...] = ()
+    min_age_s: float = DEFAULT_GC_MIN_AGE_S
 
 
 def collect_garbage(
@@ -61,8 +103,28 @@ def collect_garbage(
     include_incomplete: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> list[str]:
+    """The names :func:`collect_garbage_report` removed (with ``dry_run``: would remove); see it for the rest."""
+    report = collect_garbage_report(
+        path,
+        dry_run=dry_run,
+        min_age_s=min_age_s,
+        include_incomplete=include_incomplete,
+        storage_options=storage_options,
+    )
+    return list(report.removed)
+
+
+def collect_garbage_report(
+    path: CheckpointLocation,
+    *,
+    dry_run: bool = False,
+    min_age_s: float = DEFAULT_GC_MIN_AGE_S,
+    include_incomplete: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> GarbageReport:
     """Remove (or, with ``dry_run``, list) the data files under ``path`` that its ``metadata.json`` does
-    not reference. Not collective: run it from one process.
+    not reference, and say which such files were kept and why (:class:`Kept`). Not collective: run it from one
+    process.
 
     Args:
         path: the checkpoint (directory, URL or Storage).
@@ -74,8 +136,8 @@ def collect_garbage(
         storage_options: passed to the object-store client.
 
     Returns:
-        The relative names removed (or that would be); none for a directory that holds no file at all (nothing to
-        collect: it is not removed, since nothing ties it to a save).
+        The relative names removed (or that would be): none for a directory that holds no file at all (nothing to
+        collect: it is not removed, since nothing ties it to a save); and the files kept, by reason.
 
     Raises:
         CheckpointError: ``path`` is a symbolic link (nothing is deleted through one).
@@ -94,14 +156,14 @@ def collect_garbage(
                 if not set(storage.list_children()) - {DATA_DIR, REFERENCES_DIR} and not (
                     storage.list_files(DATA_DIR) or storage.list_files(REFERENCES_DIR)
                 ):
-                    return []  # no file (a deletion cut short before it removed the directory): nothing to collect
+                    return GarbageReport((), min_age_s=min_age_s)  # no file (a deletion cut short): nothing to collect
                 raise CheckpointNotFoundError(
                     f"{storage.describe()} is not a reshard checkpoint: nothing at its top level, in {DATA_DIR}/ or "
                     f"in {REFERENCES_DIR}/ is reshard's ({METADATA_FILE}, {RETIRED_FILE}, a lock, data files named as "
                     "a save names them, reference markers); nothing listed below it, nothing removed"
                 )
             if storage.exists(RETIRED_FILE):  # metadata.json too: a retirement cut short before it deleted it
-                return remove_checkpoint(storage, dry_run=dry_run).removed
+                return _report(remove_checkpoint(storage, dry_run=dry_run), min_age_s)
             try:
                 metadata = Metadata.from_json_bytes(read_metadata_bytes(storage))
             except IncompleteCheckpointError:
@@ -117,8 +179,8 @@ def collect_garbage(
                         "delete"
                     ) from None
                 if removal.left:
-                    warnings.warn(_untied_left(storage, removal.left), stacklevel=2)
-                return removal.removed
+                    warnings.warn(_untied_left(storage, removal.left), stacklevel=3)
+                return _report(removal, min_age_s)
             return _collect_committed(storage, metadata, dry_run=dry_run, min_age_s=min_age_s)
         except CheckpointError:  # some derive from OSError (CheckpointNotFoundError, StorageError): as they are
             raise
@@ -154,7 +216,14 @@ def _untied_left(storage: Storage, left: Sequence[str]) -> str:
     )
 
 
-def _collect_committed(storage: Storage, metadata: Metadata, *, dry_run: bool, min_age_s: float) -> list[str]:
+def _report(removal: Removal, min_age_s: float) -> GarbageReport:
+    kept = ((KEPT_YOUNG, removal.young), (KEPT_REFERENCED, removal.kept), (KEPT_UNTIED, removal.left))
+    return GarbageReport(
+        tuple(removal.removed), tuple(Kept(why, tuple(names)) for why, names in kept if names), min_age_s
+    )
+
+
+def _collect_committed(storage: Storage, metadata: Metadata, *, dry_run: bool, min_age_s: float) -> GarbageReport:
     """In a committed checkpoint: the data files of other saves (named as a save names them) that neither its
     metadata nor a live reference marker names, older than ``min_age_s``, and the stale markers.
 
@@ -168,25 +237,63 @@ def _collect_committed(storage: Storage, metadata: Metadata, *, dry_run: bool, m
     try:
         # Under the lock: the metadata (an overwrite may have committed meanwhile), then the markers.
         metadata = Metadata.from_json_bytes(read_metadata_bytes(storage))
-        garbage = _garbage(storage, metadata, min_age_s)
-        for name in garbage:
+        report = _garbage(storage, metadata, min_age_s)
+        for name in report.removed:
             storage.delete(name)
     finally:
         lock.release(hand_back=False)  # the metadata ties every data file here: a dead save's lock ties nothing more
-    return garbage
+    return report
 
 
-def _garbage(storage: Storage, metadata: Metadata, min_age_s: float) -> list[str]:
-    referenced = {f.path for f in metadata.files if f.checkpoint is None}
+def _garbage(storage: Storage, metadata: Metadata, min_age_s: float) -> GarbageReport:
+    """What gc of a committed checkpoint removes, and what of ``data/`` that the metadata does not list it keeps."""
+    own = {f.path for f in metadata.files if f.checkpoint is None}
     protected, stale = protected_files(storage)
-    referenced |= protected
     now = time.time()
-    garbage = [
-        name
-        for name in storage.list_files(DATA_DIR)
-        if name not in referenced and DATA_FILE_PATTERN.match(name) and now - storage.modified_time(name) >= min_age_s
-    ]
-    return garbage + stale
+    kept: dict[str, list[str]] = {KEPT_YOUNG: [], KEPT_REFERENCED: [], KEPT_OTHER_NAME: []}
+    garbage = []
+    for name in storage.list_files(DATA_DIR):
+        if name in own:
+            continue
+        if not DATA_FILE_PATTERN.match(name):
+            kept[KEPT_OTHER_NAME].append(name)
+        elif name in protected:
+            kept[KEPT_REFERENCED].append(name)
+        elif now - storage.modified_time(name) < min_age_s:
+            kept[KEPT_YOUNG].append(name)
+        else:
+            garbage.append(name)
+    return GarbageReport(
+        tuple(garbage + stale), tuple(Kept(why, tuple(names)) for why, names in kept.items() if names), min_age_s
+    )
+
+
+_KEPT_WHY = {
+    KEPT_YOUNG: ("unreferenced data file", "unreferenced data files", "younger than {age} ({option})"),
+    KEPT_REFERENCED: ("data file", "data files", "that other checkpoints reference (their markers are in refs/)"),
+    KEPT_UNTIED: ("file", "files", "that nothing ties to a reshard save (delete them yourself if they are yours)"),
+    KEPT_OTHER_NAME: ("file", "files", f"under {DATA_DIR}/ not named as a save names its data files"),
+}
+
+
+def describe_kept(report: GarbageReport, *, age_option: str = "min_age_s") -> list[str]:
+    """One line per reason :func:`collect_garbage_report` kept files for: ``"kept 3 unreferenced data files younger
+    than 1 h (--min-age)"`` (``age_option``: the name of the age threshold where the caller set it)."""
+    lines = []
+    for kept in report.kept:
+        one, many, why = _KEPT_WHY[kept.why]
+        why = why.format(age=_duration(report.min_age_s), option=age_option)
+        lines.append(f"kept {len(kept.names)} {one if len(kept.names) == 1 else many} {why}")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    """``3600`` as ``1 h``, ``600`` as ``10 min``, ``90`` as ``90 s``."""
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{seconds / 60:g} min"
+    return f"{seconds:g} s"
 
 
 _TEMPORARY = re.compile(r"(?:^|/)\.[^/]+\.tmp-[0-9a-f]{32}$")

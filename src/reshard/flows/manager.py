@@ -97,8 +97,9 @@ def step_name(step: int) -> str:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepInfo:
     """One step directory of a root: ``status`` is ``complete``, ``incomplete`` (no metadata.json: an
-    interrupted save, or one running when ``locked``), ``corrupt`` (metadata.json that does not parse) or
-    ``retired`` (deleted, keeping the data files that other checkpoints reference).
+    interrupted save, or one running when ``locked``; ``dead_writer_pid`` names a writer known to be gone),
+    ``corrupt`` (metadata.json that does not parse) or ``retired`` (deleted, keeping the data files that other
+    checkpoints reference).
 
     ``tensor_bytes`` counts the tensor data of a complete checkpoint, of which ``referenced_bytes`` lie in
     other checkpoints' files (an incremental save's references); ``content_hashes`` and
@@ -116,6 +117,9 @@ class StepInfo:
     checksum_chunk_bytes: int | None = None
     referenced_checkpoints: tuple[str, ...] = ()
     """The sibling checkpoints whose data files this one references."""
+    dead_writer_pid: int | None = None
+    """The process id of the holder of the step's lock when it ran on this host and no longer exists (its save was
+    interrupted: ``locked`` is then False, nobody is writing the step), else None."""
 
     @property
     def written_bytes(self) -> int:
@@ -136,9 +140,19 @@ def scan_root(storage: Storage) -> list[StepInfo]:
 def _inspect_step(storage: Storage, name: str, step: int) -> StepInfo:
     child = storage.child(name)
     try:
-        locked = read_lock(child) is not None
+        holder = read_lock(child)
+        dead = holder.pid if holder is not None and holder.holder_is_gone() else None
+        locked = holder is not None and dead is None
         if is_retired(child):
-            return StepInfo(step=step, name=name, status="retired", locked=locked, tensor_bytes=0, world_size=None)
+            return StepInfo(
+                step=step,
+                name=name,
+                status="retired",
+                locked=locked,
+                tensor_bytes=0,
+                world_size=None,
+                dead_writer_pid=dead,
+            )
         status, problem = "complete", ""
         metadata = None
         try:
@@ -159,6 +173,7 @@ def _inspect_step(storage: Storage, name: str, step: int) -> StepInfo:
             content_hashes=metadata is not None and metadata.content_hashes,
             checksum_chunk_bytes=metadata.checksum_chunk_bytes if metadata is not None else None,
             referenced_checkpoints=metadata.referenced_checkpoints if metadata is not None else (),
+            dead_writer_pid=dead,
         )
     finally:
         child.close()

@@ -5,7 +5,11 @@ return. :class:`SaveCommit` runs the protocol of one save (``reshard.save`` on i
 single-process :class:`~reshard.interop.offline.CheckpointWriter`), in this order:
 
 1. :meth:`SaveCommit.begin`: create the directory, take the save lock (renewed in the background until
-   the end), refuse a complete checkpoint unless overwriting.
+   the end), refuse a complete checkpoint unless overwriting. A lock taken over from a save that died (its
+   holder stale: its process gone from this host, or its lock not renewed) ties that save's data files: those
+   that no committed ``metadata.json`` lists and no reference marker protects are removed here, under the
+   lock, and again right after the commit (a holder wrongly judged stale may have finished a file meanwhile),
+   so that a save over an interrupted one carries none of its bytes.
 2. the data files are written (by every writer rank) and made durable.
 3. :meth:`SaveCommit.publish`: check that the lock is still held, make ``data/`` durable, then write
    ``metadata.json`` with the storage's atomic commit (create-only unless overwriting). Its outcome is
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 from typing import TYPE_CHECKING
 
 from reshard.errors import CheckpointError, CheckpointExistsError, CheckpointLockedError, StorageError
@@ -42,6 +47,9 @@ if TYPE_CHECKING:
 __all__ = ["CommitOutcome", "SaveCommit"]
 
 logger = logging.getLogger("reshard")
+
+_SAVE_ID = re.compile(r"^[0-9a-f]{8,}$")
+"""The tokens of save locks (a save's lock token is its save id, as in its data file names)."""
 
 
 class CommitOutcome(enum.Enum):
@@ -79,6 +87,8 @@ class SaveCommit:
         self.lock: Lock | None = None
         self.replaced: set[str] = set()
         """With ``overwrite``: the data files of the checkpoint this one replaced (read before the commit)."""
+        self.dead_save: str | None = None
+        """The save id of the dead save whose stale lock this one took over (its files go: :meth:`begin`)."""
 
     # ---- 1. begin ------------------------------------------------------------------------------------
 
@@ -107,6 +117,33 @@ class SaveCommit:
             raise CheckpointExistsError(
                 f"{self.storage.describe()} already holds a complete checkpoint; pass overwrite=True (--overwrite on "
                 "the command line) to replace it"
+            )
+        taken = self.lock.taken_over
+        if taken is not None and _SAVE_ID.match(taken.token) and taken.token != self.save_id:
+            self.dead_save = taken.token
+            self._remove_dead_files()
+
+    def _remove_dead_files(self) -> None:
+        """Under the lock taken over from :attr:`dead_save`: remove its data files that the committed
+        ``metadata.json`` (if any: the dead save may have committed before it died) does not list and no reference
+        marker protects. Nothing is removed when the metadata or the markers cannot be read. Best effort: a failure
+        is logged (``reshard gc`` collects what is left), never raised."""
+        if self.dead_save is None:
+            return
+        try:
+            names = [n for n in self.storage.list_files(DATA_DIR) if is_data_file_of(n, self.dead_save)]
+            if not names:
+                return
+            listed = self._previous_files(strict=True)
+            protected, _ = protected_files(self.storage)
+            for name in sorted(set(names) - listed - protected):
+                self.storage.delete(name)
+        except (OSError, CheckpointError) as exc:
+            logger.warning(
+                "the data files of dead save %s at %s are kept for `reshard gc`: %s",
+                self.dead_save,
+                self.storage.describe(),
+                exc,
             )
 
     def release_lock(self) -> None:
@@ -164,6 +201,7 @@ class SaveCommit:
             else:
                 raise StorageError(f"committing {where} failed: {exc}") from exc
         self.outcome = CommitOutcome.COMMITTED
+        self._remove_dead_files()  # what a holder wrongly judged stale finished since begin (never raises)
         self.release_lock()
 
     def _outcome_after_failure(self, document: bytes) -> CommitOutcome:
@@ -176,13 +214,21 @@ class SaveCommit:
             return CommitOutcome.UNKNOWN
         return CommitOutcome.COMMITTED if found == document else CommitOutcome.NOT_COMMITTED
 
-    def _previous_files(self) -> set[str]:
-        """Data files of the checkpoint being overwritten (empty when there is none, or it is unreadable:
-        then its files stay, for ``reshard gc``)."""
+    def _previous_files(self, *, strict: bool = False) -> set[str]:
+        """Data files of the committed checkpoint (empty when there is none, or it is unreadable: then its files
+        stay, for ``reshard gc``; with ``strict`` an unreadable one raises).
+
+        Raises:
+            OSError, CheckpointError: with ``strict``, ``metadata.json`` exists but cannot be read or parsed.
+        """
         try:
             raw = self.storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
             return {f.path for f in Metadata.from_json_bytes(raw).files if f.checkpoint is None}
+        except FileNotFoundError:
+            return set()
         except (OSError, CheckpointError):
+            if strict:
+                raise
             return set()
 
     # ---- 4. discard, 5. remove what was replaced ---------------------------------------------------------

@@ -208,6 +208,7 @@ class Lock:
         what: str,
         timing: LockTiming,
         inherited: LockInfo | None = None,
+        taken_over: LockInfo | None = None,
     ) -> None:
         self.storage = storage
         self.name = name
@@ -216,6 +217,9 @@ class Lock:
         self.timing = timing
         self.inherited = inherited
         """The stale holder this lock was taken over from, keeping its token (``inherit=True``), or None."""
+        self.taken_over = taken_over
+        """The stale holder this lock was taken over from (inherited or not), or None: a save that takes over the
+        lock of a dead save removes that save's data files (:meth:`reshard.io.commit.SaveCommit.begin`)."""
         self.lost: str | None = None
         """Why this process no longer holds the lock (None while it does)."""
         self._mutex = threading.Lock()
@@ -399,7 +403,15 @@ def acquire_lock(
             heir = inherit and bool(holder.token)  # a marker of unknown identity ties nothing: nothing to inherit
             taken = _take(storage, name, _heir(me, holder) if heir else me, basis=generation, what=what)
             if taken is not None:
-                return Lock(storage, name, taken, what=what, timing=timing, inherited=holder if heir else None)
+                return Lock(
+                    storage,
+                    name,
+                    taken,
+                    what=what,
+                    timing=timing,
+                    inherited=holder if heir else None,
+                    taken_over=holder,
+                )
             watched = None
         if taken is not None:
             return Lock(storage, name, taken, what=what, timing=timing)

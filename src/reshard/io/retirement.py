@@ -162,6 +162,10 @@ class Removal:
     """Files left because nothing ties them to a reshard save (and so the directory stays)."""
     proven: bool = False
     """Something reshard wrote (metadata, a record, a stale save lock, a reference marker) ties files here."""
+    young: list[str] = field(default_factory=list)
+    """Tied files kept because they are younger than ``min_age_s``."""
+    kept: list[str] = field(default_factory=list)
+    """Tied files kept because live reference markers protect them (other checkpoints use them)."""
 
 
 @dataclass
@@ -355,6 +359,7 @@ def _remove(
     kept = ties.files & protected
     doomed = sorted(ties.files - kept - young)
     removal.retired = bool(kept)
+    removal.young, removal.kept = sorted(young - kept), sorted(kept)
     record = ties.record
     listed = record.files if record is not None else frozenset()
     has_record = record is not None

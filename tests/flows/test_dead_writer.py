@@ -1,0 +1,174 @@
+"""A save whose process was killed (SIGKILL, mid-write of its data file) and what comes after it (issue 38 item 4).
+
+Real processes and real files: a child process saves through :class:`tests.faults.FaultyStorage`, which kills it
+with SIGKILL once part of its data file is on disk, leaving its lock (this host, its pid) and a partial data file.
+Then, in the test process: ``reshard ls`` must say the writer is gone (not that the step is being written); a save
+again at that path must leave only its own data files there (nothing of the dead save's bytes); ``reshard gc
+--dry-run`` must say what it keeps and why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import reshard
+from reshard.flows.manager import step_name
+from reshard.io.locking import LockInfo
+from reshard.metadata import METADATA_FILE, Metadata
+
+pytestmark = pytest.mark.dist
+
+ROWS, COLS = 256, 1024  # 1 MiB of float32: the kill comes after 300 000 bytes of it
+
+_CHILD = """
+import sys, torch, reshard
+from tests.faults import Fault, FaultyStorage
+path, marker, overwrite = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+shape = (int(sys.argv[4]), int(sys.argv[5]))
+state = {"w": reshard.ShardedTensor("w", torch.full(shape, 2.0), shape, (0, 0)), "step": 2}
+if overwrite:  # a committed checkpoint first, which the killed save overwrites
+    reshard.save({"w": reshard.ShardedTensor("w", torch.ones(shape), shape, (0, 0)), "step": 1}, path)
+fault = Fault(point="mid_write", rank=0, after_bytes=300_000, marker=marker)
+reshard.save(state, FaultyStorage(path, fault), overwrite=overwrite)
+"""
+
+
+def state(value: float, step: int) -> dict[str, object]:
+    return {"w": reshard.ShardedTensor("w", torch.full((ROWS, COLS), value), (ROWS, COLS), (0, 0)), "step": step}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "reshard", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def data_files(path: Path) -> set[str]:
+    return {f"data/{p.name}" for p in (path / "data").iterdir()}
+
+
+def metadata_files(path: Path) -> set[str]:
+    metadata = Metadata.from_json_bytes((path / METADATA_FILE).read_bytes())
+    return {f.path for f in metadata.files if f.checkpoint is None}
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, int]]:
+    """Two saves killed with SIGKILL mid-write, each in its own process (run side by side): ``fresh``, the first
+    save of step 2 of a manager root; ``overwrite``, an overwrite of a committed checkpoint. Each: (path, pid)."""
+    base = tmp_path_factory.mktemp("killed")
+    cases = {"fresh": base / "root" / step_name(2), "overwrite": base / "ckpt"}
+    children = {}
+    for name, path in cases.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        marker = base / f"{name}.marker.json"
+        argv = [
+            sys.executable,
+            "-c",
+            _CHILD,
+            str(path),
+            str(marker),
+            "1" if name == "overwrite" else "0",
+            str(ROWS),
+            str(COLS),
+        ]
+        children[name] = (subprocess.Popen(argv, stderr=subprocess.PIPE, text=True), marker)
+    out = {}
+    for name, (child, marker) in children.items():
+        _, err = child.communicate(timeout=120)
+        assert child.returncode == -signal.SIGKILL, err
+        fired = json.loads(marker.read_text())
+        assert fired["point"] == "mid_write" and fired["pid"] == child.pid
+        out[name] = (cases[name], child.pid)
+    return out
+
+
+def copy_of(killed_path: Path, tmp_path: Path) -> Path:
+    """A private copy of a killed save's directory (its manager root for a step), modification times kept."""
+    source = killed_path.parent if killed_path.name.startswith("step_") else killed_path
+    target = tmp_path / source.name
+    shutil.copytree(source, target)
+    return target / killed_path.name if source is not killed_path else target
+
+
+def test_ls_says_a_dead_local_writer_is_gone(killed: dict[str, tuple[Path, int]]) -> None:
+    """The lock a killed save left names this host and a process that no longer exists: ``reshard ls`` says the
+    save was interrupted and its writer is gone (it said ``(locked: being written)``)."""
+    path, pid = killed["fresh"]
+    lock = LockInfo.from_bytes((path / ".lock").read_bytes())
+    assert lock is not None and lock.pid == pid and lock.host == socket.gethostname()
+    done = run_cli("ls", str(path.parent))
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if step_name(2) in line)
+    assert "incomplete" in line and f"(interrupted: writer pid {pid} on this host is gone)" in line, line
+    assert "being written" not in line, line
+    listing = json.loads(run_cli("ls", str(path.parent), "--json").stdout)
+    (step,) = listing["steps"]
+    assert step["status"] == "incomplete" and step["locked"] is False and step["dead_writer_pid"] == pid
+
+
+def test_a_save_again_carries_none_of_the_dead_saves_bytes(killed: dict[str, tuple[Path, int]], tmp_path: Path) -> None:
+    """A save at the path of a killed one takes its stale lock over and leaves only its own data files: the dead
+    save's partial file (no metadata lists it, its writer is gone) is removed."""
+    path = copy_of(killed["fresh"][0], tmp_path)
+    dead = data_files(path)
+    assert len(dead) == 1 and (path / sorted(dead)[0]).stat().st_size > 0
+    reshard.save(state(3.0, 2), path)
+    assert data_files(path) == metadata_files(path), "the committed checkpoint carries the dead save's file"
+    assert not dead & data_files(path)
+    loaded = reshard.load(state(0.0, 0), path)
+    assert torch.equal(loaded["w"], torch.full((ROWS, COLS), 3.0)) and loaded["step"] == 2
+
+
+def test_an_overwrite_after_a_killed_overwrite_keeps_only_its_own_files(
+    killed: dict[str, tuple[Path, int]], tmp_path: Path
+) -> None:
+    """A killed overwrite leaves the committed checkpoint, its own partial file and its lock; the next overwrite
+    leaves exactly its own files (the replaced checkpoint's and the dead save's go)."""
+    path = copy_of(killed["overwrite"][0], tmp_path)
+    assert len(data_files(path)) == 2
+    reshard.save(state(4.0, 2), path, overwrite=True)
+    assert data_files(path) == metadata_files(path) and len(data_files(path)) == 1
+    assert torch.equal(reshard.load(state(0.0, 0), path)["w"], torch.full((ROWS, COLS), 4.0))
+
+
+def test_a_dead_holder_of_a_committed_checkpoint_loses_no_file(tmp_path: Path) -> None:
+    """A save that committed and died before releasing its lock: its files are the checkpoint's. A save at that
+    path (refused: it exists) and one that overwrites it take the stale lock over; neither deletes a file the
+    committed metadata lists before its own commit (the refused one deletes nothing)."""
+    path = tmp_path / "ckpt"
+    result = reshard.save(state(1.0, 1), path)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=60)
+    stale = LockInfo(host=socket.gethostname(), pid=gone.pid, token=result.save_id, created=time.time())
+    (path / ".lock").write_bytes(stale.to_bytes())
+    files = data_files(path)
+    with pytest.raises(reshard.CheckpointExistsError):
+        reshard.save(state(2.0, 2), path)
+    assert data_files(path) == files == metadata_files(path)
+    assert torch.equal(reshard.load(state(0.0, 0), path)["w"], torch.full((ROWS, COLS), 1.0))
+
+
+def test_gc_dry_run_says_what_it_keeps_and_why(killed: dict[str, tuple[Path, int]], tmp_path: Path) -> None:
+    """The killed overwrite's partial file is unreferenced but young: ``gc --dry-run`` keeps it and says so, naming
+    the CLI's option (it said only ``nothing to collect``); with ``--min-age 0`` it would remove it."""
+    path = copy_of(killed["overwrite"][0], tmp_path)
+    done = run_cli("gc", str(path), "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "kept 1 unreferenced data file younger than 1 h (--min-age)" in done.stdout, done.stdout
+    assert data_files(path) - metadata_files(path), "a dry run removed a file"
+    done = run_cli("gc", str(path), "--dry-run", "--min-age", "0")
+    (dead,) = data_files(path) - metadata_files(path)
+    assert f"would remove {dead}" in done.stdout and "kept" not in done.stdout, done.stdout
+    assert os.path.exists(path / dead)
