@@ -248,3 +248,36 @@ def test_a_restart_that_resumed_past_a_damaged_newest_step_can_save_again(tmp_pa
         assert resumed == 4 and isinstance(result, reshard.SaveResult), (rank, resumed, result)
     assert _complete(tmp_path) == [4, 5] and _latest(tmp_path) == 5
     assert _on_two_ranks(tmp_path, "load", 0) == [5, 5]
+
+
+@pytest.mark.unit
+def test_a_step_skipped_while_still_being_written_blocks_a_save_once_it_commits(tmp_path: Path) -> None:
+    """Found by the outside attack on the fix above: ``load_latest`` skipped step 6 because its save had not
+    committed yet (another job still writing it); once that save commits, step 6 is a good checkpoint, and a save
+    of 5 by the manager that resumed from 4 must be refused, not delete it."""
+    _saved(tmp_path, 4)
+    _saved(tmp_path, 6)
+    metadata = tmp_path / step_name(6) / METADATA_FILE
+    held = metadata.with_name("held-back.json")
+    metadata.rename(held)  # step 6 as a save that has not committed yet
+    group = ThreadGroup(2, timeout=30.0)
+    managers = [reshard.CheckpointManager(tmp_path, group=group.member(rank), timeout=30) for rank in range(2)]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            resumed = on_threads(2, lambda rank: managers[rank].load_latest(_template(rank, 2)))
+        assert resumed == [4, 4]
+        held.rename(metadata)  # ... and now it commits
+
+        def save_five(rank: int) -> Any:
+            try:
+                return managers[rank].save(5, _state(rank, 2, 5))
+            except reshard.CheckpointError as exc:
+                return exc
+
+        results = on_threads(2, save_five)
+    finally:
+        for manager in managers:
+            manager.close()
+    assert all(isinstance(r, reshard.CheckpointExistsError) and "6" in str(r) for r in results), results
+    assert _complete(tmp_path) == [4, 6] and _latest(tmp_path) == 6

@@ -223,8 +223,9 @@ class CheckpointManager:
         self.group = group
         self.timeout = timeout
         self.resumed_past: frozenset[int] = frozenset()
-        """The steps newer than the one :meth:`load_latest` resumed from, which it skipped as unloadable: a save
-        may go past them (they are deleted once it commits, as a rewind deletes)."""
+        """The complete steps newer than the one :meth:`load_latest` resumed from whose data failed to load: a save
+        may go past them (they are deleted once it commits, as a rewind deletes). A step it skipped because it
+        was incomplete (perhaps still being written) is not among them."""
 
     def close(self) -> None:
         self.root.close()
@@ -569,9 +570,8 @@ class CheckpointManager:
             if skipped is not None:
                 skipped.append((step, reason))
 
-        passed: list[int] = []
+        unloadable: list[int] = []  # complete steps that failed to load: a save may go past them
         for step, status, problem in listed:
-            passed.append(step)
             if status == "retired":
                 skip(step, "it was deleted by retention and keeps only data files that newer checkpoints reference")
                 continue
@@ -584,10 +584,11 @@ class CheckpointManager:
                 loaded = load(state_dict, self.path_of(step), group=self.group, timeout=self.timeout, **load_kwargs)
             except (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError) as exc:
                 skip(step, str(exc))
+                unloadable.append(step)
                 continue
-            self.resumed_past = frozenset(passed[:-1])
+            self.resumed_past = frozenset(unloadable)
             return step, loaded
-        self.resumed_past = frozenset(passed)
+        self.resumed_past = frozenset(unloadable)
         return None
 
     def load_latest(self, state_dict: Any, **load_kwargs: Any) -> int | None:

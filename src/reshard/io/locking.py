@@ -41,6 +41,7 @@ nothing needs the tie any more.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from reshard.errors import CheckpointLockedError, StorageError
 from reshard.storage import FileTooLargeError, Storage
@@ -100,7 +102,10 @@ class LockTiming:
 class LockInfo:
     """What a marker says: who holds the lock (host, process id, a token unique to the holder), when the
     holder first took it (``created``) and when this marker was written (``written``), in seconds since
-    the epoch by the holder's clock; ``generation`` is the marker's place in the chain."""
+    the epoch by the holder's clock; ``generation`` is the marker's place in the chain. ``pid_namespace`` and
+    ``started`` (the holder's pid namespace and its process's start time, where ``/proc`` says them) make the
+    process id mean one process: two containers that share a host name (host networking) have pid namespaces of
+    their own, and a pid is reused once its process ends."""
 
     host: str
     pid: int
@@ -108,11 +113,22 @@ class LockInfo:
     created: float
     written: float = 0.0
     generation: int = 0
+    pid_namespace: int | None = None
+    started: int | None = None
 
     def to_bytes(self) -> bytes:
-        return json.dumps(
-            {"host": self.host, "pid": self.pid, "token": self.token, "created": self.created, "written": self.written}
-        ).encode()
+        doc: dict[str, object] = {
+            "host": self.host,
+            "pid": self.pid,
+            "token": self.token,
+            "created": self.created,
+            "written": self.written,
+        }
+        if self.pid_namespace is not None:
+            doc["pid_namespace"] = self.pid_namespace
+        if self.started is not None:
+            doc["started"] = self.started
+        return json.dumps(doc).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes, generation: int = 0) -> LockInfo | None:
@@ -126,6 +142,8 @@ class LockInfo:
                 created=created,
                 written=float(doc.get("written", created)),
                 generation=generation,
+                pid_namespace=_optional_int(doc.get("pid_namespace")),
+                started=_optional_int(doc.get("started")),
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
@@ -135,20 +153,66 @@ class LockInfo:
         return f"process {self.pid} on {self.host}, for {age:.0f} s"
 
     def holder_is_gone(self) -> bool:
-        """Whether the holder ran on this host and its process no longer exists."""
+        """Whether the holder provably ran in this host's pid namespace and its process no longer exists (its
+        pid is free, or another process started under it since). A holder in another pid namespace (a container
+        with the same host name) is never judged by its pid; a marker without a namespace (written by an older
+        release) is judged by the pid alone, as that release did."""
         if self.host != socket.gethostname():
+            return False
+        if self.pid_namespace is not None and self.pid_namespace != pid_namespace():
             return False
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
             return True
         except PermissionError:
-            return False
+            pass  # the process exists (another user's)
+        if self.started is not None:
+            now = process_start(self.pid)
+            return now is not None and now != self.started
         return False
 
     def is_stale(self, stale_after_s: float) -> bool:
         """Stale without watching it: a dead local holder, or a marker older than ``stale_after_s``."""
         return time.time() - max(self.written, self.created) > stale_after_s or self.holder_is_gone()
+
+
+def _optional_int(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"not an integer: {value!r}")
+    return value
+
+
+def pid_namespace() -> int | None:
+    """This process's pid namespace (the inode of ``/proc/self/ns/pid``), or None where ``/proc`` does not say."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (field 22 of ``/proc/<pid>/stat``), or None."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+        return int(raw[raw.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def this_process(token: str) -> LockInfo:
+    """A marker of this process holding for ``token``, created now."""
+    pid = os.getpid()
+    return LockInfo(
+        host=socket.gethostname(),
+        pid=pid,
+        token=token,
+        created=time.time(),
+        pid_namespace=pid_namespace(),
+        started=process_start(pid),
+    )
 
 
 def _marker_name(name: str, generation: int) -> str:
@@ -317,6 +381,8 @@ def _take(
         created=holder.created,
         written=time.time() if written is None else written,
         generation=generation,
+        pid_namespace=holder.pid_namespace,
+        started=holder.started,
     )
     marker = _marker_name(name, generation)
     document = mine.to_bytes()
@@ -365,7 +431,7 @@ def acquire_lock(
         StorageError: the marker could not be written (a full disk, no permission).
     """
     timing = timing or LockTiming()
-    me = LockInfo(host=socket.gethostname(), pid=os.getpid(), token=token, created=time.time())
+    me = this_process(token)
     watched: tuple[int, float] | None = None  # a remote holder's generation, and since when (monotonic)
     started = time.monotonic()
     while True:
@@ -423,4 +489,4 @@ def acquire_lock(
 
 def _heir(me: LockInfo, stale: LockInfo) -> LockInfo:
     """``me`` holding the token of the ``stale`` holder it takes over from."""
-    return LockInfo(host=me.host, pid=me.pid, token=stale.token, created=me.created)
+    return dataclasses.replace(me, token=stale.token)
