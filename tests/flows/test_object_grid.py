@@ -240,3 +240,34 @@ def test_saved_on_four_processes_resumed_on_two_with_same_coordinate(pool4: Rank
         assert result["cell"] == [pp, 0] and result["torch"] == [10 * pp, 10 * pp + 1, 10 * pp + 2]
         assert result["w"]
         assert result["ignored"] == _cells((0, 1), (1, 1))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("policy", ["exact", "same_coordinate", "skip"])
+def test_ranks_whose_templates_give_an_object_different_grids_fail_alike(ckpt: Path, policy: str) -> None:
+    """Found by the outside attack on the policy: rank 0's template kept the saved grid [2, 2] while rank 1's
+    asked for [2, 3]; under ``skip`` rank 0 loaded its cell and rank 1's stats named it as loaded by no rank. A
+    grid is global: ranks that disagree on it get the same MismatchError, naming each rank's grid."""
+    group = ThreadGroup(2, timeout=20.0)
+    grids = [(2, 2), (2, 3)]
+
+    def rank_main(rank: int) -> Any:
+        try:
+            return reshard.load(
+                _template(rank, grids[rank], (0, rank)),
+                ckpt,
+                group=group.member(rank),
+                options=reshard.LoadOptions(object_grid=policy),
+            )
+        except CheckpointError as exc:
+            return exc
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = on_threads(2, rank_main)
+    assert all(isinstance(r, MismatchError) for r in results), results
+    assert len({str(r) for r in results}) == 1
+    if policy == "exact":  # rank 1's grid differs from the saved one: refused before the ranks compare
+        assert "saved grid [2, 2], requested [2, 3]" in str(results[0]), results[0]
+    else:
+        assert "different grids" in str(results[0]) and "[2, 2] on ranks [0]" in str(results[0]), results[0]

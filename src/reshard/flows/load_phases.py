@@ -184,6 +184,8 @@ class Matched:
     keys: tuple[str, ...]
     missing: tuple[str, ...]
     regridded: ObjectMatch = field(default_factory=ObjectMatch)
+    grids: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Each per-rank object of the template and its grid, whatever the policy loads of it."""
 
 
 def match_template(state_dict: Any, metadata: Metadata, *, rank: int, strict: bool, options: LoadOptions) -> Matched:
@@ -191,6 +193,7 @@ def match_template(state_dict: Any, metadata: Metadata, *, rank: int, strict: bo
     missing entries, object grids under ``LoadOptions(object_grid=...)``:
     :func:`~reshard.planning.load_plan.check_template`). ``state_dict`` is not changed."""
     template = flatten_state_dict(state_dict, rank=rank, dedup=False)
+    grids = tuple(sorted({(obj.key, tuple(obj.global_shape)) for obj in template.objects}))
     missing, objects = check_template(
         template,
         metadata,
@@ -207,6 +210,7 @@ def match_template(state_dict: Any, metadata: Metadata, *, rank: int, strict: bo
         keys=tuple(key for key, _ in pairs),
         missing=tuple(missing),
         regridded=ObjectMatch(kept=objects.kept, ignored=objects.ignored, changed=objects.changed),
+        grids=grids,
     )
 
 
@@ -237,6 +241,7 @@ class Planner:
         """What this rank sends the coordinator: its keys (where the source refuses unused entries) and,
         reading once, its target pieces (:func:`~reshard.io.exchange.describe_need`)."""
         return {
+            "grids": {key: list(grid) for key, grid in matched.grids},
             "keys": sorted(set(matched.keys)) if self.refuses_unused else None,
             "needs": [describe_need(k, p) for k, p in zip(matched.keys, matched.pieces, strict=True)]
             if self.read_once
@@ -268,8 +273,24 @@ def check_unused(source: CheckpointSource, keys_per_rank: list[list[str] | None]
         )
 
 
+def check_object_grids(grids_per_rank: list[dict[str, list[int]]]) -> None:
+    """On the coordinator: every rank's template gives each per-rank object the same grid (its global shape),
+    else a :class:`~reshard.MismatchError` naming the ranks' grids (an ``object_grid`` policy is applied to one
+    grid, the same for every rank)."""
+    seen: dict[str, dict[tuple[int, ...], list[int]]] = {}
+    for rank, grids in enumerate(grids_per_rank):
+        for key, grid in grids.items():
+            seen.setdefault(key, {}).setdefault(tuple(grid), []).append(rank)
+    for key, by_grid in sorted(seen.items()):
+        if len(by_grid) > 1:
+            shown = "; ".join(f"{list(grid)} on ranks {ranks}" for grid, ranks in by_grid.items())
+            raise MismatchError(f"object {key!r}: the ranks' templates give it different grids: {shown}")
+
+
 def _check_all_unused(source: CheckpointSource, docs: list[dict[str, Any]]) -> None:
-    """The coordinator's part of a planning step without a schedule."""
+    """The coordinator's part of a planning step without a schedule: the object grids agree, and no source
+    entry goes unused where the source refuses that."""
+    check_object_grids([d["grids"] for d in docs])
     check_unused(source, [d["keys"] for d in docs])
 
 
