@@ -1223,7 +1223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--size-gib", type=float, default=1.0, help="total size of the generated state (default 1.0)")
+    p.add_argument("--size-gib", type=float, default=0.25, help="total size of the generated state (default 0.25)")
     p.add_argument("--ranks", type=int, default=2, help="ranks of the saving layout, TP=ranks (default 2)")
     p.add_argument(
         "--load-world",
@@ -1232,7 +1232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="world size of the world-size-change load (default 2 x ranks; 1 also works)",
     )
     p.add_argument("--layers", type=int, default=8, help="transformer layers of the generated state (default 8)")
-    p.add_argument("--repeat", type=int, default=5, help="repetitions; medians are quoted (default 5)")
+    p.add_argument("--repeat", type=int, default=3, help="repetitions; medians are quoted (default 3)")
     p.add_argument(
         "--dir",
         type=Path,
