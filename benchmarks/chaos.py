@@ -28,12 +28,12 @@ import json
 import random
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+from benchmarks.scratch import scratch_dir
 from tests import corruption
 from tests.contract import damage, disagreement, harness, hostile
 from tests.contract.flows import FLOWS
@@ -184,10 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     flows = all_flows() if args.all_flows else [(f, int(w)) for f, w in (p.split(":") for p in args.flows.split(","))]
     corruptions = args.corruptions if args.corruptions is not None else (1000 if args.all_flows else 0)
     documents = args.hostile if args.hostile is not None else (200 if args.all_flows else 0)
-    base = Path(tempfile.mkdtemp(prefix="reshard-chaos-"))
     started = time.monotonic()
     report: dict[str, Any] = {}
-    try:
+    with scratch_dir("reshard-chaos-") as base:  # removed on SIGTERM/SIGHUP too
         report["kills"] = run_kills(base / "kills", flows, args.seed, args.timed, args.limit)
         if corruptions:
             report["plain_corruptions"] = run_plain_corruptions(
@@ -198,8 +197,6 @@ def main(argv: list[str] | None = None) -> int:
             report["hostile"] = run_hostile(base / "hostile", documents, args.seed)
         if args.all_flows or args.disagreement:
             report["disagreement"] = run_disagreement(base / "disagreement")
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
     total = report["kills"]["total"]
     bad = sum(total[s] for s in STATUS_COLUMNS if s != "clean")
     bad += sum(report.get("plain_corruptions", {}).get(k, 0) for k in ("silent", "violations"))

@@ -28,7 +28,6 @@ import shutil
 import socket
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -41,6 +40,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+try:
+    from benchmarks.scratch import scratch_dir
+except ImportError:  # run as a script: benchmarks/ is the first entry of sys.path
+    from scratch import scratch_dir  # type: ignore[no-redef]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -1219,7 +1223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--size-gib", type=float, default=1.0, help="total size of the generated state (default 1.0)")
+    p.add_argument("--size-gib", type=float, default=0.25, help="total size of the generated state (default 0.25)")
     p.add_argument("--ranks", type=int, default=2, help="ranks of the saving layout, TP=ranks (default 2)")
     p.add_argument(
         "--load-world",
@@ -1228,13 +1232,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="world size of the world-size-change load (default 2 x ranks; 1 also works)",
     )
     p.add_argument("--layers", type=int, default=8, help="transformer layers of the generated state (default 8)")
-    p.add_argument("--repeat", type=int, default=5, help="repetitions; medians are quoted (default 5)")
+    p.add_argument("--repeat", type=int, default=3, help="repetitions; medians are quoted (default 3)")
     p.add_argument(
         "--dir",
         type=Path,
         default=None,
-        help="where checkpoints go (default: a new temporary directory in the current directory, "
-        "so on the disk of the working tree; removed afterwards)",
+        help="the directory in which the run's scratch directory (.reshard-bench-*, git-ignored) is made "
+        "(default: the current directory, so the disk of the working tree); it is removed when the run ends, "
+        "by an error, Ctrl-C, SIGTERM or SIGHUP too, unless --keep",
     )
     p.add_argument("--keep", action="store_true", help="keep the checkpoints directory")
     p.add_argument("--json", type=Path, default=None, help="write every figure to this JSON file")
@@ -1566,9 +1571,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unit = _lcm(64, args.ranks, args.load_world, 2 * args.ranks)
     specs, hidden = gpt_specs(int(args.size_gib * GiB), args.layers, unit)
     total = sum(s.nbytes for s in specs)
-    own_dir = args.dir is None
-    root = Path(tempfile.mkdtemp(prefix=".reshard-bench-", dir=os.getcwd())) if own_dir else args.dir
-    root.mkdir(parents=True, exist_ok=True)
+    parent = args.dir if args.dir is not None else Path.cwd()
+    parent.mkdir(parents=True, exist_ok=True)
+    scratch = contextlib.ExitStack()  # removes the scratch directory on any end, SIGTERM/SIGHUP included
+    root = scratch.enter_context(scratch_dir(".reshard-bench-", parent, keep=args.keep))
     cpus = os.cpu_count() or 1
     threads = args.threads or max(1, cpus // args.ranks)
     base_cfg = {
@@ -1580,18 +1586,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "save_budget_bytes": int(args.save_budget_mib * MiB) if args.save_budget_mib else None,
         "profile_dir": str(args.profile.resolve()) if args.profile else None,
     }
-    rec = Recorder()
-    accounting: dict[str, Any] = {}
-    peak_method = PeakRss().method
     try:
+        rec = Recorder()
+        accounting: dict[str, Any] = {}
+        peak_method = PeakRss().method
         print(f"state: {total / GiB:.3f} GiB, {len(specs)} tensors, hidden {hidden}; dir {root}", file=sys.stderr)
         if args.mode in ("warm", "both"):
             peak_method = _run_warm(args, base_cfg, systems, rec, total, accounting)
         if args.mode in ("cold", "both"):
             _run_cold(args, base_cfg, systems, rec, total)
     finally:
-        if own_dir and not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+        scratch.close()  # after the pools' own finally blocks have stopped every rank process
 
     phases = rec.phases()
     fsync = {

@@ -49,7 +49,6 @@ import shutil
 import socket
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -63,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from compare import Layout, Spec, check_values, fill_values, gpt_specs
+from scratch import scratch_dir
 
 GiB = 1 << 30
 SYSTEMS = ("reshard", "dcp", "dcp_pinned")
@@ -562,16 +562,13 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": {},
     }
-    work = Path(tempfile.mkdtemp(prefix="reshard-gpu-bench-", dir=args.dir))
-    try:
+    with scratch_dir("reshard-gpu-bench-", args.dir) as work:  # removed on SIGTERM/SIGHUP too
         for mode in modes:
             shutil.rmtree(work / mode, ignore_errors=True)
             cfg["dir"] = str(work / mode)
             result = measure(mode, args, cfg)
             report["results"][mode] = result
             _print(mode, result, cfg)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

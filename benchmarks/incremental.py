@@ -37,7 +37,6 @@ import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+try:
+    from benchmarks.scratch import scratch_dir
+except ImportError:  # run as a script: benchmarks/ is the first entry of sys.path
+    from scratch import scratch_dir  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
         "results": {},
     }
-    with tempfile.TemporaryDirectory(dir=args.dir) as work:
+    with scratch_dir("reshard-bench-", args.dir) as work:
         for scenario in args.scenarios:
             for mode in modes:
                 result = measure(

@@ -25,7 +25,6 @@ import json
 import socket
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -34,6 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+try:
+    from benchmarks.scratch import scratch_dir
+except ImportError:  # run as a script: benchmarks/ is the first entry of sys.path
+    from scratch import scratch_dir  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -200,7 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     size = int(args.size_mib * 1024 * 1024)
-    with tempfile.TemporaryDirectory(dir=args.dir) as work:
+    with scratch_dir("reshard-bench-", args.dir) as work:
         root = Path(work)
         full = _state(size)
         reshard.save(full, root / "reshard")
