@@ -8,6 +8,8 @@ in the ranks of a pool, which never import transformers.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import subprocess
@@ -21,6 +23,7 @@ import torch
 import transformers
 
 import reshard
+from reshard import cli
 from reshard.demo.training import Trainer, TrainingConfig
 from reshard.models.config import LoraConfig, ModelConfig
 from reshard.models.parallel import ParallelConfig
@@ -314,14 +317,10 @@ def test_export_hf_of_an_untrained_model_is_bit_exact_with_the_original_files(
         layout = layouts.get(variant, "tp=2,pp=2")
         ckpt, out = tmp_path / f"ckpt-{variant}", tmp_path / f"hf-{variant}"
         pool4.run_ok(rank_train_from_hf, layout, str(hf_dir), str(ckpt), 0)
-        done = subprocess.run(
-            [sys.executable, "-m", "reshard", "export-hf", str(ckpt), str(out)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr
+        # the command itself, in this process (it starts no ranks: no second import of torch per variant)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+            code = cli.main(["export-hf", str(ckpt), str(out)])
+        assert code == 0, err.getvalue()
         original, exported = _hf_tensors(hf_dir), _hf_tensors(out)
         assert sorted(exported) == sorted(original), variant
         for name, tensor in original.items():
