@@ -354,9 +354,10 @@ class CheckpointManager:
 
         base_name, rewinds = comm.step("manager lock", lock, coordinators)
         if rewinds and not rewind:
+            passed = sorted(s for s in self.resumed_past if s > step)
             warnings.warn(
-                f"reshard: step {step} is saved past steps {sorted(self.resumed_past)}, which load_latest skipped as "
-                "unloadable; they are deleted once it commits",
+                f"reshard: step {step} is saved past steps {passed}, which load_latest skipped as unloadable; they "
+                "are deleted once it commits",
                 stacklevel=3,
             )
         return base_name, bool(rewinds)
