@@ -10,6 +10,8 @@ loads; ``"skip"`` loads no cell of a changed grid and names them all. The load r
 
 from __future__ import annotations
 
+import json
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,9 @@ import pytest
 import torch
 
 import reshard
-from reshard.errors import CheckpointError, MismatchError
+from reshard.errors import CheckpointError, CorruptCheckpointError, MismatchError
+from reshard.metadata import METADATA_FILE, Metadata
+from reshard.metadata.wire import seal_document
 from reshard.net.transports import ThreadGroup
 from tests.rankpool import RankContext, RankPool
 from tests.threads import on_threads
@@ -271,3 +275,21 @@ def test_ranks_whose_templates_give_an_object_different_grids_fail_alike(ckpt: P
         assert "saved grid [2, 2], requested [2, 3]" in str(results[0]), results[0]
     else:
         assert "different grids" in str(results[0]) and "[2, 2] on ranks [0]" in str(results[0]), results[0]
+
+
+@pytest.mark.unit
+def test_a_saved_object_grid_of_no_cells_is_a_corrupt_checkpoint(ckpt: Path, tmp_path: Path) -> None:
+    """Found by the second outside attack (F4): ``metadata.json`` (a hostile or damaged edit, its checksum
+    recomputed) whose object has ``global_shape [0]`` and no entries was accepted, though no save writes one. It is
+    refused with CorruptCheckpointError when parsed, naming the object."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ckpt, damaged)
+    doc = json.loads((damaged / METADATA_FILE).read_bytes())
+    doc.pop("metadata_crc32c")
+    doc["objects"]["rng"].update(global_shape=[0], entries=[])
+    raw = seal_document(json.dumps(doc, separators=(",", ":")).encode())
+    (damaged / METADATA_FILE).write_bytes(raw)
+    with pytest.raises(CorruptCheckpointError, match=r"objects\['rng'\].*no cells"):
+        Metadata.from_json_bytes(raw)
+    with pytest.raises(CorruptCheckpointError, match="no cells"):
+        reshard.load({"rng": reshard.ShardedObject("rng", FRESH, (1,), (0,))}, damaged)
