@@ -293,3 +293,42 @@ def test_a_saved_object_grid_of_no_cells_is_a_corrupt_checkpoint(ckpt: Path, tmp
         Metadata.from_json_bytes(raw)
     with pytest.raises(CorruptCheckpointError, match="no cells"):
         reshard.load({"rng": reshard.ShardedObject("rng", FRESH, (1,), (0,))}, damaged)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("tensor_on", [(1,), (0, 1)])
+def test_a_key_saved_as_an_object_and_asked_for_as_a_tensor_names_both_kinds_on_every_rank(
+    ckpt: Path, strict: bool, tensor_on: tuple[int, ...]
+) -> None:
+    """Found by the second outside attack (F3): a template holding a tensor for the key saved as a ShardedObject was
+    told the key is "missing from the checkpoint"; with ``strict=False`` that rank silently kept its tensor while
+    another rank loaded the object. The kinds differ: the same MismatchError on every rank, naming the key and both
+    kinds, strict or not."""
+    group = ThreadGroup(2, timeout=20.0)
+
+    def rank_main(rank: int) -> Any:
+        rng = torch.zeros(3) if rank in tensor_on else reshard.ShardedObject("rng", FRESH, (2, 1), (rank, 0))
+        try:
+            return reshard.load(
+                {"w": torch.zeros(8, 3), "rng": rng},
+                ckpt,
+                group=group.member(rank),
+                strict=strict,
+                options=reshard.LoadOptions(object_grid="same_coordinate"),
+            )
+        except CheckpointError as exc:
+            return exc
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = on_threads(2, rank_main)
+    assert all(isinstance(r, MismatchError) for r in results), results
+    assert all("'rng'" in str(r) and "ShardedObject" in str(r) and "tensor" in str(r) for r in results), results
+
+
+@pytest.mark.unit
+def test_a_key_saved_as_a_tensor_and_asked_for_as_an_object_names_both_kinds(ckpt: Path) -> None:
+    """The reverse of the test above (F3): a ShardedObject for the key saved as a tensor, even with strict=False."""
+    with pytest.raises(MismatchError, match=r"'w': saved as a tensor, requested as a ShardedObject"):
+        reshard.load({"w": reshard.ShardedObject("w", FRESH, (1,), (0,))}, ckpt, strict=False)
