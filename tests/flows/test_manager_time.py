@@ -281,3 +281,69 @@ def test_a_step_skipped_while_still_being_written_blocks_a_save_once_it_commits(
             manager.close()
     assert all(isinstance(r, reshard.CheckpointExistsError) and "6" in str(r) for r in results), results
     assert _complete(tmp_path) == [4, 6] and _latest(tmp_path) == 6
+
+
+def _resumed_managers(root: Path, group: ThreadGroup) -> list[reshard.CheckpointManager]:
+    """Two ranks' managers that resumed with ``load_latest`` (warnings of skipped steps silenced)."""
+    managers = [reshard.CheckpointManager(root, group=group.member(rank), timeout=30) for rank in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed = on_threads(2, lambda rank: managers[rank].load_latest(_template(rank, 2)))
+    assert resumed == [4, 4] and all(m.resumed_past == {6} for m in managers)
+    return managers
+
+
+def _save_five(managers: list[reshard.CheckpointManager]) -> list[Any]:
+    def save(rank: int) -> Any:
+        try:
+            return managers[rank].save(5, _state(rank, 2, 5))
+        except reshard.CheckpointError as exc:
+            return exc
+
+    try:
+        return on_threads(2, save)
+    finally:
+        for manager in managers:
+            manager.close()
+
+
+@pytest.mark.unit
+def test_a_skipped_step_that_loads_again_is_not_deleted_and_blocks_the_save(tmp_path: Path) -> None:
+    """Found by the second outside attack (F1 A): ``load_latest`` skipped step 6 because a data file of it was
+    away for a moment; the file came back, and the save of 5 deleted the loadable step 6. A skipped step is
+    deleted only while it is still the save that was skipped and still fails its checks; a step that loads again
+    counts as newer: the save of 5 is refused on every rank, naming ``rewind=True``, and step 6 stays."""
+    _saved(tmp_path, 4)
+    _saved(tmp_path, 6)
+    data_file = sorted((tmp_path / step_name(6) / "data").iterdir())[0]
+    away = data_file.with_name("away")
+    data_file.rename(away)  # a data file away for a moment (a copy being put back)
+    managers = _resumed_managers(tmp_path, ThreadGroup(2, timeout=30.0))
+    away.rename(data_file)  # ... and back: step 6 loads again
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        results = _save_five(managers)
+    assert all(isinstance(r, reshard.CheckpointExistsError) for r in results), results
+    assert len({str(r) for r in results}) == 1 and "rewind=True" in str(results[0]) and "6" in str(results[0])
+    assert not any("saved past" in str(w.message) for w in warned)
+    assert _complete(tmp_path) == [4, 6] and _latest(tmp_path) == 6
+    assert _on_two_ranks(tmp_path, "load", 0) == [6, 6]
+
+
+@pytest.mark.unit
+def test_a_step_saved_anew_after_the_skip_is_never_deleted(tmp_path: Path) -> None:
+    """Found by the second outside attack (F1 B): after ``load_latest`` skipped a damaged step 6, another manager
+    saved a new, good step 6 (``overwrite=True``); the first job's save of 5 deleted that new checkpoint, which
+    nobody skipped. The skipped step is remembered by its save's identity: another save there counts as newer."""
+    _saved(tmp_path, 4)
+    _saved(tmp_path, 6)
+    data_file = sorted((tmp_path / step_name(6) / "data").iterdir())[0]
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(raw))  # damaged for good
+    managers = _resumed_managers(tmp_path, ThreadGroup(2, timeout=30.0))
+    _saved(tmp_path, 6, overwrite=True)  # another manager writes step 6 anew
+    results = _save_five(managers)
+    assert all(isinstance(r, reshard.CheckpointExistsError) and "rewind=True" in str(r) for r in results), results
+    assert _complete(tmp_path) == [4, 6]
+    assert _on_two_ranks(tmp_path, "load", 0) == [6, 6]

@@ -10,6 +10,8 @@ loads; ``"skip"`` loads no cell of a changed grid and names them all. The load r
 
 from __future__ import annotations
 
+import json
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,9 @@ import pytest
 import torch
 
 import reshard
-from reshard.errors import CheckpointError, MismatchError
+from reshard.errors import CheckpointError, CorruptCheckpointError, MismatchError
+from reshard.metadata import METADATA_FILE, Metadata
+from reshard.metadata.wire import seal_document
 from reshard.net.transports import ThreadGroup
 from tests.rankpool import RankContext, RankPool
 from tests.threads import on_threads
@@ -271,3 +275,60 @@ def test_ranks_whose_templates_give_an_object_different_grids_fail_alike(ckpt: P
         assert "saved grid [2, 2], requested [2, 3]" in str(results[0]), results[0]
     else:
         assert "different grids" in str(results[0]) and "[2, 2] on ranks [0]" in str(results[0]), results[0]
+
+
+@pytest.mark.unit
+def test_a_saved_object_grid_of_no_cells_is_a_corrupt_checkpoint(ckpt: Path, tmp_path: Path) -> None:
+    """Found by the second outside attack (F4): ``metadata.json`` (a hostile or damaged edit, its checksum
+    recomputed) whose object has ``global_shape [0]`` and no entries was accepted, though no save writes one. It is
+    refused with CorruptCheckpointError when parsed, naming the object."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ckpt, damaged)
+    doc = json.loads((damaged / METADATA_FILE).read_bytes())
+    doc.pop("metadata_crc32c")
+    doc["objects"]["rng"].update(global_shape=[0], entries=[])
+    raw = seal_document(json.dumps(doc, separators=(",", ":")).encode())
+    (damaged / METADATA_FILE).write_bytes(raw)
+    with pytest.raises(CorruptCheckpointError, match=r"objects\['rng'\].*no cells"):
+        Metadata.from_json_bytes(raw)
+    with pytest.raises(CorruptCheckpointError, match="no cells"):
+        reshard.load({"rng": reshard.ShardedObject("rng", FRESH, (1,), (0,))}, damaged)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("tensor_on", [(1,), (0, 1)])
+def test_a_key_saved_as_an_object_and_asked_for_as_a_tensor_names_both_kinds_on_every_rank(
+    ckpt: Path, strict: bool, tensor_on: tuple[int, ...]
+) -> None:
+    """Found by the second outside attack (F3): a template holding a tensor for the key saved as a ShardedObject was
+    told the key is "missing from the checkpoint"; with ``strict=False`` that rank silently kept its tensor while
+    another rank loaded the object. The kinds differ: the same MismatchError on every rank, naming the key and both
+    kinds, strict or not."""
+    group = ThreadGroup(2, timeout=20.0)
+
+    def rank_main(rank: int) -> Any:
+        rng = torch.zeros(3) if rank in tensor_on else reshard.ShardedObject("rng", FRESH, (2, 1), (rank, 0))
+        try:
+            return reshard.load(
+                {"w": torch.zeros(8, 3), "rng": rng},
+                ckpt,
+                group=group.member(rank),
+                strict=strict,
+                options=reshard.LoadOptions(object_grid="same_coordinate"),
+            )
+        except CheckpointError as exc:
+            return exc
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = on_threads(2, rank_main)
+    assert all(isinstance(r, MismatchError) for r in results), results
+    assert all("'rng'" in str(r) and "ShardedObject" in str(r) and "tensor" in str(r) for r in results), results
+
+
+@pytest.mark.unit
+def test_a_key_saved_as_a_tensor_and_asked_for_as_an_object_names_both_kinds(ckpt: Path) -> None:
+    """The reverse of the test above (F3): a ShardedObject for the key saved as a tensor, even with strict=False."""
+    with pytest.raises(MismatchError, match=r"'w': saved as a tensor, requested as a ShardedObject"):
+        reshard.load({"w": reshard.ShardedObject("w", FRESH, (1,), (0,))}, ckpt, strict=False)

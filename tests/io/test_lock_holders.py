@@ -7,10 +7,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
+from pathlib import Path
 
 import pytest
 
-from reshard.io.locking import LockInfo, pid_namespace, process_start, this_process
+from reshard.io.locking import (
+    DEFAULT_STALE_AFTER_S,
+    LOCK_FILE,
+    LockInfo,
+    LockTiming,
+    acquire_lock,
+    pid_namespace,
+    process_start,
+    this_process,
+)
+from reshard.storage import storage_for
 
 pytestmark = pytest.mark.unit
 
@@ -60,3 +72,23 @@ def test_a_marker_of_an_older_release_is_judged_by_its_pid_as_before() -> None:
     assert legacy is not None and legacy.pid_namespace is None and legacy.started is None
     assert legacy.holder_is_gone()
     assert LockInfo.from_bytes(b'{"host": "h", "pid": 1, "token": "t", "created": 1.0, "started": "x"}') is None
+
+
+def test_a_live_holder_on_another_host_whose_clock_is_behind_is_watched_not_broken_at_once(tmp_path: Path) -> None:
+    """Found by the second outside attack (F5): staleness compared a marker's ``written`` time (the holder's clock)
+    with this host's clock, so a live writer on a host whose clock runs 10+ minutes behind lost its lock at once. A
+    holder on another host is judged on the observer's clock only: its marker must stay unchanged (not renewed)
+    for ``lease_s`` as measured here before it is taken over."""
+    storage = storage_for(tmp_path)
+    behind = time.time() - 11 * 60  # the holder's clock runs 11 minutes behind this host's
+    holder = LockInfo(host="another-host.example", pid=4242, token="f" * 32, created=behind, written=behind)
+    storage.commit(LOCK_FILE, holder.to_bytes(), replace=False)
+    timing = LockTiming(renew_s=0.1, lease_s=1.0, stale_after_s=DEFAULT_STALE_AFTER_S)
+    started = time.monotonic()
+    lock = acquire_lock(storage, "0" * 32, what="save", timing=timing)
+    try:
+        assert time.monotonic() - started >= timing.lease_s  # watched for the lease first, not broken at once
+        assert lock.taken_over is not None and lock.taken_over.host == "another-host.example"
+    finally:
+        lock.release()
+        storage.close()

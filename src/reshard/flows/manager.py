@@ -41,7 +41,6 @@ import logging
 import re
 import uuid
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import (
@@ -58,125 +57,27 @@ from reshard.flows.load import load
 from reshard.flows.maintenance import validate_checkpoint
 from reshard.flows.options import SaveOptions, check_terms
 from reshard.flows.save import SaveResult, save
+from reshard.flows.skipped import SkippedStep, metadata_digest, still_skipped
+from reshard.flows.steps import StepInfo, scan_root, step_name, step_of
 from reshard.flows.timeline import Timeline, refusal
 from reshard.io.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
-from reshard.io.references import is_retired
 from reshard.io.retirement import remove_checkpoint
-from reshard.io.sources import read_metadata_bytes
-from reshard.metadata import METADATA_FILE, Metadata
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
 from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
 
-__all__ = ["LATEST_FILE", "CheckpointManager", "StepInfo", "scan_root"]
+__all__ = ["LATEST_FILE", "CheckpointManager", "StepInfo", "scan_root", "step_name"]
 
 logger = logging.getLogger("reshard")
 
 LATEST_FILE = "latest.json"
-_STEP = re.compile(r"^step_(\d{9,})$")
 _LATEST_TEMPORARY = re.compile(rf"^\.{re.escape(LATEST_FILE)}\.tmp-[0-9a-f]{{32}}$")
 """The temporary of ``latest.json``'s commit (a manager killed while it replaced the pointer leaves one)."""
-
-
-def _step_of(name: str) -> int | None:
-    match = _STEP.match(name)
-    return int(match.group(1)) if match is not None else None
 
 
 def _is_pointer(pointer: dict[str, Any]) -> bool:
     step = pointer["step"]
     return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and pointer["path"] == step_name(step)
-
-
-def step_name(step: int) -> str:
-    if step < 0:
-        raise ValueError(f"steps are non-negative, got {step}")
-    return f"step_{step:09d}"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StepInfo:
-    """One step directory of a root: ``status`` is ``complete``, ``incomplete`` (no metadata.json: an
-    interrupted save, or one running when ``locked``; ``dead_writer_pid`` names a writer known to be gone),
-    ``corrupt`` (metadata.json that does not parse) or ``retired`` (deleted, keeping the data files that other
-    checkpoints reference).
-
-    ``tensor_bytes`` counts the tensor data of a complete checkpoint, of which ``referenced_bytes`` lie in
-    other checkpoints' files (an incremental save's references); ``content_hashes`` and
-    ``checksum_chunk_bytes`` say whether it can be an incremental save's base."""
-
-    step: int
-    name: str
-    status: str
-    locked: bool
-    tensor_bytes: int
-    world_size: int | None
-    problem: str = ""
-    referenced_bytes: int = 0
-    content_hashes: bool = False
-    checksum_chunk_bytes: int | None = None
-    referenced_checkpoints: tuple[str, ...] = ()
-    """The sibling checkpoints whose data files this one references."""
-    dead_writer_pid: int | None = None
-    """The process id of the holder of the step's lock when it ran on this host and no longer exists (its save was
-    interrupted: ``locked`` is then False, nobody is writing the step), else None."""
-
-    @property
-    def written_bytes(self) -> int:
-        """Tensor bytes stored in this checkpoint's own files."""
-        return self.tensor_bytes - self.referenced_bytes
-
-
-def scan_root(storage: Storage) -> list[StepInfo]:
-    """Every step directory under ``storage``, oldest first, with its status. Not collective."""
-    out = []
-    for name in storage.list_children():
-        match = _STEP.match(name)
-        if match is not None:
-            out.append(_inspect_step(storage, name, int(match.group(1))))
-    return sorted(out, key=lambda s: s.step)
-
-
-def _inspect_step(storage: Storage, name: str, step: int) -> StepInfo:
-    child = storage.child(name)
-    try:
-        holder = read_lock(child)
-        dead = holder.pid if holder is not None and holder.holder_is_gone() else None
-        locked = holder is not None and dead is None
-        if is_retired(child):
-            return StepInfo(
-                step=step,
-                name=name,
-                status="retired",
-                locked=locked,
-                tensor_bytes=0,
-                world_size=None,
-                dead_writer_pid=dead,
-            )
-        status, problem = "complete", ""
-        metadata = None
-        try:
-            metadata = Metadata.from_json_bytes(read_metadata_bytes(child), where=child.describe(METADATA_FILE))
-        except (IncompleteCheckpointError, CheckpointNotFoundError):
-            status = "incomplete"
-        except CorruptCheckpointError as exc:
-            status, problem = "corrupt", str(exc)
-        return StepInfo(
-            step=step,
-            name=name,
-            status=status,
-            locked=locked,
-            tensor_bytes=metadata.total_bytes if metadata is not None else 0,
-            world_size=metadata.world_size if metadata is not None else None,
-            problem=problem,
-            referenced_bytes=metadata.referenced_bytes if metadata is not None else 0,
-            content_hashes=metadata is not None and metadata.content_hashes,
-            checksum_chunk_bytes=metadata.checksum_chunk_bytes if metadata is not None else None,
-            referenced_checkpoints=metadata.referenced_checkpoints if metadata is not None else (),
-            dead_writer_pid=dead,
-        )
-    finally:
-        child.close()
 
 
 class CheckpointManager:
@@ -224,8 +125,11 @@ class CheckpointManager:
         self.timeout = timeout
         self.resumed_past: frozenset[int] = frozenset()
         """The complete steps newer than the one :meth:`load_latest` resumed from whose data failed to load: a save
-        may go past them (they are deleted once it commits, as a rewind deletes). A step it skipped because it
-        was incomplete (perhaps still being written) is not among them."""
+        may go past them while they are still the saves that failed and still fail their checks (they are deleted
+        once it commits); one that loads again, or that another save replaced, counts as newer. A step it skipped
+        because it was incomplete (perhaps still being written) is not among them."""
+        self._skipped: tuple[SkippedStep, ...] = ()
+        """:attr:`resumed_past` with the identity of each save skipped (:mod:`reshard.flows.skipped`)."""
 
     def close(self) -> None:
         self.root.close()
@@ -269,7 +173,9 @@ class CheckpointManager:
         step directory newer than ``step`` (complete checkpoints and leftovers of interrupted saves; what is
         not reshard's, or a live save, stays), so that ``latest``, :meth:`load_latest` and later saves of those
         steps all follow the new timeline. Steps that this manager's :meth:`load_latest` skipped as unloadable
-        do not count as newer: a save goes past them (with a warning), and they are deleted once it commits.
+        do not count as newer while they are still the saves it failed to load and still fail their checks
+        (judged again on the coordinator): a save goes past them (with a warning), and they are deleted once it
+        commits if they still fail then. One that loads again, or that another save replaced, counts as newer.
         ``overwrite`` replaces a complete checkpoint of ``step`` itself.
 
         Raises:
@@ -289,7 +195,7 @@ class CheckpointManager:
         held: list[Lock] = []  # the manager lock, on the coordinator once taken (released below, whatever fails)
         base: Storage | None = None
         try:
-            base_name, rewinds = self._lock_step(
+            base_name, past = self._lock_step(
                 comm, held, step=step, overwrite=overwrite, rewind=rewind, chunk_bytes=options.checksum_chunk_bytes
             )
             base = self.root.child(base_name) if base_name is not None else None
@@ -307,7 +213,7 @@ class CheckpointManager:
                 if comm.is_coordinator:
                     self._point_latest_at(step)  # the step is complete; the group is not: no retention
                 raise
-            self._publish_step(comm, held[0] if held else None, step=step, rewind=rewinds, result=result)
+            self._publish_step(comm, held[0] if held else None, step=step, rewind=rewind, past=past, result=result)
         finally:
             for lock_held in held:
                 lock_held.release()
@@ -317,12 +223,12 @@ class CheckpointManager:
 
     def _lock_step(
         self, comm: Communicator, held: list[Lock], *, step: int, overwrite: bool, rewind: bool, chunk_bytes: int
-    ) -> tuple[str | None, bool]:
+    ) -> tuple[str | None, tuple[int, ...]]:
         """The first step of :meth:`save` (collective ``manager lock``, every rank): the ranks' terms agree, and the
         coordinator takes the manager lock (appended to ``held``, which the caller releases), checks that the save
         goes forward in time (or may not) and chooses the base of an incremental save; that base's name (None: a
-        full save) and whether the save rewinds (``rewind``, or newer steps that are all ones :meth:`load_latest`
-        skipped as unloadable) on every rank.
+        full save) and the newer steps the save goes past (ones :meth:`load_latest` skipped that are still the
+        saves it failed to load and still fail their checks, judged on the coordinator) on every rank.
 
         Raises:
             CheckpointExistsError: on every rank, as :meth:`save` says.
@@ -331,43 +237,58 @@ class CheckpointManager:
         def lock() -> list[Any]:
             terms = self._terms(step=step, overwrite=overwrite, rewind=rewind)
             if not comm.is_coordinator:
-                return [terms, None, None, False]
+                return [terms, None, None, []]
             held.append(acquire_lock(self.root, uuid.uuid4().hex, what="manager"))
             held[0].start_renewing()
             complete = [s.step for s in scan_root(self.root) if s.status == "complete"]
+            unloadable = [s.step for s in self._skipped if s.step > step and still_skipped(self.root, s) is not None]
             where = f"CheckpointManager under {self.root.describe()}"
             timeline = Timeline.of(
-                where, self.root.describe(step_name(step)), complete, step=step, unloadable=self.resumed_past
+                where, self.root.describe(step_name(step)), complete, step=step, unloadable=unloadable
             )
             refused = refusal(timeline, overwrite=overwrite, rewind=rewind)
             if refused is not None:
-                return [terms, None, refused, False]
+                again = sorted(set(self.resumed_past) & set(timeline.blocking))
+                if again:
+                    refused += (
+                        f". Steps {again}, which load_latest skipped as unloadable, load again or were saved anew "
+                        "since: they count as newer"
+                    )
+                return [terms, None, refused, []]
             base = self._base_for(step, chunk_bytes) if self.incremental else None
-            return [terms, base, None, rewind or bool(timeline.newer)]
+            return [terms, base, None, [] if rewind else list(timeline.newer)]
 
         def coordinators(values: list[list[Any]]) -> list[Any]:
             check_terms([terms for terms, _, _, _ in values], "CheckpointManager.save")
-            _, base_name, refused, rewinds = values[0]
+            _, base_name, refused, past = values[0]
             if refused is not None:
                 raise CheckpointExistsError(refused)
-            return [base_name, rewinds]
+            return [base_name, past]
 
-        base_name, rewinds = comm.step("manager lock", lock, coordinators)
-        if rewinds and not rewind:
-            passed = sorted(s for s in self.resumed_past if s > step)
+        base_name, past = comm.step("manager lock", lock, coordinators)
+        if past:
             warnings.warn(
-                f"reshard: step {step} is saved past steps {passed}, which load_latest skipped as unloadable; they "
-                "are deleted once it commits",
+                f"reshard: step {step} is saved past steps {sorted(past)}, which load_latest skipped as unloadable; "
+                "they are deleted once it commits, if they still fail their checks then",
                 stacklevel=3,
             )
-        return base_name, bool(rewinds)
+        return base_name, tuple(past)
 
     def _publish_step(
-        self, comm: Communicator, held: Lock | None, *, step: int, rewind: bool, result: SaveResult
+        self,
+        comm: Communicator,
+        held: Lock | None,
+        *,
+        step: int,
+        rewind: bool,
+        past: tuple[int, ...],
+        result: SaveResult,
     ) -> None:
         """The last step of :meth:`save` (collective ``manager retention``, every rank), after the commit: the
         coordinator, still holding the manager lock ``held``, points ``latest`` at ``step`` and applies the retention
-        policy (with ``rewind``, deleting the steps newer than ``step`` too).
+        policy (with ``rewind``, deleting the steps newer than ``step`` too; of the steps ``past``, which the save
+        went past, those that are still the unloadable saves skipped, judged again now: a file that came back during
+        the save keeps its step, with a warning).
 
         Raises:
             UnconfirmedCommitError: on every rank, when that failed (the step is committed).
@@ -379,7 +300,7 @@ class CheckpointManager:
                     held.check()
                 self._point_latest_at(step)
                 try:
-                    self._retain(keep_step=step, rewind=rewind)
+                    self._retain(keep_step=step, rewind=rewind, drop=self._still_skipped(past))
                 except (OSError, CheckpointError) as exc:
                     raise StorageError(f"retention failed ({LATEST_FILE} names {step_name(step)}): {exc}") from exc
 
@@ -415,7 +336,7 @@ class CheckpointManager:
                     logger.info("incremental save of step %d: %s cannot be its base, saving in full", step, info.name)
                     return None
                 if self.full_every is not None:
-                    holders = [_step_of(name) for name in info.referenced_checkpoints]
+                    holders = [step_of(name) for name in info.referenced_checkpoints]
                     oldest = min([info.step, *(h for h in holders if h is not None)])
                     if step - oldest >= self.full_every:
                         logger.info("step %d: a full save (its base's bytes go back to step %d)", step, oldest)
@@ -452,12 +373,27 @@ class CheckpointManager:
         except OSError as exc:
             raise StorageError(f"updating {self.root.describe(LATEST_FILE)} failed: {exc}") from exc
 
-    def _retain(self, *, keep_step: int, rewind: bool = False) -> None:
+    def _still_skipped(self, past: tuple[int, ...]) -> frozenset[int]:
+        """On the coordinator, after a save went past the steps ``past``: those still the unloadable saves that
+        :meth:`load_latest` skipped (:func:`reshard.flows.skipped.still_skipped`); the others stay, with a warning."""
+        drop = {s.step for s in self._skipped if s.step in past and still_skipped(self.root, s) is not None}
+        if set(past) - drop:
+            logger.warning(
+                "retention: steps %s, which load_latest skipped as unloadable, load again or were saved anew: kept",
+                sorted(set(past) - drop),
+            )
+        return frozenset(drop)
+
+    def _retain(self, *, keep_step: int, rewind: bool = False, drop: frozenset[int] = frozenset()) -> None:
         """On the coordinator, under the manager lock: delete what the policy no longer keeps (with ``rewind``,
-        every step newer than ``keep_step`` as well: ``keep_step`` is the newest)."""
+        every step newer than ``keep_step`` as well: ``keep_step`` is the newest; and the complete steps ``drop``)."""
         self._sweep_pointer_temporaries()
         infos = scan_root(self.root)
-        complete = [s.step for s in infos if s.status == "complete" and not (rewind and s.step > keep_step)]
+
+        def rewound(info: StepInfo) -> bool:  # a step of the timeline a rewind abandons, or a dropped one
+            return (rewind and info.step > keep_step) or (info.step in drop and info.status == "complete")
+
+        complete = [s.step for s in infos if s.status == "complete" and not rewound(s)]
         if not complete:
             return
         newest = max(complete)
@@ -465,9 +401,6 @@ class CheckpointManager:
         if self.keep_every is not None:
             keep |= {s for s in complete if s % self.keep_every == 0}
         keep |= {newest, keep_step}
-
-        def rewound(info: StepInfo) -> bool:  # a leftover of the timeline a rewind abandons
-            return rewind and info.step > keep_step
 
         # Newest first, so that a checkpoint referenced only by older ones being deleted too goes whole;
         # then the retired ones, whose referrers may just have gone.
@@ -557,7 +490,8 @@ class CheckpointManager:
             root = {"root": self.root.describe()}
             if not comm.is_coordinator:
                 return [root, None]
-            return [root, [[s.step, s.status, s.problem] for s in reversed(scan_root(self.root))]]
+            listed = reversed(scan_root(self.root))
+            return [root, [[s.step, s.status, s.problem, self._digest(s)] for s in listed]]
 
         def coordinators(values: list[list[Any]]) -> list[list[Any]]:
             check_terms([terms for terms, _ in values], "CheckpointManager.load_latest")
@@ -571,8 +505,8 @@ class CheckpointManager:
             if skipped is not None:
                 skipped.append((step, reason))
 
-        unloadable: list[int] = []  # complete steps that failed to load: a save may go past them
-        for step, status, problem in listed:
+        unloadable: list[SkippedStep] = []  # complete steps that failed to load: a save may go past them
+        for step, status, problem, digest in listed:
             if status == "retired":
                 skip(step, "it was deleted by retention and keeps only data files that newer checkpoints reference")
                 continue
@@ -585,12 +519,26 @@ class CheckpointManager:
                 loaded = load(state_dict, self.path_of(step), group=self.group, timeout=self.timeout, **load_kwargs)
             except (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError) as exc:
                 skip(step, str(exc))
-                unloadable.append(step)
+                unloadable.append(SkippedStep(step, digest))
                 continue
-            self.resumed_past = frozenset(unloadable)
+            self._remember_skipped(unloadable)
             return step, loaded
-        self.resumed_past = frozenset(unloadable)
+        self._remember_skipped(unloadable)
         return None
+
+    def _remember_skipped(self, skipped: list[SkippedStep]) -> None:
+        self._skipped = tuple(skipped)
+        self.resumed_past = frozenset(s.step for s in skipped)
+
+    def _digest(self, info: StepInfo) -> str | None:
+        """On the coordinator: the identity of a complete step's save as :meth:`load_latest` lists it."""
+        if info.status != "complete":
+            return None
+        child = self.root.child(info.name)
+        try:
+            return metadata_digest(child)
+        finally:
+            child.close()
 
     def load_latest(self, state_dict: Any, **load_kwargs: Any) -> int | None:
         """Like :meth:`load_latest_with_state` (tensors are filled in place), returning only the step."""

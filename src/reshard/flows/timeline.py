@@ -3,8 +3,9 @@ lets a save of a step run, refuses it, or lets it replace the steps after it (a 
 
 A save goes forward: a step older than the newest complete checkpoint of the root is refused unless the caller
 rewinds (``rewind=True``), or unless every newer complete step is one that this manager's ``load_latest`` skipped
-as unloadable (a damaged newest step: the job resumed from an older one and must be able to save past it; those
-steps are deleted once the save commits, as a rewind deletes). Only complete checkpoints count: leftovers of
+as unloadable and that are still those saves and still fail their checks (a damaged newest step: the job resumed
+from an older one and must be able to save past it; those steps are deleted once the save commits, as a rewind
+deletes; :mod:`reshard.flows.skipped` judges them). Only complete checkpoints count: leftovers of
 interrupted saves never stop a restart. Pure: no I/O.
 """
 

@@ -21,10 +21,12 @@ token unique to the holder) and when it was written.
   has lost its lock; a save checks that it still holds it right before its commit.
 - **Release**: the holder deletes its marker if it is still the highest.
 - **Stale holders**: a holder is stale when it ran on this host and its process no longer exists, when
-  its marker was written more than ``stale_after_s`` ago (by this host's clock), or when the lock does not
-  move for ``lease_s`` seconds while a writer waits (measured on the waiter's own clock, so clock skew
-  between hosts does not matter). A writer that finds a lock of another host waits up to ``lease_s`` for
-  it to be released or to prove stale.
+  it ran on this host and its marker was written more than ``stale_after_s`` ago, or when the lock does not
+  move for ``lease_s`` seconds while a writer waits (measured on the waiter's own clock). A holder on another
+  host is judged by that last rule only, never by its marker's ``written`` time, which is the holder's clock (a
+  host whose clock runs behind would otherwise lose a live lock at once): a writer that finds a lock of another
+  host waits up to ``lease_s`` for it to be released or to prove stale. (The judgments that do not wait, by
+  retention, ``reshard gc`` and reference markers, still read the ``written`` time: see :meth:`LockInfo.is_stale`.)
 
 Only the holder deletes markers (its predecessors after taking over, its own on release), so the checks
 above are sound on any storage with create-only commits and consistent listings: local and shared POSIX
@@ -451,7 +453,7 @@ def acquire_lock(
             if watched is None:
                 watched = (generation, now)
             unmoved = now - watched[1]
-            if not (holder.is_stale(timing.stale_after_s) or unmoved >= timing.lease_s):
+            if not (_stale_at_sight(holder, timing) or unmoved >= timing.lease_s):
                 if holder.host == socket.gethostname():
                     raise CheckpointLockedError(
                         f"{storage.describe()} is being written by another save ({what} lock held by "
@@ -485,6 +487,18 @@ def acquire_lock(
             raise CheckpointLockedError(
                 f"{storage.describe()}: could not take the {what} lock (other writers keep taking it)"
             )
+
+
+def _stale_at_sight(holder: LockInfo, timing: LockTiming) -> bool:
+    """Whether a waiter may take ``holder``'s lock over without watching it for the lease: a holder of unknown
+    identity, one of this host that is gone, or one of this host whose marker is older than ``stale_after_s`` (one
+    clock wrote and reads it). A holder on another host never is: its ``written`` time is by its own clock, which
+    may run behind this one, so only the lease measured here judges it."""
+    if not holder.token:
+        return True  # a marker reshard did not write (or cannot read): it ties nothing and renews never
+    if holder.host != socket.gethostname():
+        return False
+    return holder.is_stale(timing.stale_after_s)
 
 
 def _heir(me: LockInfo, stale: LockInfo) -> LockInfo:

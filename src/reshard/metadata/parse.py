@@ -385,6 +385,8 @@ class _Parser:
         path = f"objects[{key!r}]"
         doc = self.obj(value, path, {"global_shape", "entries"})
         global_shape = self.int_list(doc["global_shape"], f"{path}.global_shape", max_len=MAX_NDIM)
+        if math.prod(global_shape) == 0:  # no save writes one: a ShardedObject's grid has a cell per axis at least
+            raise self.fail(f"{path}.global_shape", f"the grid {list(global_shape)} has no cells")
         if not isinstance(doc["entries"], list):
             raise self.fail(f"{path}.entries", "expected a list")
         entries = []

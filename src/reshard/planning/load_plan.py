@@ -269,6 +269,9 @@ def check_template(
     present = []
     for st in flat.tensors:
         saved = metadata.tensors.get(st.key)
+        if saved is None and st.key in metadata.objects:  # not missing: another kind (strict or not)
+            mismatches.append(f"{st.key!r}: saved as a ShardedObject, requested as a tensor")
+            continue
         if saved is None:
             missing.append(f"tensor {st.key!r}")
             continue
@@ -289,6 +292,10 @@ def check_template(
                 "conversion (LoadOptions(allow_lossy_cast=True) allows it)"
             )
         present.append(st)
+    mismatches += [
+        f"{key!r}: saved as a tensor, requested as a ShardedObject"
+        for key in sorted({o.key for o in flat.objects if o.key in metadata.tensors and o.key not in metadata.objects})
+    ]
     objects = match_objects(flat.objects, metadata.objects, object_grid)
     mismatches += objects.mismatches
     missing += objects.missing

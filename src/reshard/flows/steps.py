@@ -1,0 +1,115 @@
+"""The step directories of a :class:`~reshard.flows.manager.CheckpointManager` root: their names
+(``step_<step, 9+ digits>``, so that names sort by step) and what each holds (:func:`scan_root`). Not collective."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from reshard.io.locking import read_lock
+from reshard.io.references import is_retired
+from reshard.io.sources import read_metadata_bytes
+from reshard.metadata import METADATA_FILE, Metadata
+from reshard.storage import Storage
+
+__all__ = ["StepInfo", "scan_root", "step_name", "step_of"]
+
+_STEP = re.compile(r"^step_(\d{9,})$")
+
+
+def step_of(name: str) -> int | None:
+    """The step that directory ``name`` holds, or None when it is not a step directory."""
+    match = _STEP.match(name)
+    return int(match.group(1)) if match is not None else None
+
+
+def step_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"steps are non-negative, got {step}")
+    return f"step_{step:09d}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepInfo:
+    """One step directory of a root: ``status`` is ``complete``, ``incomplete`` (no metadata.json: an
+    interrupted save, or one running when ``locked``; ``dead_writer_pid`` names a writer known to be gone),
+    ``corrupt`` (metadata.json that does not parse) or ``retired`` (deleted, keeping the data files that other
+    checkpoints reference).
+
+    ``tensor_bytes`` counts the tensor data of a complete checkpoint, of which ``referenced_bytes`` lie in
+    other checkpoints' files (an incremental save's references); ``content_hashes`` and
+    ``checksum_chunk_bytes`` say whether it can be an incremental save's base."""
+
+    step: int
+    name: str
+    status: str
+    locked: bool
+    tensor_bytes: int
+    world_size: int | None
+    problem: str = ""
+    referenced_bytes: int = 0
+    content_hashes: bool = False
+    checksum_chunk_bytes: int | None = None
+    referenced_checkpoints: tuple[str, ...] = ()
+    """The sibling checkpoints whose data files this one references."""
+    dead_writer_pid: int | None = None
+    """The process id of the holder of the step's lock when it ran on this host and no longer exists (its save was
+    interrupted: ``locked`` is then False, nobody is writing the step), else None."""
+
+    @property
+    def written_bytes(self) -> int:
+        """Tensor bytes stored in this checkpoint's own files."""
+        return self.tensor_bytes - self.referenced_bytes
+
+
+def scan_root(storage: Storage) -> list[StepInfo]:
+    """Every step directory under ``storage``, oldest first, with its status. Not collective."""
+    out = []
+    for name in storage.list_children():
+        match = _STEP.match(name)
+        if match is not None:
+            out.append(_inspect_step(storage, name, int(match.group(1))))
+    return sorted(out, key=lambda s: s.step)
+
+
+def _inspect_step(storage: Storage, name: str, step: int) -> StepInfo:
+    child = storage.child(name)
+    try:
+        holder = read_lock(child)
+        dead = holder.pid if holder is not None and holder.holder_is_gone() else None
+        locked = holder is not None and dead is None
+        if is_retired(child):
+            return StepInfo(
+                step=step,
+                name=name,
+                status="retired",
+                locked=locked,
+                tensor_bytes=0,
+                world_size=None,
+                dead_writer_pid=dead,
+            )
+        status, problem = "complete", ""
+        metadata = None
+        try:
+            metadata = Metadata.from_json_bytes(read_metadata_bytes(child), where=child.describe(METADATA_FILE))
+        except (IncompleteCheckpointError, CheckpointNotFoundError):
+            status = "incomplete"
+        except CorruptCheckpointError as exc:
+            status, problem = "corrupt", str(exc)
+        return StepInfo(
+            step=step,
+            name=name,
+            status=status,
+            locked=locked,
+            tensor_bytes=metadata.total_bytes if metadata is not None else 0,
+            world_size=metadata.world_size if metadata is not None else None,
+            problem=problem,
+            referenced_bytes=metadata.referenced_bytes if metadata is not None else 0,
+            content_hashes=metadata is not None and metadata.content_hashes,
+            checksum_chunk_bytes=metadata.checksum_chunk_bytes if metadata is not None else None,
+            referenced_checkpoints=metadata.referenced_checkpoints if metadata is not None else (),
+            dead_writer_pid=dead,
+        )
+    finally:
+        child.close()
