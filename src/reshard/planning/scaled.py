@@ -14,7 +14,7 @@ from reshard.state.dtypes import dtype_name
 from reshard.state.scaled import ScaledRecord
 from reshard.state.statedict import FlatStateDict
 
-__all__ = ["agree_scaled", "record_from_json", "scaled_mismatches"]
+__all__ = ["agree_scaled", "record_from_json", "scaled_mismatches", "transfer_scaled_mismatches"]
 
 
 def record_from_json(key: str, doc: dict[str, Any]) -> ScaledRecord:
@@ -98,4 +98,34 @@ def scaled_mismatches(flat: FlatStateDict, metadata: Metadata) -> list[str]:
                 f"{tensor.key!r}: saved dtype {saved_tensor.dtype}, the template's ScaledTensor holds "
                 f"{dtype_name(tensor.data.dtype)} (scaled data and scales are never cast)"
             )
+    return sorted(set(problems))
+
+
+def transfer_scaled_mismatches(docs: list[dict[str, Any]]) -> list[str]:
+    """On a transfer's coordinator: how the targets' scaled tensors disagree with the sources' (each rank's
+    description holds ``held`` (key: [shape, dtype]), ``wanted`` ([name, source key, shape, dtype]),
+    ``scaled_held`` (key: record) and ``scaled_wanted`` (name: [source key, record]). A scaled target needs a
+    source of the same format and block (and never a cast of its parts); a plain target of a scaled source
+    would receive data without its scales."""
+    held_records = {key: record_from_json(key, doc) for d in docs for key, doc in d.get("scaled_held", {}).items()}
+    held = {key: value for d in docs for key, value in d["held"].items()}
+    problems = []
+    parts: dict[str, str] = {}
+    for d in docs:
+        for name, (key, doc) in d.get("scaled_wanted", {}).items():
+            mine = record_from_json(name, doc)
+            parts.update({p: name for p in (mine.key, mine.scale_key, mine.global_scale_key) if p is not None})
+            source = held_records.get(key)
+            if key in held and source is None:
+                problems.append(f"{name!r}: the source {key!r} is a plain tensor, the target a {mine.describe()}")
+            elif source is not None and (source.format, source.block) != (mine.format, mine.block):
+                problems.append(f"{name!r}: the source {key!r} is {source.describe()}, the target {mine.describe()}")
+    scaled_sources = {p for r in held_records.values() for p in (r.key, r.scale_key, r.global_scale_key) if p}
+    for d in docs:
+        for name, key, _shape, dtype in d["wanted"]:
+            if name not in parts and key in held_records:
+                source = held_records[key]
+                problems.append(f"{name!r}: the source {key!r} is {source.describe()}, the target a plain tensor")
+            elif (name in parts or key in scaled_sources) and key in held and held[key][1] != dtype:
+                problems.append(f"{name!r}: held as {held[key][1]}, wanted {dtype} (scaled bytes are never cast)")
     return sorted(set(problems))
