@@ -59,7 +59,7 @@ EXPERT_DATA = random_bytes(EXPERTS, ROWS, COLS, seed=1)
 EXPERT_SCALE = torch.rand(EXPERTS, ROWS // BLOCK, COLS // BLOCK, generator=torch.Generator().manual_seed(2))
 
 
-def expert_state(tp: int, ep: int, rank: int, *, fill: bool) -> dict[str, Any]:
+def expert_state(tp: int, ep: int, rank: int, *, fill: bool, replica: int = 0) -> dict[str, Any]:
     """Rank ``rank`` of TP ``tp`` x EP ``ep`` (TP fastest): its experts, each a key, rows split by TP."""
     tp_rank, ep_rank = rank % tp, rank // tp
     per_ep = EXPERTS // ep
@@ -72,7 +72,7 @@ def expert_state(tp: int, ep: int, rank: int, *, fill: bool) -> dict[str, Any]:
         if not fill:
             data.zero_()
             scale.zero_()
-        sharded = ShardedTensor.from_rank_offsets(key, data.view(E4M3), (0, tp_rank, tp))
+        sharded = ShardedTensor.from_rank_offsets(key, data.view(E4M3), (0, tp_rank, tp), replica_id=replica)
         out[key] = ScaledTensor(sharded, scale, "fp8_e4m3", (BLOCK, BLOCK))
     return out
 
@@ -102,6 +102,20 @@ def test_fp8_block_scaled_experts_saved_at_tp2_ep2_load_at_tp4_ep1_bit_exact(tmp
 
     for rank, state in enumerate(on_ranks(4, load)):
         check_experts(state, 4, 1, rank)
+
+
+def test_read_once_load_of_replicated_scaled_experts(tmp_path: Path) -> None:
+    on_ranks(4, lambda rank, g: reshard.save(expert_state(2, 2, rank, fill=True), tmp_path, group=g))
+    options = reshard.LoadOptions(read_once=True)
+
+    def load(rank: int, g: Any) -> dict[str, Any]:
+        # TP2 x EP1 x DP2: ranks 2 and 3 hold replicas of ranks 0 and 1
+        template = expert_state(2, 1, rank % 2, fill=False, replica=rank // 2)
+        reshard.load(template, tmp_path, group=g, options=options)
+        return template
+
+    for rank, state in enumerate(on_ranks(4, load)):
+        check_experts(state, 2, 1, rank % 2)
 
 
 # ---- fused QKV: [Q; K; V] of 128 rows each, 32x32 blocks, TP2 -> TP4 ----------------------------------------
