@@ -130,3 +130,22 @@ def test_command_line_ls_validate_inspect_diff_on_a_scaled_checkpoint(
     reshard.save(state, tmp_path / "changed")
     assert main(["diff", step, str(tmp_path / "changed")]) == 1
     assert "w:scale" in capsys.readouterr().out
+
+
+def test_peer_memory_tier_refuses_scaled_tensors_rather_than_skip_them() -> None:
+    """The peer-memory tier does not keep scaled records yet: a save of a ScaledTensor, or a restore into one
+    (which would have left it unfilled, as a common value), is a StateDictError on every rank."""
+
+    def save(rank: int, g: Any) -> None:
+        reshard.PeerMemoryCheckpoint(replicas=1, node_size=1, timeout=30).save(nv_state(2, 1, rank, fill=True), group=g)
+
+    with pytest.raises(reshard.StateDictError, match=r"peer-memory tier .* not ScaledTensors \(yet\): 'nv'"):
+        on_ranks(2, save)
+
+    def restore(rank: int, g: Any) -> None:
+        tier = reshard.PeerMemoryCheckpoint(replicas=1, node_size=1, timeout=30)
+        tier.save({"b": torch.ones(2)}, group=g)
+        tier.restore({"b": torch.zeros(2), **nv_state(2, 1, rank, fill=False)}, group=g)
+
+    with pytest.raises(reshard.StateDictError, match=r"peer-memory tier .* not ScaledTensors \(yet\): 'nv'"):
+        on_ranks(2, restore)
