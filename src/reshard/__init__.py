@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from reshard.flows.stats import LoadStats, SaveStats
     from reshard.flows.transfer import TransferSession, TransferStats, transfer
     from reshard.metadata import Metadata
+    from reshard.state.scaled import ScaledTensor
     from reshard.state.sharding import ShardedObject, ShardedTensor
     from reshard.state.statedict import filter_state_dict
 
@@ -65,6 +66,7 @@ _PUBLIC_MODULE = {
     "SaveOptions": "reshard.flows.options",
     "SaveResult": "reshard.flows.save",
     "SaveStats": "reshard.flows.stats",
+    "ScaledTensor": "reshard.state.scaled",
     "ShardedObject": "reshard.state.sharding",
     "ShardedTensor": "reshard.state.sharding",
     "ShardingError": "reshard.errors",
@@ -122,6 +124,7 @@ __all__ = [
     "SaveOptions",
     "SaveResult",
     "SaveStats",
+    "ScaledTensor",
     "ShardedObject",
     "ShardedTensor",
     "ShardingError",

@@ -45,6 +45,7 @@ from reshard.io.device import HostCopies, start_copies_to_host
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group, TorchTransport
 from reshard.state.dtensor import dtensor_to_sharded, is_dtensor
+from reshard.state.scaled import GLOBAL_SCALE_SUFFIX, SCALE_SUFFIX, ScaledTensor, stored_view
 from reshard.state.sharding import ShardedObject, ShardedTensor
 from reshard.state.statedict import map_leaves
 from reshard.storage import CheckpointLocation
@@ -158,12 +159,23 @@ class AsyncCheckpointer:
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def copy_tensor(path: str, tensor: torch.Tensor) -> torch.Tensor:
-            buffer = self._buffer(path, tensor)
+            source = stored_view(tensor)  # byte-only dtypes (packed FP4, E8M0) are copied as their bytes
+            buffer = self._buffer(path, source)
             if fill:
-                copies.append((buffer, tensor))
+                copies.append((buffer, source))
             else:
                 buffer.zero_()
-            return buffer
+            return buffer.view(tensor.dtype)
+
+        def copy_scaled(path: str, value: ScaledTensor) -> ScaledTensor:
+            glob = value.global_scale
+            return ScaledTensor(
+                dataclasses.replace(value.data, data=copy_tensor(path, value.data.data)),
+                copy_tensor(path + SCALE_SUFFIX, value.scale),
+                value.format,
+                value.block,
+                copy_tensor(path + GLOBAL_SCALE_SUFFIX, glob) if glob is not None else None,
+            )
 
         def leaf(path: str, value: Any) -> Any:
             if is_dtensor(value):
@@ -173,6 +185,8 @@ class AsyncCheckpointer:
                 if described is None:
                     return value
                 value = described
+            if isinstance(value, ScaledTensor):
+                return copy_scaled(path, value)
             if isinstance(value, ShardedTensor):
                 return dataclasses.replace(value, data=copy_tensor(path, value.data))
             if isinstance(value, torch.Tensor):

@@ -48,6 +48,7 @@ from reshard.planning.objects import ObjectMatch
 from reshard.state.codec import decode_object_blob
 from reshard.state.dtypes import dtype_name
 from reshard.state.fingerprint import fingerprint
+from reshard.state.scaled import ScaledTensor
 from reshard.state.sharding import LocalPiece, ShardedObject, ShardedTensor
 from reshard.state.statedict import flatten_state_dict, is_empty_container, map_leaves
 
@@ -555,6 +556,8 @@ def verify(ctx: LoadContext, metadata: Metadata, matched: Matched) -> tuple[str,
 
 
 def _result_leaf(metadata: Metadata, objects: Mapping[ObjectCell, object], path: str, leaf: Any) -> Any:
+    if isinstance(leaf, ScaledTensor):
+        return leaf  # its data, scales and global scale were filled in place
     if isinstance(leaf, ShardedTensor):
         return leaf.data
     if isinstance(leaf, ShardedObject):

@@ -47,7 +47,7 @@ from reshard.state.codec import decode_tagged, encode_tagged
 from reshard.state.dtensor import is_dtensor
 from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name
 from reshard.state.sharding import ShardedTensor
-from reshard.state.statedict import check_tensors, filter_state_dict, flatten_state_dict, map_leaves
+from reshard.state.statedict import FlatStateDict, check_tensors, filter_state_dict, flatten_state_dict, map_leaves
 
 if TYPE_CHECKING:
     from reshard.flows.manager import CheckpointManager
@@ -150,6 +150,7 @@ class PeerMemoryCheckpoint:
 
         def describe() -> bytes:  # inside the first step: a state that cannot be kept fails every rank alike
             flat = flatten_state_dict(state_dict, rank=comm.rank)
+            refuse_scaled(flat)
             if flat.objects:
                 names = ", ".join(repr(o.key) for o in flat.objects[:10])
                 raise StateDictError(
@@ -245,7 +246,9 @@ class PeerMemoryCheckpoint:
             CheckpointError: some ranks passed a ``fallback`` and others did not (every rank).
         """
         comm = Communicator(group, timeout=self.timeout)
-        objects = flatten_state_dict(template, rank=comm.rank, dedup=False).objects
+        flat = flatten_state_dict(template, rank=comm.rank, dedup=False)
+        refuse_scaled(flat)
+        objects = flat.objects
         if objects:
             names = ", ".join(repr(o.key) for o in objects[:10])
             raise StateDictError(f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}")
@@ -308,6 +311,14 @@ def _count(name: str, value: object) -> int:
 
 def _nbytes(tensors: dict[str, ShardedTensor]) -> int:
     return sum(t.data.numel() * t.data.element_size() for t in tensors.values())
+
+
+def refuse_scaled(flat: FlatStateDict) -> None:
+    """The peer-memory tier keeps no scaled-tensor records: a ScaledTensor would be kept as unrelated plain
+    tensors, and a restore would skip it (as a value it does not know). Refused on every rank alike."""
+    if flat.scaled:
+        names = ", ".join(repr(k) for k in list(flat.scaled)[:10])
+        raise StateDictError(f"the peer-memory tier keeps tensors and common values, not ScaledTensors (yet): {names}")
 
 
 def _is_tensor(leaf: Any) -> bool:

@@ -21,6 +21,7 @@ from reshard.io.commit import CommitOutcome
 from reshard.io.references import check_referenced_files, settle_markers
 from reshard.io.reuse import Reuse
 from reshard.metadata import MAX_METADATA_BYTES, METADATA_FILE, Metadata
+from reshard.metadata.scaled import with_scaled
 from reshard.net.comm import Communicator
 from reshard.planning.assemble import WriteReport, assemble_metadata
 from reshard.storage import Storage
@@ -93,6 +94,8 @@ def commit_on_coordinator(
         content_hashes=request.content_hashes,
         references=coordinator.references,
     )
+    if coordinator.scaled:
+        metadata = with_scaled(metadata, coordinator.scaled)
     settle_markers(request.storage, metadata, list(coordinator.marked))
     if metadata.referenced_checkpoints:
         # The files referenced must still be there (a base deleted meanwhile fails the save, not a later load).

@@ -64,8 +64,10 @@ from reshard.planning.descriptions import (
 )
 from reshard.planning.incremental import ReferencedBox, match_base
 from reshard.planning.save_plan import plan_save_table
+from reshard.planning.scaled import agree_scaled
 from reshard.state.codec import encode_object_blob, encode_tagged
 from reshard.state.fingerprint import fingerprint
+from reshard.state.scaled import ScaledRecord
 from reshard.state.statedict import check_tensors, flatten_state_dict
 from reshard.storage import Storage
 
@@ -195,7 +197,9 @@ def describe_rank(request: SaveRequest, state_dict: Any, *, rank: int, is_coordi
             for item_path, value in flat.common.items():
                 encode_tagged(value, where=f"common value {item_path!r}")
         description, views = describe_state(flat)
-        context = {"path": request.storage.describe(), "options": terms}
+        context: dict[str, Any] = {"path": request.storage.describe(), "options": terms}
+        if flat.scaled:
+            context["scaled"] = {key: record.to_json() for key, record in flat.scaled.items()}
         payload = encode_description(description, context)
     except Exception as exc:  # raised inside the planning step (see Described.error)
         return Described(error=exc)
@@ -219,6 +223,7 @@ class CoordinatorPlan:
     commit: SaveCommit
     references: Mapping[int, ReferencedBox] | None = None
     marked: tuple[str, ...] = ()
+    scaled: Mapping[str, ScaledRecord] = field(default_factory=dict)
 
     def undo(self) -> None:
         """After a failure before the commit: remove this save's files and markers, release its lock."""
@@ -264,6 +269,7 @@ def plan_on_coordinator(request: SaveRequest, payloads: list[bytes], *, save_id:
     """
     table, contexts = DescriptionTable.from_wire(payloads)
     check_agreement(contexts)
+    scaled = agree_scaled(table, contexts)
     assignments = plan_save_table(table)
     references: dict[int, ReferencedBox] | None = None
     if request.base_name is not None:
@@ -295,6 +301,7 @@ def plan_on_coordinator(request: SaveRequest, payloads: list[bytes], *, save_id:
         commit=protocol,
         references=references,
         marked=tuple(marked),
+        scaled=scaled,
     )
 
 

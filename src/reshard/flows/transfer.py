@@ -34,6 +34,7 @@ from reshard.io.exchange import ExchangeCounters, describe_need, run_exchange
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
 from reshard.planning.exchange import DEFAULT_ROUND_BYTES, RankSchedule, TransferPlan, schedule_transfer
+from reshard.planning.scaled import transfer_scaled_mismatches
 from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name, is_lossy_cast
 from reshard.state.sharding import LocalPiece, ShardedTensor
 from reshard.state.statedict import check_tensors, flatten_state_dict, is_empty_container, map_leaves
@@ -290,6 +291,8 @@ class TransferSession:
             "held": shapes,
             "wanted": wanted_shapes,
             "at": addresses,
+            "scaled_held": {key: record.to_json() for key, record in held.scaled.items()},
+            "scaled_wanted": {name: [self.rename(name), record.to_json()] for name, record in wanted.scaled.items()},
         }
         return sources, targets, description
 
@@ -323,7 +326,7 @@ def _check(docs: list[dict[str, Any]], allow_lossy_cast: bool) -> None:
     held: dict[str, list[Any]] = {}
     for doc in docs:
         held.update(doc["held"])
-    problems = []
+    problems = transfer_scaled_mismatches(docs)
     unavailable = []
     for doc in docs:
         for name, key, shape, dtype in sorted(doc["wanted"]):

@@ -10,15 +10,17 @@ tile it exactly, and byte ranges must lie inside their files, so that a hostile 
 :class:`~reshard.CorruptCheckpointError` before anything is read or allocated. ``docs/format.md``
 describes the same format in prose.
 
-Four versions: version 1 lists every box of every tensor as a JSON object. Version 2 adds a *packed*
+Five versions: version 1 lists every box of every tensor as a JSON object. Version 2 adds a *packed*
 encoding of a tensor's boxes (a grid rule, or packed integers, for the geometry; packed integers for
 files, offsets and checksums; see :mod:`reshard.geometry.grid`), which keeps the metadata of a checkpoint
 of ten thousand ranks in tens of megabytes and its decoding in numpy. Version 3 is version 2 plus a
 checksum of the document itself (its last member, ``metadata_crc32c``), so that damage which leaves valid
 JSON (a changed offset, shape or size) is detected before anything is read. Version 4 is version 3 plus
 a content hash per box (XXH3-128) and data files of sibling checkpoints (``files[i].checkpoint``), which an
-incremental save references instead of rewriting unchanged boxes. A writer writes version 3, or 4 when
-the save hashes content, packing the tensors that have many boxes or checksums; readers read all four.
+incremental save references instead of rewriting unchanged boxes. Version 5 is version 4 plus the records of
+scaled (low-precision) tensors (``scaled``: format, block, scale keys; :mod:`~reshard.metadata.scaled`). A
+writer writes version 3, or 4 when the save hashes content, or 5 when it holds scaled tensors, packing the
+tensors that have many boxes or checksums; readers read all five.
 In memory, packed boxes are a :class:`SavedBoxes`: a sequence of :class:`SavedBox` backed by columns.
 """
 
@@ -39,6 +41,7 @@ from reshard.metadata.model import (
     PACK_MIN_CHECKSUMS,
     READABLE_VERSIONS,
     REFERENCED_FILE_PATTERN,
+    SCALED_VERSION,
     SEALED_VERSION,
     SIBLING_PREFIX,
     DataFile,
@@ -64,6 +67,7 @@ __all__ = [
     "PACK_MIN_CHECKSUMS",
     "READABLE_VERSIONS",
     "REFERENCED_FILE_PATTERN",
+    "SCALED_VERSION",
     "SEALED_VERSION",
     "SIBLING_PREFIX",
     "BoxColumns",

@@ -17,6 +17,7 @@ import torch
 
 from reshard.metadata.columns import BoxColumns, SavedBox, SavedBoxes
 from reshard.state.dtypes import DTYPE_BY_NAME
+from reshard.state.scaled import ScaledRecord
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -35,6 +36,7 @@ __all__ = [
     "PACK_MIN_CHECKSUMS",
     "READABLE_VERSIONS",
     "REFERENCED_FILE_PATTERN",
+    "SCALED_VERSION",
     "SEALED_VERSION",
     "SIBLING_PREFIX",
     "DataFile",
@@ -50,7 +52,10 @@ FORMAT_VERSION = 3
 HASHED_VERSION = 4
 """The format version of a checkpoint with content hashes (and, for an incremental save, references to the
 data files of other checkpoints): version 3 plus those (docs/format.md section 15)."""
-READABLE_VERSIONS = (1, 2, 3, 4)
+SCALED_VERSION = 5
+"""The format version of a checkpoint holding scaled (low-precision) tensors: version 4 plus the ``scaled``
+member (docs/format.md section 16); a checkpoint without them is written as version 3 or 4 as before."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 SEALED_VERSION = 3
 """From this version on, a document ends with its own checksum (:func:`seal_document`)."""
 METADATA_CHECKSUM_MEMBER = "metadata_crc32c"
@@ -151,6 +156,8 @@ class Metadata:
         common: common (non-sharded) values by dotted state-dict path, decoded.
         content_hashes: every stored box carries its content hash (:data:`CONTENT_HASH_ALGORITHM`), which
             an incremental save compares with (version 4).
+        scaled: the record of each scaled (low-precision) tensor, by its data's key (version 5): its format,
+            block shape and the keys of its scales.
         format_version: the version of the document this was read from (:data:`FORMAT_VERSION` for
             metadata made in memory); not part of the comparison of two Metadata.
     """
@@ -164,11 +171,15 @@ class Metadata:
     objects: dict[str, ObjectMetadata] = field(default_factory=dict)
     common: dict[str, Any] = field(default_factory=dict)
     content_hashes: bool = False
+    scaled: dict[str, ScaledRecord] = field(default_factory=dict)
     format_version: int = field(default=FORMAT_VERSION, compare=False)
 
     @property
     def writes_version(self) -> int:
-        """The version :meth:`to_json_bytes` writes: 4 with content hashes or references, else 3."""
+        """The version :meth:`to_json_bytes` writes: 5 with scaled tensors, 4 with content hashes or references,
+        else 3."""
+        if self.scaled:
+            return SCALED_VERSION
         if self.content_hashes or any(f.checkpoint is not None for f in self.files):
             return HASHED_VERSION
         return FORMAT_VERSION

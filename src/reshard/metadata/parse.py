@@ -35,6 +35,7 @@ from reshard.metadata.model import (
     METADATA_FILE,
     READABLE_VERSIONS,
     REFERENCED_FILE_PATTERN,
+    SCALED_VERSION,
     SEALED_VERSION,
     DataFile,
     Metadata,
@@ -42,6 +43,7 @@ from reshard.metadata.model import (
     SavedObject,
     TensorMetadata,
 )
+from reshard.metadata.scaled import parse_scaled
 from reshard.metadata.wire import SEAL_LENGTH, SEAL_PREFIX
 from reshard.state.codec import decode_tagged, strict_json_loads
 from reshard.state.dtypes import DTYPE_BY_NAME
@@ -189,6 +191,7 @@ class _Parser:
             objects=objects,
             common=common,
             content_hashes=self.hashed,
+            scaled=parse_scaled(top["scaled"], tensors, objects, self.fail) if self.version >= SCALED_VERSION else {},
             format_version=self.version,
         )
 
@@ -231,6 +234,8 @@ class _Parser:
             members.add(METADATA_CHECKSUM_MEMBER)
         if self.version >= HASHED_VERSION:
             members.add("content_hash")
+        if self.version >= SCALED_VERSION:
+            members.add("scaled")
         return members
 
     def check_content_hash(self, top: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ from reshard.metadata.model import (
     METADATA_CHECKSUM_MEMBER,
     PACK_MIN_BOXES,
     PACK_MIN_CHECKSUMS,
+    SCALED_VERSION,
 )
 from reshard.state.codec import encode_tagged
 
@@ -54,6 +55,8 @@ def metadata_to_json(metadata: Metadata, *, packed: bool | None = None) -> dict[
     }
     if version >= HASHED_VERSION:
         doc["content_hash"] = {"algorithm": CONTENT_HASH_ALGORITHM} if hashed else None
+    if version >= SCALED_VERSION:
+        doc["scaled"] = {key: record.to_json() for key, record in metadata.scaled.items()}
     return doc | {
         "files": [_file_json(f.path, f.size, f.checkpoint) for f in metadata.files],
         "tensors": tensors,

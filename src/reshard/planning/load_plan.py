@@ -22,6 +22,7 @@ from reshard.geometry.boxes import Box, ReadPattern, read_pattern, row_major_str
 from reshard.geometry.grid import BoxIndex
 from reshard.metadata import Metadata, SavedBox, SavedBoxes
 from reshard.planning.objects import ObjectGrid, ObjectMatch, match_objects
+from reshard.planning.scaled import scaled_mismatches
 from reshard.state.dtypes import dtype_name, is_lossy_cast
 from reshard.state.statedict import FlatStateDict, check_tensors, is_empty_container
 
@@ -265,7 +266,7 @@ def check_template(
     """
     check_tensors(flat.tensors, what="load: template", fill=True)
     missing: list[str] = []
-    mismatches: list[str] = []
+    mismatches: list[str] = scaled_mismatches(flat, metadata)
     present = []
     for st in flat.tensors:
         saved = metadata.tensors.get(st.key)

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-__all__ = ["DTYPE_BY_NAME", "byte_view", "dtype_name", "is_lossy_cast", "itemsize"]
+__all__ = ["BYTE_VIEW_DTYPES", "DTYPE_BY_NAME", "byte_view", "dtype_name", "is_lossy_cast", "itemsize"]
 
 DTYPE_BY_NAME: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -27,6 +27,11 @@ DTYPE_BY_NAME: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
+
+BYTE_VIEW_DTYPES: frozenset[torch.dtype] = frozenset({torch.float4_e2m1fn_x2, torch.float8_e8m0fnu})
+"""One-byte dtypes a checkpoint does not name: packed FP4 and E8M0 scales. Only a
+:class:`~reshard.ScaledTensor` holds them; they are saved and filled through ``uint8`` views of the same
+memory (no cast: torch implements few operations on them)."""
 
 _NAME_BY_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}
 

@@ -18,7 +18,7 @@ import torch
 
 from reshard.errors import ShardingError
 from reshard.geometry.boxes import Box, flat_range_boxes
-from reshard.state.dtypes import DTYPE_BY_NAME
+from reshard.state.dtypes import BYTE_VIEW_DTYPES, DTYPE_BY_NAME
 
 __all__ = [
     "LocalPiece",
@@ -152,7 +152,7 @@ class ShardedTensor:
         _check_key(key)
         if not isinstance(self.data, torch.Tensor):
             raise ShardingError(f"{key!r}: data must be a torch.Tensor, got {type(self.data).__name__}")
-        if self.data.dtype not in DTYPE_BY_NAME.values():
+        if self.data.dtype not in DTYPE_BY_NAME.values() and self.data.dtype not in BYTE_VIEW_DTYPES:
             raise ShardingError(f"{key!r}: dtype {self.data.dtype} cannot be stored")
         global_shape = _int_tuple(key, "global_shape", self.global_shape)
         global_offset = _int_tuple(key, "global_offset", self.global_offset)

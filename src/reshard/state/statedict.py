@@ -19,6 +19,8 @@ import torch
 from reshard.errors import StateDictError
 from reshard.geometry.boxes import strides_overlap
 from reshard.state.dtensor import dtensor_to_sharded, is_dtensor
+from reshard.state.dtypes import BYTE_VIEW_DTYPES
+from reshard.state.scaled import ScaledRecord, ScaledTensor
 from reshard.state.sharding import ShardedObject, ShardedTensor
 
 __all__ = [
@@ -114,6 +116,8 @@ class FlatStateDict:
     objects: list[ShardedObject] = field(default_factory=list)
     common: dict[str, object] = field(default_factory=dict)
     """Common values by dotted path."""
+    scaled: dict[str, ScaledRecord] = field(default_factory=dict)
+    """The record of each :class:`~reshard.ScaledTensor`, by its data's key (its parts are in ``tensors``)."""
 
 
 def flatten_state_dict(state_dict: object, *, rank: int, dedup: bool = True) -> FlatStateDict:
@@ -127,12 +131,15 @@ def flatten_state_dict(state_dict: object, *, rank: int, dedup: bool = True) -> 
     """
     flat = FlatStateDict()
     seen_paths: set[str] = set()
+    scaled_parts: list[ShardedTensor] = []
 
     def visit(path: str, leaf: Leaf) -> Leaf:
         if path in seen_paths:
             raise StateDictError(f"two entries of the state dict flatten to the same path {path!r}")
         seen_paths.add(path)
-        if isinstance(leaf, ShardedTensor):
+        if isinstance(leaf, ScaledTensor):
+            scaled_parts.extend(_add_scaled(flat, leaf))
+        elif isinstance(leaf, ShardedTensor):
             flat.tensors.append(leaf)
         elif isinstance(leaf, ShardedObject):
             flat.objects.append(leaf)
@@ -153,10 +160,39 @@ def flatten_state_dict(state_dict: object, *, rank: int, dedup: bool = True) -> 
         return leaf
 
     map_leaves(state_dict, visit)
+    _check_scaled_keys(flat)
+    flat.tensors.extend(scaled_parts)
     if dedup:
         flat.tensors = _dedup(flat.tensors)
         flat.objects = _dedup(flat.objects)
     return flat
+
+
+def _add_scaled(flat: FlatStateDict, leaf: ScaledTensor) -> list[ShardedTensor]:
+    """Add a scaled tensor's record and return its parts; the same key described twice (several pieces of one
+    tensor on a rank) must agree on its record."""
+    record = leaf.record
+    known = flat.scaled.setdefault(record.key, record)
+    if known != record:
+        raise StateDictError(f"{record.key!r} is described twice: {known.describe()} and {record.describe()}")
+    return leaf.parts()
+
+
+def _check_scaled_keys(flat: FlatStateDict) -> None:
+    """Refuse tensors (``flat.tensors``, before the scaled tensors' parts join them) of byte-only dtypes, and
+    those whose keys are a scaled tensor's data or scale keys."""
+    for tensor in flat.tensors:
+        if tensor.data.dtype in BYTE_VIEW_DTYPES:
+            raise StateDictError(
+                f"tensor {tensor.key!r} of dtype {tensor.data.dtype} can be saved and loaded only as the data or "
+                "scales of a reshard.ScaledTensor (which records its format)"
+            )
+    parts = {k for r in flat.scaled.values() for k in (r.key, r.scale_key, r.global_scale_key) if k is not None}
+    clash = sorted({t.key for t in flat.tensors} & parts)
+    if clash:
+        raise StateDictError(
+            f"{clash[:10]}: these keys are both a ScaledTensor's data or scales and another entry of the state dict"
+        )
 
 
 def _layout_signature(item: ShardedTensor | ShardedObject) -> tuple[object, ...]:
