@@ -32,6 +32,12 @@ Only the holder deletes markers (its predecessors after taking over, its own on 
 above are sound on any storage with create-only commits and consistent listings: local and shared POSIX
 filesystems, S3 and GCS.
 
+**Dead saves are recorded, not chained.** A writer that takes a stale holder's lock over writes, in the marker of the
+takeover itself, the tokens of that holder and of every dead save that holder's marker recorded
+(``LockInfo.dead_saves``); renewals carry them. So whoever removes a dead save's files (a save over it, retention,
+``reshard gc``) finds every dead save since the lock was last released in the current marker, even when an
+earlier taker was killed in the middle of its cleanup: nothing depends on a chain of takers that a kill can cut.
+
 **Inheriting a stale lock.** A save's lock token is its save id, so the lock a dead save left behind is what
 ties its data files to it (:mod:`reshard.io.retirement`). Whoever takes the lock of a checkpoint only to change its
 files briefly (a deletion, a reference marker) acquires with ``inherit=True``: taking over a stale holder, its
@@ -107,7 +113,9 @@ class LockInfo:
     the epoch by the holder's clock; ``generation`` is the marker's place in the chain. ``pid_namespace`` and
     ``started`` (the holder's pid namespace and its process's start time, where ``/proc`` says them) make the
     process id mean one process: two containers that share a host name (host networking) have pid namespaces of
-    their own, and a pid is reused once its process ends."""
+    their own, and a pid is reused once its process ends. ``dead_saves``: the tokens of every stale holder whose lock
+    this holder (or a holder it took over from, and so on) took over, oldest first, recorded in the very marker of the
+    takeover, so that a taker killed while it removes their files leaves them named to the next taker."""
 
     host: str
     pid: int
@@ -117,6 +125,7 @@ class LockInfo:
     generation: int = 0
     pid_namespace: int | None = None
     started: int | None = None
+    dead_saves: tuple[str, ...] = ()
 
     def to_bytes(self) -> bytes:
         doc: dict[str, object] = {
@@ -130,6 +139,8 @@ class LockInfo:
             doc["pid_namespace"] = self.pid_namespace
         if self.started is not None:
             doc["started"] = self.started
+        if self.dead_saves:
+            doc["dead_saves"] = list(self.dead_saves)
         return json.dumps(doc).encode()
 
     @classmethod
@@ -146,6 +157,7 @@ class LockInfo:
                 generation=generation,
                 pid_namespace=_optional_int(doc.get("pid_namespace")),
                 started=_optional_int(doc.get("started")),
+                dead_saves=_tokens(doc.get("dead_saves", [])),
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
@@ -185,6 +197,12 @@ def _optional_int(value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"not an integer: {value!r}")
     return value
+
+
+def _tokens(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise TypeError(f"not a list of tokens: {value!r}")
+    return tuple(value)
 
 
 def pid_namespace() -> int | None:
@@ -385,6 +403,7 @@ def _take(
         generation=generation,
         pid_namespace=holder.pid_namespace,
         started=holder.started,
+        dead_saves=holder.dead_saves,
     )
     marker = _marker_name(name, generation)
     document = mine.to_bytes()
@@ -469,7 +488,8 @@ def acquire_lock(
                 f", unchanged for {unmoved:.0f} s" if unmoved >= timing.lease_s else "",
             )
             heir = inherit and bool(holder.token)  # a marker of unknown identity ties nothing: nothing to inherit
-            taken = _take(storage, name, _heir(me, holder) if heir else me, basis=generation, what=what)
+            taker = _heir(me, holder) if heir else _successor(me, holder)
+            taken = _take(storage, name, taker, basis=generation, what=what)
             if taken is not None:
                 return Lock(
                     storage,
@@ -502,5 +522,18 @@ def _stale_at_sight(holder: LockInfo, timing: LockTiming) -> bool:
 
 
 def _heir(me: LockInfo, stale: LockInfo) -> LockInfo:
-    """``me`` holding the token of the ``stale`` holder it takes over from."""
-    return dataclasses.replace(me, token=stale.token)
+    """``me`` holding the token of the ``stale`` holder it takes over from (and its record of dead saves)."""
+    return dataclasses.replace(me, token=stale.token, dead_saves=stale.dead_saves)
+
+
+MAX_DEAD_SAVES = 1024
+"""The most dead saves a marker records (the newest; a marker stays far below the 64 KiB a reader reads)."""
+
+
+def _successor(me: LockInfo, stale: LockInfo) -> LockInfo:
+    """``me`` taking over from ``stale``, recording ``stale``'s token after the dead saves ``stale`` recorded: the
+    marker of the takeover names them all before the taker deletes anything of theirs (see the module doc)."""
+    dead = [t for t in stale.dead_saves if t != me.token]
+    if stale.token and stale.token != me.token and stale.token not in dead:
+        dead.append(stale.token)
+    return dataclasses.replace(me, dead_saves=tuple(dead[-MAX_DEAD_SAVES:]))

@@ -8,7 +8,8 @@ wrote **and** that something reshard wrote ties to that save (the save id is in 
   them (leftovers of its failed or interrupted saves, which ``reshard gc`` collects in a committed checkpoint
   anyway);
 - a retirement record, ``retired.json`` (below): the files it lists;
-- a save lock left by a save that died (a stale lock; a save's lock token is its save id): that save's files;
+- a save lock left by a save that died (a stale lock; a save's lock token is its save id): that save's files, and
+  those of the dead saves its marker records (``LockInfo.dead_saves``: saves whose lock it had taken over);
 - a well-formed reference marker (:mod:`reshard.io.references`): the files it names.
 
 In a directory that one of these ties, reshard's own commit temporaries (``.<name>.tmp-<32 hex>``) and its
@@ -228,8 +229,7 @@ def _stale_save_lock(storage: Storage) -> tuple[set[str], list[str]]:
             raise CheckpointLockedError(
                 f"{storage.describe()} is locked by a live save ({info.describe()}): nothing deleted"
             )
-        if _SAVE_ID.match(info.token):
-            tokens.add(info.token)
+        tokens |= {t for t in (info.token, *info.dead_saves) if _SAVE_ID.match(t)}
         names.append(name)
     return tokens, names
 
@@ -323,8 +323,8 @@ def remove_checkpoint(storage: Storage, *, dry_run: bool = False, min_age_s: flo
         return _remove(storage, tokens, locks, dry_run=dry_run, min_age_s=min_age_s, lock=None)
     lock = lock_for_deletion(storage)
     lock.start_renewing()
-    if lock.inherited is not None:
-        tokens.add(lock.token)
+    if lock.inherited is not None:  # the dead saves it recorded too (a taker killed inside its cleanup)
+        tokens |= {t for t in (lock.token, *lock.inherited.dead_saves) if _SAVE_ID.match(t)}
     try:
         return _remove(storage, tokens, [], dry_run=False, min_age_s=min_age_s, lock=lock, taken_over=locks)
     except BaseException:
