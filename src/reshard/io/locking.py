@@ -25,8 +25,11 @@ token unique to the holder) and when it was written.
   move for ``lease_s`` seconds while a writer waits (measured on the waiter's own clock). A holder on another
   host is judged by that last rule only, never by its marker's ``written`` time, which is the holder's clock (a
   host whose clock runs behind would otherwise lose a live lock at once): a writer that finds a lock of another
-  host waits up to ``lease_s`` for it to be released or to prove stale. (The judgments that do not wait, by
-  retention, ``reshard gc`` and reference markers, still read the ``written`` time: see :meth:`LockInfo.is_stale`.)
+  host waits up to ``lease_s`` for it to be released or to prove stale. One function says this rule,
+  :func:`stale_at_sight`, and every judgment of a holder uses it: the judgments that do not watch (retention, the
+  liveness of reference markers, lock temporaries, ``reshard gc --dry-run``) therefore never find a holder of another
+  host stale, and keep what it holds for that run (retention says so); whoever needs it gone watches the lock through
+  :func:`acquire_lock` (a save over it; ``reshard gc``, a single process that may wait).
 
 Only the holder deletes markers (its predecessors after taking over, its own on release), so the checks
 above are sound on any storage with create-only commits and consistent listings: local and shared POSIX
@@ -72,8 +75,10 @@ __all__ = [
     "LockInfo",
     "LockTiming",
     "acquire_lock",
+    "foreign_holder",
     "lock_markers",
     "read_lock",
+    "stale_at_sight",
 ]
 
 logger = logging.getLogger("reshard")
@@ -186,9 +191,6 @@ class LockInfo:
             return now is not None and now != self.started
         return False
 
-    def is_stale(self, stale_after_s: float) -> bool:
-        """Stale without watching it: a dead local holder, or a marker older than ``stale_after_s``."""
-        return time.time() - max(self.written, self.created) > stale_after_s or self.holder_is_gone()
 
 
 def _optional_int(value: object) -> int | None:
@@ -472,7 +474,7 @@ def acquire_lock(
             if watched is None:
                 watched = (generation, now)
             unmoved = now - watched[1]
-            if not (_stale_at_sight(holder, timing) or unmoved >= timing.lease_s):
+            if not (stale_at_sight(holder, timing.stale_after_s) or unmoved >= timing.lease_s):
                 if holder.host == socket.gethostname():
                     raise CheckpointLockedError(
                         f"{storage.describe()} is being written by another save ({what} lock held by "
@@ -509,16 +511,22 @@ def acquire_lock(
             )
 
 
-def _stale_at_sight(holder: LockInfo, timing: LockTiming) -> bool:
-    """Whether a waiter may take ``holder``'s lock over without watching it for the lease: a holder of unknown
-    identity, one of this host that is gone, or one of this host whose marker is older than ``stale_after_s`` (one
-    clock wrote and reads it). A holder on another host never is: its ``written`` time is by its own clock, which
-    may run behind this one, so only the lease measured here judges it."""
+def stale_at_sight(holder: LockInfo, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> bool:
+    """Whether ``holder`` is stale without watching its lock: a holder of unknown identity, one of this host that is
+    gone, or one of this host whose marker is older than ``stale_after_s`` (one clock wrote and reads it). A holder on
+    another host never is: its ``written`` time is by its own clock, which may run behind this one, so only the lease
+    measured here, while watching, judges it (:func:`acquire_lock`). The one rule of every judgment of a holder (see
+    the module doc); a caller that does not watch keeps what a foreign holder holds."""
     if not holder.token:
         return True  # a marker reshard did not write (or cannot read): it ties nothing and renews never
     if holder.host != socket.gethostname():
         return False
-    return holder.is_stale(timing.stale_after_s)
+    return time.time() - max(holder.written, holder.created) > stale_after_s or holder.holder_is_gone()
+
+
+def foreign_holder(holder: LockInfo) -> bool:
+    """Whether ``holder`` ran on another host (judged only by watching its lock: :func:`stale_at_sight`)."""
+    return bool(holder.token) and holder.host != socket.gethostname()
 
 
 def _heir(me: LockInfo, stale: LockInfo) -> LockInfo:
