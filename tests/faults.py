@@ -16,6 +16,9 @@ The fault points of one save, in protocol order:
   from the commit of its data file, then dies before reporting to the coordinator);
 - ``in_commit``: inside ``Storage.commit`` of ``metadata.json`` (the coordinator), after the temporary file is
   written and fsynced and before it is linked (create-only) or renamed (replace) into place.
+
+And one point of the save that takes over a dead save's lock: ``after_data_delete``, in ``Storage.delete`` of a
+name under ``data/`` (the dead-file cleanup, on the coordinator), right after the first such file is deleted.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from reshard.metadata import METADATA_FILE
 from reshard.storage import FileWriter, LocalStorage, Storage
 from tests.rankpool import RankPool
 
-POINTS = ("before_write", "mid_write", "before_data_commit", "after_write", "in_commit")
+POINTS = ("before_write", "mid_write", "before_data_commit", "after_write", "in_commit", "after_data_delete")
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,11 @@ class FaultyStorage(LocalStorage):
                 super().commit(name, data, replace=replace)
             return
         super().commit(name, data, replace=replace)
+
+    def delete(self, name: str) -> None:
+        super().delete(name)
+        if name.startswith("data/") and self.fault.applies("after_data_delete"):
+            self.fault.fire(file=name)
 
     def child(self, name: str) -> Storage:
         return FaultyStorage(self.root / name, self.fault)

@@ -44,6 +44,37 @@ reshard.save(state, FaultyStorage(path, fault), overwrite=overwrite)
 """
 
 
+_CHAIN_CHILD = """
+import sys, torch, reshard
+from reshard.net.transports import ThreadGroup
+from tests.faults import Fault, FaultyStorage
+from tests.threads import on_threads
+path, marker, point, ranks = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+fault = Fault(point=point, rank=0, marker=marker)
+def save(rank, group):
+    piece = torch.full((4, 8), float(ranks + rank))
+    tensor = reshard.ShardedTensor.from_rank_offsets("w", piece, (0, rank, ranks))
+    return reshard.save({"w": tensor}, FaultyStorage(path, fault), group=group)
+if ranks == 1:
+    save(0, None)
+else:
+    group = ThreadGroup(ranks, timeout=60)
+    on_threads(ranks, lambda rank: save(rank, group.member(rank)), group=group)
+"""
+
+
+def run_killed(path: Path, marker: Path, point: str, ranks: int) -> dict[str, object]:
+    """Run a save of ``ranks`` ranks (threads of one child process) at ``path`` that SIGKILLs itself at ``point``;
+    what its marker says."""
+    argv = [sys.executable, "-c", _CHAIN_CHILD, str(path), str(marker), point, str(ranks)]
+    child = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == -signal.SIGKILL, err[-2000:]
+    fired: dict[str, object] = json.loads(marker.read_text())
+    assert fired["point"] == point and fired["pid"] == child.pid
+    return fired
+
+
 def state(value: float, step: int) -> dict[str, object]:
     return {"w": reshard.ShardedTensor("w", torch.full((ROWS, COLS), value), (ROWS, COLS), (0, 0)), "step": step}
 
@@ -172,3 +203,22 @@ def test_gc_dry_run_says_what_it_keeps_and_why(killed: dict[str, tuple[Path, int
     (dead,) = data_files(path) - metadata_files(path)
     assert f"would remove {dead}" in done.stdout and "kept" not in done.stdout, done.stdout
     assert os.path.exists(path / dead)
+
+
+def test_a_save_killed_inside_the_dead_file_cleanup_leaves_nothing_of_either_dead_save(tmp_path: Path) -> None:
+    """Found by the second outside attack (F2): save X (2 ranks, 2 data files) killed just before its commit; save A
+    takes X's lock over, deletes the first of X's files and is killed; save B takes A's lock over. B removed A's files
+    only (the lock no longer named X), and committed with X's second file in ``data/``. Every dead save a lock was
+    taken over from is recorded in the taker's marker before anything is deleted, so B removes X's files too."""
+    path = tmp_path / "ckpt"
+    run_killed(path, tmp_path / "x.json", "in_commit", ranks=2)
+    x_files = data_files(path)
+    assert len(x_files) == 2 and not (path / METADATA_FILE).exists()
+    fired = run_killed(path, tmp_path / "a.json", "after_data_delete", ranks=1)
+    assert fired["file"] in x_files and len(data_files(path) & x_files) == 1  # A died inside the cleanup
+    result = reshard.save(state(5.0, 3), path)
+    assert data_files(path) == metadata_files(path), "the committed checkpoint carries a dead save's file"
+    assert all(name.startswith(f"data/{result.save_id}-") for name in data_files(path))
+    assert not (path / ".lock").exists() and not list(path.glob(".lock.*"))
+    loaded = reshard.load(state(0.0, 0), path)
+    assert torch.equal(loaded["w"], torch.full((ROWS, COLS), 5.0)) and loaded["step"] == 3

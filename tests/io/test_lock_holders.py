@@ -6,13 +6,20 @@ reused pid kept a dead save's lock."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
+import reshard
+from reshard.flows.manager import step_name
 from reshard.io.locking import (
+    DEFAULT_LEASE_S,
     DEFAULT_STALE_AFTER_S,
     LOCK_FILE,
     LockInfo,
@@ -22,6 +29,7 @@ from reshard.io.locking import (
     process_start,
     this_process,
 )
+from reshard.io.retirement import remove_checkpoint
 from reshard.storage import storage_for
 
 pytestmark = pytest.mark.unit
@@ -92,3 +100,55 @@ def test_a_live_holder_on_another_host_whose_clock_is_behind_is_watched_not_brok
     finally:
         lock.release()
         storage.close()
+
+
+def _foreign_marker(token: str) -> bytes:
+    """The lock marker of a live save on another host whose clock runs 11 minutes behind this host's."""
+    behind = time.time() - 11 * 60
+    return LockInfo(host="another-host.example", pid=4242, token=token, created=behind, written=behind).to_bytes()
+
+
+def test_retention_keeps_the_files_a_live_save_of_a_host_behind_references(tmp_path: Path) -> None:
+    """Found by the second outside attack (F6): a reference marker is live while its referrer's save runs, judged by
+    that save's lock without watching it, by the marker's ``written`` time (the holder's clock). An incremental save
+    running on a host 11 minutes behind had its marker judged stale, and the deletion of the checkpoint it references
+    deleted the files it uses. A foreign holder is never stale at sight: the files are kept (the holder retired)."""
+    holder = tmp_path / "root" / step_name(1)
+    reshard.save({"w": torch.ones(64)}, holder)
+    files = sorted(f"data/{p.name}" for p in (holder / "data").iterdir())
+    referrer_save = uuid.uuid4().hex
+    marker = {"checkpoint": step_name(2), "save_id": referrer_save, "files": files}
+    (holder / "refs").mkdir()
+    (holder / "refs" / f"{step_name(2)}.{referrer_save}.json").write_text(json.dumps(marker))
+    referrer = tmp_path / "root" / step_name(2)
+    referrer.mkdir()
+    (referrer / LOCK_FILE).write_bytes(_foreign_marker(referrer_save))
+    storage = storage_for(holder)
+    try:
+        removal = remove_checkpoint(storage)
+    finally:
+        storage.close()
+    assert removal.retired and removal.kept == files
+    assert all((holder / name).exists() for name in files), "a file a live save references was deleted"
+
+
+def test_retention_keeps_a_step_a_live_save_of_a_host_behind_is_writing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(F6) Retention judged the lock of a step being written on a host 11 minutes behind by its ``written`` time:
+    dead, so it removed the step's files (after watching the lock for the lease on the coordinator, while the other
+    ranks waited). Now it keeps the step for this run without waiting, and says why."""
+    root = tmp_path / "root"
+    manager = reshard.CheckpointManager(root, keep_last=1)
+    manager.save(1, {"w": torch.ones(8)})
+    running = root / step_name(2)
+    (running / "data").mkdir(parents=True)
+    save_id = uuid.uuid4().hex
+    (running / "data" / f"{save_id}-r00000.bin").write_bytes(b"being written")
+    (running / LOCK_FILE).write_bytes(_foreign_marker(save_id))
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="reshard"):
+        manager.save(3, {"w": torch.ones(8)})
+    assert time.monotonic() - started < DEFAULT_LEASE_S / 2, "retention watched a lock on the coordinator"
+    assert (running / "data" / f"{save_id}-r00000.bin").exists(), "retention deleted a live save's file"
+    assert f"kept {step_name(2)}: its lock by host another-host.example has not been seen unchanged" in caplog.text

@@ -163,13 +163,13 @@ def collect_garbage_report(
                     "a save names them, reference markers); nothing listed below it, nothing removed"
                 )
             if storage.exists(RETIRED_FILE):  # metadata.json too: a retirement cut short before it deleted it
-                return _report(remove_checkpoint(storage, dry_run=dry_run), min_age_s)
+                return _report(remove_checkpoint(storage, dry_run=dry_run, watch=True), min_age_s)
             try:
                 metadata = Metadata.from_json_bytes(read_metadata_bytes(storage))
             except IncompleteCheckpointError:
                 if not include_incomplete:
                     raise
-                removal = remove_checkpoint(storage, dry_run=dry_run, min_age_s=min_age_s)
+                removal = remove_checkpoint(storage, dry_run=dry_run, min_age_s=min_age_s, watch=True)
                 if not removal.proven and removal.left:
                     names = ", ".join(removal.left[:5]) + (", ..." if len(removal.left) > 5 else "")
                     raise IncompleteCheckpointError(

@@ -60,7 +60,7 @@ from reshard.flows.save import SaveResult, save
 from reshard.flows.skipped import SkippedStep, metadata_digest, still_skipped
 from reshard.flows.steps import StepInfo, scan_root, step_name, step_of
 from reshard.flows.timeline import Timeline, refusal
-from reshard.io.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
+from reshard.io.locking import Lock, acquire_lock, foreign_holder, read_lock, stale_at_sight
 from reshard.io.retirement import remove_checkpoint
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
@@ -405,11 +405,14 @@ class CheckpointManager:
         # Newest first, so that a checkpoint referenced only by older ones being deleted too goes whole;
         # then the retired ones, whose referrers may just have gone.
         for info in sorted(infos, key=lambda i: -i.step):
-            live = info.locked and self._lock_is_live(info.name)
-            if info.status == "complete" and info.step not in keep and not live:
-                self._remove(info.name, "deleting")
-            elif info.status not in ("complete", "retired") and not live and (info.step < newest or rewound(info)):
-                self._remove(info.name, "removing the leftovers of interrupted save")
+            if info.status == "complete" and info.step not in keep:
+                what = "deleting"
+            elif info.status not in ("complete", "retired") and (info.step < newest or rewound(info)):
+                what = "removing the leftovers of interrupted save"
+            else:
+                continue
+            if not (info.locked and self._lock_is_live(info.name)):
+                self._remove(info.name, what)
         for info in infos:
             if info.status == "retired":
                 self._remove(info.name, "sweeping retired")
@@ -464,12 +467,25 @@ class CheckpointManager:
             )
 
     def _lock_is_live(self, name: str) -> bool:
+        """On the coordinator: whether step ``name``'s lock holder is live, judged without watching the lock (the other
+        ranks wait in a collective meanwhile): a holder of another host always is
+        (:func:`reshard.io.locking.stale_at_sight`), so the step is kept for this run, and the log says so."""
         child = self.root.child(name)
         try:
             holder = read_lock(child)
-            return holder is not None and not holder.is_stale(DEFAULT_STALE_AFTER_S)
         finally:
             child.close()
+        if holder is None or stale_at_sight(holder):
+            return False
+        if foreign_holder(holder):
+            logger.warning(
+                "retention: kept %s: its lock by host %s has not been seen unchanged for the lease yet (a lock of "
+                "another host is judged only by watching it on this host's clock; a save over the step, or `reshard "
+                "gc`, does)",
+                name,
+                holder.host,
+            )
+        return True
 
     # ---- load (collective) -----------------------------------------------------------------------
 

@@ -6,7 +6,9 @@ single-process :class:`~reshard.interop.offline.CheckpointWriter`), in this orde
 
 1. :meth:`SaveCommit.begin`: create the directory, take the save lock (renewed in the background until
    the end), refuse a complete checkpoint unless overwriting. A lock taken over from a save that died (its
-   holder stale: its process gone from this host, or its lock not renewed) ties that save's data files: those
+   holder stale: its process gone from this host, or its lock not renewed) ties that save's data files, and those of
+   every dead save its marker records (the takeover records them all in this save's marker before anything is
+   deleted, so a save killed inside this cleanup leaves them named to the next): those
    that no committed ``metadata.json`` lists and no reference marker protects are removed here, under the
    lock, and again right after the commit (a holder wrongly judged stale may have finished a file meanwhile),
    so that a save over an interrupted one carries none of its bytes.
@@ -87,8 +89,9 @@ class SaveCommit:
         self.lock: Lock | None = None
         self.replaced: set[str] = set()
         """With ``overwrite``: the data files of the checkpoint this one replaced (read before the commit)."""
-        self.dead_save: str | None = None
-        """The save id of the dead save whose stale lock this one took over (its files go: :meth:`begin`)."""
+        self.dead_saves: tuple[str, ...] = ()
+        """The save ids of the dead saves whose stale lock this one took over (its files go: :meth:`begin`): the one
+        that held it, and every one that its marker recorded (a taker killed inside its cleanup leaves them there)."""
 
     # ---- 1. begin ------------------------------------------------------------------------------------
 
@@ -118,20 +121,22 @@ class SaveCommit:
                 f"{self.storage.describe()} already holds a complete checkpoint; pass overwrite=True (--overwrite on "
                 "the command line) to replace it"
             )
-        taken = self.lock.taken_over
-        if taken is not None and _SAVE_ID.match(taken.token) and taken.token != self.save_id:
-            self.dead_save = taken.token
+        if self.lock.taken_over is not None:
+            # Recorded in this save's own marker by the takeover itself, before anything is deleted.
+            self.dead_saves = tuple(t for t in self.lock.info.dead_saves if _SAVE_ID.match(t) and t != self.save_id)
             self._remove_dead_files()
 
     def _remove_dead_files(self) -> None:
-        """Under the lock taken over from :attr:`dead_save`: remove its data files that the committed
-        ``metadata.json`` (if any: the dead save may have committed before it died) does not list and no reference
+        """Under the lock taken over from the :attr:`dead_saves`: remove their data files that the committed
+        ``metadata.json`` (if any: a dead save may have committed before it died) does not list and no reference
         marker protects. Nothing is removed when the metadata or the markers cannot be read. Best effort: a failure
         is logged (``reshard gc`` collects what is left), never raised."""
-        if self.dead_save is None:
+        if not self.dead_saves:
             return
         try:
-            names = [n for n in self.storage.list_files(DATA_DIR) if is_data_file_of(n, self.dead_save)]
+            names = [
+                n for n in self.storage.list_files(DATA_DIR) if any(is_data_file_of(n, d) for d in self.dead_saves)
+            ]
             if not names:
                 return
             listed = self._previous_files(strict=True)
@@ -140,8 +145,8 @@ class SaveCommit:
                 self.storage.delete(name)
         except (OSError, CheckpointError) as exc:
             logger.warning(
-                "the data files of dead save %s at %s are kept for `reshard gc`: %s",
-                self.dead_save,
+                "the data files of dead saves %s at %s are kept for `reshard gc`: %s",
+                ", ".join(self.dead_saves),
                 self.storage.describe(),
                 exc,
             )

@@ -25,12 +25,21 @@ token unique to the holder) and when it was written.
   move for ``lease_s`` seconds while a writer waits (measured on the waiter's own clock). A holder on another
   host is judged by that last rule only, never by its marker's ``written`` time, which is the holder's clock (a
   host whose clock runs behind would otherwise lose a live lock at once): a writer that finds a lock of another
-  host waits up to ``lease_s`` for it to be released or to prove stale. (The judgments that do not wait, by
-  retention, ``reshard gc`` and reference markers, still read the ``written`` time: see :meth:`LockInfo.is_stale`.)
+  host waits up to ``lease_s`` for it to be released or to prove stale. One function says this rule,
+  :func:`stale_at_sight`, and every judgment of a holder uses it: the judgments that do not watch (retention, the
+  liveness of reference markers, lock temporaries, ``reshard gc --dry-run``) therefore never find a holder of another
+  host stale, and keep what it holds for that run (retention says so); whoever needs it gone watches the lock through
+  :func:`acquire_lock` (a save over it; ``reshard gc``, a single process that may wait).
 
 Only the holder deletes markers (its predecessors after taking over, its own on release), so the checks
 above are sound on any storage with create-only commits and consistent listings: local and shared POSIX
 filesystems, S3 and GCS.
+
+**Dead saves are recorded, not chained.** A writer that takes a stale holder's lock over writes, in the marker of the
+takeover itself, the tokens of that holder and of every dead save that holder's marker recorded
+(``LockInfo.dead_saves``); renewals carry them. So whoever removes a dead save's files (a save over it, retention,
+``reshard gc``) finds every dead save since the lock was last released in the current marker, even when an
+earlier taker was killed in the middle of its cleanup: nothing depends on a chain of takers that a kill can cut.
 
 **Inheriting a stale lock.** A save's lock token is its save id, so the lock a dead save left behind is what
 ties its data files to it (:mod:`reshard.io.retirement`). Whoever takes the lock of a checkpoint only to change its
@@ -66,8 +75,10 @@ __all__ = [
     "LockInfo",
     "LockTiming",
     "acquire_lock",
+    "foreign_holder",
     "lock_markers",
     "read_lock",
+    "stale_at_sight",
 ]
 
 logger = logging.getLogger("reshard")
@@ -107,7 +118,9 @@ class LockInfo:
     the epoch by the holder's clock; ``generation`` is the marker's place in the chain. ``pid_namespace`` and
     ``started`` (the holder's pid namespace and its process's start time, where ``/proc`` says them) make the
     process id mean one process: two containers that share a host name (host networking) have pid namespaces of
-    their own, and a pid is reused once its process ends."""
+    their own, and a pid is reused once its process ends. ``dead_saves``: the tokens of every stale holder whose lock
+    this holder (or a holder it took over from, and so on) took over, oldest first, recorded in the very marker of the
+    takeover, so that a taker killed while it removes their files leaves them named to the next taker."""
 
     host: str
     pid: int
@@ -117,6 +130,7 @@ class LockInfo:
     generation: int = 0
     pid_namespace: int | None = None
     started: int | None = None
+    dead_saves: tuple[str, ...] = ()
 
     def to_bytes(self) -> bytes:
         doc: dict[str, object] = {
@@ -130,6 +144,8 @@ class LockInfo:
             doc["pid_namespace"] = self.pid_namespace
         if self.started is not None:
             doc["started"] = self.started
+        if self.dead_saves:
+            doc["dead_saves"] = list(self.dead_saves)
         return json.dumps(doc).encode()
 
     @classmethod
@@ -146,6 +162,7 @@ class LockInfo:
                 generation=generation,
                 pid_namespace=_optional_int(doc.get("pid_namespace")),
                 started=_optional_int(doc.get("started")),
+                dead_saves=_tokens(doc.get("dead_saves", [])),
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
@@ -174,9 +191,6 @@ class LockInfo:
             return now is not None and now != self.started
         return False
 
-    def is_stale(self, stale_after_s: float) -> bool:
-        """Stale without watching it: a dead local holder, or a marker older than ``stale_after_s``."""
-        return time.time() - max(self.written, self.created) > stale_after_s or self.holder_is_gone()
 
 
 def _optional_int(value: object) -> int | None:
@@ -185,6 +199,12 @@ def _optional_int(value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"not an integer: {value!r}")
     return value
+
+
+def _tokens(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise TypeError(f"not a list of tokens: {value!r}")
+    return tuple(value)
 
 
 def pid_namespace() -> int | None:
@@ -385,6 +405,7 @@ def _take(
         generation=generation,
         pid_namespace=holder.pid_namespace,
         started=holder.started,
+        dead_saves=holder.dead_saves,
     )
     marker = _marker_name(name, generation)
     document = mine.to_bytes()
@@ -453,7 +474,7 @@ def acquire_lock(
             if watched is None:
                 watched = (generation, now)
             unmoved = now - watched[1]
-            if not (_stale_at_sight(holder, timing) or unmoved >= timing.lease_s):
+            if not (stale_at_sight(holder, timing.stale_after_s) or unmoved >= timing.lease_s):
                 if holder.host == socket.gethostname():
                     raise CheckpointLockedError(
                         f"{storage.describe()} is being written by another save ({what} lock held by "
@@ -469,7 +490,8 @@ def acquire_lock(
                 f", unchanged for {unmoved:.0f} s" if unmoved >= timing.lease_s else "",
             )
             heir = inherit and bool(holder.token)  # a marker of unknown identity ties nothing: nothing to inherit
-            taken = _take(storage, name, _heir(me, holder) if heir else me, basis=generation, what=what)
+            taker = _heir(me, holder) if heir else _successor(me, holder)
+            taken = _take(storage, name, taker, basis=generation, what=what)
             if taken is not None:
                 return Lock(
                     storage,
@@ -489,18 +511,37 @@ def acquire_lock(
             )
 
 
-def _stale_at_sight(holder: LockInfo, timing: LockTiming) -> bool:
-    """Whether a waiter may take ``holder``'s lock over without watching it for the lease: a holder of unknown
-    identity, one of this host that is gone, or one of this host whose marker is older than ``stale_after_s`` (one
-    clock wrote and reads it). A holder on another host never is: its ``written`` time is by its own clock, which
-    may run behind this one, so only the lease measured here judges it."""
+def stale_at_sight(holder: LockInfo, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> bool:
+    """Whether ``holder`` is stale without watching its lock: a holder of unknown identity, one of this host that is
+    gone, or one of this host whose marker is older than ``stale_after_s`` (one clock wrote and reads it). A holder on
+    another host never is: its ``written`` time is by its own clock, which may run behind this one, so only the lease
+    measured here, while watching, judges it (:func:`acquire_lock`). The one rule of every judgment of a holder (see
+    the module doc); a caller that does not watch keeps what a foreign holder holds."""
     if not holder.token:
         return True  # a marker reshard did not write (or cannot read): it ties nothing and renews never
     if holder.host != socket.gethostname():
         return False
-    return holder.is_stale(timing.stale_after_s)
+    return time.time() - max(holder.written, holder.created) > stale_after_s or holder.holder_is_gone()
+
+
+def foreign_holder(holder: LockInfo) -> bool:
+    """Whether ``holder`` ran on another host (judged only by watching its lock: :func:`stale_at_sight`)."""
+    return bool(holder.token) and holder.host != socket.gethostname()
 
 
 def _heir(me: LockInfo, stale: LockInfo) -> LockInfo:
-    """``me`` holding the token of the ``stale`` holder it takes over from."""
-    return dataclasses.replace(me, token=stale.token)
+    """``me`` holding the token of the ``stale`` holder it takes over from (and its record of dead saves)."""
+    return dataclasses.replace(me, token=stale.token, dead_saves=stale.dead_saves)
+
+
+MAX_DEAD_SAVES = 1024
+"""The most dead saves a marker records (the newest; a marker stays far below the 64 KiB a reader reads)."""
+
+
+def _successor(me: LockInfo, stale: LockInfo) -> LockInfo:
+    """``me`` taking over from ``stale``, recording ``stale``'s token after the dead saves ``stale`` recorded: the
+    marker of the takeover names them all before the taker deletes anything of theirs (see the module doc)."""
+    dead = [t for t in stale.dead_saves if t != me.token]
+    if stale.token and stale.token != me.token and stale.token not in dead:
+        dead.append(stale.token)
+    return dataclasses.replace(me, dead_saves=tuple(dead[-MAX_DEAD_SAVES:]))

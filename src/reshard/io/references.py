@@ -10,7 +10,8 @@ referrer, so before its commit the save leaves a **reference marker** in every h
     <holder>/refs/<referrer>.<save_id>.json     {"checkpoint": "<referrer>", "save_id": "...", "files": [...]}
 
 A marker is *live* while the referrer's committed ``metadata.json`` is that save's (same ``save_id``), or
-while the referrer has no commit yet and a live save lock (the save is still running); unreadable or
+while the referrer has no commit yet and a live save lock (the save is still running; a lock of another host is
+live, since only watching it can tell: :func:`reshard.io.locking.stale_at_sight`); unreadable or
 corrupt referrers count as live, since deleting on a guess could cost data. Every deletion of data files
 asks first (:func:`protected_files`): an overwrite's cleanup, ``reshard gc``, and retention
 (:mod:`reshard.io.retirement`, which retires a checkpoint that others reference).
@@ -44,7 +45,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError, CheckpointLockedError, CorruptCheckpointError, StorageError
-from reshard.io.locking import DEFAULT_STALE_AFTER_S, Lock, acquire_lock, read_lock
+from reshard.io.locking import Lock, acquire_lock, read_lock, stale_at_sight
 from reshard.io.referencing import resolve_location, split_location
 from reshard.metadata import (
     MAX_METADATA_BYTES,
@@ -458,9 +459,9 @@ def _is_live(holder: Storage, marker: ReferenceMarker) -> bool:
         except (OSError, CorruptCheckpointError):
             return True
         # Not (or no longer) committed as that save: live only while that save is still running (a save's
-        # lock token is its save_id).
+        # lock token is its save_id), judged without watching: a holder of another host is running.
         running = read_lock(referrer)
-        return running is not None and running.token == marker.save_id and not running.is_stale(DEFAULT_STALE_AFTER_S)
+        return running is not None and running.token == marker.save_id and not stale_at_sight(running)
     finally:
         referrer.close()
 

@@ -8,7 +8,8 @@ wrote **and** that something reshard wrote ties to that save (the save id is in 
   them (leftovers of its failed or interrupted saves, which ``reshard gc`` collects in a committed checkpoint
   anyway);
 - a retirement record, ``retired.json`` (below): the files it lists;
-- a save lock left by a save that died (a stale lock; a save's lock token is its save id): that save's files;
+- a save lock left by a save that died (a stale lock; a save's lock token is its save id): that save's files, and
+  those of the dead saves its marker records (``LockInfo.dead_saves``: saves whose lock it had taken over);
 - a well-formed reference marker (:mod:`reshard.io.references`): the files it names.
 
 In a directory that one of these ties, reshard's own commit temporaries (``.<name>.tmp-<32 hex>``) and its
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 
 from reshard.errors import CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError
 from reshard.io.datafile import DATA_FILE_PATTERN
-from reshard.io.locking import DEFAULT_STALE_AFTER_S, LOCK_FILE, Lock, LockInfo, lock_markers
+from reshard.io.locking import LOCK_FILE, Lock, LockInfo, foreign_holder, lock_markers, stale_at_sight
 from reshard.io.references import (
     REFERENCES_DIR,
     RETIRED_FILE,
@@ -207,8 +208,10 @@ def _tied_metadata(storage: Storage, record: RetiredRecord | None) -> Metadata |
     return metadata
 
 
-def _stale_save_lock(storage: Storage) -> tuple[set[str], list[str]]:
-    """The save ids of the dead saves whose locks are left here, and those lock markers.
+def _stale_save_lock(storage: Storage, *, watch: bool) -> tuple[set[str], list[str]]:
+    """The save ids of the dead saves whose locks are left here, and those lock markers. A holder on another host is
+    never stale at sight (:func:`reshard.io.locking.stale_at_sight`): with ``watch`` its marker is listed (without its
+    token: the lock is then watched for the lease, and its token comes with the lock taken over), else it is live.
 
     Raises:
         CheckpointLockedError: a live save holds the directory.
@@ -224,12 +227,20 @@ def _stale_save_lock(storage: Storage) -> tuple[set[str], list[str]]:
             return set(), []  # not a marker reshard wrote: it ties nothing
         if info is None:
             return set(), []
-        if not info.is_stale(DEFAULT_STALE_AFTER_S):
+        if foreign_holder(info) and watch:
+            names.append(name)
+            continue
+        if foreign_holder(info):
+            raise CheckpointLockedError(
+                f"{storage.describe()} is locked by a save on host {info.host} ({info.describe()}); its lock has not "
+                "been seen unchanged for the lease yet (a lock of another host is judged on this host's clock, only by "
+                "watching it: a save over it or `reshard gc` does): nothing deleted"
+            )
+        if not stale_at_sight(info):
             raise CheckpointLockedError(
                 f"{storage.describe()} is locked by a live save ({info.describe()}): nothing deleted"
             )
-        if _SAVE_ID.match(info.token):
-            tokens.add(info.token)
+        tokens |= {t for t in (info.token, *info.dead_saves) if _SAVE_ID.match(t)}
         names.append(name)
     return tokens, names
 
@@ -248,7 +259,7 @@ def _lock_temporaries(storage: Storage, names: Sequence[str]) -> dict[str, str |
         except (FileNotFoundError, FileTooLargeError, RecursionError):
             continue
         if info is not None:
-            out[name] = info.token if info.is_stale(DEFAULT_STALE_AFTER_S) else None
+            out[name] = info.token if stale_at_sight(info) else None
     return out
 
 
@@ -300,7 +311,9 @@ def _worth_a_lock(storage: Storage, locks: list[str]) -> bool:
     return bool(read_markers(storage))
 
 
-def remove_checkpoint(storage: Storage, *, dry_run: bool = False, min_age_s: float | None = None) -> Removal:
+def remove_checkpoint(
+    storage: Storage, *, dry_run: bool = False, min_age_s: float | None = None, watch: bool = False
+) -> Removal:
     """Delete what reshard wrote at ``storage`` (a checkpoint, a retired one, an interrupted save), keeping the
     files that live referrers use (the directory is then retired) and every file nothing ties to a reshard
     save; the directory goes once empty. ``min_age_s``: also keep tied files younger than this (``gc``).
@@ -308,7 +321,10 @@ def remove_checkpoint(storage: Storage, *, dry_run: bool = False, min_age_s: flo
     Deletes under the checkpoint's save lock (:func:`reshard.io.references.lock_for_deletion`), held from before the
     reference markers are read until the last tied file is gone, so that no save adds a marker meanwhile. The lock
     of a save that died is taken over keeping its token, which ties that save's files until they are deleted or
-    recorded (else it is handed back). The lock is released before the record and the empty directories go.
+    recorded (else it is handed back). The lock is released before the record and the empty directories go. A lock of
+    another host is judged only by watching it for the lease (:func:`reshard.io.locking.stale_at_sight`): with
+    ``watch`` (``reshard gc``, which may wait) it is watched, else (retention on a coordinator whose ranks wait, and
+    every ``dry_run``) the directory is kept for this run: CheckpointLockedError.
 
     Raises:
         CheckpointError: ``storage`` is reached through a symbolic link (nothing deleted).
@@ -318,13 +334,13 @@ def remove_checkpoint(storage: Storage, *, dry_run: bool = False, min_age_s: flo
         OSError: listing, reading or deleting failed (what was deleted stays deleted).
     """
     refuse_a_link(storage)
-    tokens, locks = _stale_save_lock(storage)
+    tokens, locks = _stale_save_lock(storage, watch=watch and not dry_run)
     if dry_run or not _worth_a_lock(storage, locks):
         return _remove(storage, tokens, locks, dry_run=dry_run, min_age_s=min_age_s, lock=None)
     lock = lock_for_deletion(storage)
     lock.start_renewing()
-    if lock.inherited is not None:
-        tokens.add(lock.token)
+    if lock.inherited is not None:  # the dead saves it recorded too (a taker killed inside its cleanup)
+        tokens |= {t for t in (lock.token, *lock.inherited.dead_saves) if _SAVE_ID.match(t)}
     try:
         return _remove(storage, tokens, [], dry_run=False, min_age_s=min_age_s, lock=lock, taken_over=locks)
     except BaseException:
