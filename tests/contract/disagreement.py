@@ -86,6 +86,7 @@ def cases() -> list[Case]:
         Case("manager_load", "strict", False),
         Case("transfer", "allow_lossy_cast", True),
         Case("transfer", "round_bytes", 4096),
+        Case("quantize", "format", "fp8_e5m2"),
         Case("delta", "delta", False, resolved="any rank may ask for a full send; then every rank sends all"),
         Case("peer_save", "replicas", 2),
         Case("peer_save", "node_size", 2),
@@ -163,6 +164,8 @@ def run_rank(case: Case, rank: int, group: Any, place: Path) -> None:
         _manager(case, rank, group, place, state)
     elif flow in ("transfer", "delta"):
         _transfer(case, rank, group)
+    elif flow == "quantize":
+        _quantize(case, rank, group)
     elif flow == "peer_save":
         replicas = _value(case, rank, 1) if case.option == "replicas" else 1
         node_size = _value(case, rank, 1) if case.option == "node_size" else 1
@@ -206,6 +209,22 @@ def _transfer(case: Case, rank: int, group: Any) -> None:
     session.transfer(source, target, delta=_value(case, rank, True))
     if states.column_generation(target, rank, WORLD, (1, 2)) != 2:
         raise AssertionError(f"rank {rank} holds another state than the one sent")
+
+
+def _quantize(case: Case, rank: int, group: Any) -> None:
+    """A quantizing transfer: ``w`` wanted as an FP8 ScaledTensor (per-tensor scale), rank 1 in another format."""
+    import torch
+
+    import reshard
+
+    source = {k: v for k, v in states.rank_state(rank, WORLD, 2, objects=False).items() if k != "step"}
+    target = states.column_template(rank, WORLD)
+    fmt = _value(case, rank, "fp8_e4m3")
+    dtype = torch.float8_e5m2 if fmt == "fp8_e5m2" else torch.float8_e4m3fn
+    plain = target["w"]
+    data = reshard.ShardedTensor.from_rank_offsets("w", plain.data.to(dtype), (1, rank, WORLD))
+    target["w"] = reshard.ScaledTensor(data, torch.zeros(1, 1), fmt)
+    reshard.transfer(source, target, group=group, timeout=10)
 
 
 def run_case(case: Case, place: Path) -> dict[int, BaseException | None]:

@@ -15,6 +15,7 @@ that needs no checkpoint: it reads and writes nothing but the tensors.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -28,6 +29,7 @@ import torch
 
 from reshard.errors import CheckpointError, DataUnavailableError, MismatchError, ShardingError, StateDictError
 from reshard.flows.transfer_delta import LastSync, aliasing, cell_digests, digest_json, widen_to_groups
+from reshard.flows.transfer_quantize import Job, find_jobs, quantize_pieces, reduce_amax, rewrite
 from reshard.geometry.boxes import Box
 from reshard.geometry.tiling import find_tiling_problem
 from reshard.io.exchange import ExchangeCounters, describe_need, run_exchange
@@ -161,6 +163,7 @@ class TransferSession:
         self._last: LastSync | None = None
         self._plan: TransferPlan | None = None  # on the coordinator
         self._plan_signature = ""  # on the coordinator: the digest of every rank's description it was made for
+        self._jobs: list[Job] = []  # on the coordinator: the plan's quantizing jobs
 
     def transfer(self, source: Any, target: Any, *, delta: bool = True, stats: TransferStats | None = None) -> Any:
         """Fill ``target`` from the ``source`` pieces of the group's ranks; with ``delta``, send only the
@@ -188,20 +191,30 @@ class TransferSession:
                 stale |= {i for i, d in checked[1].items() if base.held.get(i) != d}
                 shared = aliasing(targets, base.schedule)
                 report.update(token=base.token, stale=sorted(stale | set(shared.always)), groups=shared.groups)
-            found.extend([sources, targets, checked, signature])
+            found.extend([sources, targets, checked, signature, description["holdings"]])
             return json.dumps(report).encode()
 
         decision, reply = comm.step_scatter("transfer planning", local, self._decide)
-        sources, targets, checked, signature = found
+        sources, targets, checked, signature, holdings = found
         schedule = RankSchedule.from_json(json.loads(reply))
         counters = ExchangeCounters()
+        jobs = [Job.from_json(j) for j in decision["quantize"]]
+        quantization = reduce_amax(comm.step, jobs, sources, holdings) if jobs else None
 
         def send_and_receive() -> None:
             with torch.no_grad():
-                run_exchange(comm.transport, schedule, sources, counters, targets=targets)
+                pieces = sources
+                if quantization is not None:  # on a failure here the exchange sends zeros, then fails everywhere
+                    try:
+                        pieces = sources + quantize_pieces(quantization, holdings)
+                    except Exception:
+                        with contextlib.suppress(Exception):  # the peers' rounds; this rank's error wins
+                            run_exchange(comm.transport, schedule, sources, counters, targets=[])
+                        raise
+                run_exchange(comm.transport, schedule, pieces, counters, targets=targets)
 
         comm.step("transferring", send_and_receive)
-        if keep:  # what a later delta starts from: every cell written is hashed as the exchange left it
+        if keep and not jobs:  # what a later delta starts from: every cell written is hashed as the exchange left it
             received = cell_digests(targets, schedule, "recv")
             if decision["full"] or last is None or checked is None:
                 sent = cell_digests(sources, schedule, "send")
@@ -238,14 +251,25 @@ class TransferSession:
         plan = self._plan
         replanned = plan is None or everything != self._plan_signature
         if plan is None or replanned:
-            plan = self._make_plan(descriptions)
+            plan, self._jobs = self._make_plan(descriptions)
             self._plan, self._plan_signature = plan, everything
+        if self._jobs and any(d["delta"] for d in docs):
+            raise CheckpointError(
+                f"transfer: a TransferSession does not send deltas of the tensors it quantizes "
+                f"({', '.join(repr(j.key) for j in self._jobs[:10])}: a changed element can change the scales "
+                "of blocks other ranks send); pass delta=False"
+            )
         tokens = {d["token"] for d in docs}
         delta = not replanned and all(d["delta"] for d in docs) and len(tokens) == 1 and None not in tokens
         only = {i for d in docs for i in d["stale"]} if delta else None
         # Cells that share memory on their receiver travel together, in the whole plan's order.
         keep_order = only is not None and widen_to_groups(only, [g for d in docs for g in d["groups"]])
-        decision = {"full": not delta, "replanned": replanned, "token": secrets.token_hex(16)}
+        decision = {
+            "full": not delta,
+            "replanned": replanned,
+            "token": secrets.token_hex(16),
+            "quantize": [j.to_json() for j in self._jobs],
+        }
         return decision, [json.dumps(s.to_json()).encode() for s in plan.schedules(only, keep_order=keep_order)]
 
     def _describe(self, rank: int, source: Any, target: Any) -> tuple[list[LocalPiece], list[LocalPiece], Any]:
@@ -267,6 +291,7 @@ class TransferSession:
         holdings: list[list[Any]] = []
         primary: list[bool] = []
         needs: list[list[Any]] = []
+        need_of: list[int] = []
         shapes: dict[str, list[Any]] = {}
         wanted_shapes: list[list[Any]] = []
         addresses = []
@@ -284,10 +309,12 @@ class TransferSession:
                 piece.zero_padding()  # the padding only: unchanged real cells are not sent again
                 targets.append(piece)
                 needs.append(describe_need(key, piece))
+                need_of.append(len(wanted_shapes) - 1)
         description = {
             "holdings": holdings,
             "primary": primary,
             "needs": needs,
+            "need_of": need_of,
             "held": shapes,
             "wanted": wanted_shapes,
             "at": addresses,
@@ -296,8 +323,12 @@ class TransferSession:
         }
         return sources, targets, description
 
-    def _make_plan(self, descriptions: list[dict[str, Any]]) -> TransferPlan:
-        """On the coordinator: check the pieces against each other and plan the whole transfer."""
+    def _make_plan(self, descriptions: list[dict[str, Any]]) -> tuple[TransferPlan, list[Job]]:
+        """On the coordinator: check the pieces against each other and plan the whole transfer, with the
+        quantized tensors of its quantizing jobs (:mod:`reshard.flows.transfer_quantize`) as sources."""
+        jobs = find_jobs(descriptions)
+        if jobs:
+            descriptions = rewrite(descriptions, jobs)
         _check(descriptions, self.allow_lossy_cast)
         _check_primaries(descriptions)
         plan, problems = schedule_transfer(
@@ -309,7 +340,7 @@ class TransferSession:
                 + "; ".join(problems[:20])
                 + (" ..." if len(problems) > 20 else "")
             )
-        return plan
+        return plan, jobs
 
 
 def _renamer(key_map: Mapping[str, str] | Callable[[str], str] | None) -> Callable[[str], str]:
