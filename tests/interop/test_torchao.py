@@ -184,3 +184,20 @@ def test_swizzled_scales_outside_torchao_state_are_refused() -> None:
     assert full.is_swizzled_scales
     with pytest.raises(ShardingError, match="swizzled"):
         torchao_to_scaled("w", full)
+
+
+@pytest.mark.parametrize("kind", ["fp8_row", "mxfp8", "nvfp4"])
+def test_a_torchao_tensor_given_as_is_is_refused(tmp_path: Path, kind: str) -> None:
+    """Without torchao_state a torchao tensor is no plain tensor: reshard says so instead of saving what
+    torchao's dispatch makes of it (or failing inside a read)."""
+    source = quantized_model(kind, seed=1)
+    with pytest.raises(reshard.StateDictError, match="torchao_state"):
+        reshard.save(source, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    with torchao_state(source) as state:
+        reshard.save(state, tmp_path / "ckpt")
+    template = quantized_model(kind, seed=2)
+    before = bytes_of(template["col.weight"].qdata).clone()
+    with pytest.raises(reshard.StateDictError, match="torchao_state"):
+        reshard.load(template, tmp_path / "ckpt")
+    assert torch.equal(bytes_of(template["col.weight"].qdata), before)
