@@ -176,18 +176,21 @@ def _scale_of(key: str, kind: str, tensor: Any, conversion: _Conversion) -> torc
     return scale.view(*logical[:-1], cols)  # type: ignore[no-any-return]
 
 
-def torchao_to_scaled(
-    key: str, leaf: torch.Tensor | TorchaoShard, conversion: _Conversion | None = None, *, replica_id: ReplicaId = 0
-) -> ScaledTensor:
-    """The ScaledTensor of a torchao tensor (whole) or of a :class:`TorchaoShard`, over the same memory (a
-    swizzled scale excepted: see :func:`torchao_state`, which writes it back; called alone, a swizzled scale
-    is refused).
+def torchao_to_scaled(key: str, leaf: torch.Tensor | TorchaoShard, *, replica_id: ReplicaId = 0) -> ScaledTensor:
+    """The ScaledTensor of a torchao tensor (whole, with ``replica_id``) or of a :class:`TorchaoShard`, over the
+    same memory. A tensor with swizzled scales is refused here: :func:`torchao_state` unswizzles and writes back.
 
     Raises:
         ShardingError: naming ``key``: not a torchao tensor reshard knows, an element dtype without a format, a
             block the slice does not show or does not fit, a split that cuts a block, an NVFP4Tensor without
-            ``per_tensor_scale``, swizzled scales outside :func:`torchao_state` or of a 3-d tensor.
+            ``per_tensor_scale``, swizzled scales (here; in :func:`torchao_state`: of a 3-d tensor).
     """
+    return _to_scaled(key, leaf, None, replica_id)
+
+
+def _to_scaled(
+    key: str, leaf: torch.Tensor | TorchaoShard, conversion: _Conversion | None, replica_id: ReplicaId
+) -> ScaledTensor:
     shard = leaf if isinstance(leaf, TorchaoShard) else None
     tensor: Any = leaf.tensor if isinstance(leaf, TorchaoShard) else leaf
     kind = _torchao_class(tensor)
@@ -236,7 +239,7 @@ def torchao_state(state_dict: object, *, replica_id: ReplicaId = 0) -> Iterator[
 
     def convert(path: str, leaf: object) -> object:
         if isinstance(leaf, TorchaoShard) or is_torchao_tensor(leaf):
-            return torchao_to_scaled(path, leaf, conversion, replica_id=replica_id)  # type: ignore[arg-type]
+            return _to_scaled(path, leaf, conversion, replica_id)  # type: ignore[arg-type]
         return leaf
 
     converted = map_leaves(state_dict, convert)
