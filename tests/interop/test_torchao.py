@@ -170,8 +170,8 @@ def test_other_granularity_or_format_is_refused(tmp_path: Path, saved: str, load
 
 
 def test_a_slice_that_does_not_show_its_block_needs_one() -> None:
-    """A 128-row slice of a weight with 128x128 blocks holds one scale on axis 0, as a per-row... no: as a
-    per-tensor-along-rows weight would: reshard refuses to guess."""
+    """A 128-row slice of a weight with 128x128 blocks holds one scale on axis 0, as a slice of a weight scaled
+    by the whole axis would: reshard refuses to guess, and takes the block when given."""
     full = quantized_model("fp8_block", seed=1)["col.weight"]
     with pytest.raises(ShardingError, match="TorchaoShard\\(block="):
         torchao_to_scaled("w", TorchaoShard(full[:128], (512, 256), (0, 0)))
