@@ -152,6 +152,7 @@ def flatten_state_dict(state_dict: object, *, rank: int, dedup: bool = True) -> 
         elif isinstance(leaf, torch.Tensor):
             if not path:
                 raise StateDictError("a plain tensor needs a key: put it in a dict")
+            _refuse_quantized_subclass(path, leaf)
             flat.tensors.append(ShardedTensor(path, leaf, tuple(leaf.shape), (0,) * leaf.ndim, replica_id=rank))
         else:
             if not path:
@@ -166,6 +167,21 @@ def flatten_state_dict(state_dict: object, *, rank: int, dedup: bool = True) -> 
         flat.tensors = _dedup(flat.tensors)
         flat.objects = _dedup(flat.objects)
     return flat
+
+
+_TORCHAO_SCALED = ("Float8Tensor", "MXTensor", "NVFP4Tensor")
+
+
+def _refuse_quantized_subclass(path: str, leaf: torch.Tensor) -> None:
+    """Refuse a torchao low-precision tensor given as a plain tensor: its bytes are ``qdata`` and scales, not
+    elements of its dtype, and only :func:`reshard.interop.torchao.torchao_state` says which (checked by class
+    name and module, importing nothing)."""
+    for cls in type(leaf).__mro__:
+        if cls.__name__ in _TORCHAO_SCALED and cls.__module__.startswith("torchao."):
+            raise StateDictError(
+                f"{path!r} is a torchao {cls.__name__}: save and load it inside "
+                "reshard.interop.torchao.torchao_state(state_dict), which describes its data and scales"
+            )
 
 
 def _add_scaled(flat: FlatStateDict, leaf: ScaledTensor) -> list[ShardedTensor]:
