@@ -109,6 +109,31 @@ def test_per_row_scale_replicated_along_the_split_columns() -> None:
     assert left.scale_sharded.is_main_replica and not right.scale_sharded.is_main_replica
 
 
+def test_a_block_as_long_as_its_axis_is_recorded_as_the_whole_axis_on_every_layout() -> None:
+    """A (256, 128) weight with 128x128 blocks: its columns are one block, the same scale along them as a
+    per-row-block scale; a whole tensor and a column shard record the same block (a torchao slice shows its own
+    length as the block), so a load on another layout compares equal records."""
+    whole = ScaledTensor(
+        ShardedTensor("w", torch.zeros(256, 128, dtype=E4M3), (256, 128), (0, 0)),
+        torch.ones(2, 1),
+        "fp8_e4m3",
+        (128, 128),
+    )
+    shard = ScaledTensor(
+        ShardedTensor.from_rank_offsets("w", torch.zeros(256, 64, dtype=E4M3), (1, 1, 2)),
+        torch.ones(2, 1),
+        "fp8_e4m3",
+        (128, 128),
+    )
+    assert whole.block == shard.block == (128, None)
+    assert whole.record == shard.record
+    assert not shard.scale_sharded.is_main_replica  # the column split shares the one scale along the row block
+    empty = ScaledTensor(
+        ShardedTensor("e", torch.zeros(0, 4, dtype=E4M3), (0, 4), (0, 0)), torch.ones(0, 1), "fp8_e4m3", (128, 128)
+    )
+    assert empty.block == (128, None)  # an empty axis keeps its block: no scale cells along it
+
+
 def test_mxfp8_blocks_of_32_on_the_last_axis() -> None:
     data = ShardedTensor.from_rank_offsets("w", torch.zeros(4, 64, dtype=E4M3), (1, 1, 2))
     st = ScaledTensor(data, torch.zeros(4, 2, dtype=E8M0), "mxfp8_e4m3")

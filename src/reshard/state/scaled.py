@@ -88,6 +88,15 @@ def _cells(key: str, axis: int, start: int, length: int, end_of_axis: int, block
     return start // block, math.ceil(stop / block) - start // block
 
 
+def _canonical(fmt: ScaleFormat, block: Block, global_shape: tuple[int, ...]) -> Block:
+    """``block`` with every entry that spans its whole (non-empty) axis written as None: one scale along the
+    axis either way, and a record that does not depend on how the axis was cut (a torchao slice shows its
+    own length as the block, a whole tensor the axis's). The formats that fix their block keep it."""
+    if fmt.fixed_last_block is not None:
+        return block
+    return tuple(None if b is not None and 0 < n <= b else b for b, n in zip(block, global_shape, strict=True))
+
+
 @dataclass(frozen=True, slots=True)
 class _Derived:
     """The scale's description, derived from the data's."""
@@ -143,7 +152,8 @@ class ScaledTensor:
             per-tensor scale is taken as ``(1,) * ndim``, the same memory).
         format: a name of :data:`reshard.state.lowprec.FORMATS`.
         block: elements per block on each logical axis, None for the whole axis (None: the format's block,
-            per-tensor scaling for the FP8 formats).
+            per-tensor scaling for the FP8 formats). A block at least as long as its (non-empty) axis is the
+            whole axis: it is recorded as None, so every layout of the tensor records the same block.
         global_scale: the fp32 global scale (0-d or ``(1,)``) of the NVFP4 formats; None for the others.
 
     Raises:
@@ -166,7 +176,7 @@ class ScaledTensor:
         key = self.data.key
         fmt = scale_format(self.format, key=key)
         ndim = len(self.data.global_shape)
-        block = normalize_block(fmt, self.block, ndim, key=key)
+        block = _canonical(fmt, normalize_block(fmt, self.block, ndim, key=key), self.data.global_shape)
         object.__setattr__(self, "block", block)
         _check_dtypes(key, fmt, self.data.data, self.scale)
         derived = _derive(self.data, stored_block(fmt, block), block)
