@@ -98,6 +98,26 @@ def _kept_modules(parts: list[ExportPart]) -> list[str]:
     return sorted(kept)
 
 
+def _exportable_model(reader: CheckpointReader) -> ModelConfig:
+    """The model of the checkpoint, which export-hf can write.
+
+    Raises:
+        MismatchError: not a demo-model checkpoint, no Hugging Face architecture, or LoRA adapters in it.
+    """
+    model = checkpoint_model_config(reader.metadata, reader.describe())
+    try:
+        hf_config_of(model)  # a Llama with un-gated experts has none
+    except ValueError as exc:
+        raise MismatchError(str(exc)) from None
+    adapters = sorted(k for k in reader.metadata.tensors if is_adapter_key(k) and not k.startswith("optimizer."))
+    if adapters:
+        raise MismatchError(
+            f"{reader.describe()} holds {len(adapters)} LoRA adapter tensors ({adapters[0]}, ...): export them "
+            "with export-peft; export-hf writes the base model only and does not merge adapters"
+        )
+    return model
+
+
 def export_hf(
     checkpoint: CheckpointLocation,
     out: str | os.PathLike[str],
@@ -140,17 +160,7 @@ def export_hf(
     if target.exists() or target.is_symlink():
         raise CheckpointExistsError(f"{target} already exists; export-hf writes a new directory")
     with CheckpointReader(checkpoint, storage_options=storage_options) as reader:
-        model = checkpoint_model_config(reader.metadata, reader.describe())
-        try:
-            hf_config_of(model)  # a Llama with un-gated experts has none
-        except ValueError as exc:
-            raise MismatchError(str(exc)) from None
-        adapters = sorted(k for k in reader.metadata.tensors if is_adapter_key(k) and not k.startswith("optimizer."))
-        if adapters:
-            raise MismatchError(
-                f"{reader.describe()} holds {len(adapters)} LoRA adapter tensors ({adapters[0]}, ...): export them "
-                "with export-peft; export-hf writes the base model only and does not merge adapters"
-            )
+        model = _exportable_model(reader)
         parts = _parts(reader, model, scheme)
         config = hf_config_of(model, reader.tensor("embedding.word_embeddings.weight").torch_dtype)
         if scheme is not None:
