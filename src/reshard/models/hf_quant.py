@@ -10,9 +10,9 @@ scheme                 consumer             reshard format  tensors per quantize
 ``fp8-block128``       transformers         ``fp8_e4m3``    ``X.weight`` (E4M3), ``X.weight_scale_inv``
                        FineGrainedFP8       128x128         (float32, one per 128x128 block)
 ``ct-fp8-block128``    compressed-tensors   ``fp8_e4m3``    ``X.weight`` (E4M3), ``X.weight_scale``
-                       ``FP8_BLOCK``        128x128         (float32, one per 128x128 block)
+                       ``FP8_BLOCK``        128x128         (weight's dtype, one per 128x128 block)
 ``ct-fp8-channel``     compressed-tensors   ``fp8_e4m3``    ``X.weight`` (E4M3), ``X.weight_scale``
-                       ``FP8_DYNAMIC``      per row         (float32, ``[rows, 1]``)
+                       ``FP8_DYNAMIC``      per row         (weight's dtype, ``[rows, 1]``)
 ``ct-mxfp8``           compressed-tensors   ``mxfp8_e4m3``  ``X.weight`` (E4M3), ``X.weight_scale``
                        ``MXFP8``            1x32            (uint8 E8M0 bits)
 ``ct-mxfp4``           compressed-tensors   ``mxfp4``       ``X.weight_packed`` (uint8, two E2M1 a byte),
@@ -27,6 +27,12 @@ MLP and shared-expert projections (``gate_proj``, ``up_proj``, ``down_proj``) an
 (``w1``/``w2``/``w3`` of Mixtral). Kept in their precision: embeddings, norms, biases, ``lm_head``, the
 routers and Qwen2-MoE's ``shared_expert_gate``; they are listed in the config's ``modules_to_not_convert``
 (transformers) or ``ignore`` (compressed-tensors), ``lm_head`` always (also when tied).
+
+The compressed-tensors FP8 scales have the weight's dtype, as compressed-tensors holds them in a model of
+that dtype (transformers loads them into parameters of the model's dtype): the float32 scale of
+:func:`~reshard.state.quantize.scales_from_amax` is rounded to it first and the data divided by the rounded
+scale, so that every consumer's ``data * scale`` is the value reshard's ``dequantize`` gives (for a float32
+weight nothing is rounded: the bytes of :func:`~reshard.state.quantize.quantize`).
 
 Refused (MismatchError naming the tensor): a weight the scheme cannot hold, whose shape the transformers
 128x128 blocks do not divide (transformers' CPU dequantization derives the block from the scale grid and
@@ -87,7 +93,8 @@ class QuantScheme:
         fmt: the reshard format (:data:`reshard.state.lowprec.FORMATS`).
         block: the block per axis of a 2-D weight (None: the whole axis).
         data_name, scale_name: the suffixes that replace ``weight`` in the tensor names.
-        scale_dtype: the dtype of the written scales.
+        scale_dtype: the dtype of the written scales; None: the weight's own (float32, bfloat16 or float16),
+            as compressed-tensors holds the FP8 scales of a model of that dtype.
         ct_format: the compressed-tensors ``format`` (None for transformers).
         ct_weights, ct_activations: the compressed-tensors ``weights`` / ``input_activations`` arguments
             (its preset's, as its ``model_dump`` writes them).
@@ -99,7 +106,7 @@ class QuantScheme:
     block: Block
     data_name: str
     scale_name: str
-    scale_dtype: torch.dtype
+    scale_dtype: torch.dtype | None
     ct_format: str | None = None
     ct_weights: tuple[tuple[str, object], ...] = ()
     ct_activations: tuple[tuple[str, object], ...] | None = None
@@ -117,13 +124,13 @@ QUANT_SCHEMES: dict[str, QuantScheme] = {
             "fp8-block128", "transformers", "fp8_e4m3", (128, 128), "weight", "weight_scale_inv", torch.float32
         ),
         QuantScheme(
-            "ct-fp8-block128", "compressed-tensors", "fp8_e4m3", (128, 128), "weight", "weight_scale", torch.float32,
+            "ct-fp8-block128", "compressed-tensors", "fp8_e4m3", (128, 128), "weight", "weight_scale", None,
             "float-quantized",
             _args(8, group_size=None, strategy="block", block_structure=(128, 128), dynamic=False),
             _args(8, group_size=128, strategy="group", dynamic=True),
         ),
         QuantScheme(
-            "ct-fp8-channel", "compressed-tensors", "fp8_e4m3", (1, None), "weight", "weight_scale", torch.float32,
+            "ct-fp8-channel", "compressed-tensors", "fp8_e4m3", (1, None), "weight", "weight_scale", None,
             "float-quantized",
             _args(8, group_size=None, strategy="channel", dynamic=False),
             _args(8, group_size=None, strategy="token", dynamic=True),
@@ -240,7 +247,9 @@ def quantized_parts(spec: TensorSpec, key: str, start: int, scheme: QuantScheme)
         ExportPart(TensorSpec(name=base + scheme.data_name, dtype=data_dtype, shape=stored), key, start, "data", shape),
         ExportPart(
             TensorSpec(
-                name=base + scheme.scale_name, dtype=scheme.scale_dtype, shape=scale_grid_shape(shape, scheme.block)
+                name=base + scheme.scale_name,
+                dtype=scheme.scale_dtype or spec.dtype,
+                shape=scale_grid_shape(shape, scheme.block),
             ),
             key,
             start,
@@ -321,12 +330,15 @@ def write_quantized(
         assert global_scale is not None
         writer.write(global_scale.reshape(1))
         return
+    scale_dtype = scheme.scale_dtype or reader.tensor(part.key).torch_dtype
     for strip in _strips(reader, part, scheme.block[0] or part.source_shape[0], slab_bytes):
         scale = scales_from_amax(block_amax(strip, fmt, scheme.block), fmt, global_scale)
+        written = scale.view(torch.uint8) if scale_dtype == torch.uint8 else scale.to(scale_dtype)
         if part.role == "scale":
-            out = scale.view(torch.uint8) if scheme.scale_dtype == torch.uint8 else scale.to(scheme.scale_dtype)
-        else:
-            out = quantize_with_scales(strip, scale, fmt, scheme.block, global_scale)
+            out = written
+        else:  # FP8 data divided by the written scale (rounded to the weight's dtype), as its consumer multiplies
+            used = written.to(torch.float32) if scale.dtype == torch.float32 else scale
+            out = quantize_with_scales(strip, used, fmt, scheme.block, global_scale)
         writer.write(out)
         if advance is not None:
             advance(out.numel() * out.element_size())
