@@ -297,3 +297,22 @@ def test_export_refuses_what_it_cannot_quantize_and_leaves_nothing(tmp_path: Pat
     assert exit_info.value.code == 2
     assert all(repr(name) in err.getvalue() for name in QUANT_SCHEMES)  # the command offers every scheme
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "fp8-ckpt", "hf"]
+
+
+def test_a_checkpoint_of_scaled_tensors_of_another_format_is_refused_naming_both(tmp_path: Path) -> None:
+    """A weight saved as a ScaledTensor (issue 32 part A) in MXFP8: --quantize fp8-block128 refuses it naming
+    both formats and writes nothing (it is not requantized)."""
+    scaled_tensor = getattr(reshard, "ScaledTensor", None)
+    if scaled_tensor is None:
+        pytest.skip("needs reshard.ScaledTensor (issue 32 part A), not on this branch")
+    ckpt, _ = _reshard_checkpoint(tmp_path, WIDE, torch.bfloat16)
+    state: dict[str, Any] = {"trainer": {"model_config": ModelConfig.from_hf(tmp_path / "hf").to_dict()}}
+    key = "decoder.layers.0.self_attention.proj.weight"
+    for name in reshard.read_metadata(ckpt).tensors:
+        state[name] = _load_key(ckpt, name)
+    mx = quantize(state[key], "mxfp8_e4m3")
+    state[key] = scaled_tensor(reshard.ShardedTensor.from_rank_offsets(key, mx.data), mx.scale, "mxfp8_e4m3")
+    reshard.save(state, tmp_path / "scaled")
+    with pytest.raises(reshard.MismatchError, match=r"mxfp8_e4m3 with blocks \[1, 32\].*writes format fp8_e4m3"):
+        export_hf(tmp_path / "scaled", tmp_path / "out", quantize="fp8-block128")
+    assert not (tmp_path / "out").exists()

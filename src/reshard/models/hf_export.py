@@ -83,9 +83,12 @@ def _quantizes(reader: CheckpointReader, key: str, scheme: QuantScheme) -> bool:
     saved = reader.tensor(key)
     if check_source_format(key, saved_scaled_format(reader, key), saved.torch_dtype, scheme):
         return True
-    # A scaled tensor already in the scheme's format is written as it is: its data and scales are read
-    # with the records of issue 32 part A, which are not on this branch (saved_scaled_format is None here).
-    raise NotImplementedError(f"{key!r}: exporting a saved scaled tensor as it is needs issue 32 part A")
+    # A scaled tensor already in the scheme's format is to be written as it is (its data and scales, not
+    # requantized): that needs the scaled tensors of issue 32 part A, not on this branch. Until then, refused.
+    raise MismatchError(
+        f"tensor {key!r} is saved in the format of --quantize {scheme.name} already; exporting saved scaled "
+        "tensors as they are is not supported yet"
+    )
 
 
 def _kept_modules(parts: list[ExportPart]) -> list[str]:

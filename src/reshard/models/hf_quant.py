@@ -52,6 +52,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -185,11 +186,13 @@ def saved_scaled_format(reader: CheckpointReader, key: str) -> tuple[str, Block]
     """The low-precision format and block of checkpoint tensor ``key`` when it was saved as a scaled tensor,
     None for a plain tensor.
 
-    The seam for issue 32 part A (``ScaledTensor`` records in the metadata), which is not on this branch: no
-    checkpoint holds such records yet, so every tensor is plain here. Part A reads its per-key record here.
+    The seam for issue 32 part A: its ``Metadata.scaled`` (a ``ScaledRecord`` per scaled tensor, with
+    ``format`` and ``block``) is not on this branch, so the records are looked up by name and every tensor is
+    plain until part A is there; with it, a scaled tensor of another format is refused naming both formats.
     """
-    del reader, key
-    return None
+    records: Any = getattr(reader.metadata, "scaled", None) or {}
+    record = records.get(key)
+    return None if record is None else (str(record.format), tuple(record.block))
 
 
 def check_source_format(key: str, saved: tuple[str, Block] | None, dtype: torch.dtype, scheme: QuantScheme) -> bool:
