@@ -41,10 +41,11 @@ scheme does not divide; a weight that is not float32, bfloat16 or float16 (alrea
 requantized); a checkpoint whose tensor is saved as a scaled tensor of another format (see
 :func:`check_source_format`).
 
-Streaming: each weight is read as strips of whole block rows (a strip of at most ``slab_bytes``, never less
-than one row of blocks), quantized strip by strip; the scales are computed again for the scale tensor (the
-same deterministic operations give the same bytes) and, for NVFP4, the global scale from one amax pass over
-the weight, so an export holds one strip at a time, never a whole tensor's quantized copy.
+Streaming: each output tensor of a weight (data, scales, NVFP4's global scale) is computed by reading the
+weight again in strips of whole block rows (a strip of at most ``slab_bytes``, never less than one row of
+blocks), with the same deterministic operations, so its scales come out the same each time; NVFP4 adds one
+amax pass over the weight for the global scale. An export holds one strip at a time, never a whole tensor's
+quantized copy: memory is bounded, at the price of reading each quantized weight two to five times.
 """
 
 from __future__ import annotations
