@@ -216,6 +216,19 @@ def _add_model_export_parsers(sub: Any, parents: list[argparse.ArgumentParser]) 
         metavar="SIZE",
         help="largest shard, e.g. 2GB, 500MB, 1GiB (default 5GB); one shard is written as model.safetensors",
     )
+    export_hf.add_argument(
+        "--quantize",
+        choices=["fp8-block128", "ct-fp8-block128", "ct-fp8-channel", "ct-mxfp8", "ct-mxfp4", "ct-nvfp4"],
+        default=None,
+        metavar="SCHEME",
+        help="quantize the Linear weights (attention, MLP, experts; not embeddings, norms, lm_head, routers) on the "
+        "way, with the consumer's tensor names and config.json quantization_config: fp8-block128 (transformers "
+        "FineGrainedFP8: E4M3, 128x128 blocks, weight_scale_inv; every such weight a multiple of 128 in both "
+        "axes), or for compressed-tensors ct-fp8-block128 (FP8_BLOCK), ct-fp8-channel (FP8_DYNAMIC, per row), "
+        "ct-mxfp8 (MXFP8), ct-mxfp4 (MXFP4), ct-nvfp4 (NVFP4A16: weight_packed, weight_scale, "
+        "weight_global_scale). Weights must be float32, bfloat16 or float16: low-precision ones are refused, "
+        "never requantized",
+    )
     export_hf.set_defaults(func=cmd_export_hf)
 
 

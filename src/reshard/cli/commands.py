@@ -354,9 +354,14 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     from reshard.models.hf_export import export_hf
 
     written = export_hf(
-        args.checkpoint, args.out, max_shard_bytes=args.max_shard_size, storage_options=storage_options_of(args)
+        args.checkpoint,
+        args.out,
+        max_shard_bytes=args.max_shard_size,
+        storage_options=storage_options_of(args),
+        quantize=args.quantize,
     )
-    print(f"wrote {args.out}: config.json and {len(written)} tensors under Hugging Face names")
+    quantized = f", Linear weights quantized {args.quantize}" if args.quantize else ""
+    print(f"wrote {args.out}: config.json and {len(written)} tensors under Hugging Face names{quantized}")
     return EXIT_OK
 
 

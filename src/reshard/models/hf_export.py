@@ -21,7 +21,6 @@ import math
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,17 @@ from reshard.interop.safetensors import SafetensorsWriter, TensorSpec
 from reshard.models.config import ModelConfig, is_adapter_key
 from reshard.models.hf import checkpoint_model_config, hf_key_map, split_for_hf
 from reshard.models.hf_config import hf_config_of
+from reshard.models.hf_quant import (
+    QUANT_SCHEMES,
+    ExportPart,
+    QuantScheme,
+    check_source_format,
+    is_quantized_weight,
+    quantization_config,
+    quantized_parts,
+    saved_scaled_format,
+    write_quantized,
+)
 from reshard.storage import CheckpointLocation, LocalStorage
 
 __all__ = ["CONFIG_FILE", "SINGLE_FILE", "export_hf"]
@@ -42,17 +52,9 @@ CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 
 
-@dataclass(frozen=True, slots=True)
-class _Part:
-    """Output tensor ``spec``: elements ``[start, start + count)`` of checkpoint tensor ``key``'s flattening."""
-
-    spec: TensorSpec
-    key: str
-    start: int
-
-
-def _parts(reader: CheckpointReader, model: ModelConfig) -> list[_Part]:
-    """Every output tensor of the model, as a row range of its checkpoint tensor."""
+def _parts(reader: CheckpointReader, model: ModelConfig, scheme: QuantScheme | None) -> list[ExportPart]:
+    """Every output tensor of the model, as a row range of its checkpoint tensor (with ``scheme``, the
+    quantized weights as their data, scale and global-scale tensors)."""
     key_map = hf_key_map(model)
     missing = sorted(k for k in key_map if k not in reader.metadata.tensors)
     if missing:
@@ -67,9 +69,56 @@ def _parts(reader: CheckpointReader, model: ModelConfig) -> list[_Part]:
         meta = torch.empty(saved.global_shape, dtype=saved.torch_dtype, device="meta")
         start = 0
         for name, piece in split_for_hf(key, meta, model):
-            parts.append(_Part(TensorSpec(name=name, dtype=saved.torch_dtype, shape=tuple(piece.shape)), key, start))
+            spec = TensorSpec(name=name, dtype=saved.torch_dtype, shape=tuple(piece.shape))
+            if scheme is not None and is_quantized_weight(name) and _quantizes(reader, key, scheme):
+                parts += quantized_parts(spec, key, start, scheme)
+            else:
+                parts.append(ExportPart(spec, key, start))
             start += math.prod(piece.shape)
     return sorted(parts, key=lambda p: p.spec.name)
+
+
+def _quantizes(reader: CheckpointReader, key: str, scheme: QuantScheme) -> bool:
+    """Whether the export quantizes checkpoint tensor ``key`` (see :func:`check_source_format`)."""
+    saved = reader.tensor(key)
+    if check_source_format(key, saved_scaled_format(reader, key), saved.torch_dtype, scheme):
+        return True
+    # A scaled tensor already in the scheme's format is to be written as it is (its data and scales, not
+    # requantized): that needs the scaled tensors of issue 32 part A, not on this branch. Until then, refused.
+    raise MismatchError(
+        f"tensor {key!r} is saved in the format of --quantize {scheme.name} already; exporting saved scaled "
+        "tensors as they are is not supported yet"
+    )
+
+
+def _kept_modules(parts: list[ExportPart]) -> list[str]:
+    """The modules of the 2-D weights left in high precision (``lm_head`` always), embeddings aside."""
+    kept = {"lm_head"}
+    for part in parts:
+        name = part.spec.name
+        if part.role == "plain" and len(part.spec.shape) == 2 and not name.endswith("embed_tokens.weight"):
+            kept.add(name.removesuffix(".weight"))
+    return sorted(kept)
+
+
+def _exportable_model(reader: CheckpointReader) -> ModelConfig:
+    """The model of the checkpoint, which export-hf can write.
+
+    Raises:
+        MismatchError: not a demo-model checkpoint, no Hugging Face architecture, or LoRA adapters in it.
+    """
+    model = checkpoint_model_config(reader.metadata, reader.describe())
+    try:
+        hf_config_of(model)  # a Llama with un-gated experts has none
+    except ValueError as exc:
+        raise MismatchError(str(exc)) from None
+    adapters = sorted(k for k in reader.metadata.tensors if is_adapter_key(k) and not k.startswith("optimizer."))
+    if adapters:
+        raise MismatchError(
+            f"{reader.describe()} holds {len(adapters)} LoRA adapter tensors ({adapters[0]}, ...): export them "
+            "with export-peft; export-hf writes the base model only and does not merge adapters"
+        )
+    return model
 
 
 def export_hf(
@@ -79,6 +128,7 @@ def export_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     storage_options: dict[str, Any] | None = None,
     slab_bytes: int = DEFAULT_SLAB_BYTES,
+    quantize: str | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Write the model of a demo-model checkpoint (saved on any layout) as a Hugging Face model directory
     ``out`` (see the module doc). Not collective. Returns the written names and shapes.
@@ -88,34 +138,36 @@ def export_hf(
         out: a local directory that must not exist yet; it appears complete or not at all.
         max_shard_bytes: shard size limit (a larger tensor gets a shard of its own).
         storage_options: for an object-store ``checkpoint``.
-        slab_bytes: the largest piece of a tensor held in memory at once.
+        slab_bytes: the largest piece of a tensor held in memory at once (a quantized weight: at least one
+            row of its blocks).
+        quantize: a scheme of :data:`reshard.models.hf_quant.QUANT_SCHEMES` (``fp8-block128`` for
+            transformers' FineGrainedFP8; ``ct-fp8-block128``, ``ct-fp8-channel``, ``ct-mxfp8``, ``ct-mxfp4``,
+            ``ct-nvfp4`` for compressed-tensors): the Linear weights quantized on the way, with the consumer's
+            tensor names and ``quantization_config`` (see :mod:`reshard.models.hf_quant`).
 
     Raises:
         CheckpointExistsError: ``out`` exists.
-        MismatchError: not a checkpoint of the reference model, a Llama with un-gated experts (not a
+        ValueError: an unknown ``quantize`` scheme.
+        MismatchError: not a checkpoint of the reference model, a weight the ``quantize`` scheme cannot hold
+            or that is already low precision (not requantized), a Llama with un-gated experts (not a
             Hugging Face architecture), a checkpoint without the model's tensors, or LoRA adapters in it
             (export those with export-peft; merging is not done here).
         StorageError: writing failed (nothing is left at ``out``).
     """
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    if quantize is not None and quantize not in QUANT_SCHEMES:
+        raise ValueError(f"unknown quantization scheme {quantize!r}; the schemes are {', '.join(QUANT_SCHEMES)}")
+    scheme = None if quantize is None else QUANT_SCHEMES[quantize]
     target = Path(out)
     if target.exists() or target.is_symlink():
         raise CheckpointExistsError(f"{target} already exists; export-hf writes a new directory")
     with CheckpointReader(checkpoint, storage_options=storage_options) as reader:
-        model = checkpoint_model_config(reader.metadata, reader.describe())
-        try:
-            hf_config_of(model)  # a Llama with un-gated experts has none
-        except ValueError as exc:
-            raise MismatchError(str(exc)) from None
-        adapters = sorted(k for k in reader.metadata.tensors if is_adapter_key(k) and not k.startswith("optimizer."))
-        if adapters:
-            raise MismatchError(
-                f"{reader.describe()} holds {len(adapters)} LoRA adapter tensors ({adapters[0]}, ...): export them "
-                "with export-peft; export-hf writes the base model only and does not merge adapters"
-            )
-        parts = _parts(reader, model)
+        model = _exportable_model(reader)
+        parts = _parts(reader, model, scheme)
         config = hf_config_of(model, reader.tensor("embedding.word_embeddings.weight").torch_dtype)
+        if scheme is not None:
+            config["quantization_config"] = quantization_config(scheme, _kept_modules(parts))
         shards = plan_shards([p.spec.nbytes for p in parts], max_shard_bytes)
         names = [SINGLE_FILE] if len(shards) == 1 else shard_file_names(len(shards))
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +177,7 @@ def export_hf(
             storage = LocalStorage(temp)
             weight_map: dict[str, str] = {}
             for shard, name in zip(shards, names, strict=True):
-                _write_shard(reader, storage, [parts[i] for i in shard], name, slab_bytes)
+                _write_shard(reader, storage, [parts[i] for i in shard], name, slab_bytes, scheme)
                 weight_map.update({parts[i].spec.name: name for i in shard})
             if len(shards) > 1:
                 index = {"metadata": {"total_size": sum(p.spec.nbytes for p in parts)}, "weight_map": weight_map}
@@ -148,15 +200,26 @@ def export_hf(
 
 
 def _write_shard(
-    reader: CheckpointReader, storage: LocalStorage, parts: list[_Part], name: str, slab_bytes: int
+    reader: CheckpointReader,
+    storage: LocalStorage,
+    parts: list[ExportPart],
+    name: str,
+    slab_bytes: int,
+    scheme: QuantScheme | None,
 ) -> None:
-    """One safetensors file of ``parts``, each streamed in slabs of at most ``slab_bytes``."""
+    """One safetensors file of ``parts``, each streamed in slabs of at most ``slab_bytes`` (quantized ones
+    by :func:`write_quantized`)."""
     # Larger elements first: every tensor then starts aligned to its element size.
     ordered = sorted(parts, key=lambda p: (-p.spec.dtype.itemsize, p.spec.name))
     sink = storage.open_writer(name)
     try:
         writer = SafetensorsWriter(sink, [p.spec for p in ordered], {"format": "pt"})
         for part in ordered:
+            if part.role != "plain":
+                assert scheme is not None
+                write_quantized(reader, writer, part, scheme, slab_bytes)
+                writer.end_tensor()
+                continue
             itemsize = part.spec.dtype.itemsize
             per_slab = max(1, slab_bytes // itemsize)
             total = math.prod(part.spec.shape)
