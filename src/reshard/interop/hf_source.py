@@ -24,15 +24,17 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, MismatchError, StorageError
+from reshard.interop.hf_scaled import Pairs, ScaledLayout, describe_pairs, scaled_layout
 from reshard.interop.safetensors import TensorEntry, read_header
 from reshard.io.sources import CheckpointSource
 from reshard.metadata import DataFile, Metadata, SavedBox, TensorMetadata, check_relative_path
 from reshard.state.codec import strict_json_loads
 from reshard.state.dtypes import dtype_name
+from reshard.state.scaled import ScaledRecord
 from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
 
 __all__ = [
@@ -109,7 +111,8 @@ def describe_source(storage: Storage) -> dict[str, Any]:
     other ranks). Only small reads: the index and each header.
 
     Raises:
-        CorruptCheckpointError: an invalid index or header, or an index naming a tensor its shard lacks.
+        CorruptCheckpointError: an invalid index or header, an index naming a tensor its shard lacks, or a
+            ``config.json`` whose quantization does not fit the tensors (``hf_scaled.describe_pairs``).
         CheckpointNotFoundError: neither file is there.
     """
     where = storage.describe()
@@ -154,7 +157,8 @@ def describe_source(storage: Storage) -> dict[str, Any]:
             raise CorruptCheckpointError(
                 f"{storage.describe(INDEX_FILE)} names tensors their shards do not hold: {', '.join(absent[:20])}"
             )
-    return {"files": described_files, "tensors": tensors}
+    entries = {name: (described_files[doc[0]][0], _entry(name, doc)[1]) for name, doc in tensors.items()}
+    return {"files": described_files, "tensors": tensors, "pairs": describe_pairs(storage, entries)}
 
 
 def _entry(name: str, doc: list[Any]) -> tuple[int, TensorEntry]:
@@ -164,67 +168,125 @@ def _entry(name: str, doc: list[Any]) -> tuple[int, TensorEntry]:
 
 def source_metadata(description: dict[str, Any], key_map: SourceMap | None) -> Metadata:
     """A Metadata whose tensors are the keys of ``key_map``, each built from its source (see the module
-    docstring), and every source tensor under its own name (unless the key map names it as a target).
+    docstring), and every source tensor under its own name (unless the key map names it as a target). A
+    low-precision pair (:mod:`reshard.interop.hf_scaled`) is a scaled tensor: its data under the key, its
+    scales and global scale under ``<key>:scale`` and ``<key>:global_scale``, and its record.
 
     Raises:
         MismatchError: a key_map source names a tensor the checkpoint lacks, parts that do not fit together
-            (shapes or dtypes), or a dtype reshard cannot hold.
+            (shapes, dtypes, formats, blocks cut by a part, global scales), a target mixing low-precision pairs
+            and plain tensors, or a dtype reshard cannot hold.
     """
     sources = {name: _entry(name, doc) for name, doc in description["tensors"].items()}
+    pairs = Pairs.from_doc(description.get("pairs"))
     key_map = key_map or {}
-    tensors: dict[str, TensorMetadata] = {}
-    problems: list[str] = []
-
-    def part(name: str, key: str) -> tuple[int, TensorEntry] | None:
-        found = sources.get(name)
-        if found is None:
-            problems.append(f"{key!r}: the source has no tensor {name!r}")
-        return found
-
+    built = _Built({}, {}, [])
     for key, spec in key_map.items():
-        if isinstance(spec, str):
-            found = part(spec, key)
-            if found is not None:
-                tensors[key] = _tensor(key, [found], [(0,) * len(found[1].shape)], found[1].shape, problems)
-            continue
-        parts = [p for p in (part(name, key) for name in spec.sources) if p is not None]
-        if len(parts) != len(spec.sources):
-            continue
-        if isinstance(spec, Stack):
-            shape = parts[0][1].shape
-            if any(p.shape != shape for _, p in parts):
-                problems.append(f"{key!r}: Stack of tensors of different shapes {[list(p.shape) for _, p in parts]}")
-                continue
-            offsets = [(i, *(0,) * len(shape)) for i in range(len(parts))]
-            tensors[key] = _tensor(key, parts, offsets, (len(parts), *shape), problems, stacked=True)
-            continue
-        first = parts[0][1].shape
-        axis = spec.axis
-        if not 0 <= axis < len(first) or any(
-            len(p.shape) != len(first) or p.shape[:axis] + p.shape[axis + 1 :] != first[:axis] + first[axis + 1 :]
-            for _, p in parts
-        ):
-            problems.append(f"{key!r}: cannot concatenate shapes {[list(p.shape) for _, p in parts]} on axis {axis}")
-            continue
-        offsets, position = [], 0
-        for _, p in parts:
-            offsets.append(tuple(position if a == axis else 0 for a in range(len(first))))
-            position += p.shape[axis]
-        total = tuple(position if a == axis else n for a, n in enumerate(first))
-        tensors[key] = _tensor(key, parts, offsets, total, problems)
-    for name, found in sources.items():
-        if name not in tensors and name not in key_map:
-            tensors[name] = _tensor(name, [found], [(0,) * len(found[1].shape)], found[1].shape, problems)
-    if problems:
-        raise MismatchError("the safetensors source does not fit the key map: " + "; ".join(problems[:30]))
+        _add_target(key, spec, sources, pairs, built)
+    partners = pairs.partners()
+    for name in [*sources, *pairs.by_name]:
+        if name not in built.tensors and name not in key_map and name not in partners:
+            _add_target(name, name, sources, pairs, built)
+    if built.problems:
+        raise MismatchError("the safetensors source does not fit the key map: " + "; ".join(built.problems[:30]))
     return Metadata(
         save_id="safetensors",
         created_by="safetensors",
         world_size=1,
         checksum_chunk_bytes=_CHUNK_BYTES,
         files=tuple(DataFile(path=name, size=size) for name, size in description["files"]),
-        tensors=tensors,
+        tensors=built.tensors,
+        scaled=built.scaled,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Built:
+    tensors: dict[str, TensorMetadata]
+    scaled: dict[str, ScaledRecord]
+    problems: list[str]
+
+
+def _names(spec: Source) -> list[str]:
+    return [spec] if isinstance(spec, str) else list(spec.sources)
+
+
+def _add_target(
+    key: str, spec: Source, sources: dict[str, tuple[int, TensorEntry]], pairs: Pairs, built: _Built
+) -> None:
+    """Add target ``key`` (its tensor, and for low-precision pairs its scales and record) to ``built``."""
+    found = [pairs.lookup(name) for name in _names(spec)]
+    scaled = [p for p in found if p is not None]
+    if scaled and len(scaled) != len(found):
+        built.problems.append(f"{key!r}: its sources mix low-precision pairs and plain tensors")
+        return
+    names = [p.data for p in scaled] or _names(spec)
+    parts = []
+    for name in names:
+        if name not in sources:
+            built.problems.append(f"{key!r}: the source has no tensor {name!r}")
+        else:
+            parts.append(sources[name])
+    if len(parts) != len(names):
+        return
+    layout = _layout(key, spec, parts, built.problems)
+    if layout is None:
+        return
+    offsets, shape = layout
+    shapes = [(1, *p.shape) if isinstance(spec, Stack) else p.shape for _, p in parts]
+    built.tensors[key] = _tensor(key, parts, offsets, shape, shapes, built.problems)
+    if scaled:
+        try:
+            scales = scaled_layout(key, scaled, offsets, shapes, shape)
+        except MismatchError as exc:
+            built.problems.append(str(exc))
+            return
+        _add_scales(scales, sources, built)
+
+
+def _add_scales(scales: ScaledLayout, sources: dict[str, tuple[int, TensorEntry]], built: _Built) -> None:
+    """The scale and global-scale tensors of a scaled target, and its record. E8M0 scales stored as F8_E8M0
+    are their uint8 bit patterns (the dtype a checkpoint records them as)."""
+    record = scales.record
+    parts = [sources[name] for name in scales.scale_names]
+    parts = [(n, replace(e, dtype="U8") if e.dtype == "F8_E8M0" else e) for n, e in parts]
+    built.tensors[record.scale_key] = _tensor(
+        record.scale_key, parts, list(scales.scale_offsets), scales.grid, list(scales.scale_shapes), built.problems
+    )
+    if record.global_scale_key is not None and scales.global_scale is not None:
+        glob = sources[scales.global_scale]
+        built.tensors[record.global_scale_key] = _tensor(
+            record.global_scale_key, [glob], [()], (), [()], built.problems
+        )
+    built.scaled[record.key] = record
+
+
+def _layout(
+    key: str, spec: Source, parts: list[tuple[int, TensorEntry]], problems: list[str]
+) -> tuple[list[tuple[int, ...]], tuple[int, ...]] | None:
+    """The offset of each part in the target and the target's global shape; None (and a problem) when the
+    parts do not fit together."""
+    if isinstance(spec, str):
+        return [(0,) * len(parts[0][1].shape)], parts[0][1].shape
+    if isinstance(spec, Stack):
+        shape = parts[0][1].shape
+        if any(p.shape != shape for _, p in parts):
+            problems.append(f"{key!r}: Stack of tensors of different shapes {[list(p.shape) for _, p in parts]}")
+            return None
+        return [(i, *(0,) * len(shape)) for i in range(len(parts))], (len(parts), *shape)
+    first = parts[0][1].shape
+    axis = spec.axis
+    if not 0 <= axis < len(first) or any(
+        len(p.shape) != len(first) or p.shape[:axis] + p.shape[axis + 1 :] != first[:axis] + first[axis + 1 :]
+        for _, p in parts
+    ):
+        problems.append(f"{key!r}: cannot concatenate shapes {[list(p.shape) for _, p in parts]} on axis {axis}")
+        return None
+    offsets, position = [], 0
+    for _, p in parts:
+        offsets.append(tuple(position if a == axis else 0 for a in range(len(first))))
+        position += p.shape[axis]
+    return offsets, tuple(position if a == axis else n for a, n in enumerate(first))
 
 
 def _tensor(
@@ -232,10 +294,11 @@ def _tensor(
     parts: list[tuple[int, TensorEntry]],
     offsets: list[tuple[int, ...]],
     global_shape: tuple[int, ...],
+    shapes: list[tuple[int, ...]],
     problems: list[str],
-    *,
-    stacked: bool = False,
 ) -> TensorMetadata:
+    """The tensor ``key`` whose boxes are ``parts`` (each a whole source tensor) at ``offsets``, of ``shapes``
+    (the parts' own shapes, or the same bytes seen as another shape: stacked, a per-tensor scale's grid)."""
     dtypes = {p.dtype for _, p in parts}
     torch_dtype = parts[0][1].torch_dtype
     if len(dtypes) > 1:
@@ -245,13 +308,13 @@ def _tensor(
     boxes = tuple(
         SavedBox(
             offset=offset,
-            shape=(1, *entry.shape) if stacked else entry.shape,
+            shape=shape,
             file=number,
             byte_offset=entry.start,
             byte_length=entry.nbytes,
             checksums=(),
         )
-        for (number, entry), offset in zip(parts, offsets, strict=True)
+        for (number, entry), offset, shape in zip(parts, offsets, shapes, strict=True)
     )
     name = dtype_name(torch_dtype) if torch_dtype is not None and len(dtypes) == 1 else "float32"
     return TensorMetadata(key=key, dtype=name, global_shape=global_shape, boxes=boxes)
@@ -287,6 +350,7 @@ class HuggingFaceSource(CheckpointSource):
         self.allow_unused = allow_unused
         self.refuses_unused = not allow_unused
         self._source_names: list[str] = []
+        self._pairs = Pairs({})
 
     def unused_entries(self, keys: set[str]) -> list[str]:
         if self.allow_unused:
@@ -294,8 +358,9 @@ class HuggingFaceSource(CheckpointSource):
         key_map = self.key_map or {}
         used: set[str] = set()
         for key in keys:
-            spec = key_map.get(key, key)
-            used.update([spec] if isinstance(spec, str) else spec.sources)
+            for name in _names(key_map.get(key, key)):
+                pair = self._pairs.lookup(name)
+                used.update([name] if pair is None else [pair.data, pair.scale, pair.global_scale or pair.data])
         return sorted(set(self._source_names) - used)
 
     def read_metadata(self) -> tuple[bytes, Metadata]:
@@ -306,11 +371,13 @@ class HuggingFaceSource(CheckpointSource):
             )
         description = describe_source(self.storage)
         self._source_names = list(description["tensors"])
+        self._pairs = Pairs.from_doc(description.get("pairs"))
         return json.dumps(description).encode(), source_metadata(description, self.key_map)
 
     def decode_metadata(self, raw: bytes) -> Metadata:
         description = json.loads(raw)
         self._source_names = list(description["tensors"])
+        self._pairs = Pairs.from_doc(description.get("pairs"))
         return source_metadata(description, self.key_map)
 
     def close(self) -> None:

@@ -6,15 +6,22 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from reshard.errors import ShardingError
 from reshard.metadata import Metadata
 from reshard.planning.descriptions import DescriptionTable
 from reshard.state.dtypes import dtype_name
+from reshard.state.lowprec import FORMATS
 from reshard.state.scaled import ScaledRecord
 from reshard.state.statedict import FlatStateDict
 
 __all__ = ["agree_scaled", "record_from_json", "scaled_mismatches", "transfer_scaled_mismatches"]
+
+_EXACT_WIDENING = frozenset({"bfloat16", "float16"})
+"""Saved scale dtypes that a float32 scale of the FP8 formats loads exactly (every bfloat16 and float16 value is
+a float32): Hugging Face checkpoints hold FP8 scales in the model's dtype (compressed-tensors, Qwen's FP8
+``weight_scale_inv``). A reshard checkpoint's scales are always the format's dtype."""
 
 
 def record_from_json(key: str, doc: dict[str, Any]) -> ScaledRecord:
@@ -64,12 +71,16 @@ def agree_scaled(table: DescriptionTable, contexts: list[Any]) -> dict[str, Scal
 def scaled_mismatches(flat: FlatStateDict, metadata: Metadata) -> list[str]:
     """How a load template's scaled and plain tensors disagree with the checkpoint's records: a ScaledTensor
     of a saved plain tensor, of another format or block, or whose parts would need a cast (never done to
-    scaled bytes), and a plain tensor of a saved scaled key (its data would load without its scales). Each
+    scaled bytes; the one cast done is the exact widening of bfloat16 or float16 FP8 scales of a Hugging Face source
+    to float32), and a plain tensor of a saved scaled key (its data would load without its scales). Each
     names both sides. A ScaledTensor whose data the checkpoint lacks is missing, not a mismatch."""
     problems = []
     parts: set[str] = set()
+    widened: set[str] = set()
     for key, mine in flat.scaled.items():
         parts.update(k for k in (mine.key, mine.scale_key, mine.global_scale_key) if k is not None)
+        if FORMATS[mine.format].scale_dtypes == (torch.float32,):
+            widened.add(mine.scale_key)
         if key not in metadata.tensors:
             continue
         saved = metadata.scaled.get(key)
@@ -94,6 +105,8 @@ def scaled_mismatches(flat: FlatStateDict, metadata: Metadata) -> list[str]:
                     "plain tensor (its data would load without its scales); load it as a reshard.ScaledTensor"
                 )
         elif saved_tensor is not None and saved_tensor.dtype != dtype_name(tensor.data.dtype):
+            if tensor.key in widened and saved_tensor.dtype in _EXACT_WIDENING:
+                continue
             problems.append(
                 f"{tensor.key!r}: saved dtype {saved_tensor.dtype}, the template's ScaledTensor holds "
                 f"{dtype_name(tensor.data.dtype)} (scaled data and scales are never cast)"
