@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensorFactory
 from megatron.core.dist_checkpointing.mapping import ShardedObject as McoreShardedObject
 from megatron.core.dist_checkpointing.mapping import ShardedTensor as McoreShardedTensor
+from megatron.core.fp8_utils import dequantize_fp8_tensor, is_float8tensor
 
 from reshard.errors import MismatchError, StateDictError
 from reshard.interop.dcp import MEGATRON_COMMON_KEY
@@ -146,7 +147,12 @@ def _tensor(sharded: McoreShardedTensor, stored: Metadata | None, loading: bool)
         sharded.init_data("cpu", init_fn=torch.zeros if sharded.allow_shape_mismatch else torch.empty)
     elif sharded.allow_shape_mismatch and loading:
         sharded.data.detach().zero_()  # as torch_dist does before it loads (mcore_to_pyt_state_dict)
-    data = sharded.data.reshape((1,) * sharded.prepend_axis_num + tuple(sharded.local_shape))
+    local = sharded.data
+    if not loading and is_float8tensor(local):
+        # Megatron's load dequantizes every Transformer Engine FP8 template (force_all_tensors_to_non_fp8) before
+        # a strategy sees it, so the checkpoint holds the values, never FP8 bytes without their scales.
+        local = dequantize_fp8_tensor(local)
+    data = local.reshape((1,) * sharded.prepend_axis_num + tuple(sharded.local_shape))
     global_shape, offset = tuple(sharded.global_shape), tuple(sharded.global_offset)
     saved = stored.tensors.get(sharded.key) if stored is not None else None
     if sharded.allow_shape_mismatch and saved is not None and saved.global_shape != global_shape:
