@@ -217,3 +217,27 @@ def test_a_scaled_source_of_the_target_format_moves_its_bytes() -> None:
 
     for rank, state in enumerate(on_ranks(4, run)):
         check(state, "w", want, 4, 1, rank)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "nvfp4", "fp8_e4m3"])
+def test_a_block_cut_by_four_senders_and_a_nan_on_one_of_them(fmt: str) -> None:
+    """Columns split at 40, 50 and 60: the block [32, 64) of every row is cut among four senders, its
+    amax the max of four parts (the coordinator's combine over all cut cells at once); a NaN in the third
+    sender's part of row 2's block makes that block's scale NaN on every receiver (NaN wins), an inf in
+    row 5 another's. Bit for bit ``quantize`` of the whole tensor."""
+    full = weights(8, 128, seed=13, dtype=torch.float32)
+    full[2, 55] = float("nan")
+    full[5, 41] = float("inf")
+    block = (1, 32) if fmt == "fp8_e4m3" else None
+    want = quantize(full, fmt, block)
+    cuts = [0, 40, 50, 60, 128]
+
+    def run(rank: int, g: Any) -> dict[str, Any]:
+        lo, hi = cuts[rank], cuts[rank + 1]
+        source = {"w": ShardedTensor("w", full[:, lo:hi].clone(), (8, 128), (0, lo))}
+        state = target("w", want, fmt, block, 2, 0, rank)
+        reshard.transfer(source, state, group=g)
+        return state
+
+    for rank, state in enumerate(on_ranks(4, run)):
+        check(state, "w", want, 2, 0, rank)
