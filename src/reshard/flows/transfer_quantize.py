@@ -40,7 +40,13 @@ from reshard.errors import MismatchError, ShardingError
 from reshard.geometry.boxes import Box
 from reshard.state.dtypes import dtype_name
 from reshard.state.lowprec import Block, ScaleFormat, scale_format, scale_grid_shape, stored_block
-from reshard.state.quantize import block_amax, global_scale_from_amax, quantize_with_scales, scales_from_amax
+from reshard.state.quantize import (
+    INPUT_DTYPE_NAMES,
+    block_amax,
+    global_scale_from_amax,
+    quantize_with_scales,
+    scales_from_amax,
+)
 from reshard.state.scaled import GLOBAL_SCALE_SUFFIX, SCALE_SUFFIX, stored_view
 from reshard.state.sharding import LocalPiece
 
@@ -54,7 +60,7 @@ __all__ = [
     "virtual_holdings",
 ]
 
-HIGH_PRECISION = ("float32", "bfloat16", "float16")
+HIGH_PRECISION = INPUT_DTYPE_NAMES
 """The source dtypes (names) a transfer quantizes: those :func:`reshard.state.quantize.quantize` takes."""
 
 
