@@ -30,6 +30,7 @@ PLAN: dict[tuple[str, int], tuple[int | None, int]] = {
     ("read_once", 3): (10, 1),
     ("transfer", 3): (8, 1),
     ("delta", 2): (8, 1),
+    ("quantize", 2): (8, 1),
     ("peer", 3): (10, 1),
     ("megatron", 2): (10, 1),
     ("convert", 1): (8, 1),

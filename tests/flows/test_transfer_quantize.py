@@ -11,6 +11,7 @@ import torch
 
 import reshard
 from reshard import CheckpointError, MismatchError, ScaledTensor, ShardedTensor, ShardingError
+from reshard.state.dtypes import dtype_name
 from reshard.state.quantize import Quantized, quantize
 from tests.flows.test_scaled import errors_on_ranks, on_ranks, same_bytes
 
@@ -189,7 +190,9 @@ def test_low_precision_plain_source_and_odd_fp4_columns_are_refused() -> None:
         reshard.transfer(source, target("w", want, "fp8_e4m3", (128, 128), 2, 1, rank), group=g)
 
     errors = errors_on_ranks(2, plain_fp8)
-    assert all(isinstance(e, MismatchError) and "the source 'w' is a plain tensor" in str(e) for e in errors)
+    assert all(
+        isinstance(e, MismatchError) and "the source 'w' is a plain float8_e4m3fn tensor" in str(e) for e in errors
+    )
 
     full = weights(8, 64, seed=2, dtype=torch.float32)
     nv = quantize(full, "nvfp4")
@@ -217,3 +220,52 @@ def test_a_scaled_source_of_the_target_format_moves_its_bytes() -> None:
 
     for rank, state in enumerate(on_ranks(4, run)):
         check(state, "w", want, 4, 1, rank)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "nvfp4", "fp8_e4m3"])
+def test_a_block_cut_by_four_senders_and_a_nan_on_one_of_them(fmt: str) -> None:
+    """Columns split at 40, 50 and 60: the block [32, 64) of every row is cut among four senders, its
+    amax the max of four parts (the coordinator's combine over all cut cells at once); a NaN in the third
+    sender's part of row 2's block makes that block's scale NaN on every receiver (NaN wins), an inf in
+    row 5 another's. Bit for bit ``quantize`` of the whole tensor."""
+    full = weights(8, 128, seed=13, dtype=torch.float32)
+    full[2, 55] = float("nan")
+    full[5, 41] = float("inf")
+    block = (1, 32) if fmt == "fp8_e4m3" else None
+    want = quantize(full, fmt, block)
+    cuts = [0, 40, 50, 60, 128]
+
+    def run(rank: int, g: Any) -> dict[str, Any]:
+        lo, hi = cuts[rank], cuts[rank + 1]
+        source = {"w": ShardedTensor("w", full[:, lo:hi].clone(), (8, 128), (0, lo))}
+        state = target("w", want, fmt, block, 2, 0, rank)
+        reshard.transfer(source, state, group=g)
+        return state
+
+    for rank, state in enumerate(on_ranks(4, run)):
+        check(state, "w", want, 2, 0, rank)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "why"),
+    [
+        (torch.float8_e4m3fn, "float8_e4m3fn is already low-precision"),
+        (torch.float8_e5m2, "float8_e5m2 is already low-precision"),
+        (torch.float64, "float64 would be rounded to float32 first"),
+        (torch.int32, "int32 is not a floating-point dtype"),
+    ],
+)
+def test_a_source_that_is_not_quantized_says_which_are_and_why(dtype: torch.dtype, why: str) -> None:
+    """A plain source of a scaled target that a transfer does not quantize: the error names the dtypes it
+    does quantize and why this one is not, on every rank."""
+    want = quantize(W, "fp8_e4m3", (128, 128))
+
+    def run(rank: int, g: Any) -> None:
+        source = rows_source("w", W.to(torch.float32).to(dtype), 64, rank)
+        reshard.transfer(source, target("w", want, "fp8_e4m3", (128, 128), 2, 1, rank), group=g)
+
+    errors = errors_on_ranks(2, run)
+    assert all(isinstance(e, MismatchError) for e in errors), errors
+    for e in errors:
+        assert f"the source 'w' is a plain {dtype_name(dtype)} tensor" in str(e), e
+        assert "quantizes float32, bfloat16 and float16 sources" in str(e) and why in str(e), e

@@ -29,6 +29,7 @@ import torch
 
 from reshard.errors import CheckpointError, DataUnavailableError, MismatchError, ShardingError, StateDictError
 from reshard.flows.transfer_delta import LastSync, aliasing, cell_digests, digest_json, widen_to_groups
+from reshard.flows.transfer_names import scaled_parts, source_key
 from reshard.flows.transfer_quantize import Job, find_jobs, quantize_pieces, reduce_amax, rewrite
 from reshard.geometry.boxes import Box
 from reshard.geometry.tiling import find_tiling_problem
@@ -36,7 +37,7 @@ from reshard.io.exchange import ExchangeCounters, describe_need, run_exchange
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
 from reshard.planning.exchange import DEFAULT_ROUND_BYTES, RankSchedule, TransferPlan, schedule_transfer
-from reshard.planning.scaled import transfer_scaled_mismatches
+from reshard.planning.scaled import record_from_json, transfer_scaled_mismatches
 from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name, is_lossy_cast
 from reshard.state.sharding import LocalPiece, ShardedTensor
 from reshard.state.statedict import check_tensors, flatten_state_dict, is_empty_container, map_leaves
@@ -91,6 +92,8 @@ def transfer(
             (a Hugging Face naming on the inference side); unlisted keys are their own. The same on every
             rank: the coordinator checks every rank's results against its own. A mapping is read at every
             transfer (a session's later change of it takes effect, as a function is called every time).
+            A target ScaledTensor's scales follow its data key's source (``K:scale`` from ``N:scale``;
+            :mod:`reshard.flows.transfer_names`).
         allow_lossy_cast: allow conversions that change values beyond rounding (float to int, ...), as
             ``LoadOptions(allow_lossy_cast=True)``.
         round_bytes: the most bytes a rank sends, and receives, in one round (its two buffers).
@@ -106,7 +109,8 @@ def transfer(
             storage, an expanded target), named with their rank, on every rank before any byte moves.
         ShardingError: two primaries of overlapping boxes of a source key (named with their ranks), on
             every rank.
-        MismatchError: a global shape or a lossy dtype conversion that differs, on every rank.
+        MismatchError: a global shape or a lossy dtype conversion that differs, or a ``key_map`` that maps
+            a part of a scaled target to another source than its data's, on every rank.
         DataUnavailableError: a target key that no rank holds, or parts of target tensors that no rank
             holds (named), on every rank (a MismatchError too).
         CheckpointError: the ranks passed different ``allow_lossy_cast`` or ``round_bytes``, or a
@@ -295,6 +299,7 @@ class TransferSession:
         shapes: dict[str, list[Any]] = {}
         wanted_shapes: list[list[Any]] = []
         addresses = []
+        parts = scaled_parts(wanted.scaled.values())
         for tensor in held.tensors:
             shapes[tensor.key] = [list(tensor.saved_shape), dtype_name(tensor.data.dtype)]
             for piece in tensor.pieces():
@@ -302,7 +307,7 @@ class TransferSession:
                 holdings.append(describe_need(tensor.key, piece))
                 primary.append(tensor.is_main_replica)
         for tensor in wanted.tensors:
-            key = self.rename(tensor.key)
+            key = source_key(self.rename, tensor.key, parts)
             wanted_shapes.append([tensor.key, key, list(tensor.saved_shape), dtype_name(tensor.data.dtype)])
             addresses.append(tensor.data.data_ptr())
             for piece in tensor.pieces():
@@ -391,9 +396,11 @@ def _check_agreement(docs: list[dict[str, Any]], rename: Callable[[str], str]) -
             problems.append(f"different {option}: " + ", ".join(f"{v!r} on ranks {r}" for v, r in by_value.items()))
     differ = []
     for rank, doc in enumerate(docs):
+        records = [record_from_json(n, r) for n, (_key, r) in doc["description"]["scaled_wanted"].items()]
+        parts = scaled_parts(records)
         for name, key, _shape, _dtype in doc["description"]["wanted"]:
             try:
-                ours = repr(rename(name))
+                ours = repr(source_key(rename, name, parts))
             except Exception as exc:  # a key_map that cannot map a name another rank's maps: they differ
                 ours = f"an error ({type(exc).__name__}: {exc})"
             if ours != repr(key):

@@ -40,7 +40,13 @@ from reshard.errors import MismatchError, ShardingError
 from reshard.geometry.boxes import Box
 from reshard.state.dtypes import dtype_name
 from reshard.state.lowprec import Block, ScaleFormat, scale_format, scale_grid_shape, stored_block
-from reshard.state.quantize import block_amax, global_scale_from_amax, quantize_with_scales, scales_from_amax
+from reshard.state.quantize import (
+    INPUT_DTYPE_NAMES,
+    block_amax,
+    global_scale_from_amax,
+    quantize_with_scales,
+    scales_from_amax,
+)
 from reshard.state.scaled import GLOBAL_SCALE_SUFFIX, SCALE_SUFFIX, stored_view
 from reshard.state.sharding import LocalPiece
 
@@ -54,7 +60,7 @@ __all__ = [
     "virtual_holdings",
 ]
 
-HIGH_PRECISION = ("float32", "bfloat16", "float16")
+HIGH_PRECISION = INPUT_DTYPE_NAMES
 """The source dtypes (names) a transfer quantizes: those :func:`reshard.state.quantize.quantize` takes."""
 
 
@@ -283,6 +289,22 @@ def _flat_cells(job: Job, block: _Block) -> torch.Tensor:
     return ((local + torch.tensor(block.first, dtype=torch.int64)) * strides).sum(dim=1)
 
 
+def _combine_job(parts: list[list[Any]]) -> list[Any]:
+    """On the coordinator, for one job: the max over the ranks' amaxes of each cut cell (``parts``: per
+    rank, its cells, their amaxes and its tensor amax, as :func:`reduce_amax`'s ``local`` sent them), NaN
+    winning, in torch ops over all the cells at once; returned as the sorted cells, their maxima and the
+    tensor's amax (empty where no rank holds a piece)."""
+    cells = torch.cat([torch.tensor(rank_cells, dtype=torch.int64) for rank_cells, _v, _w in parts])
+    values = torch.cat([_decode(v) for _c, v, _w in parts])
+    order, where = torch.unique(cells, sorted=True, return_inverse=True)
+    maxima = torch.full((order.numel(),), -math.inf).scatter_reduce(0, where, values, "amax")
+    nan = torch.zeros(order.numel(), dtype=torch.bool).index_put_((where,), values.isnan(), accumulate=True)
+    maxima[nan] = math.nan  # a NaN wins whatever the backend's max makes of it
+    found = torch.cat([_decode(w) for _c, _v, w in parts])
+    whole = found.amax().reshape(1) if found.numel() else torch.zeros(0)  # amax propagates NaN
+    return [order.tolist(), _encode(maxima), _encode(whole)]
+
+
 @dataclass
 class Quantization:
     """This rank's part of a quantizing transfer: its pieces' blocks per job, and (after
@@ -311,40 +333,24 @@ def reduce_amax(
                 if h[0] == job.key and sources[i].box.volume
             ]
             blocks.append(mine)
-            cells = [int(c) for b in mine for c in _flat_cells(job, b).tolist()]
+            cells = torch.cat([_flat_cells(job, b) for b in mine]).tolist() if mine else []
             values = torch.cat([b.amax[b.cut] for b in mine]) if mine else torch.zeros(0)
             whole = torch.stack([b.amax.amax() for b in mine]).amax().reshape(1) if mine else torch.zeros(0)
             out.append([cells, _encode(values), _encode(whole)])
         return out
 
     def combine(parts: list[list[list[Any]]]) -> list[list[Any]]:
-        out = []
-        for j in range(len(jobs)):
-            merged: dict[int, torch.Tensor] = {}
-            whole = torch.zeros(0)
-            for rank_parts in parts:
-                cells, values, tensor_max = rank_parts[j]
-                for cell, value in zip(cells, _decode(values), strict=True):
-                    merged[cell] = torch.maximum(merged[cell], value) if cell in merged else value
-                found = _decode(tensor_max)
-                whole = (
-                    torch.maximum(whole, found)
-                    if whole.numel() and found.numel()
-                    else (whole if whole.numel() else found)
-                )
-            order = sorted(merged)
-            values = torch.stack([merged[c] for c in order]) if order else torch.zeros(0)
-            out.append([order, _encode(values), _encode(whole)])
-        return out
+        return [_combine_job([rank_parts[j] for rank_parts in parts]) for j in range(len(jobs))]
 
     combined = step("quantizing: block amaxes", local, combine)
     scales: list[torch.Tensor | None] = []
     for job, mine, (cells, values, whole) in zip(jobs, blocks, combined, strict=True):
-        lookup = dict(zip(cells, _decode(values).tolist(), strict=True))
+        order, maxima = torch.tensor(cells, dtype=torch.int64), _decode(values)
         for block in mine:
-            wanted = _flat_cells(job, block).tolist()
-            if wanted:
-                block.amax[block.cut] = torch.tensor([lookup[c] for c in wanted], dtype=torch.float32)
+            wanted = _flat_cells(job, block)
+            if wanted.numel():  # every cell a rank cut is in the coordinator's sorted list
+                found = maxima[torch.searchsorted(order, wanted)]
+                block.amax[block.cut] = found.to(block.amax.device)
         tensor_amax = _decode(whole)
         amax = tensor_amax.reshape(()) if tensor_amax.numel() else torch.zeros(())
         scales.append(global_scale_from_amax(amax, job.spec) if job.spec.global_scale is not None else None)

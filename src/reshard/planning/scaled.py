@@ -11,8 +11,9 @@ import torch
 from reshard.errors import ShardingError
 from reshard.metadata import Metadata
 from reshard.planning.descriptions import DescriptionTable
-from reshard.state.dtypes import dtype_name
+from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name
 from reshard.state.lowprec import FORMATS
+from reshard.state.quantize import INPUT_DTYPE_NAMES
 from reshard.state.scaled import ScaledRecord
 from reshard.state.statedict import FlatStateDict
 
@@ -130,7 +131,12 @@ def transfer_scaled_mismatches(docs: list[dict[str, Any]]) -> list[str]:
             parts.update({p: name for p in (mine.key, mine.scale_key, mine.global_scale_key) if p is not None})
             source = held_records.get(key)
             if key in held and source is None:
-                problems.append(f"{name!r}: the source {key!r} is a plain tensor, the target a {mine.describe()}")
+                dtype = held[key][1]
+                problems.append(
+                    f"{name!r}: the source {key!r} is a plain {dtype} tensor, the target a ScaledTensor of "
+                    f"{mine.describe()}: a transfer quantizes {', '.join(INPUT_DTYPE_NAMES[:-1])} and "
+                    f"{INPUT_DTYPE_NAMES[-1]} sources only, and {_not_quantized(dtype)}"
+                )
             elif source is not None and (source.format, source.block) != (mine.format, mine.block):
                 problems.append(f"{name!r}: the source {key!r} is {source.describe()}, the target {mine.describe()}")
     scaled_sources = {p for r in held_records.values() for p in (r.key, r.scale_key, r.global_scale_key) if p}
@@ -139,6 +145,22 @@ def transfer_scaled_mismatches(docs: list[dict[str, Any]]) -> list[str]:
             if name not in parts and key in held_records:
                 source = held_records[key]
                 problems.append(f"{name!r}: the source {key!r} is {source.describe()}, the target a plain tensor")
-            elif (name in parts or key in scaled_sources) and key in held and held[key][1] != dtype:
+            elif key in scaled_sources and key in held and held[key][1] != dtype:
                 problems.append(f"{name!r}: held as {held[key][1]}, wanted {dtype} (scaled bytes are never cast)")
     return sorted(set(problems))
+
+
+def _not_quantized(dtype: str) -> str:
+    """Why a plain source of ``dtype`` (not one of :data:`INPUT_DTYPE_NAMES`) is not quantized."""
+    torch_dtype = DTYPE_BY_NAME.get(dtype)
+    if torch_dtype is None or not torch_dtype.is_floating_point:
+        return f"{dtype} is not a floating-point dtype (there is nothing to scale)"
+    if torch_dtype.itemsize > 4:
+        return (
+            f"{dtype} would be rounded to float32 first, which the reference quantizers never do (the bytes "
+            "could differ from quantize's of the float32 tensor): convert the source to float32 on the sender"
+        )
+    return (
+        f"{dtype} is already low-precision: its scales are not with it (send it as a reshard.ScaledTensor of "
+        "its format, whose scales travel with it; a plain low-precision tensor is never taken as scaled data)"
+    )

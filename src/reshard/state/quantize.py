@@ -105,6 +105,7 @@ from reshard.errors import ShardingError, StateDictError
 from reshard.state.lowprec import Block, ScaleFormat, normalize_block, scale_format, scale_grid_shape
 
 __all__ = [
+    "INPUT_DTYPE_NAMES",
     "Quantized",
     "block_amax",
     "dequantize",
@@ -126,6 +127,8 @@ _E4M3_TINY = float(torch.finfo(torch.float8_e4m3fn).tiny)
 _F32_TINY = float(torch.finfo(torch.float32).tiny)
 _E8M0_NAN = 255
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INPUT_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""The names of the dtypes :func:`quantize` takes (and a transfer quantizes on the way)."""
 # E2M1 codes 0..15 as values (bit 3 is the sign).
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # The E2M1 rounding thresholds: a magnitude passes (>) or reaches (>=) each; ties go to the even code.
