@@ -39,7 +39,7 @@ from reshard.errors import CorruptCheckpointError, MismatchError
 from reshard.interop.safetensors import TensorEntry
 from reshard.state.codec import strict_json_loads
 from reshard.state.lowprec import FORMATS, Block, scale_grid_shape, stored_block
-from reshard.state.scaled import GLOBAL_SCALE_SUFFIX, SCALE_SUFFIX, ScaledRecord
+from reshard.state.scaled import GLOBAL_SCALE_SUFFIX, SCALE_SUFFIX, ScaledRecord, canonical_block
 from reshard.storage import FileTooLargeError, ReadRequest, Storage
 
 __all__ = ["CONFIG_FILE", "Pair", "Pairs", "ScaledLayout", "describe_pairs", "scaled_layout"]
@@ -372,8 +372,7 @@ def scaled_layout(
                 )
         offsets.append(tuple(0 if b is None else o // b for o, b in zip(offset, sblock, strict=True)))
         shapes.append(scale_grid_shape(shape, sblock))
-    if fmt.fixed_last_block is None:  # as ScaledTensor records it: a block as long as its axis is the whole axis
-        block = tuple(None if b is not None and 0 < n <= b else b for b, n in zip(block, data_shape, strict=True))
+    block = canonical_block(fmt, block, data_shape)  # as ScaledTensor records it
     record = ScaledRecord(
         key=key,
         format=first.format,

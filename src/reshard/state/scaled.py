@@ -34,7 +34,7 @@ from reshard.state.dtypes import BYTE_VIEW_DTYPES
 from reshard.state.lowprec import Block, ScaleFormat, normalize_block, scale_format, scale_grid_shape, stored_block
 from reshard.state.sharding import ReplicaId, ShardedTensor
 
-__all__ = ["GLOBAL_SCALE_SUFFIX", "SCALE_SUFFIX", "ScaledRecord", "ScaledTensor", "stored_view"]
+__all__ = ["GLOBAL_SCALE_SUFFIX", "SCALE_SUFFIX", "ScaledRecord", "ScaledTensor", "canonical_block", "stored_view"]
 
 SCALE_SUFFIX = ":scale"
 GLOBAL_SCALE_SUFFIX = ":global_scale"
@@ -88,7 +88,7 @@ def _cells(key: str, axis: int, start: int, length: int, end_of_axis: int, block
     return start // block, math.ceil(stop / block) - start // block
 
 
-def _canonical(fmt: ScaleFormat, block: Block, global_shape: tuple[int, ...]) -> Block:
+def canonical_block(fmt: ScaleFormat, block: Block, global_shape: tuple[int, ...]) -> Block:
     """``block`` with every entry that spans its whole (non-empty) axis written as None: one scale along the
     axis either way, and a record that does not depend on how the axis was cut (a torchao slice shows its
     own length as the block, a whole tensor the axis's). The formats that fix their block keep it."""
@@ -176,7 +176,7 @@ class ScaledTensor:
         key = self.data.key
         fmt = scale_format(self.format, key=key)
         ndim = len(self.data.global_shape)
-        block = _canonical(fmt, normalize_block(fmt, self.block, ndim, key=key), self.data.global_shape)
+        block = canonical_block(fmt, normalize_block(fmt, self.block, ndim, key=key), self.data.global_shape)
         object.__setattr__(self, "block", block)
         _check_dtypes(key, fmt, self.data.data, self.scale)
         derived = _derive(self.data, stored_block(fmt, block), block)
