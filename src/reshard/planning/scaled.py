@@ -3,6 +3,7 @@ describes it with the same record (format, block, scale keys), and no rank descr
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,13 @@ from reshard.state.dtypes import dtype_name
 from reshard.state.scaled import ScaledRecord
 from reshard.state.statedict import FlatStateDict
 
-__all__ = ["agree_scaled", "record_from_json", "scaled_mismatches", "transfer_scaled_mismatches"]
+__all__ = [
+    "agree_scaled",
+    "record_from_json",
+    "record_mismatches",
+    "scaled_mismatches",
+    "transfer_scaled_mismatches",
+]
 
 
 def record_from_json(key: str, doc: dict[str, Any]) -> ScaledRecord:
@@ -66,13 +73,27 @@ def scaled_mismatches(flat: FlatStateDict, metadata: Metadata) -> list[str]:
     of a saved plain tensor, of another format or block, or whose parts would need a cast (never done to
     scaled bytes), and a plain tensor of a saved scaled key (its data would load without its scales). Each
     names both sides. A ScaledTensor whose data the checkpoint lacks is missing, not a mismatch."""
+
+    def saved_dtype(key: str) -> str | None:
+        saved = metadata.tensors.get(key)
+        return None if saved is None else saved.dtype
+
+    return record_mismatches(flat, saved_dtype, metadata.scaled)
+
+
+def record_mismatches(
+    flat: FlatStateDict, saved_dtype: Callable[[str], str | None], records: Mapping[str, ScaledRecord]
+) -> list[str]:
+    """:func:`scaled_mismatches` against saved state that is not a checkpoint's metadata (the peer-memory
+    tier's generation): ``saved_dtype(key)`` is the dtype name of saved tensor ``key`` (None: not saved),
+    ``records`` the saved scaled tensors' records by data key."""
     problems = []
     parts: set[str] = set()
     for key, mine in flat.scaled.items():
         parts.update(k for k in (mine.key, mine.scale_key, mine.global_scale_key) if k is not None)
-        if key not in metadata.tensors:
+        if saved_dtype(key) is None:
             continue
-        saved = metadata.scaled.get(key)
+        saved = records.get(key)
         if saved is None:
             problems.append(
                 f"{key!r}: the checkpoint holds a plain tensor, the template a ScaledTensor of {mine.describe()}"
@@ -85,17 +106,17 @@ def scaled_mismatches(flat: FlatStateDict, metadata: Metadata) -> list[str]:
                 f"the template in {mine.scale_key!r} and {mine.global_scale_key!r}"
             )
     for tensor in flat.tensors:
-        saved_tensor = metadata.tensors.get(tensor.key)
+        saved_name = saved_dtype(tensor.key)
         if tensor.key not in parts:
-            record = metadata.scaled.get(tensor.key)
+            record = records.get(tensor.key)
             if record is not None:
                 problems.append(
                     f"{tensor.key!r}: the checkpoint holds a scaled tensor of {record.describe()}, the template a "
                     "plain tensor (its data would load without its scales); load it as a reshard.ScaledTensor"
                 )
-        elif saved_tensor is not None and saved_tensor.dtype != dtype_name(tensor.data.dtype):
+        elif saved_name is not None and saved_name != dtype_name(tensor.data.dtype):
             problems.append(
-                f"{tensor.key!r}: saved dtype {saved_tensor.dtype}, the template's ScaledTensor holds "
+                f"{tensor.key!r}: saved dtype {saved_name}, the template's ScaledTensor holds "
                 f"{dtype_name(tensor.data.dtype)} (scaled data and scales are never cast)"
             )
     return sorted(set(problems))
