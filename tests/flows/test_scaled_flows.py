@@ -4,6 +4,7 @@ TransferSession, and the command line's ls / validate / diff / inspect on a chec
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,18 @@ import reshard
 from reshard import MismatchError, ScaledTensor, ShardedTensor
 from reshard.cli import main
 from reshard.flows.manager import step_name
-from tests.flows.test_scaled import E4M3, E8M0, FP4, expert_state, on_ranks, random_bytes, same_bytes
+from tests.flows.test_scaled import (
+    E4M3,
+    E8M0,
+    EXPERT_DATA,
+    EXPERT_SCALE,
+    FP4,
+    errors_on_ranks,
+    expert_state,
+    on_ranks,
+    random_bytes,
+    same_bytes,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -132,20 +144,103 @@ def test_command_line_ls_validate_inspect_diff_on_a_scaled_checkpoint(
     assert "w:scale" in capsys.readouterr().out
 
 
-def test_peer_memory_tier_refuses_scaled_tensors_rather_than_skip_them() -> None:
-    """The peer-memory tier does not keep scaled records yet: a save of a ScaledTensor, or a restore into one
-    (which would have left it unfilled, as a common value), is a StateDictError on every rank."""
+PEER_BIAS = torch.arange(6, dtype=torch.float32)
+
+
+def peer_state(tp: int, rank: int, *, fill: bool) -> dict[str, Any]:
+    """Rank ``rank`` of TP ``tp`` (fastest) x DP: FP8 128x128 experts split on rows, NVFP4 (with its global
+    scale) split on columns, and a plain tensor; DP ranks hold replicas."""
+    tp_rank, dp = rank % tp, rank // tp
+    state: dict[str, Any] = expert_state(tp, 1, tp_rank, fill=fill, replica=dp)
+    data, scale = NV.chunk(tp, dim=1)[tp_rank].clone(), NV_SCALE.chunk(tp, dim=1)[tp_rank].clone()
+    glob = NV_GLOBAL.clone().reshape(1)
+    bias = PEER_BIAS.clone()
+    if not fill:
+        for tensor in (data, scale, glob, bias):
+            tensor.zero_()
+    sharded = ShardedTensor.from_rank_offsets("nv", data, (1, tp_rank, tp), replica_id=dp)
+    state["nv"] = ScaledTensor(sharded, scale.view(E4M3), "nvfp4", global_scale=glob)
+    state["b"] = bias
+    return state
+
+
+def check_peer_state(state: dict[str, Any], tp: int, rank: int) -> None:
+    want = peer_state(tp, rank, fill=True)
+    assert state.keys() == want.keys()
+    for key, leaf in want.items():
+        if isinstance(leaf, ScaledTensor):
+            got = state[key]
+            assert isinstance(got, ScaledTensor), key
+            assert same_bytes(got.data.data, leaf.data.data) and same_bytes(got.scale, leaf.scale), key
+            assert leaf.global_scale is None or torch.equal(got.global_scale, leaf.global_scale), key
+        else:
+            assert torch.equal(state[key], leaf), key
+
+
+def test_peer_memory_keeps_scaled_tensors_and_restores_them_at_tp4_and_tp1_after_losing_a_rank() -> None:
+    """A peer save at TP2 x DP2 (two nodes of two) keeps the primaries of the scaled tensors' data, scales and
+    global scale (nothing twice) with one copy on the other node; rank 0 (the primary of the global scale and
+    of the origin boxes) is lost, and the survivors restore at TP4 (with a new rank) and at TP1, bit-exact."""
+    tiers = [reshard.PeerMemoryCheckpoint(replicas=1, node_size=2, timeout=30) for _ in range(4)]
+    results = on_ranks(4, lambda rank, g: tiers[rank].save(peer_state(2, rank, fill=True), group=g))
+    expected = EXPERT_DATA.numel() + EXPERT_SCALE.numel() * 4 + NV.numel() + NV_SCALE.numel() + 4 + 6 * 4
+    assert sum(r.own_bytes for r in results) == expected  # every primary once, no replica
+    assert sum(r.copy_bytes for r in results) == expected
+    survivors = [*tiers[1:], reshard.PeerMemoryCheckpoint(replicas=1, node_size=2, timeout=30)]  # rank 0 lost
+    restored = on_ranks(4, lambda rank, g: survivors[rank].restore(peer_state(4, rank, fill=False), group=g))
+    for rank, state in enumerate(restored):
+        check_peer_state(state, 4, rank)
+    restored = on_ranks(3, lambda rank, g: survivors[rank].restore(peer_state(1, rank, fill=False), group=g))
+    for rank, state in enumerate(restored):
+        check_peer_state(state, 1, rank)
+
+
+def _bad_template(rank: int, case: str) -> dict[str, Any]:
+    """A template that a load of the peer state refuses (see the test below)."""
+    template = peer_state(2, rank, fill=False)
+    if case == "plain":
+        template["nv"] = template["nv"].data  # the data without its scales
+    elif case == "other":
+        template["nv"] = ScaledTensor(template["nv"].data, torch.zeros(8, 1, dtype=E8M0), "mxfp4")
+    else:
+        data = ShardedTensor("b", torch.zeros(6, dtype=E4M3), (6,), (0,), replica_id=rank)
+        template["b"] = ScaledTensor(data, torch.ones(()), "fp8_e4m3")
+    return template
+
+
+BAD = {
+    "plain": r"'nv': the checkpoint holds a scaled tensor of format nvfp4 .*the template a plain tensor",
+    "other": r"'nv': the checkpoint holds format nvfp4 with blocks \[1, 16\], the template format mxfp4",
+    "scaled": r"'b': the checkpoint holds a plain tensor, the template a ScaledTensor of format fp8_e4m3",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_peer_memory_restore_refuses_what_a_load_refuses(tmp_path: Path, case: str) -> None:
+    """A restore whose template asks a plain tensor for a scaled key, another format, or a ScaledTensor for a
+    plain key: the MismatchError a load of the same state raises, on every rank, before any byte moves."""
+    tiers = [reshard.PeerMemoryCheckpoint(replicas=1, node_size=1, timeout=30) for _ in range(2)]
+    on_ranks(2, lambda rank, g: tiers[rank].save(peer_state(2, rank, fill=True), group=g))
+    on_ranks(2, lambda rank, g: reshard.save(peer_state(2, rank, fill=True), tmp_path, group=g))
+    templates = [_bad_template(rank, case) for rank in range(2)]
+    loads = errors_on_ranks(2, lambda rank, g: reshard.load(templates[rank], tmp_path, group=g))
+    restores = errors_on_ranks(2, lambda rank, g: tiers[rank].restore(templates[rank], group=g))
+    for error in (*loads, *restores):
+        assert isinstance(error, MismatchError) and re.search(BAD[case], str(error)), error
+    for template in templates:  # nothing moved
+        assert not template["experts.0.fc1.weight"].scale.any()
+        assert not template["experts.0.fc1.weight"].data.data.view(torch.uint8).any()
+
+
+def test_peer_save_refuses_ranks_that_disagree_on_a_scaled_tensor() -> None:
+    """One rank describes ``nv`` as a ScaledTensor, the other as a plain tensor: a ShardingError naming it on
+    every rank, as a save raises."""
 
     def save(rank: int, g: Any) -> None:
-        reshard.PeerMemoryCheckpoint(replicas=1, node_size=1, timeout=30).save(nv_state(2, 1, rank, fill=True), group=g)
+        state = peer_state(2, rank, fill=True)
+        if rank == 1:
+            state["nv"] = state["nv"].data
+        reshard.PeerMemoryCheckpoint(replicas=1, node_size=1, timeout=30).save(state, group=g)
 
-    with pytest.raises(reshard.StateDictError, match=r"peer-memory tier .* not ScaledTensors \(yet\): 'nv'"):
-        on_ranks(2, save)
-
-    def restore(rank: int, g: Any) -> None:
-        tier = reshard.PeerMemoryCheckpoint(replicas=1, node_size=1, timeout=30)
-        tier.save({"b": torch.ones(2)}, group=g)
-        tier.restore({"b": torch.zeros(2), **nv_state(2, 1, rank, fill=False)}, group=g)
-
-    with pytest.raises(reshard.StateDictError, match=r"peer-memory tier .* not ScaledTensors \(yet\): 'nv'"):
-        on_ranks(2, restore)
+    errors = errors_on_ranks(2, save)
+    assert all(isinstance(e, reshard.ShardingError) and "'nv'" in str(e) for e in errors), errors

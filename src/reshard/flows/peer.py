@@ -23,6 +23,12 @@ two generations during a save (from the copy of its boxes until the commit), one
 What is durable: nothing. This tier survives the loss of any set of ranks that leaves a copy of every box
 (with ``replicas=k``, any ``k`` whole nodes); a storage checkpoint (:class:`~reshard.CheckpointManager`)
 remains the durable tier behind it. ShardedObjects (per-rank Python values) are not kept: they raise.
+
+ScaledTensors (:class:`~reshard.ScaledTensor`) are kept as their parts (data, scales, global scale: primaries
+only, as for plain tensors) with their records (format, block), agreed by the ranks at save; a restore into
+ScaledTensor templates of another layout moves each part with its data, and a template that asks another
+format or block, a plain tensor of a scaled key or a ScaledTensor of a plain key is the MismatchError a load
+raises (:func:`reshard.planning.scaled.scaled_mismatches`), on every rank, before any byte moves.
 """
 
 from __future__ import annotations
@@ -37,17 +43,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reshard.errors import CheckpointError, DataUnavailableError, ShardingError, StateDictError
+from reshard.errors import CheckpointError, DataUnavailableError, MismatchError, ShardingError, StateDictError
 from reshard.flows.options import check_terms
 from reshard.flows.transfer import TransferStats, transfer
 from reshard.io.device import copy_to_host
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
+from reshard.planning.scaled import record_from_json, record_mismatches
 from reshard.state.codec import decode_tagged, encode_tagged
 from reshard.state.dtensor import is_dtensor
 from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name
+from reshard.state.scaled import ScaledTensor
 from reshard.state.sharding import ShardedTensor
-from reshard.state.statedict import FlatStateDict, check_tensors, filter_state_dict, flatten_state_dict, map_leaves
+from reshard.state.statedict import check_tensors, filter_state_dict, flatten_state_dict, map_leaves
 
 if TYPE_CHECKING:
     from reshard.flows.manager import CheckpointManager
@@ -58,12 +66,14 @@ __all__ = ["PeerMemoryCheckpoint", "PeerSaveResult"]
 @dataclass(frozen=True, slots=True)
 class _Generation:
     """One peer save as this rank holds it: its number (``[counter, token]``, agreed by the group; a later save
-    has a higher counter), this rank's primary boxes and the copies it keeps for its peers, and the encoded
-    common values."""
+    has a higher counter), this rank's primary boxes and the copies it keeps for its peers, the encoded
+    common values and the records of its scaled tensors (as :meth:`ScaledRecord.to_json` writes them, by data
+    key)."""
 
     number: list[Any]
     held: dict[str, ShardedTensor]
     common: str | None
+    scaled: dict[str, Any]
 
 
 def _newest(numbers: list[list[Any] | None]) -> list[Any] | None:
@@ -141,7 +151,8 @@ class PeerMemoryCheckpoint:
         Raises:
             StateDictError: the state holds ShardedObjects (every rank).
             ShardingError: the group has too few nodes for ``replicas`` copies on other nodes (a ValueError;
-                every rank).
+                every rank); ranks describe a scaled tensor with other formats or blocks, or as a scaled tensor
+                on some ranks and a plain one on others (every rank).
             CheckpointError: ranks passed other ``replicas`` or ``node_size`` (every rank); a rank failed or
                 died (the survivors keep the previous save, or the new one where it was committed).
         """
@@ -150,7 +161,6 @@ class PeerMemoryCheckpoint:
 
         def describe() -> bytes:  # inside the first step: a state that cannot be kept fails every rank alike
             flat = flatten_state_dict(state_dict, rank=comm.rank)
-            refuse_scaled(flat)
             if flat.objects:
                 names = ", ".join(repr(o.key) for o in flat.objects[:10])
                 raise StateDictError(
@@ -164,7 +174,11 @@ class PeerMemoryCheckpoint:
             ]
             common = json.dumps({p: encode_tagged(v, where=p) for p, v in flat.common.items()}, sort_keys=True)
             terms = {"replicas": self.replicas, "node_size": self.node_size}
-            return json.dumps({"boxes": described, "common": common, "terms": terms, **self._generations()}).encode()
+            scaled = {key: record.to_json() for key, record in flat.scaled.items()}
+            parts = {k for r in flat.scaled.values() for k in (r.key, r.scale_key, r.global_scale_key) if k}
+            plain = sorted({t.key for t in flat.tensors} - parts)
+            doc = {"boxes": described, "common": common, "terms": terms, "scaled": scaled, "plain": plain}
+            return json.dumps({**doc, **self._generations()}).encode()
 
         plan, reply = comm.step_scatter("peer-memory save planning", describe, self._assign)
         self._settle(plan["current"])  # at most the current generation and the new one from here on
@@ -182,7 +196,7 @@ class PeerMemoryCheckpoint:
             # hold the box, and a transfer takes one primary per box.
             copies[f"copy/{len(copies)}"] = ShardedTensor(key, data, tuple(shape), tuple(offset), replica_id=1)
         transfer(own, copies, group=comm.transport, timeout=self.timeout)
-        self._pending = _Generation(plan["number"], {**own, **copies}, plan["common"])
+        self._pending = _Generation(plan["number"], {**own, **copies}, plan["common"], plan["scaled"])
 
         def agreed(numbers: list[list[Any]]) -> list[Any]:
             if any(n != numbers[0] for n in numbers):
@@ -213,7 +227,12 @@ class PeerMemoryCheckpoint:
         for owner, doc in enumerate(docs):
             for j in range(1, self.replicas + 1):
                 keep[(owner + j * self.node_size) % len(docs)].extend(doc["boxes"])
-        plan = {"current": _newest([d["current"] for d in docs]), "number": number, "common": docs[0]["common"]}
+        plan = {
+            "current": _newest([d["current"] for d in docs]),
+            "number": number,
+            "common": docs[0]["common"],
+            "scaled": _agree_scaled(docs),
+        }
         return plan, [json.dumps(k).encode() for k in keep]
 
     def restore(
@@ -244,15 +263,19 @@ class PeerMemoryCheckpoint:
             DataUnavailableError: boxes without a surviving copy (named), and no ``fallback`` (or it has
                 no complete step).
             CheckpointError: some ranks passed a ``fallback`` and others did not (every rank).
+            MismatchError: a template that a load of the same state would refuse for its scaled tensors: a
+                ScaledTensor of another format or block, a plain tensor of a scaled key, a ScaledTensor of a
+                plain key (every rank, before any byte moves).
         """
         comm = Communicator(group, timeout=self.timeout)
         flat = flatten_state_dict(template, rank=comm.rank, dedup=False)
-        refuse_scaled(flat)
         objects = flat.objects
         if objects:
             names = ", ".join(repr(o.key) for o in objects[:10])
             raise StateDictError(f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}")
-        tensors = filter_state_dict(template, lambda _path, leaf: _is_tensor(leaf))
+        kept = filter_state_dict(template, lambda _path, leaf: _is_tensor(leaf) or isinstance(leaf, ScaledTensor))
+        # A ScaledTensor as its parts, each filled in place from the held parts of its key.
+        tensors = map_leaves(kept, lambda _path, leaf: leaf.parts() if isinstance(leaf, ScaledTensor) else leaf)
 
         def newest(docs: list[dict[str, Any]]) -> list[Any] | None:
             check_terms([d["terms"] for d in docs], "PeerMemoryCheckpoint.restore")
@@ -261,6 +284,15 @@ class PeerMemoryCheckpoint:
         mine = {"terms": {"fallback": fallback is not None}, **self._generations()}
         self._settle(comm.step("peer-memory restore", lambda: mine, newest))
         current = self._current
+        saved = comm.step("peer-memory saved tensors", lambda: _saved(current), _first_saved)
+
+        def check() -> None:
+            records = {key: record_from_json(key, doc) for key, doc in saved["scaled"].items()}
+            problems = record_mismatches(flat, saved["dtypes"].get, records)
+            if problems:
+                raise MismatchError("the peer-memory generation does not match the template: " + "; ".join(problems))
+
+        comm.step("peer-memory restore check", check)  # every rank raises where any template mismatches
         try:
             held = current.held if current is not None else {}
             transfer(held, tensors, group=comm.transport, timeout=self.timeout, stats=stats)
@@ -269,14 +301,12 @@ class PeerMemoryCheckpoint:
                 raise
             return _fall_back(fallback, template, exc)
 
-        def first_common(values: list[str | None]) -> str | None:
-            return next((v for v in values if v is not None), None)
-
-        own_common = current.common if current is not None else None
-        encoded = comm.step("peer-memory common values", lambda: own_common, first_common)
+        encoded = saved["common"]
         common = {p: decode_tagged(v, where=p) for p, v in json.loads(encoded or "{}").items()}
 
         def result_leaf(path: str, leaf: Any) -> Any:
+            if isinstance(leaf, ScaledTensor):
+                return leaf  # its data, scales and global scale were filled in place
             if isinstance(leaf, ShardedTensor):
                 return leaf.data
             if _is_tensor(leaf):
@@ -313,12 +343,48 @@ def _nbytes(tensors: dict[str, ShardedTensor]) -> int:
     return sum(t.data.numel() * t.data.element_size() for t in tensors.values())
 
 
-def refuse_scaled(flat: FlatStateDict) -> None:
-    """The peer-memory tier keeps no scaled-tensor records: a ScaledTensor would be kept as unrelated plain
-    tensors, and a restore would skip it (as a value it does not know). Refused on every rank alike."""
-    if flat.scaled:
-        names = ", ".join(repr(k) for k in list(flat.scaled)[:10])
-        raise StateDictError(f"the peer-memory tier keeps tensors and common values, not ScaledTensors (yet): {names}")
+def _agree_scaled(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """On the coordinator of a save: the records of the scaled tensors (by data key), which every rank that
+    describes a key describes alike, and no rank as a plain tensor.
+
+    Raises:
+        ShardingError: naming the keys and ranks that disagree (every rank).
+    """
+    by_key: dict[str, dict[str, list[int]]] = {}
+    for rank, doc in enumerate(docs):
+        for key, record in doc["scaled"].items():
+            by_key.setdefault(key, {}).setdefault(json.dumps(record, sort_keys=True), []).append(rank)
+    problems = [
+        f"{key!r} is described differently by the ranks ({'; '.join(f'ranks {r}: {d}' for d, r in seen.items())})"
+        for key, seen in sorted(by_key.items())
+        if len(seen) > 1
+    ]
+    for rank, doc in enumerate(docs):
+        problems += [f"{k!r} is a ScaledTensor on some ranks but a plain tensor on rank {rank}" for k in doc["plain"]
+                     if k in by_key]  # fmt: skip
+    if problems:
+        raise ShardingError("peer-memory save: the ranks disagree on scaled tensors: " + "; ".join(problems[:10]))
+    return {key: json.loads(next(iter(seen))) for key, seen in by_key.items()}
+
+
+def _saved(current: _Generation | None) -> dict[str, Any] | None:
+    """What this rank knows of the generation it restores from (None: it holds none): the dtype of every key
+    it holds a box of, the records of the scaled tensors and the common values."""
+    if current is None:
+        return None
+    dtypes = {t.key: dtype_name(t.data.dtype) for t in current.held.values()}
+    return {"dtypes": dtypes, "scaled": current.scaled, "common": current.common}
+
+
+def _first_saved(values: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """On the coordinator of a restore: the dtypes of the keys the holders of the generation hold together,
+    and its records and common values (the same on every holder)."""
+    held = [v for v in values if v is not None]
+    dtypes: dict[str, str] = {}
+    for value in held:
+        dtypes.update(value["dtypes"])
+    first = held[0] if held else {"scaled": {}, "common": None}
+    return {"dtypes": dtypes, "scaled": first["scaled"], "common": first["common"]}
 
 
 def _is_tensor(leaf: Any) -> bool:

@@ -28,6 +28,7 @@ import torch
 
 from reshard.errors import CheckpointExistsError, MismatchError, StorageError
 from reshard.interop.export import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, plan_shards, shard_file_names
+from reshard.interop.hf_source import Stack
 from reshard.interop.offline import DEFAULT_SLAB_BYTES, CheckpointReader
 from reshard.interop.safetensors import SafetensorsWriter, TensorSpec
 from reshard.models.config import ModelConfig, is_adapter_key
@@ -41,9 +42,9 @@ from reshard.models.hf_quant import (
     is_quantized_weight,
     quantization_config,
     quantized_parts,
-    saved_scaled_format,
     write_quantized,
 )
+from reshard.models.hf_scaled import PartPlace, passthrough_parts, refuse_unquantized, write_cast
 from reshard.storage import CheckpointLocation, LocalStorage
 
 __all__ = ["CONFIG_FILE", "SINGLE_FILE", "export_hf"]
@@ -62,33 +63,30 @@ def _parts(reader: CheckpointReader, model: ModelConfig, scheme: QuantScheme | N
             f"{reader.describe()} lacks {len(missing)} tensors of the model: {', '.join(missing[:10])}"
             f"{' ...' if len(missing) > 10 else ''} (an adapter-only checkpoint? export it with export-peft)"
         )
+    model_dtype = reader.tensor("embedding.word_embeddings.weight").torch_dtype
     parts = []
-    for key in key_map:
+    for key, source in key_map.items():
         saved = reader.tensor(key)
+        record = reader.metadata.scaled.get(key)
         # split_for_hf names the parts and gives their shapes; the data is streamed below, not held here.
         meta = torch.empty(saved.global_shape, dtype=saved.torch_dtype, device="meta")
-        start = 0
-        for name, piece in split_for_hf(key, meta, model):
+        start = row = 0
+        for index, (name, piece) in enumerate(split_for_hf(key, meta, model)):
             spec = TensorSpec(name=name, dtype=saved.torch_dtype, shape=tuple(piece.shape))
-            if scheme is not None and is_quantized_weight(name) and _quantizes(reader, key, scheme):
+            quantized = scheme is not None and is_quantized_weight(name)
+            if record is not None:
+                if scheme is None or not quantized:
+                    raise refuse_unquantized(name, record, scheme)
+                check_source_format(key, (record.format, record.block), saved.torch_dtype, scheme)
+                place = PartPlace(index if isinstance(source, Stack) else None, row, piece.shape[0])
+                parts += passthrough_parts(reader, spec, start, record, scheme, place, model_dtype)
+            elif scheme is not None and quantized and check_source_format(key, None, saved.torch_dtype, scheme):
                 parts += quantized_parts(spec, key, start, scheme)
             else:
                 parts.append(ExportPart(spec, key, start))
             start += math.prod(piece.shape)
+            row += 0 if isinstance(source, Stack) else piece.shape[0]  # a Concat splits rows (axis 0)
     return sorted(parts, key=lambda p: p.spec.name)
-
-
-def _quantizes(reader: CheckpointReader, key: str, scheme: QuantScheme) -> bool:
-    """Whether the export quantizes checkpoint tensor ``key`` (see :func:`check_source_format`)."""
-    saved = reader.tensor(key)
-    if check_source_format(key, saved_scaled_format(reader, key), saved.torch_dtype, scheme):
-        return True
-    # A scaled tensor already in the scheme's format is to be written as it is (its data and scales, not
-    # requantized): that needs the scaled tensors of issue 32 part A, not on this branch. Until then, refused.
-    raise MismatchError(
-        f"tensor {key!r} is saved in the format of --quantize {scheme.name} already; exporting saved scaled "
-        "tensors as they are is not supported yet"
-    )
 
 
 def _kept_modules(parts: list[ExportPart]) -> list[str]:
@@ -215,9 +213,13 @@ def _write_shard(
     try:
         writer = SafetensorsWriter(sink, [p.spec for p in ordered], {"format": "pt"})
         for part in ordered:
-            if part.role != "plain":
+            if part.role in ("data", "scale", "global"):
                 assert scheme is not None
                 write_quantized(reader, writer, part, scheme, slab_bytes)
+                writer.end_tensor()
+                continue
+            if part.role == "cast":  # saved scales in the consumer's dtype, exactly
+                write_cast(reader, writer, part, slab_bytes)
                 writer.end_tensor()
                 continue
             itemsize = part.spec.dtype.itemsize

@@ -39,7 +39,8 @@ Refused (MismatchError naming the tensor): a weight the scheme cannot hold, whos
 would misplace partial blocks; ``ct-fp8-block128`` holds them), or whose rows the group of an MX / NVFP4
 scheme does not divide; a weight that is not float32, bfloat16 or float16 (already low precision: nothing is
 requantized); a checkpoint whose tensor is saved as a scaled tensor of another format (see
-:func:`check_source_format`).
+:func:`check_source_format`). A weight saved as a scaled tensor of the scheme's format and blocks is written
+as it is, not requantized (:mod:`reshard.models.hf_scaled`).
 
 Streaming: each output tensor of a weight (data, scales, NVFP4's global scale) is computed by reading the
 weight again in strips of whole block rows (a strip of at most ``slab_bytes``, never less than one row of
@@ -53,7 +54,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -73,6 +73,7 @@ __all__ = [
     "QUANT_SCHEMES",
     "ExportPart",
     "QuantScheme",
+    "check_shape",
     "check_source_format",
     "is_quantized_weight",
     "quantization_config",
@@ -166,9 +167,10 @@ GLOBAL_SCALE_NAME = "weight_global_scale"
 class ExportPart:
     """Output tensor ``spec``: from elements ``[start, ...)`` of checkpoint tensor ``key``'s flattening.
 
-    ``role`` is ``"plain"`` (the elements as they are, ``spec.shape`` of them), or, for a weight quantized
-    with ``scheme``, ``"data"``, ``"scale"`` or ``"global"``: computed from the ``source_shape`` elements
-    there (a 2-D weight).
+    ``role`` is ``"plain"`` (the elements as they are, ``spec.shape`` of them); for a weight quantized with
+    ``scheme``, ``"data"``, ``"scale"`` or ``"global"``: computed from the ``source_shape`` elements there (a
+    2-D weight); for a saved scaled tensor written as it is (:mod:`reshard.models.hf_scaled`), ``"as_is"``
+    (its data, scales or global scale as saved) or ``"cast"`` (scales converted exactly to ``spec.dtype``).
     """
 
     spec: TensorSpec
@@ -184,28 +186,23 @@ def is_quantized_weight(name: str) -> bool:
 
 
 def saved_scaled_format(reader: CheckpointReader, key: str) -> tuple[str, Block] | None:
-    """The low-precision format and block of checkpoint tensor ``key`` when it was saved as a scaled tensor,
-    None for a plain tensor.
-
-    The seam for issue 32 part A: its ``Metadata.scaled`` (a ``ScaledRecord`` per scaled tensor, with
-    ``format`` and ``block``) is not on this branch, so the records are looked up by name and every tensor is
-    plain until part A is there; with it, a scaled tensor of another format is refused naming both formats.
-    """
-    records: Any = getattr(reader.metadata, "scaled", None) or {}
-    record = records.get(key)
-    return None if record is None else (str(record.format), tuple(record.block))
+    """The low-precision format and block of checkpoint tensor ``key`` when it was saved as a scaled tensor
+    (its ``Metadata.scaled`` record), None for a plain tensor."""
+    record = reader.metadata.scaled.get(key)
+    return None if record is None else (record.format, record.block)
 
 
 def check_source_format(key: str, saved: tuple[str, Block] | None, dtype: torch.dtype, scheme: QuantScheme) -> bool:
-    """Whether checkpoint tensor ``key`` is quantized by the export (False: it is already in the scheme's
-    format and block, and is written as it is).
+    """Whether checkpoint tensor ``key`` is quantized by the export (False: it is a scaled tensor of the
+    scheme's format already, written as it is where its blocks are the scheme's: see
+    :mod:`reshard.models.hf_scaled`).
 
     Raises:
-        MismatchError: the tensor is a scaled tensor of another format or block (naming both; nothing is
-            requantized), or a plain tensor that is not float32, bfloat16 or float16.
+        MismatchError: the tensor is a scaled tensor of another format (naming both; nothing is requantized),
+            or a plain tensor that is not float32, bfloat16 or float16.
     """
     if saved is not None:
-        if saved == (scheme.fmt, scheme.block):
+        if saved[0] == scheme.fmt:
             return False
         raise MismatchError(
             f"tensor {key!r} is saved as format {saved[0]} with blocks {list(saved[1])}; --quantize {scheme.name} "
@@ -220,7 +217,7 @@ def check_source_format(key: str, saved: tuple[str, Block] | None, dtype: torch.
     return True
 
 
-def _check_shape(name: str, shape: tuple[int, ...], scheme: QuantScheme) -> None:
+def check_shape(name: str, shape: tuple[int, ...], scheme: QuantScheme) -> None:
     rows, cols = shape
     if scheme.consumer == "transformers" and (rows % 128 or cols % 128):
         raise MismatchError(
@@ -242,7 +239,7 @@ def quantized_parts(spec: TensorSpec, key: str, start: int, scheme: QuantScheme)
         MismatchError: a shape the scheme cannot hold.
     """
     shape = tuple(spec.shape)
-    _check_shape(spec.name, shape, scheme)
+    check_shape(spec.name, shape, scheme)
     fmt = scale_format(scheme.fmt)
     base = spec.name.removesuffix("weight")
     stored = (shape[0], shape[1] // fmt.elements_per_item)

@@ -3,6 +3,7 @@ describes it with the same record (format, block, scale keys), and no rank descr
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,13 @@ from reshard.state.quantize import INPUT_DTYPE_NAMES
 from reshard.state.scaled import ScaledRecord
 from reshard.state.statedict import FlatStateDict
 
-__all__ = ["agree_scaled", "record_from_json", "scaled_mismatches", "transfer_scaled_mismatches"]
+__all__ = [
+    "agree_scaled",
+    "record_from_json",
+    "record_mismatches",
+    "scaled_mismatches",
+    "transfer_scaled_mismatches",
+]
 
 _EXACT_WIDENING = frozenset({"bfloat16", "float16"})
 """Saved scale dtypes that a float32 scale of the FP8 formats loads exactly (every bfloat16 and float16 value is
@@ -75,6 +82,20 @@ def scaled_mismatches(flat: FlatStateDict, metadata: Metadata) -> list[str]:
     scaled bytes; the one cast done is the exact widening of bfloat16 or float16 FP8 scales of a Hugging Face source
     to float32), and a plain tensor of a saved scaled key (its data would load without its scales). Each
     names both sides. A ScaledTensor whose data the checkpoint lacks is missing, not a mismatch."""
+
+    def saved_dtype(key: str) -> str | None:
+        saved = metadata.tensors.get(key)
+        return None if saved is None else saved.dtype
+
+    return record_mismatches(flat, saved_dtype, metadata.scaled)
+
+
+def record_mismatches(
+    flat: FlatStateDict, saved_dtype: Callable[[str], str | None], records: Mapping[str, ScaledRecord]
+) -> list[str]:
+    """:func:`scaled_mismatches` against saved state that is not a checkpoint's metadata (the peer-memory
+    tier's generation): ``saved_dtype(key)`` is the dtype name of saved tensor ``key`` (None: not saved),
+    ``records`` the saved scaled tensors' records by data key."""
     problems = []
     parts: set[str] = set()
     widened: set[str] = set()
@@ -82,9 +103,9 @@ def scaled_mismatches(flat: FlatStateDict, metadata: Metadata) -> list[str]:
         parts.update(k for k in (mine.key, mine.scale_key, mine.global_scale_key) if k is not None)
         if FORMATS[mine.format].scale_dtypes == (torch.float32,):
             widened.add(mine.scale_key)
-        if key not in metadata.tensors:
+        if saved_dtype(key) is None:
             continue
-        saved = metadata.scaled.get(key)
+        saved = records.get(key)
         if saved is None:
             problems.append(
                 f"{key!r}: the checkpoint holds a plain tensor, the template a ScaledTensor of {mine.describe()}"
@@ -97,19 +118,19 @@ def scaled_mismatches(flat: FlatStateDict, metadata: Metadata) -> list[str]:
                 f"the template in {mine.scale_key!r} and {mine.global_scale_key!r}"
             )
     for tensor in flat.tensors:
-        saved_tensor = metadata.tensors.get(tensor.key)
+        saved_name = saved_dtype(tensor.key)
         if tensor.key not in parts:
-            record = metadata.scaled.get(tensor.key)
+            record = records.get(tensor.key)
             if record is not None:
                 problems.append(
                     f"{tensor.key!r}: the checkpoint holds a scaled tensor of {record.describe()}, the template a "
                     "plain tensor (its data would load without its scales); load it as a reshard.ScaledTensor"
                 )
-        elif saved_tensor is not None and saved_tensor.dtype != dtype_name(tensor.data.dtype):
-            if tensor.key in widened and saved_tensor.dtype in _EXACT_WIDENING:
+        elif saved_name is not None and saved_name != dtype_name(tensor.data.dtype):
+            if tensor.key in widened and saved_name in _EXACT_WIDENING:
                 continue
             problems.append(
-                f"{tensor.key!r}: saved dtype {saved_tensor.dtype}, the template's ScaledTensor holds "
+                f"{tensor.key!r}: saved dtype {saved_name}, the template's ScaledTensor holds "
                 f"{dtype_name(tensor.data.dtype)} (scaled data and scales are never cast)"
             )
     return sorted(set(problems))
