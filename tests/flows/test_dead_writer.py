@@ -24,7 +24,7 @@ import torch
 
 import reshard
 from reshard.flows.manager import step_name
-from reshard.io.locking import LockInfo
+from reshard.io.locking import LockInfo, machine_identity, pid_namespace
 from reshard.metadata import METADATA_FILE, Metadata
 
 pytestmark = pytest.mark.dist
@@ -182,7 +182,14 @@ def test_a_dead_holder_of_a_committed_checkpoint_loses_no_file(tmp_path: Path) -
     result = reshard.save(state(1.0, 1), path)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(timeout=60)
-    stale = LockInfo(host=socket.gethostname(), pid=gone.pid, token=result.save_id, created=time.time())
+    stale = LockInfo(
+        host=socket.gethostname(),
+        machine=machine_identity(),
+        pid_namespace=pid_namespace(),
+        pid=gone.pid,
+        token=result.save_id,
+        created=time.time(),
+    )
     (path / ".lock").write_bytes(stale.to_bytes())
     files = data_files(path)
     with pytest.raises(reshard.CheckpointExistsError):
