@@ -5,7 +5,8 @@ return. :class:`SaveCommit` runs the protocol of one save (``reshard.save`` on i
 single-process :class:`~reshard.interop.offline.CheckpointWriter`), in this order:
 
 1. :meth:`SaveCommit.begin`: create the directory, take the save lock (renewed in the background until
-   the end), refuse a complete checkpoint unless overwriting. A lock taken over from a save that died (its
+   the end), refuse a complete checkpoint unless overwriting (after the cleanup below: a refused save removes the
+   dead saves' files too, since its release drops the record of them). A lock taken over from a save that died (its
    holder stale: its process gone from this host, or its lock not renewed) ties that save's data files, and those of
    every dead save its marker records (the takeover records them all in this save's marker before anything is
    deleted, so a save killed inside this cleanup leaves them named to the next): those
@@ -110,6 +111,11 @@ class SaveCommit:
             raise StorageError(f"cannot create checkpoint directory {self.storage.describe()}: {exc}") from exc
         self.lock = acquire_lock(self.storage, self.save_id, what="save", timing=self.lock_timing)
         self.lock.start_renewing()
+        if self.lock.taken_over is not None:
+            # Recorded in this save's own marker by the takeover itself, before anything is deleted; removed before
+            # any refusal below: the release of a refused save's lock would drop the record with its marker.
+            self.dead_saves = tuple(t for t in self.lock.info.dead_saves if _SAVE_ID.match(t) and t != self.save_id)
+            self._remove_dead_files()
         try:
             exists = self.storage.exists(METADATA_FILE)
         except OSError as exc:
@@ -121,10 +127,6 @@ class SaveCommit:
                 f"{self.storage.describe()} already holds a complete checkpoint; pass overwrite=True (--overwrite on "
                 "the command line) to replace it"
             )
-        if self.lock.taken_over is not None:
-            # Recorded in this save's own marker by the takeover itself, before anything is deleted.
-            self.dead_saves = tuple(t for t in self.lock.info.dead_saves if _SAVE_ID.match(t) and t != self.save_id)
-            self._remove_dead_files()
 
     def _remove_dead_files(self) -> None:
         """Under the lock taken over from the :attr:`dead_saves`: remove their data files that the committed
