@@ -23,7 +23,15 @@ import pytest
 import torch
 
 import reshard
-from reshard.io.locking import LOCK_FILE, LockInfo, acquire_lock, lock_markers, read_lock
+from reshard.io.locking import (
+    LOCK_FILE,
+    LockInfo,
+    acquire_lock,
+    lock_markers,
+    machine_identity,
+    pid_namespace,
+    read_lock,
+)
 from reshard.metadata import METADATA_FILE
 from reshard.storage import LocalStorage
 from tests.contract import harness
@@ -348,7 +356,14 @@ class _PausingStorage(LocalStorage):
 
 @pytest.mark.dist
 def test_d6_two_writers_finding_the_same_stale_lock_cannot_both_take_it(tmp_path: Path) -> None:
-    stale = LockInfo(host=socket.gethostname(), pid=_dead_pid(), token="crashed", created=time.time())
+    stale = LockInfo(
+        host=socket.gethostname(),
+        machine=machine_identity(),
+        pid_namespace=pid_namespace(),
+        pid=_dead_pid(),
+        token="crashed",
+        created=time.time(),
+    )
     (tmp_path / LOCK_FILE).write_bytes(stale.to_bytes())
     read_stale, first_done = threading.Event(), threading.Event()
     outcomes: dict[str, Any] = {}
@@ -381,7 +396,14 @@ def test_d6_racing_writers_on_a_stale_lock_take_it_exactly_once(tmp_path: Path) 
     for round_ in range(20):
         root = tmp_path / f"r{round_}"
         root.mkdir()
-        stale = LockInfo(host=socket.gethostname(), pid=_dead_pid() if round_ == 0 else 2**22 + 7, token="x", created=0)
+        stale = LockInfo(
+            host=socket.gethostname(),
+            machine=machine_identity(),
+            pid_namespace=pid_namespace(),
+            pid=_dead_pid() if round_ == 0 else 2**22 + 7,
+            token="x",
+            created=0,
+        )
         (root / LOCK_FILE).write_bytes(stale.to_bytes())
         start = threading.Barrier(8)
         won: list[str] = []
@@ -441,7 +463,7 @@ def test_a_lock_of_another_host_is_taken_over_once_it_stops_moving(tmp_path: Pat
 def mock_host(name: str) -> Any:
     from unittest import mock
 
-    with mock.patch("reshard.io.locking.socket.gethostname", return_value=name):
+    with mock.patch("reshard.io.holders.socket.gethostname", return_value=name):
         yield
 
 

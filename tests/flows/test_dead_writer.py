@@ -9,6 +9,7 @@ again at that path must leave only its own data files there (nothing of the dead
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ import torch
 
 import reshard
 from reshard.flows.manager import step_name
-from reshard.io.locking import LockInfo
+from reshard.io.locking import LockInfo, machine_identity, pid_namespace, this_process
 from reshard.metadata import METADATA_FILE, Metadata
 
 pytestmark = pytest.mark.dist
@@ -182,7 +183,14 @@ def test_a_dead_holder_of_a_committed_checkpoint_loses_no_file(tmp_path: Path) -
     result = reshard.save(state(1.0, 1), path)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(timeout=60)
-    stale = LockInfo(host=socket.gethostname(), pid=gone.pid, token=result.save_id, created=time.time())
+    stale = LockInfo(
+        host=socket.gethostname(),
+        machine=machine_identity(),
+        pid_namespace=pid_namespace(),
+        pid=gone.pid,
+        token=result.save_id,
+        created=time.time(),
+    )
     (path / ".lock").write_bytes(stale.to_bytes())
     files = data_files(path)
     with pytest.raises(reshard.CheckpointExistsError):
@@ -222,3 +230,24 @@ def test_a_save_killed_inside_the_dead_file_cleanup_leaves_nothing_of_either_dea
     assert not (path / ".lock").exists() and not list(path.glob(".lock.*"))
     loaded = reshard.load(state(0.0, 0), path)
     assert torch.equal(loaded["w"], torch.full((ROWS, COLS), 5.0)) and loaded["step"] == 3
+
+
+def test_a_refused_taker_still_removes_the_dead_saves_files(tmp_path: Path) -> None:
+    """Issue 38 G6 (third outside attack): a plain save over a committed checkpoint took the stale lock of a dead
+    overwrite save, was refused (CheckpointExistsError) and released the lock: the record of the dead save went
+    with its marker, and its data file stayed for good (the next overwrite committed beside it). A taker removes the
+    dead saves' files that no committed metadata lists before anything else, refused or not."""
+    path = tmp_path / "ck"
+    reshard.save(state(1.0, 1), path)
+    committed = data_files(path)
+    dead_id = "d" * 32
+    (path / "data" / f"{dead_id}-r00000.bin").write_bytes(b"dead bytes")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=60)
+    dead = dataclasses.replace(this_process(dead_id), pid=gone.pid, started=None)
+    (path / ".lock").write_bytes(dead.to_bytes())
+    with pytest.raises(reshard.CheckpointExistsError):
+        reshard.save(state(2.0, 2), path)
+    assert data_files(path) == committed, "the dead save's file outlived the taker that was refused"
+    reshard.save(state(3.0, 3), path, overwrite=True)
+    assert data_files(path) == metadata_files(path)

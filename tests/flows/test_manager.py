@@ -18,7 +18,7 @@ import torch
 
 import reshard
 from reshard.cli import main as cli_main
-from reshard.io.locking import LOCK_FILE, LockInfo
+from reshard.io.locking import LOCK_FILE, LockInfo, machine_identity, pid_namespace
 
 
 def _state(step: int) -> dict[str, object]:
@@ -91,14 +91,28 @@ def test_retention_removes_old_leftovers_but_not_newer_or_live_ones(tmp_path: Pa
         save_id = uuid.uuid4().hex
         (tmp_path / leftover / "data").mkdir(parents=True)
         (tmp_path / leftover / "data" / f"{save_id}-r00000.bin").write_bytes(b"partial")
-        info = LockInfo(host=socket.gethostname(), pid=dead, token=save_id, created=time.time())
+        info = LockInfo(
+            host=socket.gethostname(),
+            machine=machine_identity(),
+            pid_namespace=pid_namespace(),
+            pid=dead,
+            token=save_id,
+            created=time.time(),
+        )
         (tmp_path / leftover / LOCK_FILE).write_bytes(info.to_bytes())
     untied = tmp_path / "step_000000004" / "data" / f"{uuid.uuid4().hex}-r00000.bin"
     untied.parent.mkdir(parents=True)
     untied.write_bytes(b"no lock names this save")
     live = tmp_path / "step_000000003"
     (live / "data").mkdir(parents=True)
-    info = LockInfo(host=socket.gethostname(), pid=os.getppid(), token="t", created=time.time())
+    info = LockInfo(
+        host=socket.gethostname(),
+        machine=machine_identity(),
+        pid_namespace=pid_namespace(),
+        pid=os.getppid(),
+        token="t",
+        created=time.time(),
+    )
     (live / LOCK_FILE).write_bytes(info.to_bytes())  # a save that is running right now
     manager.save(5, _state(5))
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_"))
@@ -108,7 +122,14 @@ def test_retention_removes_old_leftovers_but_not_newer_or_live_ones(tmp_path: Pa
 
 @pytest.mark.unit
 def test_two_managers_on_one_root_cannot_interleave(tmp_path: Path) -> None:
-    info = LockInfo(host=socket.gethostname(), pid=os.getppid(), token="other", created=time.time())
+    info = LockInfo(
+        host=socket.gethostname(),
+        machine=machine_identity(),
+        pid_namespace=pid_namespace(),
+        pid=os.getppid(),
+        token="other",
+        created=time.time(),
+    )
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / LOCK_FILE).write_bytes(info.to_bytes())  # another manager is saving
     with pytest.raises(reshard.CheckpointLockedError, match="manager lock"):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import reshard
+import reshard.flows.manager as manager_module
 from reshard.flows.manager import step_name
 from reshard.metadata import METADATA_FILE
 from reshard.net.transports import ThreadGroup
@@ -347,3 +348,101 @@ def test_a_step_saved_anew_after_the_skip_is_never_deleted(tmp_path: Path) -> No
     assert all(isinstance(r, reshard.CheckpointExistsError) and "rewind=True" in str(r) for r in results), results
     assert _complete(tmp_path) == [4, 6]
     assert _on_two_ranks(tmp_path, "load", 0) == [6, 6]
+
+
+# ---- issue 38, third outside attack: the window after the judgment, and the skipped step saved again -----------
+
+
+def _damaged_six(root: Path) -> None:
+    """Steps 4 and 6 saved on two ranks; a data file of step 6 damaged for good."""
+    _saved(root, 4)
+    _saved(root, 6)
+    data_file = sorted((root / step_name(6) / "data").iterdir())[0]
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+
+
+def _another_writer_at(monkeypatch: pytest.MonkeyPatch, root: Path, call: int) -> list[str]:
+    """Right after the coordinator's ``call``-th judgment that step 6 is still the damaged save skipped, another
+    writer commits a good step 6 (``reshard.save(..., overwrite=True)``: it takes only the step's lock); the save
+    ids it committed."""
+    real = manager_module.still_skipped
+    calls: list[str | None] = []
+    committed: list[str] = []
+
+    def judged_then_saved_anew(where: Any, skipped: Any) -> str | None:
+        why = real(where, skipped)
+        calls.append(why)
+        if len(calls) == call and why is not None:
+            committed.append(reshard.save({"w": torch.full((8,), 66.0)}, root / step_name(6), overwrite=True).save_id)
+        return why
+
+    monkeypatch.setattr(manager_module, "still_skipped", judged_then_saved_anew)
+    return committed
+
+
+@pytest.mark.unit
+def test_a_step_saved_anew_after_the_last_judgment_is_not_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """G1: after the save of 5 committed, the coordinator judged step 6 still the damaged save skipped, and then
+    deleted it; a good step 6 committed by another writer in between was deleted. The deletion is told which save
+    it may delete (the digest of its metadata) and checks it again under the step's own lock."""
+    _damaged_six(tmp_path)
+    managers = _resumed_managers(tmp_path, ThreadGroup(2, timeout=30.0))
+    committed = _another_writer_at(monkeypatch, tmp_path, call=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = _save_five(managers)
+    assert all(isinstance(r, reshard.SaveResult) for r in results), results
+    assert committed and reshard.read_metadata(tmp_path / step_name(6)).save_id == committed[0]
+    assert _complete(tmp_path) == [4, 5, 6]
+    loaded = {"w": torch.zeros(8)}
+    reshard.load(loaded, tmp_path / step_name(6))
+    assert torch.equal(loaded["w"], torch.full((8,), 66.0))
+
+
+def _save_six(managers: list[reshard.CheckpointManager]) -> list[Any]:
+    def save(rank: int) -> Any:
+        try:
+            return managers[rank].save(6, _state(rank, 2, 6))
+        except reshard.CheckpointError as exc:
+            return exc
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return on_threads(2, save)
+    finally:
+        for manager in managers:
+            manager.close()
+
+
+@pytest.mark.unit
+def test_a_restart_saves_the_damaged_step_it_resumed_past_again(tmp_path: Path) -> None:
+    """G2: saves every 2 steps, step 6 damaged; the restart resumes from 4 (skipping 6) and its next save is step 6
+    itself, which was refused as complete already on every restart (a restart loop). A skipped step equal to the
+    step saved, still that save and still failing, is replaced by the new save (an overwrite of a damaged step)."""
+    _damaged_six(tmp_path)
+    results = _save_six(_resumed_managers(tmp_path, ThreadGroup(2, timeout=30.0)))
+    assert all(isinstance(r, reshard.SaveResult) for r in results), results
+    assert _complete(tmp_path) == [4, 6] and _latest(tmp_path) == 6
+    assert _on_two_ranks(tmp_path, "load", 0) == [6, 6]
+    assert len(list((tmp_path / step_name(6) / "data").iterdir())) == len(
+        {f.path for f in reshard.read_metadata(tmp_path / step_name(6)).files}
+    ), "the damaged save's files outlived its replacement"
+
+
+@pytest.mark.unit
+def test_a_skipped_step_saved_anew_before_its_replacement_is_not_overwritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """G2 with G1's window: another writer commits a good step 6 right after the coordinator judged it still the
+    damaged one; the save of 6 checks again under the step's lock and is refused on every rank, keeping it."""
+    _damaged_six(tmp_path)
+    managers = _resumed_managers(tmp_path, ThreadGroup(2, timeout=30.0))
+    committed = _another_writer_at(monkeypatch, tmp_path, call=1)
+    results = _save_six(managers)
+    assert all(isinstance(r, reshard.CheckpointExistsError) for r in results), results
+    assert committed and reshard.read_metadata(tmp_path / step_name(6)).save_id == committed[0]

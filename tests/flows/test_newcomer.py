@@ -20,7 +20,7 @@ import reshard
 from reshard.cli import main
 from reshard.errors import CheckpointNotFoundError, IncompleteCheckpointError, MismatchError, StateDictError
 from reshard.flows.maintenance import collect_garbage
-from reshard.io.locking import LOCK_FILE, LockInfo
+from reshard.io.locking import LOCK_FILE, LockInfo, machine_identity, pid_namespace
 from reshard.state.dtypes import is_lossy_cast
 
 
@@ -59,7 +59,14 @@ def test_gc_of_an_interrupted_save_removes_only_the_files_a_save_names(tmp_path:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True, text=True
     )
-    lock = LockInfo(host=socket.gethostname(), pid=int(dead.stdout), token=save_id, created=1_000_000_000.0)
+    lock = LockInfo(
+        host=socket.gethostname(),
+        machine=machine_identity(),
+        pid_namespace=pid_namespace(),
+        pid=int(dead.stdout),
+        token=save_id,
+        created=1_000_000_000.0,
+    )
     (ckpt / LOCK_FILE).write_bytes(lock.to_bytes())  # ... leaving its lock
     foreign = ckpt / "data" / "notes.txt"
     foreign.write_text("mine")

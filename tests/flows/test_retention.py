@@ -32,7 +32,7 @@ from reshard.cli import main as cli_main
 from reshard.flows.maintenance import collect_garbage, validate_checkpoint
 from reshard.flows.manager import LATEST_FILE, scan_root, step_name
 from reshard.interop import CheckpointReader
-from reshard.io.locking import LOCK_FILE, LockInfo
+from reshard.io.locking import LOCK_FILE, LockInfo, machine_identity, pid_namespace
 from reshard.io.references import REFERENCES_DIR, RETIRED_FILE
 from reshard.net.transports import ThreadGroup
 from reshard.storage import LocalStorage, ObjectStorage, Storage
@@ -543,7 +543,14 @@ def test_retention_never_deletes_through_a_step_that_is_a_link(tmp_path: Path) -
     (home / "data").mkdir(parents=True)
     (home / "data" / f"{HEX}-r00000.bin").write_bytes(b"mine")
     (home / LOCK_FILE).write_bytes(
-        LockInfo(host=socket.gethostname(), pid=_dead_pid(), token=HEX, created=OLD).to_bytes()
+        LockInfo(
+            host=socket.gethostname(),
+            machine=machine_identity(),
+            pid_namespace=pid_namespace(),
+            pid=_dead_pid(),
+            token=HEX,
+            created=OLD,
+        ).to_bytes()
     )
     _age(home)
     before_home, before_kept = _snapshot(home), _snapshot(kept)

@@ -13,12 +13,19 @@ import pytest
 import torch
 
 import reshard
-from reshard.io.locking import LOCK_FILE, LockInfo
+from reshard.io.locking import LOCK_FILE, LockInfo, machine_identity, pid_namespace
 
 
 def _plant_lock(path: Path, pid: int, created: float | None = None) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    info = LockInfo(host=socket.gethostname(), pid=pid, token="someone-else", created=created or time.time())
+    info = LockInfo(
+        host=socket.gethostname(),
+        machine=machine_identity(),
+        pid_namespace=pid_namespace(),
+        pid=pid,
+        token="someone-else",
+        created=created or time.time(),
+    )
     (path / LOCK_FILE).write_bytes(info.to_bytes())
 
 

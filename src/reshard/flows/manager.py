@@ -56,7 +56,7 @@ from reshard.errors import (
 from reshard.flows.load import load
 from reshard.flows.maintenance import validate_checkpoint
 from reshard.flows.options import SaveOptions, check_terms
-from reshard.flows.save import SaveResult, save
+from reshard.flows.save import SaveResult, save_replacing
 from reshard.flows.skipped import SkippedStep, metadata_digest, still_skipped
 from reshard.flows.steps import StepInfo, scan_root, step_name, step_of
 from reshard.flows.timeline import Timeline, refusal
@@ -195,14 +195,15 @@ class CheckpointManager:
         held: list[Lock] = []  # the manager lock, on the coordinator once taken (released below, whatever fails)
         base: Storage | None = None
         try:
-            base_name, past = self._lock_step(
+            base_name, past, replaces = self._lock_step(
                 comm, held, step=step, overwrite=overwrite, rewind=rewind, chunk_bytes=options.checksum_chunk_bytes
             )
             base = self.root.child(base_name) if base_name is not None else None
             try:
-                result = save(
+                result = save_replacing(
                     state_dict,
                     self.path_of(step),
+                    replaces=replaces,
                     group=self.group,
                     overwrite=overwrite,
                     options=options,
@@ -223,12 +224,14 @@ class CheckpointManager:
 
     def _lock_step(
         self, comm: Communicator, held: list[Lock], *, step: int, overwrite: bool, rewind: bool, chunk_bytes: int
-    ) -> tuple[str | None, tuple[int, ...]]:
+    ) -> tuple[str | None, tuple[int, ...], str | None]:
         """The first step of :meth:`save` (collective ``manager lock``, every rank): the ranks' terms agree, and the
         coordinator takes the manager lock (appended to ``held``, which the caller releases), checks that the save
         goes forward in time (or may not) and chooses the base of an incremental save; that base's name (None: a
         full save) and the newer steps the save goes past (ones :meth:`load_latest` skipped that are still the
-        saves it failed to load and still fail their checks, judged on the coordinator) on every rank.
+        saves it failed to load and still fail their checks, judged on the coordinator) on every rank; and when
+        ``step`` itself is such a step (without ``overwrite``), the digest of the damaged save the save replaces
+        (:func:`reshard.flows.save.save_replacing` checks it again under the step's lock), else None.
 
         Raises:
             CheckpointExistsError: on every rank, as :meth:`save` says.
@@ -237,11 +240,13 @@ class CheckpointManager:
         def lock() -> list[Any]:
             terms = self._terms(step=step, overwrite=overwrite, rewind=rewind)
             if not comm.is_coordinator:
-                return [terms, None, None, []]
+                return [terms, None, None, [], None]
             held.append(acquire_lock(self.root, uuid.uuid4().hex, what="manager"))
             held[0].start_renewing()
             complete = [s.step for s in scan_root(self.root) if s.status == "complete"]
-            unloadable = [s.step for s in self._skipped if s.step > step and still_skipped(self.root, s) is not None]
+            unloadable = {
+                s.step: s.digest for s in self._skipped if s.step >= step and still_skipped(self.root, s) is not None
+            }
             where = f"CheckpointManager under {self.root.describe()}"
             timeline = Timeline.of(
                 where, self.root.describe(step_name(step)), complete, step=step, unloadable=unloadable
@@ -254,25 +259,31 @@ class CheckpointManager:
                         f". Steps {again}, which load_latest skipped as unloadable, load again or were saved anew "
                         "since: they count as newer"
                     )
-                return [terms, None, refused, []]
+                return [terms, None, refused, [], None]
             base = self._base_for(step, chunk_bytes) if self.incremental else None
-            return [terms, base, None, [] if rewind else list(timeline.newer)]
+            replaces = unloadable[step] if timeline.replaced and not overwrite else None
+            return [terms, base, None, [] if rewind else list(timeline.newer), replaces]
 
         def coordinators(values: list[list[Any]]) -> list[Any]:
-            check_terms([terms for terms, _, _, _ in values], "CheckpointManager.save")
-            _, base_name, refused, past = values[0]
+            check_terms([terms for terms, *_ in values], "CheckpointManager.save")
+            _, base_name, refused, past, replaces = values[0]
             if refused is not None:
                 raise CheckpointExistsError(refused)
-            return [base_name, past]
+            return [base_name, past, replaces]
 
-        base_name, past = comm.step("manager lock", lock, coordinators)
+        base_name, past, replaces = comm.step("manager lock", lock, coordinators)
+        if replaces is not None:
+            warnings.warn(
+                f"reshard: step {step} replaces the damaged step {step}, which load_latest skipped as unloadable",
+                stacklevel=3,
+            )
         if past:
             warnings.warn(
                 f"reshard: step {step} is saved past steps {sorted(past)}, which load_latest skipped as unloadable; "
                 "they are deleted once it commits, if they still fail their checks then",
                 stacklevel=3,
             )
-        return base_name, tuple(past)
+        return base_name, tuple(past), replaces
 
     def _publish_step(
         self,
@@ -373,20 +384,27 @@ class CheckpointManager:
         except OSError as exc:
             raise StorageError(f"updating {self.root.describe(LATEST_FILE)} failed: {exc}") from exc
 
-    def _still_skipped(self, past: tuple[int, ...]) -> frozenset[int]:
+    def _still_skipped(self, past: tuple[int, ...]) -> dict[int, str]:
         """On the coordinator, after a save went past the steps ``past``: those still the unloadable saves that
-        :meth:`load_latest` skipped (:func:`reshard.flows.skipped.still_skipped`); the others stay, with a warning."""
-        drop = {s.step for s in self._skipped if s.step in past and still_skipped(self.root, s) is not None}
-        if set(past) - drop:
+        :meth:`load_latest` skipped (:func:`reshard.flows.skipped.still_skipped`), each with the digest of that save
+        (its deletion checks it again under the step's lock); the others stay, with a warning."""
+        drop = {
+            s.step: s.digest
+            for s in self._skipped
+            if s.step in past and s.digest is not None and still_skipped(self.root, s) is not None
+        }
+        if set(past) - set(drop):
             logger.warning(
                 "retention: steps %s, which load_latest skipped as unloadable, load again or were saved anew: kept",
-                sorted(set(past) - drop),
+                sorted(set(past) - set(drop)),
             )
-        return frozenset(drop)
+        return drop
 
-    def _retain(self, *, keep_step: int, rewind: bool = False, drop: frozenset[int] = frozenset()) -> None:
+    def _retain(self, *, keep_step: int, rewind: bool = False, drop: dict[int, str] | None = None) -> None:
         """On the coordinator, under the manager lock: delete what the policy no longer keeps (with ``rewind``,
-        every step newer than ``keep_step`` as well: ``keep_step`` is the newest; and the complete steps ``drop``)."""
+        every step newer than ``keep_step`` as well: ``keep_step`` is the newest; and the complete steps ``drop``, each
+        only while it is still the save of the digest given)."""
+        drop = drop or {}
         self._sweep_pointer_temporaries()
         infos = scan_root(self.root)
 
@@ -412,7 +430,7 @@ class CheckpointManager:
             else:
                 continue
             if not (info.locked and self._lock_is_live(info.name)):
-                self._remove(info.name, what)
+                self._remove(info.name, what, only_save=drop.get(info.step) if info.status == "complete" else None)
         for info in infos:
             if info.status == "retired":
                 self._remove(info.name, "sweeping retired")
@@ -436,10 +454,11 @@ class CheckpointManager:
                 logger.info("retention: removing %s, left by a manager killed while it moved the pointer", name)
                 self.root.delete(name)
 
-    def _remove(self, name: str, what: str) -> None:
+    def _remove(self, name: str, what: str, only_save: str | None = None) -> None:
         """On the coordinator: delete what reshard wrote in step directory ``name`` (retired where newer
         checkpoints reference its files). A directory that is a link, or that nothing ties to a reshard save (a
-        ``retired.json`` or ``metadata.json`` reshard did not write, a live save), is left with a warning.
+        ``retired.json`` or ``metadata.json`` reshard did not write, a live save), is left with a warning; so is one
+        that is no longer the save of digest ``only_save`` when given (checked under the step's lock).
 
         Raises:
             OSError: a deletion failed (what was deleted stays deleted).
@@ -450,8 +469,8 @@ class CheckpointManager:
         logger.info("retention: %s %s", what, self.root.describe(name))
         child = self.root.child(name)
         try:
-            removal = remove_checkpoint(child)
-        except (CheckpointNotFoundError, CorruptCheckpointError, CheckpointLockedError) as exc:
+            removal = remove_checkpoint(child, only_save=only_save)
+        except (CheckpointNotFoundError, CorruptCheckpointError, CheckpointLockedError, CheckpointExistsError) as exc:
             logger.warning("retention: %s left alone: %s", self.root.describe(name), exc)
             return
         finally:

@@ -56,7 +56,7 @@ from reshard.net.comm import Communicator
 from reshard.net.transports import Group
 from reshard.storage import CheckpointLocation, storage_for
 
-__all__ = ["SaveResult", "save", "tensor_bytes"]
+__all__ = ["SaveResult", "save", "save_replacing", "tensor_bytes"]
 
 logger = logging.getLogger("reshard")
 
@@ -155,20 +155,56 @@ def save(
     """
     started = time.perf_counter()
     filled = _deprecated_stats(deprecated)
+    result = save_replacing(
+        state_dict,
+        path,
+        replaces=None,
+        overwrite=overwrite,
+        group=group,
+        options=options,
+        storage_options=storage_options,
+        timeout=timeout,
+        base=base,
+        started=started,
+    )
+    if filled is not None:
+        vars(filled).update(vars(result.stats))  # the caller's SaveStats, filled as before
+    return result
+
+
+def save_replacing(
+    state_dict: Any,
+    path: CheckpointLocation,
+    *,
+    replaces: str | None,
+    overwrite: bool = False,
+    group: Group = None,
+    options: SaveOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
+    timeout: datetime.timedelta | float | None = None,
+    base: CheckpointLocation | None = None,
+    started: float | None = None,
+) -> SaveResult:
+    """:func:`save`, which may also replace the one complete checkpoint at ``path`` whose ``metadata.json`` has the
+    SHA-256 ``replaces`` (checked on the coordinator under the save lock; any other is refused as without
+    ``overwrite``): how :class:`~reshard.CheckpointManager` saves again a damaged step that its ``load_latest``
+    resumed past. Called by all ranks of ``group``, with equal arguments.
+
+    Raises:
+        as :func:`save`.
+    """
+    started = time.perf_counter() if started is None else started
     options = options if options is not None else SaveOptions()
     comm = Communicator(group, timeout=timeout)
     storage = storage_for(path, storage_options)
     try:
         base_name = None if base is None else base_name_of(storage, base, storage_options)
-        request = SaveRequest.of(storage, options, overwrite=overwrite, base_name=base_name)
+        request = SaveRequest.of(storage, options, overwrite=overwrite, base_name=base_name, replaces=replaces)
         with collector_paused():
-            result = _save_to(request, state_dict, comm, started=started)
+            return _save_to(request, state_dict, comm, started=started)
     finally:
         if storage is not path:
             storage.close()
-    if filled is not None:
-        vars(filled).update(vars(result.stats))  # the caller's SaveStats, filled as before
-    return result
 
 
 def _deprecated_stats(deprecated: dict[str, Any]) -> SaveStats | None:

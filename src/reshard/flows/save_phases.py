@@ -111,9 +111,19 @@ class SaveRequest:
     base_name: str | None = None
     verify_base: bool = True
     lock_timing: LockTiming | None = None
+    replaces: str | None = None
+    """Without ``overwrite``: the digest of the one checkpoint the save may replace (:class:`SaveCommit`)."""
 
     @classmethod
-    def of(cls, storage: Storage, options: SaveOptions, *, overwrite: bool, base_name: str | None) -> SaveRequest:
+    def of(
+        cls,
+        storage: Storage,
+        options: SaveOptions,
+        *,
+        overwrite: bool,
+        base_name: str | None,
+        replaces: str | None = None,
+    ) -> SaveRequest:
         """The request of a save with ``options`` (an incremental save, ``base_name`` set, records content
         hashes)."""
         return cls(
@@ -125,6 +135,7 @@ class SaveRequest:
             content_hashes=options.content_hash or base_name is not None,
             base_name=base_name,
             verify_base=options.verify_base,
+            replaces=replaces,
         )
 
     def terms(self) -> dict[str, Any]:
@@ -282,7 +293,13 @@ def plan_on_coordinator(request: SaveRequest, payloads: list[bytes], *, save_id:
             chunk_bytes=request.checksum_chunk_bytes,
             places=request.verify_base,
         )
-    protocol = SaveCommit(request.storage, save_id, overwrite=request.overwrite, lock_timing=request.lock_timing)
+    protocol = SaveCommit(
+        request.storage,
+        save_id,
+        overwrite=request.overwrite,
+        lock_timing=request.lock_timing,
+        replaces=request.replaces,
+    )
     try:
         try:
             protocol.begin()

@@ -5,7 +5,9 @@ A save goes forward: a step older than the newest complete checkpoint of the roo
 rewinds (``rewind=True``), or unless every newer complete step is one that this manager's ``load_latest`` skipped
 as unloadable and that are still those saves and still fail their checks (a damaged newest step: the job resumed
 from an older one and must be able to save past it; those steps are deleted once the save commits, as a rewind
-deletes; :mod:`reshard.flows.skipped` judges them). Only complete checkpoints count: leftovers of
+deletes; :mod:`reshard.flows.skipped` judges them). A skipped step equal to the step saved, judged so too, is no
+refusal either: the save replaces it (an overwrite of a damaged step, which the restart resumed past and now saves
+again). Only complete checkpoints count: leftovers of
 interrupted saves never stop a restart. Pure: no I/O.
 """
 
@@ -35,6 +37,7 @@ class Timeline:
         complete: the root's complete steps.
         newer: complete steps newer than ``step`` that the manager's ``load_latest`` skipped as unloadable.
         blocking: complete steps newer than ``step`` that it did not skip.
+        replaced: ``step`` itself is complete and one of those skipped: the save replaces it.
     """
 
     where: str
@@ -43,6 +46,7 @@ class Timeline:
     complete: tuple[int, ...]
     newer: tuple[int, ...]
     blocking: tuple[int, ...]
+    replaced: bool = False
 
     @classmethod
     def of(
@@ -57,15 +61,16 @@ class Timeline:
             complete=steps,
             newer=tuple(s for s in later if s in unloadable),
             blocking=tuple(s for s in later if s not in unloadable),
+            replaced=step in steps and step in unloadable,
         )
 
 
 def refusal(timeline: Timeline, *, overwrite: bool, rewind: bool) -> str | None:
     """Why a save of ``timeline.step`` must not run, saying the ways out; None when it may: a step older than a
     complete step the manager did not skip as unloadable, without ``rewind``; a complete step again, without
-    ``overwrite``."""
+    ``overwrite`` (unless it is a skipped step the save replaces)."""
     step, blocking = timeline.step, timeline.blocking
-    exists = step in timeline.complete and not overwrite
+    exists = step in timeline.complete and not overwrite and not timeline.replaced
     call = f"{timeline.where}: a save of step {step}"
     if blocking and not rewind:
         also = f" and overwrite=True (step {step} is complete already)" if exists else ""

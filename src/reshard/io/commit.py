@@ -5,7 +5,8 @@ return. :class:`SaveCommit` runs the protocol of one save (``reshard.save`` on i
 single-process :class:`~reshard.interop.offline.CheckpointWriter`), in this order:
 
 1. :meth:`SaveCommit.begin`: create the directory, take the save lock (renewed in the background until
-   the end), refuse a complete checkpoint unless overwriting. A lock taken over from a save that died (its
+   the end), refuse a complete checkpoint unless overwriting (after the cleanup below: a refused save removes the
+   dead saves' files too, since its release drops the record of them). A lock taken over from a save that died (its
    holder stale: its process gone from this host, or its lock not renewed) ties that save's data files, and those of
    every dead save its marker records (the takeover records them all in this save's marker before anything is
    deleted, so a save killed inside this cleanup leaves them named to the next): those
@@ -33,6 +34,7 @@ single-process :class:`~reshard.interop.offline.CheckpointWriter`), in this orde
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import re
 from typing import TYPE_CHECKING
@@ -76,14 +78,24 @@ class SaveCommit:
         save_id: the save's id; its data files are named after it.
         overwrite: replace a complete checkpoint (the old one stays loadable until the new commit).
         lock_timing: how the save lock renews and judges stale holders.
+        replaces: without ``overwrite``, the SHA-256 of the one ``metadata.json`` this save may replace (a damaged
+            step that :class:`~reshard.CheckpointManager` resumed past), checked under the save lock: any other
+            complete checkpoint there is refused as without ``overwrite``.
     """
 
     def __init__(
-        self, storage: Storage, save_id: str, *, overwrite: bool, lock_timing: LockTiming | None = None
+        self,
+        storage: Storage,
+        save_id: str,
+        *,
+        overwrite: bool,
+        lock_timing: LockTiming | None = None,
+        replaces: str | None = None,
     ) -> None:
         self.storage = storage
         self.save_id = save_id
         self.overwrite = overwrite
+        self.replaces = replaces
         self.lock_timing = lock_timing
         self.outcome = CommitOutcome.OPEN
         self.lock: Lock | None = None
@@ -110,21 +122,32 @@ class SaveCommit:
             raise StorageError(f"cannot create checkpoint directory {self.storage.describe()}: {exc}") from exc
         self.lock = acquire_lock(self.storage, self.save_id, what="save", timing=self.lock_timing)
         self.lock.start_renewing()
+        if self.lock.taken_over is not None:
+            # Recorded in this save's own marker by the takeover itself, before anything is deleted; removed before
+            # any refusal below: the release of a refused save's lock would drop the record with its marker.
+            self.dead_saves = tuple(t for t in self.lock.info.dead_saves if _SAVE_ID.match(t) and t != self.save_id)
+            self._remove_dead_files()
         try:
             exists = self.storage.exists(METADATA_FILE)
         except OSError as exc:
             self.release_lock()
             raise StorageError(f"cannot check {self.storage.describe(METADATA_FILE)}: {exc}") from exc
+        if exists and not self.overwrite and self.replaces is not None and self._holds(self.replaces):
+            self.overwrite = True  # still the damaged save the caller judged, and this save holds its lock now
         if exists and not self.overwrite:
             self.release_lock()
             raise CheckpointExistsError(
                 f"{self.storage.describe()} already holds a complete checkpoint; pass overwrite=True (--overwrite on "
                 "the command line) to replace it"
             )
-        if self.lock.taken_over is not None:
-            # Recorded in this save's own marker by the takeover itself, before anything is deleted.
-            self.dead_saves = tuple(t for t in self.lock.info.dead_saves if _SAVE_ID.match(t) and t != self.save_id)
-            self._remove_dead_files()
+
+    def _holds(self, digest: str) -> bool:
+        """Whether ``metadata.json`` here is the document whose SHA-256 is ``digest`` (False when unreadable)."""
+        try:
+            raw = self.storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
+        except OSError:
+            return False
+        return hashlib.sha256(raw).hexdigest() == digest
 
     def _remove_dead_files(self) -> None:
         """Under the lock taken over from the :attr:`dead_saves`: remove their data files that the committed

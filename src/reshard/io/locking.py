@@ -20,12 +20,18 @@ token unique to the holder) and when it was written.
   thread), which is how other hosts tell a live holder from a dead one. A holder whose renewal fails
   has lost its lock; a save checks that it still holds it right before its commit.
 - **Release**: the holder deletes its marker if it is still the highest.
-- **Stale holders**: a holder is stale when it ran on this host and its process no longer exists, when
-  it ran on this host and its marker was written more than ``stale_after_s`` ago, or when the lock does not
-  move for ``lease_s`` seconds while a writer waits (measured on the waiter's own clock). A holder on another
-  host is judged by that last rule only, never by its marker's ``written`` time, which is the holder's clock (a
-  host whose clock runs behind would otherwise lose a live lock at once): a writer that finds a lock of another
-  host waits up to ``lease_s`` for it to be released or to prove stale. One function says this rule,
+- **Stale holders**: a holder is stale when it ran on this machine, in this pid namespace, and its process no
+  longer exists, when it ran on this machine and its marker was written more than ``stale_after_s`` ago, or when
+  the lock does not move for ``lease_s`` seconds while a writer waits (measured on the waiter's own clock). *This
+  machine* means the same host name **and** the same machine identity (``LockInfo.machine``: Linux's boot id,
+  ``/proc/sys/kernel/random/boot_id``, unique per machine and boot; else ``/etc/machine-id``): host names are not
+  unique in practice (containers given one ``--hostname``, hosts all called ``localhost``), and the init pid
+  namespace has the same inode on every Linux machine. A holder of another machine (or of this one before a
+  reboot, or a marker without an identity: older releases, systems that have none) is judged by the lease rule
+  only, never by its marker's ``written`` time, which is the holder's clock (a machine whose clock runs behind would
+  otherwise lose a live lock at once), nor by its pid; so is a holder of this machine in another pid namespace (a
+  container restarted after a kill), whose pid means nothing here. A writer that finds such a lock waits up to
+  ``lease_s`` for it to be released or to prove stale. One function says this rule,
   :func:`stale_at_sight`, and every judgment of a holder uses it: the judgments that do not watch (retention, the
   liveness of reference markers, lock temporaries, ``reshard gc --dry-run``) therefore never find a holder of another
   host stale, and keep what it holds for that run (retention says so); whoever needs it gone watches the lock through
@@ -47,23 +53,25 @@ files briefly (a deletion, a reference marker) acquires with ``inherit=True``: t
 marker keeps that holder's token (so the tie holds at every point of the takeover), and on release it hands the
 lock back to the stale holder (a successor marker with the stale holder's identity and times) unless told that
 nothing needs the tie any more.
+
+**A marker stays small.** A reader reads at most 64 KiB of a marker, and one it cannot read is a holder of unknown
+identity (stale at sight): so only tokens shaped as save ids (32 lowercase hex digits) are ever copied from a stale
+marker into a taker's (its own token when it inherits, its dead saves), and the record of dead saves is trimmed,
+oldest first, until the marker is at most half that limit. Every marker written reads back as its writer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import os
 import re
-import socket
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from reshard.errors import CheckpointLockedError, StorageError
+from reshard.io.holders import LockInfo, is_save_token, machine_identity, pid_namespace, process_start, this_process
 from reshard.storage import FileTooLargeError, Storage
 
 __all__ = [
@@ -76,9 +84,14 @@ __all__ = [
     "LockTiming",
     "acquire_lock",
     "foreign_holder",
+    "is_save_token",
     "lock_markers",
+    "machine_identity",
+    "pid_namespace",
+    "process_start",
     "read_lock",
     "stale_at_sight",
+    "this_process",
 ]
 
 logger = logging.getLogger("reshard")
@@ -94,6 +107,8 @@ DEFAULT_STALE_AFTER_S = 600.0
 
 _POLL_S = 0.25
 _MAX_MARKER_BYTES = 64 * 1024
+_MARKER_BUDGET_BYTES = _MAX_MARKER_BYTES // 2
+"""The most a marker this library writes takes (its record of dead saves is trimmed to fit)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,132 +124,6 @@ class LockTiming:
             raise ValueError(f"a lock's renew_s ({self.renew_s}) must be positive and below lease_s ({self.lease_s})")
         if self.stale_after_s <= 0:
             raise ValueError(f"a lock's stale_after_s must be positive, got {self.stale_after_s}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LockInfo:
-    """What a marker says: who holds the lock (host, process id, a token unique to the holder), when the
-    holder first took it (``created``) and when this marker was written (``written``), in seconds since
-    the epoch by the holder's clock; ``generation`` is the marker's place in the chain. ``pid_namespace`` and
-    ``started`` (the holder's pid namespace and its process's start time, where ``/proc`` says them) make the
-    process id mean one process: two containers that share a host name (host networking) have pid namespaces of
-    their own, and a pid is reused once its process ends. ``dead_saves``: the tokens of every stale holder whose lock
-    this holder (or a holder it took over from, and so on) took over, oldest first, recorded in the very marker of the
-    takeover, so that a taker killed while it removes their files leaves them named to the next taker."""
-
-    host: str
-    pid: int
-    token: str
-    created: float
-    written: float = 0.0
-    generation: int = 0
-    pid_namespace: int | None = None
-    started: int | None = None
-    dead_saves: tuple[str, ...] = ()
-
-    def to_bytes(self) -> bytes:
-        doc: dict[str, object] = {
-            "host": self.host,
-            "pid": self.pid,
-            "token": self.token,
-            "created": self.created,
-            "written": self.written,
-        }
-        if self.pid_namespace is not None:
-            doc["pid_namespace"] = self.pid_namespace
-        if self.started is not None:
-            doc["started"] = self.started
-        if self.dead_saves:
-            doc["dead_saves"] = list(self.dead_saves)
-        return json.dumps(doc).encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes, generation: int = 0) -> LockInfo | None:
-        try:
-            doc = json.loads(raw)
-            created = float(doc["created"])
-            return cls(
-                host=str(doc["host"]),
-                pid=int(doc["pid"]),
-                token=str(doc["token"]),
-                created=created,
-                written=float(doc.get("written", created)),
-                generation=generation,
-                pid_namespace=_optional_int(doc.get("pid_namespace")),
-                started=_optional_int(doc.get("started")),
-                dead_saves=_tokens(doc.get("dead_saves", [])),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return None
-
-    def describe(self) -> str:
-        age = time.time() - self.created
-        return f"process {self.pid} on {self.host}, for {age:.0f} s"
-
-    def holder_is_gone(self) -> bool:
-        """Whether the holder provably ran in this host's pid namespace and its process no longer exists (its
-        pid is free, or another process started under it since). A holder in another pid namespace (a container
-        with the same host name) is never judged by its pid; a marker without a namespace (written by an older
-        release) is judged by the pid alone, as that release did."""
-        if self.host != socket.gethostname():
-            return False
-        if self.pid_namespace is not None and self.pid_namespace != pid_namespace():
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass  # the process exists (another user's)
-        if self.started is not None:
-            now = process_start(self.pid)
-            return now is not None and now != self.started
-        return False
-
-
-
-def _optional_int(value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"not an integer: {value!r}")
-    return value
-
-
-def _tokens(value: object) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise TypeError(f"not a list of tokens: {value!r}")
-    return tuple(value)
-
-
-def pid_namespace() -> int | None:
-    """This process's pid namespace (the inode of ``/proc/self/ns/pid``), or None where ``/proc`` does not say."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-def process_start(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks since boot (field 22 of ``/proc/<pid>/stat``), or None."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
-        return int(raw[raw.rindex(")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def this_process(token: str) -> LockInfo:
-    """A marker of this process holding for ``token``, created now."""
-    pid = os.getpid()
-    return LockInfo(
-        host=socket.gethostname(),
-        pid=pid,
-        token=token,
-        created=time.time(),
-        pid_namespace=pid_namespace(),
-        started=process_start(pid),
-    )
 
 
 def _marker_name(name: str, generation: int) -> str:
@@ -396,17 +285,8 @@ def _take(
     """Try to move the lock from generation ``basis`` (None: free) to the next one for ``holder`` (written now,
     or at ``written``); the new marker on success, None when another writer got there first."""
     generation = 0 if basis is None else basis + 1
-    mine = LockInfo(
-        host=holder.host,
-        pid=holder.pid,
-        token=holder.token,
-        created=holder.created,
-        written=time.time() if written is None else written,
-        generation=generation,
-        pid_namespace=holder.pid_namespace,
-        started=holder.started,
-        dead_saves=holder.dead_saves,
-    )
+    stamp = time.time() if written is None else written
+    mine = _bounded(dataclasses.replace(holder, written=stamp, generation=generation))
     marker = _marker_name(name, generation)
     document = mine.to_bytes()
     try:
@@ -475,12 +355,12 @@ def acquire_lock(
                 watched = (generation, now)
             unmoved = now - watched[1]
             if not (stale_at_sight(holder, timing.stale_after_s) or unmoved >= timing.lease_s):
-                if holder.host == socket.gethostname():
+                if not foreign_holder(holder):  # its pid is alive here: no need to watch
                     raise CheckpointLockedError(
                         f"{storage.describe()} is being written by another save ({what} lock held by "
                         f"{holder.describe()}); two writers must not share a checkpoint path"
                     )
-                time.sleep(_POLL_S)  # a holder on another host: wait for it to renew, release or go stale
+                time.sleep(_POLL_S)  # a holder judged only by watching: wait for it to renew, release or go stale
                 continue
             logger.warning(
                 "breaking the stale %s lock of %s (held by %s%s)",
@@ -489,7 +369,7 @@ def acquire_lock(
                 holder.describe(),
                 f", unchanged for {unmoved:.0f} s" if unmoved >= timing.lease_s else "",
             )
-            heir = inherit and bool(holder.token)  # a marker of unknown identity ties nothing: nothing to inherit
+            heir = inherit and is_save_token(holder.token)  # another token ties no file: nothing to inherit
             taker = _heir(me, holder) if heir else _successor(me, holder)
             taken = _take(storage, name, taker, basis=generation, what=what)
             if taken is not None:
@@ -512,25 +392,28 @@ def acquire_lock(
 
 
 def stale_at_sight(holder: LockInfo, stale_after_s: float = DEFAULT_STALE_AFTER_S) -> bool:
-    """Whether ``holder`` is stale without watching its lock: a holder of unknown identity, one of this host that is
-    gone, or one of this host whose marker is older than ``stale_after_s`` (one clock wrote and reads it). A holder on
-    another host never is: its ``written`` time is by its own clock, which may run behind this one, so only the lease
-    measured here, while watching, judges it (:func:`acquire_lock`). The one rule of every judgment of a holder (see
-    the module doc); a caller that does not watch keeps what a foreign holder holds."""
+    """Whether ``holder`` is stale without watching its lock: a holder of unknown identity, or one of this machine
+    (:meth:`LockInfo.on_this_machine`) whose marker is older than ``stale_after_s`` (one clock wrote and reads it) or
+    whose process is gone (judged by its pid only in this pid namespace). A holder of another machine never is: its
+    ``written`` time is by its own clock, which may run behind this one, so only the lease measured here, while
+    watching, judges it (:func:`acquire_lock`). The one rule of every judgment of a holder (see the module doc); a
+    caller that does not watch keeps what a :func:`foreign_holder` holds."""
     if not holder.token:
         return True  # a marker reshard did not write (or cannot read): it ties nothing and renews never
-    if holder.host != socket.gethostname():
+    if not holder.on_this_machine():
         return False
     return time.time() - max(holder.written, holder.created) > stale_after_s or holder.holder_is_gone()
 
 
 def foreign_holder(holder: LockInfo) -> bool:
-    """Whether ``holder`` ran on another host (judged only by watching its lock: :func:`stale_at_sight`)."""
-    return bool(holder.token) and holder.host != socket.gethostname()
+    """Whether ``holder`` can be proven gone only by watching its lock for the lease: it ran on another machine (or
+    its marker does not say which), or in another pid namespace of this one (see :func:`stale_at_sight`)."""
+    return bool(holder.token) and not holder.judged_by_pid()
 
 
 def _heir(me: LockInfo, stale: LockInfo) -> LockInfo:
-    """``me`` holding the token of the ``stale`` holder it takes over from (and its record of dead saves)."""
+    """``me`` holding the token of the ``stale`` holder it takes over from (a save id) and its record of dead
+    saves (bounded when written: :func:`_bounded`)."""
     return dataclasses.replace(me, token=stale.token, dead_saves=stale.dead_saves)
 
 
@@ -540,8 +423,25 @@ MAX_DEAD_SAVES = 1024
 
 def _successor(me: LockInfo, stale: LockInfo) -> LockInfo:
     """``me`` taking over from ``stale``, recording ``stale``'s token after the dead saves ``stale`` recorded: the
-    marker of the takeover names them all before the taker deletes anything of theirs (see the module doc)."""
+    marker of the takeover names them all before the taker deletes anything of theirs (see the module doc). Only
+    save ids are copied (another token ties no file); :func:`_take` bounds the record."""
     dead = [t for t in stale.dead_saves if t != me.token]
-    if stale.token and stale.token != me.token and stale.token not in dead:
+    if is_save_token(stale.token) and stale.token != me.token and stale.token not in dead:
         dead.append(stale.token)
-    return dataclasses.replace(me, dead_saves=tuple(dead[-MAX_DEAD_SAVES:]))
+    return dataclasses.replace(me, dead_saves=tuple(dead))
+
+
+def _bounded(info: LockInfo) -> LockInfo:
+    """``info`` as a marker may say it: its record of dead saves holds save ids only, the newest
+    :data:`MAX_DEAD_SAVES` of them, trimmed oldest first until the marker takes at most half of what a reader reads,
+    so that every marker written reads back as its writer (a hostile or damaged stale marker copied whole would
+    make the taker's unreadable: a holder of unknown identity, stale at sight)."""
+    dead = [t for t in info.dead_saves if is_save_token(t)][-MAX_DEAD_SAVES:]
+    room = _MARKER_BUDGET_BYTES - len(dataclasses.replace(info, dead_saves=()).to_bytes()) - len(', "dead_saves": []')
+    keep = 0
+    for token in reversed(dead):  # the newest first: each takes its quotes and a separator
+        room -= len(token) + 4
+        if room < 0:
+            break
+        keep += 1
+    return dataclasses.replace(info, dead_saves=tuple(dead[len(dead) - keep :]))

@@ -36,6 +36,7 @@ Not collective: one process (the coordinator of a manager's save, ``reshard gc``
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -44,7 +45,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from reshard.errors import CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError
+from reshard.errors import CheckpointExistsError, CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError
 from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.io.locking import LOCK_FILE, Lock, LockInfo, foreign_holder, lock_markers, stale_at_sight
 from reshard.io.references import (
@@ -312,7 +313,12 @@ def _worth_a_lock(storage: Storage, locks: list[str]) -> bool:
 
 
 def remove_checkpoint(
-    storage: Storage, *, dry_run: bool = False, min_age_s: float | None = None, watch: bool = False
+    storage: Storage,
+    *,
+    dry_run: bool = False,
+    min_age_s: float | None = None,
+    watch: bool = False,
+    only_save: str | None = None,
 ) -> Removal:
     """Delete what reshard wrote at ``storage`` (a checkpoint, a retired one, an interrupted save), keeping the
     files that live referrers use (the directory is then retired) and every file nothing ties to a reshard
@@ -324,9 +330,12 @@ def remove_checkpoint(
     recorded (else it is handed back). The lock is released before the record and the empty directories go. A lock of
     another host is judged only by watching it for the lease (:func:`reshard.io.locking.stale_at_sight`): with
     ``watch`` (``reshard gc``, which may wait) it is watched, else (retention on a coordinator whose ranks wait, and
-    every ``dry_run``) the directory is kept for this run: CheckpointLockedError.
+    every ``dry_run``) the directory is kept for this run: CheckpointLockedError. ``only_save``: the SHA-256 of the
+    one ``metadata.json`` that may be deleted (a damaged step a manager judged still the save it skipped), checked
+    again under the lock: a directory holding another save now (or none) is left whole.
 
     Raises:
+        CheckpointExistsError: ``only_save`` is given and the checkpoint is another save now (nothing deleted).
         CheckpointError: ``storage`` is reached through a symbolic link (nothing deleted).
         CheckpointNotFoundError: ``retired.json`` is not a record reshard wrote (nothing deleted).
         CorruptCheckpointError: ``metadata.json`` is not valid, or of another save than the record's.
@@ -336,16 +345,33 @@ def remove_checkpoint(
     refuse_a_link(storage)
     tokens, locks = _stale_save_lock(storage, watch=watch and not dry_run)
     if dry_run or not _worth_a_lock(storage, locks):
+        _refuse_another_save(storage, only_save)
         return _remove(storage, tokens, locks, dry_run=dry_run, min_age_s=min_age_s, lock=None)
     lock = lock_for_deletion(storage)
     lock.start_renewing()
     if lock.inherited is not None:  # the dead saves it recorded too (a taker killed inside its cleanup)
         tokens |= {t for t in (lock.token, *lock.inherited.dead_saves) if _SAVE_ID.match(t)}
     try:
+        _refuse_another_save(storage, only_save)  # under the lock: no save commits here until it is released
         return _remove(storage, tokens, [], dry_run=False, min_age_s=min_age_s, lock=lock, taken_over=locks)
     except BaseException:
         lock.release()  # an inherited lock goes back: it still ties what it tied
         raise
+
+
+def _refuse_another_save(storage: Storage, only_save: str | None) -> None:
+    """Raise CheckpointExistsError unless ``only_save`` is None or the SHA-256 of ``metadata.json`` here."""
+    if only_save is None:
+        return
+    try:
+        found = hashlib.sha256(storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)).hexdigest()
+    except (FileNotFoundError, FileTooLargeError):
+        found = None
+    if found != only_save:
+        raise CheckpointExistsError(
+            f"{storage.describe()} is not the save that was to be deleted any more (another save committed there, "
+            "or none is): nothing deleted"
+        )
 
 
 def _remove(
