@@ -97,3 +97,26 @@ def test_ranks_that_agree_on_a_per_row_scale_split_on_columns_save(tmp_path: Pat
     ]
     out = reshard.load({"w": piece(0, 1, False)}, tmp_path / "c")["w"]
     assert same_bytes(out.data.data, q.data) and same_bytes(out.scale, q.scale)
+
+
+def test_strict_false_leaves_a_scaled_template_whose_data_is_missing_whole(tmp_path: Path) -> None:
+    """strict=False, the checkpoint lacks ``w`` but holds a plain tensor under the template's scale key
+    ``w:scale``. Was: the template's data kept and its scales overwritten by the plain tensor (a mix of two
+    states). Now the ScaledTensor is missing as a whole: no part filled, every part listed in
+    LoadStats.missing."""
+    q = quantize(torch.randn(4, 64, generator=torch.Generator().manual_seed(4)), "fp8_e4m3", block=(1, None))
+    reshard.save(
+        {
+            "w_fp8": ShardedTensor.from_rank_offsets("w.data", q.data.clone()),
+            "s": ShardedTensor.from_rank_offsets("w:scale", torch.full((4, 1), 7.0)),
+        },
+        tmp_path / "c",
+    )
+    data = ShardedTensor.from_rank_offsets("w", q.data.clone())
+    template = ScaledTensor(data, q.scale.clone(), "fp8_e4m3", (1, None))
+    stats = reshard.LoadStats()
+    out = reshard.load({"w": template}, tmp_path / "c", strict=False, stats=stats)["w"]
+    assert same_bytes(out.data.data, q.data) and same_bytes(out.scale, q.scale)
+    assert any("'w'" in m for m in stats.missing) and any("'w:scale'" in m for m in stats.missing), stats.missing
+    with pytest.raises(reshard.MismatchError, match=r"missing"):
+        reshard.load({"w": template}, tmp_path / "c")
