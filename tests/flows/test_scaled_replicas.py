@@ -120,3 +120,22 @@ def test_strict_false_leaves_a_scaled_template_whose_data_is_missing_whole(tmp_p
     assert any("'w'" in m for m in stats.missing) and any("'w:scale'" in m for m in stats.missing), stats.missing
     with pytest.raises(reshard.MismatchError, match=r"missing"):
         reshard.load({"w": template}, tmp_path / "c")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8_e4m3"])
+def test_empty_inputs_quantize_to_empty_outputs(fmt: str) -> None:
+    """Was: "has scales of shape [0, 2], not [1, 2]". An empty input quantizes to empty data and scales of
+    the ScaledTensor's derived shapes."""
+    q = quantize(torch.zeros(0, 32), fmt)
+    assert q.data.shape[0] == 0 and tuple(q.scale.shape) == (0, 1 if fmt != "nvfp4" else 2)
+    ScaledTensor(ShardedTensor.from_rank_offsets("w", q.data), q.scale, fmt, global_scale=q.global_scale)
+
+
+def test_an_empty_nvfp4_tensor_saves_its_global_scale_and_loads_it(tmp_path: Path) -> None:
+    """Was: "'w:global_scale': no rank holds a primary copy". An empty tensor's global scale is held by the
+    rank whose data is the primary copy (rank order first): saved and loaded."""
+    data = ShardedTensor.from_rank_offsets("w", torch.zeros(0, 16, dtype=torch.uint8))
+    scale = torch.zeros(0, 2, dtype=E4M3)
+    reshard.save({"w": ScaledTensor(data, scale, "nvfp4", global_scale=torch.tensor(0.5))}, tmp_path / "c")
+    template = ScaledTensor(data, scale.clone(), "nvfp4", global_scale=torch.full((), 7.0))
+    assert reshard.load({"w": template}, tmp_path / "c")["w"].global_scale.item() == 0.5
