@@ -228,6 +228,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from reshard.flows.load import read_metadata
     from reshard.interop.convert import convert_checkpoint
+    from reshard.interop.offline import kept_scaled, scaled_part_keys
 
     if (args.dst is None) == (args.to is None):
         raise UsageError("give the destination either as DST or as --to URL (exactly one)")
@@ -235,13 +236,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.dry_run:
         metadata = read_metadata(args.src, storage_options=storage_options_of(args))
         cast = cast_dtype_of(args)
-        casts = [k for k, t in metadata.tensors.items() if cast is not None and t.torch_dtype.is_floating_point]
+        parts = scaled_part_keys(metadata)
+        casts = [
+            k
+            for k, t in metadata.tensors.items()
+            if cast is not None and t.torch_dtype.is_floating_point and k not in parts
+        ]
         sys.stdout.write(
             f"would copy {len(metadata.tensors)} tensors ({human_bytes(metadata.total_bytes)}), "
             f"{len(metadata.objects)} objects and {len(metadata.common)} common values to {dst}"
             + (f", casting {len(casts)} floating-point tensors to {args.dtype}" if cast is not None else "")
             + "\n"
         )
+        _say_kept(args, kept_scaled(metadata, cast), force=True)
         return 0
     metadata = convert_checkpoint(
         args.src,
@@ -256,7 +263,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
         f"wrote {dst}: {len(metadata.tensors)} tensors ({human_bytes(metadata.total_bytes)}), "
         f"{len(metadata.objects)} objects, {len(metadata.common)} common values",
     )
+    _say_kept(args, kept_scaled(metadata, cast_dtype_of(args)))
     return 0
+
+
+def _say_kept(args: argparse.Namespace, kept: tuple[str, ...], *, force: bool = False) -> None:
+    """Name the scaled tensors a ``--dtype`` left in their formats (convert, export)."""
+    if not kept:
+        return
+    names = ", ".join(kept[:10]) + (" ..." if len(kept) > 10 else "")
+    line = (
+        f"{len(kept)} scaled tensors ({names}) kept in their formats: --dtype casts plain tensors only (the "
+        "data, scales and global scale of a scaled tensor are never cast)"
+    )
+    if force:
+        sys.stdout.write(line + "\n")
+    else:
+        say(args, line)
 
 
 def key_map_of(args: argparse.Namespace) -> Any:
@@ -301,6 +324,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"wrote {args.out}: {len(result.weight_map)} tensors ({human_bytes(result.total_bytes)}) in "
         f"{len(result.files)} safetensors files and model.safetensors.index.json",
     )
+    _say_kept(args, result.kept_scaled)
     if result.left_out:
         say(args, f"left out by the key map: {len(result.left_out)} tensors")
     if result.not_tensors:

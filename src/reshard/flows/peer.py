@@ -49,7 +49,7 @@ from reshard.flows.transfer import TransferStats, transfer
 from reshard.io.device import copy_to_host
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
-from reshard.planning.scaled import record_from_json, record_mismatches
+from reshard.planning.scaled import record_from_json, record_mismatches, replica_conflicts, replica_digests
 from reshard.state.codec import decode_tagged, encode_tagged
 from reshard.state.dtensor import is_dtensor
 from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name
@@ -178,6 +178,7 @@ class PeerMemoryCheckpoint:
             parts = {k for r in flat.scaled.values() for k in (r.key, r.scale_key, r.global_scale_key) if k}
             plain = sorted({t.key for t in flat.tensors} - parts)
             doc = {"boxes": described, "common": common, "terms": terms, "scaled": scaled, "plain": plain}
+            doc["replicas"] = replica_digests(flat)
             return json.dumps({**doc, **self._generations()}).encode()
 
         plan, reply = comm.step_scatter("peer-memory save planning", describe, self._assign)
@@ -362,6 +363,7 @@ def _agree_scaled(docs: list[dict[str, Any]]) -> dict[str, Any]:
     for rank, doc in enumerate(docs):
         problems += [f"{k!r} is a ScaledTensor on some ranks but a plain tensor on rank {rank}" for k in doc["plain"]
                      if k in by_key]  # fmt: skip
+    problems += replica_conflicts([doc["replicas"] for doc in docs])
     if problems:
         raise ShardingError("peer-memory save: the ranks disagree on scaled tensors: " + "; ".join(problems[:10]))
     return {key: json.loads(next(iter(seen))) for key, seen in by_key.items()}

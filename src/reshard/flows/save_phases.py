@@ -64,7 +64,7 @@ from reshard.planning.descriptions import (
 )
 from reshard.planning.incremental import ReferencedBox, match_base
 from reshard.planning.save_plan import plan_save_table
-from reshard.planning.scaled import agree_scaled
+from reshard.planning.scaled import agree_scaled, replica_digests
 from reshard.state.codec import encode_object_blob, encode_tagged
 from reshard.state.fingerprint import fingerprint
 from reshard.state.scaled import ScaledRecord
@@ -211,6 +211,7 @@ def describe_rank(request: SaveRequest, state_dict: Any, *, rank: int, is_coordi
         context: dict[str, Any] = {"path": request.storage.describe(), "options": terms}
         if flat.scaled:
             context["scaled"] = {key: record.to_json() for key, record in flat.scaled.items()}
+            context["replicas"] = replica_digests(flat)
         payload = encode_description(description, context)
     except Exception as exc:  # raised inside the planning step (see Described.error)
         return Described(error=exc)

@@ -1,7 +1,9 @@
 """``reshard convert``: copy a checkpoint elsewhere (local <-> object storage), optionally casting its
 floating-point tensors, tensor by tensor in bounded memory.
 
-The copy holds the same keys, global shapes, objects and common values; each tensor becomes one box (the
+The copy holds the same keys, global shapes, objects, common values and scaled-tensor records (a dtype
+conversion casts plain floating-point tensors only: the data, scales and global scales of scaled tensors are
+copied as saved); each tensor becomes one box (the
 saving layout does not matter to a load). Reading verifies every checksum, and the copy is written with
 the format and commit protocol of :func:`reshard.save`, so it passes ``reshard validate``. Writing over
 the source itself (with ``overwrite``) is safe: the new data files get new names, the new
@@ -16,7 +18,13 @@ from typing import Any
 import torch
 
 from reshard.flows.progress import Progress, reporting
-from reshard.interop.offline import DEFAULT_SLAB_BYTES, CheckpointReader, CheckpointWriter, cast_floating
+from reshard.interop.offline import (
+    DEFAULT_SLAB_BYTES,
+    CheckpointReader,
+    CheckpointWriter,
+    cast_floating,
+    scaled_part_keys,
+)
 from reshard.metadata import Metadata
 from reshard.storage import CheckpointLocation
 
@@ -40,7 +48,8 @@ def convert_checkpoint(
     Args:
         src: the checkpoint to copy (directory, URL or Storage).
         dst: where to write the copy (directory, URL or Storage); may be ``src`` itself with ``overwrite``.
-        dtype: cast floating-point tensors (float8 included) to this dtype; others keep theirs.
+        dtype: cast plain floating-point tensors (float8 included) to this dtype; others keep theirs, and so
+            do the parts of scaled tensors (data, scales, global scale: never cast apart from each other).
         overwrite: replace a complete checkpoint at ``dst``.
         fingerprint: store content fingerprints in the copy (default: when ``src`` has them).
         storage_options: for object-store URLs (``src``, and ``dst`` unless ``dst_storage_options``).
@@ -71,8 +80,9 @@ def convert_checkpoint(
             ) as writer,
             reporting(progress, metadata.total_bytes, "convert") as advance,
         ):
+            scaled = scaled_part_keys(metadata)
             for key, saved in metadata.tensors.items():
-                out_dtype = cast_floating(saved.torch_dtype, dtype)
+                out_dtype = saved.torch_dtype if key in scaled else cast_floating(saved.torch_dtype, dtype)
                 slabs = _counted(
                     reader.iter_slabs(key, dtype=out_dtype, slab_bytes=slab_bytes), saved.torch_dtype, advance
                 )
@@ -82,6 +92,8 @@ def convert_checkpoint(
                     writer.write_object_blob(key, obj.global_shape, entry.offset, reader.read_object_blob(key, entry))
             for path, value in metadata.common.items():
                 writer.set_common(path, value)
+            for record in metadata.scaled.values():
+                writer.set_scaled(record)
             return writer.commit()
 
 

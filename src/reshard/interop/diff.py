@@ -71,7 +71,8 @@ class TensorDiff:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EntryDiff:
-    """A ShardedObject (``kind`` "object") or common value (``kind`` "common") that differs."""
+    """A ShardedObject (``kind`` "object"), common value (``kind`` "common") or scaled tensor's record
+    (``kind`` "scaled": format, block, scale keys) that differs."""
 
     kind: str
     key: str
@@ -244,6 +245,7 @@ def diff_checkpoints(
         with reporting(progress, total, "diff") as advance:
             for key in sorted(ta.keys() | tb.keys()):
                 report.tensors.append(_diff_tensor(left, right, key, atol, rtol, ignore_dtypes, slab_bytes, advance))
+        report.entries.extend(_diff_scaled(left, right))
         report.entries.extend(_diff_objects(left, right))
         report.entries.extend(_diff_common(left, right))
         return report
@@ -306,6 +308,25 @@ def _diff_tensor(
         mismatched=accumulator.mismatched,
         problem="; ".join(problems) or None,
     )
+
+
+def _diff_scaled(left: CheckpointReader, right: CheckpointReader) -> list[EntryDiff]:
+    """The scaled-tensor records that differ (format, block, the keys of the scales): the same bytes under
+    another record (or none) decode to other values, or load without their scales."""
+    out = []
+    sa, sb = left.metadata.scaled, right.metadata.scaled
+    for key in sorted(sa.keys() | sb.keys()):
+        a, b = sa.get(key), sb.get(key)
+        if a is None or b is None:
+            only = a or b
+            assert only is not None
+            side = "A" if a is not None else "B"
+            problem = f"only in {side}: a scaled tensor of {only.describe()} there, plain tensors in the other"
+            out.append(EntryDiff(kind="scaled", key=key, problem=problem))
+        elif a != b:
+            described = [f"{r.describe()}, scales in {r.scale_key!r} and {r.global_scale_key!r}" for r in (a, b)]
+            out.append(EntryDiff(kind="scaled", key=key, problem=f"{described[0]} vs {described[1]}"))
+    return out
 
 
 def _diff_objects(left: CheckpointReader, right: CheckpointReader) -> list[EntryDiff]:

@@ -23,7 +23,7 @@ import torch
 
 from reshard.errors import CheckpointError, CheckpointExistsError, MismatchError, StateDictError, StorageError
 from reshard.flows.progress import Progress, reporting
-from reshard.interop.offline import DEFAULT_SLAB_BYTES, CheckpointReader, cast_floating
+from reshard.interop.offline import DEFAULT_SLAB_BYTES, CheckpointReader, cast_floating, kept_scaled, scaled_part_keys
 from reshard.interop.safetensors import SafetensorsWriter, TensorSpec, safetensors_dtype
 from reshard.metadata import check_relative_path
 from reshard.storage import CheckpointLocation, Storage, storage_for
@@ -82,6 +82,9 @@ class ExportResult:
     """Checkpoint keys the key map left out."""
     not_tensors: int
     """ShardedObjects and common values of the checkpoint, which safetensors cannot hold (not exported)."""
+    kept_scaled: tuple[str, ...] = ()
+    """The scaled tensors (data keys) a ``dtype`` conversion left in their formats: their data, scales and
+    global scale are written as saved (cast apart, the data would decode with wrong scales)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +193,8 @@ def export_safetensors(
         key_map: output names: a mapping from checkpoint key to name (None leaves the tensor out; keys it
             does not list keep their names; a key the checkpoint lacks is an error), or a function of the
             key returning the name or None.
-        dtype: cast floating-point tensors to this dtype (integer, bool and complex tensors keep theirs).
+        dtype: cast floating-point tensors to this dtype (integer, bool and complex tensors keep theirs, and so
+            do the data, scales and global scales of scaled tensors: see ``ExportResult.kept_scaled``).
         max_shard_bytes: shard size limit in bytes (a larger tensor gets a shard of its own).
         overwrite: replace an earlier export in ``out`` (its index and shards).
         metadata: extra ``__metadata__`` entries of every shard (``format: pt`` is always set).
@@ -232,6 +236,7 @@ def export_safetensors(
             total_bytes=total,
             left_out=tuple(left_out),
             not_tensors=len(reader.metadata.objects) + len(reader.metadata.common),
+            kept_scaled=kept_scaled(reader.metadata, dtype, (item.key for item in items)),
         )
 
 
@@ -254,9 +259,11 @@ def _items(
             f"{' ...' if len(firsts) > 8 else ''})"
         )
     items = []
+    scaled = scaled_part_keys(reader.metadata)
     for key, name in sorted(pairs, key=lambda pair: pair[1]):
         saved = reader.metadata.tensors[key]
-        spec = TensorSpec(name=name, dtype=cast_floating(saved.torch_dtype, dtype), shape=saved.global_shape)
+        out = saved.torch_dtype if key in scaled else cast_floating(saved.torch_dtype, dtype)
+        spec = TensorSpec(name=name, dtype=out, shape=saved.global_shape)
         try:
             safetensors_dtype(spec.dtype)
         except StateDictError:

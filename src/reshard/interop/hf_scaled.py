@@ -234,10 +234,11 @@ def describe_pairs(storage: Storage, tensors: dict[str, tuple[str, TensorEntry]]
             a pair; a compressed-tensors float format reshard cannot read.
     """
     qc = read_quantization_config(storage)
+    entries = {name: entry for name, (_, entry) in tensors.items()}
     if qc is None:
+        _refuse_unpaired_scales(entries, Pairs({}))
         return None
     method = qc["quant_method"]
-    entries = {name: entry for name, (_, entry) in tensors.items()}
     if method == "fp8":
         fine = _fine_grained(qc)
         schemes: Any = lambda module: fine  # noqa: E731
@@ -259,6 +260,7 @@ def describe_pairs(storage: Storage, tensors: dict[str, tuple[str, TensorEntry]]
                     pair = _pair(module, scheme, entries)
                     pairs[pair.name] = _with_global(storage, pair, tensors)
     _refuse_loose_fp8(method, entries, Pairs(pairs))
+    _refuse_unpaired_scales(entries, Pairs(pairs))
     return {name: pair.to_json() for name, pair in pairs.items()}
 
 
@@ -317,6 +319,30 @@ def _refuse_loose_fp8(method: str, tensors: dict[str, TensorEntry], pairs: Pairs
             f"names quant_method {method!r}, but these FP8 tensors are not the data of a (data, scale) pair it "
             f"describes: {', '.join(loose[:10])}; reshard does not take a one-byte tensor as FP8 without its scales"
         )
+
+
+_ONE_BYTE_CODES = _FP8_CODES | {"U8", "I8"}
+"""The dtypes of low-precision data as safetensors names them: FP8, and packed FP4 bytes (U8, I8)."""
+
+
+def _refuse_unpaired_scales(tensors: dict[str, TensorEntry], pairs: Pairs) -> None:
+    """Refuse a one-byte tensor beside a scale tensor of its name (``<name>_scale_inv``, ``<name>_scale``,
+    ``<module>.weight_scale`` beside ``weight_packed``) that no pair of the config holds: its data would load
+    without its scales, whatever the template (and ``allow_unused`` would leave the scale behind silently)."""
+    inside = {n for p in pairs.by_name.values() for n in (p.data, p.scale)}
+    for name, entry in sorted(tensors.items()):
+        if entry.dtype not in _ONE_BYTE_CODES or name in inside:
+            continue
+        siblings = [name + "_scale_inv", name + "_scale"]
+        if name.endswith(".weight_packed"):
+            siblings.append(name.removesuffix("_packed") + "_scale")
+        scale = next((s for s in siblings if s in tensors and s not in inside), None)
+        if scale is not None:
+            raise _fail(
+                f"{name!r} ({entry.dtype}) lies beside the scale tensor {scale!r}, but no quantization_config "
+                "names them as a (data, scale) pair: loaded, the data would come without its scales; reshard "
+                "does not guess the format and block (give the config.json that wrote them)"
+            )
 
 
 def _volume(shape: tuple[int, ...]) -> int:

@@ -43,6 +43,7 @@ from reshard.state.codec import encode_tagged
 from reshard.state.dtypes import dtype_name
 from reshard.state.fingerprint import combine
 from reshard.state.fingerprint import fingerprint as content_fingerprint
+from reshard.state.scaled import ScaledRecord
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
 __all__ = [
@@ -52,6 +53,8 @@ __all__ = [
     "CheckpointReader",
     "CheckpointWriter",
     "cast_floating",
+    "kept_scaled",
+    "scaled_part_keys",
 ]
 
 DEFAULT_SLAB_BYTES = 64 * 1024 * 1024
@@ -70,6 +73,27 @@ def cast_floating(saved: torch.dtype, target: torch.dtype | None) -> torch.dtype
     for floating-point dtypes (float8 included), ``saved`` for the others (integers, bool, complex) and
     when ``target`` is None."""
     return target if target is not None and saved.is_floating_point else saved
+
+
+def scaled_part_keys(metadata: Metadata) -> frozenset[str]:
+    """The keys of every part (data, scales, global scale) of the checkpoint's scaled tensors: a dtype
+    conversion never touches them (cast without each other, the data would decode with wrong scales)."""
+    return frozenset(k for r in metadata.scaled.values() for k in (r.key, r.scale_key, r.global_scale_key) if k)
+
+
+def kept_scaled(metadata: Metadata, target: torch.dtype | None, keys: Iterable[str] | None = None) -> tuple[str, ...]:
+    """The scaled tensors (data keys, sorted) a conversion to ``target`` writes in their own formats, of
+    those with a part among ``keys`` (None: all); none without ``target``."""
+    if target is None:
+        return ()
+    wanted = None if keys is None else set(keys)
+    return tuple(
+        sorted(
+            key
+            for key, r in metadata.scaled.items()
+            if wanted is None or wanted & {k for k in (r.key, r.scale_key, r.global_scale_key) if k}
+        )
+    )
 
 
 class CheckpointReader:
@@ -235,6 +259,7 @@ class CheckpointWriter:
         self.tensors: dict[str, TensorMetadata] = {}
         self.objects: dict[str, tuple[tuple[int, ...], list[SavedObject]]] = {}
         self.common: dict[str, object] = {}
+        self.scaled: dict[str, ScaledRecord] = {}
         self._done = False
         self._name = data_file_name(self.save_id, 0)
         self._commit = SaveCommit(self.storage, self.save_id, overwrite=overwrite)
@@ -345,6 +370,12 @@ class CheckpointWriter:
         encode_tagged(value, where=f"common value {path!r}")
         self.common[path] = value
 
+    def set_scaled(self, record: ScaledRecord) -> None:
+        """Record that the tensors ``record`` names (written with :meth:`write_tensor`) are one scaled tensor;
+        the commit checks them (their shapes and dtypes are the format's)."""
+        self._check_open()
+        self.scaled[record.key] = record
+
     def _check_open(self) -> None:
         if self._done:
             raise CheckpointError(f"the writer of {self.describe()} has already committed or aborted")
@@ -377,6 +408,7 @@ class CheckpointWriter:
                     for key, (shape, entries) in sorted(self.objects.items())
                 },
                 common=dict(self.common),
+                scaled=dict(sorted(self.scaled.items())),
             )
             document = metadata.to_json_bytes()
             Metadata.from_json_bytes(document, where=self.storage.describe(METADATA_FILE))  # what a reader checks

@@ -267,9 +267,13 @@ def check_template(
     check_tensors(flat.tensors, what="load: template", fill=True)
     missing: list[str] = []
     mismatches: list[str] = scaled_mismatches(flat, metadata)
+    # A ScaledTensor whose data the checkpoint lacks is missing as a whole: a part filled from a tensor that
+    # is not its data's scale would mix two states.
+    lacking = [r for r in flat.scaled.values() if r.key not in metadata.tensors]
+    absent = {k for r in lacking for k in (r.scale_key, r.global_scale_key) if k is not None}
     present = []
     for st in flat.tensors:
-        saved = metadata.tensors.get(st.key)
+        saved = None if st.key in absent else metadata.tensors.get(st.key)
         if saved is None and st.key in metadata.objects:  # not missing: another kind (strict or not)
             mismatches.append(f"{st.key!r}: saved as a ShardedObject, requested as a tensor")
             continue

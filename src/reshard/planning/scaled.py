@@ -3,6 +3,7 @@ describes it with the same record (format, block, scale keys), and no rank descr
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,12 +17,15 @@ from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name
 from reshard.state.lowprec import FORMATS
 from reshard.state.quantize import INPUT_DTYPE_NAMES
 from reshard.state.scaled import ScaledRecord
+from reshard.state.sharding import is_main_replica
 from reshard.state.statedict import FlatStateDict
 
 __all__ = [
     "agree_scaled",
     "record_from_json",
     "record_mismatches",
+    "replica_conflicts",
+    "replica_digests",
     "scaled_mismatches",
     "transfer_scaled_mismatches",
 ]
@@ -71,9 +75,51 @@ def agree_scaled(table: DescriptionTable, contexts: list[Any]) -> dict[str, Scal
             key = wanted[key_number]
             if not any(rank in ranks for ranks in by_key[key].values()):
                 problems.append(f"{key!r} is a ScaledTensor on some ranks but a plain tensor on rank {rank}")
+    problems += replica_conflicts([context.get("replicas") or [] for context in contexts])
     if problems:
         raise ShardingError("the ranks disagree on scaled tensors: " + "; ".join(problems[:10]))
     return {key: next(iter(records)) for key, records in by_key.items()}
+
+
+def replica_digests(flat: FlatStateDict) -> list[list[Any]]:
+    """On each rank, for its save description: ``[part key, box offset, box shape, digest]`` of every box of a
+    scale part that several ranks hold copies of, a whole-axis (None) block's scale cells and the global scale
+    (the primary data's ranks only: data replicas carry no say). Their bytes are a few per rank; the digest
+    (of the stored bytes, so NaNs compare by their bits) lets the coordinator check that the copies agree."""
+    keys = set()
+    for record in flat.scaled.values():
+        if None in record.block:
+            keys.add(record.scale_key)
+        if record.global_scale_key is not None:
+            keys.add(record.global_scale_key)
+    out: list[list[Any]] = []
+    for tensor in flat.tensors:
+        rid = tensor.replica_id
+        if tensor.key not in keys or not is_main_replica(rid[:-1] if isinstance(rid, tuple) else rid):
+            continue
+        for piece in tensor.pieces():
+            stored = piece.view.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+            digest = hashlib.blake2b(stored.numpy().tobytes(), digest_size=16).hexdigest()
+            out.append([tensor.key, list(piece.box.offset), list(piece.view.shape), digest])
+    return out
+
+
+def replica_conflicts(per_rank: list[list[list[Any]]]) -> list[str]:
+    """On the coordinator: the boxes of scales held by several ranks whose copies differ (each rank's
+    :func:`replica_digests`), naming the key, the box and the ranks of each value. A whole-axis scale and a
+    global scale are one value for every rank's data: kept once, a differing copy would decode another rank's
+    data with the wrong scale."""
+    seen: dict[tuple[str, tuple[int, ...], tuple[int, ...]], dict[str, list[int]]] = {}
+    for rank, digests in enumerate(per_rank):
+        for key, offset, shape, digest in digests:
+            seen.setdefault((key, tuple(offset), tuple(shape)), {}).setdefault(digest, []).append(rank)
+    return [
+        f"{key!r} (the cells at {list(offset)} of shape {list(shape)}, one value for the data of every rank) is "
+        f"given differently by {' and by '.join(f'ranks {ranks}' for ranks in values.values())}: every rank "
+        "must pass the same copy (compute a per-tensor or global scale over the whole tensor, not its shard)"
+        for (key, offset, shape), values in sorted(seen.items())
+        if len(values) > 1
+    ]
 
 
 def scaled_mismatches(flat: FlatStateDict, metadata: Metadata) -> list[str]:

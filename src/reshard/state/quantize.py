@@ -180,8 +180,10 @@ def block_amax(x: torch.Tensor, fmt: str | ScaleFormat, block: Block | None = No
         return magnitude
     sizes = [max(n, 1) if b is None else b for n, b in zip(x.shape, lblock, strict=True)]
     pads: list[int] = []
-    for n, s in zip(reversed(x.shape), reversed(sizes), strict=True):
-        pads += [0, -n % s if n else (s if s == 1 else 0)]
+    # An empty axis has no cells along a blocked axis (the scale grid's ceil(0 / b)) and one along a whole
+    # axis (padded to one element): the shapes ScaledTensor derives for the scales.
+    for n, s, b in zip(reversed(x.shape), reversed(sizes), reversed(lblock), strict=True):
+        pads += [0, -n % s if n else (1 if b is None else 0)]
     padded = torch.nn.functional.pad(magnitude, pads) if any(pads) else magnitude
     blocked = padded.reshape([v for n, s in zip(padded.shape, sizes, strict=True) for v in (n // s, s)])
     return blocked.amax(dim=tuple(range(1, 2 * x.ndim, 2)))

@@ -15,7 +15,8 @@ from the data's description, so that a reshard moves every scale with its block:
 - padding (``logical_shape``) pads the scales consistently: their logical shape is ``ceil(logical / b)``.
 
 The global scale is a whole-tensor leaf (0-d) whose primary copy is held by the rank whose primary data
-holds the origin element. Saved, the three are tensors ``<key>``, ``<key>:scale`` and ``<key>:global_scale``
+holds the origin element (of an empty tensor: whose primary data box starts at the origin). Saved, the
+three are tensors ``<key>``, ``<key>:scale`` and ``<key>:global_scale``
 plus a :class:`ScaledRecord` in the metadata; bytes of dtypes a checkpoint does not name (packed FP4 as
 ``float4_e2m1fn_x2``, E8M0 scales as ``float8_e8m0fnu``) are saved and filled through ``uint8`` views of
 the same memory, never cast.
@@ -247,8 +248,13 @@ class ScaledTensor:
             raise ShardingError(
                 f"{key!r}: format {fmt.name} needs a global_scale: a float32 tensor of shape () or (1,)"
             )
-        origin = self.data.is_main_replica and any(
-            all(o == 0 for o in p.box.offset) and p.box.volume > 0 for p in self.data.pieces()
+        # The primary copy is the one beside the origin element; an empty tensor has none, and its global
+        # scale is held by the primary data box at the origin offset.
+        empty = math.prod(self.data.global_shape) == 0
+        origin = self.data.is_main_replica and (
+            all(o == 0 for o in self.data.global_offset)
+            if empty
+            else any(all(o == 0 for o in p.box.offset) and p.box.volume > 0 for p in self.data.pieces())
         )
         rid = (*_as_tuple(self.data.replica_id), 0 if origin else 1)
         return ShardedTensor(key + GLOBAL_SCALE_SUFFIX, value.view(()), (), (), rid)
