@@ -15,7 +15,7 @@ import torch
 import reshard
 from reshard import ScaledTensor, ShardedTensor
 from reshard.state.quantize import quantize
-from tests.flows.test_scaled import errors_on_ranks, same_bytes
+from tests.flows.test_scaled import errors_on_ranks, on_ranks, same_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -65,6 +65,31 @@ def test_a_save_refuses_ranks_that_give_different_copies_of_one_scale(tmp_path: 
     assert not (tmp_path / "bad").exists() or not (tmp_path / "bad" / "metadata.json").exists()
     assert errors_on_ranks(2, lambda r, g: save(r, g, True, tmp_path / "good")) == [None, None]
     assert (tmp_path / "good" / "metadata.json").exists()
+
+
+@pytest.mark.parametrize("case", ["per-tensor scale", "nvfp4 global scale"])
+def test_a_scaled_transfer_refuses_source_ranks_that_give_different_copies_of_one_scale(case: str) -> None:
+    """A scaled-to-scaled transfer's sources: the same check as a save, before any byte moves. Was: the
+    receivers got rank 0's scale with rank 1's data, reported as success. Ranks that agree transfer bit for bit."""
+    build, key = (_per_tensor_rows, "'w:scale'") if case == "per-tensor scale" else (_nvfp4_rows, "'n:global_scale'")
+    name = key.strip("'").split(":")[0]
+
+    def target(rank: int) -> ScaledTensor:
+        held = build(rank, agree=True)
+        data = ShardedTensor.from_rank_offsets(name, torch.zeros_like(held.data.data), (0, rank, 2))
+        global_scale = None if held.global_scale is None else torch.zeros_like(held.global_scale)
+        return ScaledTensor(data, torch.zeros_like(held.scale), held.format, held.block, global_scale=global_scale)
+
+    def move(rank: int, group: Any, agree: bool) -> ScaledTensor:
+        out = {name: target(rank)}
+        reshard.transfer({name: build(rank, agree=agree)}, out, group=group)
+        return out[name]
+
+    _assert_refused_naming(errors_on_ranks(2, lambda r, g: move(r, g, False)), key)
+    moved = on_ranks(2, lambda r, g: move(r, g, True))
+    for rank, leaf in enumerate(moved):
+        want = build(rank, agree=True)
+        assert same_bytes(leaf.data.data, want.data.data) and same_bytes(leaf.scale, want.scale)
 
 
 @pytest.mark.parametrize("case", ["per-tensor scale", "nvfp4 global scale"])

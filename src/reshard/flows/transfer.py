@@ -37,7 +37,7 @@ from reshard.io.exchange import ExchangeCounters, describe_need, run_exchange
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
 from reshard.planning.exchange import DEFAULT_ROUND_BYTES, RankSchedule, TransferPlan, schedule_transfer
-from reshard.planning.scaled import record_from_json, transfer_scaled_mismatches
+from reshard.planning.scaled import record_from_json, replica_conflicts, replica_digests, transfer_scaled_mismatches
 from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name, is_lossy_cast
 from reshard.state.sharding import LocalPiece, ShardedTensor
 from reshard.state.statedict import check_tensors, flatten_state_dict, is_empty_container, map_leaves
@@ -324,6 +324,7 @@ class TransferSession:
             "wanted": wanted_shapes,
             "at": addresses,
             "scaled_held": {key: record.to_json() for key, record in held.scaled.items()},
+            "scale_copies": replica_digests(held),
             "scaled_wanted": {name: [self.rename(name), record.to_json()] for name, record in wanted.scaled.items()},
         }
         return sources, targets, description
@@ -336,6 +337,9 @@ class TransferSession:
             descriptions = rewrite(descriptions, jobs)
         _check(descriptions, self.allow_lossy_cast)
         _check_primaries(descriptions)
+        conflicts = replica_conflicts([d["scale_copies"] for d in descriptions])
+        if conflicts:
+            raise ShardingError("transfer: the source ranks disagree on scales: " + "; ".join(conflicts[:10]))
         plan, problems = schedule_transfer(
             [d["holdings"] for d in descriptions], [d["needs"] for d in descriptions], round_bytes=self.round_bytes
         )
