@@ -96,7 +96,7 @@ def test_a_live_holder_on_another_host_whose_clock_is_behind_is_watched_not_brok
     behind = time.time() - 11 * 60  # the holder's clock runs 11 minutes behind this host's
     holder = LockInfo(host="another-host.example", pid=4242, token="f" * 32, created=behind, written=behind)
     storage.commit(LOCK_FILE, holder.to_bytes(), replace=False)
-    timing = LockTiming(renew_s=0.1, lease_s=1.0, stale_after_s=DEFAULT_STALE_AFTER_S)
+    timing = LockTiming(renew_s=0.1, lease_s=0.3, stale_after_s=DEFAULT_STALE_AFTER_S)
     started = time.monotonic()
     lock = acquire_lock(storage, "0" * 32, what="save", timing=timing)
     try:
@@ -162,13 +162,17 @@ def test_retention_keeps_a_step_a_live_save_of_a_host_behind_is_writing(
 # ---- issue 38, third outside attack: holders that share a host name, and markers that must stay readable -------
 
 
+WATCH_LEASE_S = 0.3
+"""The lease of the takeovers below: a holder judged only by watching is taken after it, one judged by pid at once."""
+
+
 def _watched_then_taken(tmp_path: Path, marker: bytes) -> float:
-    """Write ``marker`` as a lock's holder, take the lock with a lease of 1 s; how long that took (a holder judged
-    only by watching is taken over once its lock has not moved for the lease)."""
+    """Write ``marker`` as a lock's holder, take the lock with a lease of ``WATCH_LEASE_S``; how long that took (a
+    holder judged only by watching is taken over once its lock has not moved for the lease)."""
     storage = storage_for(tmp_path)
     (tmp_path / LOCK_FILE).write_bytes(marker)
     started = time.monotonic()
-    lock = acquire_lock(storage, "c" * 32, what="save", timing=LockTiming(renew_s=0.1, lease_s=1.0))
+    lock = acquire_lock(storage, "c" * 32, what="save", timing=LockTiming(renew_s=0.1, lease_s=WATCH_LEASE_S))
     try:
         assert lock.taken_over is not None and lock.taken_over.token == "b" * 32
         return time.monotonic() - started
@@ -190,7 +194,7 @@ def test_a_dead_holder_of_this_host_in_another_pid_namespace_is_watched_then_tak
     if me.pid_namespace is None:
         pytest.skip("this system's /proc gives no pid namespace")
     dead = dataclasses.replace(me, pid=_free_pid(), pid_namespace=me.pid_namespace + 1, written=time.time())
-    assert _watched_then_taken(tmp_path, dead.to_bytes()) >= 1.0
+    assert _watched_then_taken(tmp_path, dead.to_bytes()) >= WATCH_LEASE_S
 
 
 @pytest.mark.parametrize("where", ["container, clock 11 minutes behind", "bare metal, init pid namespace"])
@@ -209,7 +213,7 @@ def test_a_live_holder_on_another_machine_with_this_host_name_is_watched(tmp_pat
     else:
         holder = dataclasses.replace(me, pid=_free_pid(), started=99, written=time.time())
     marker = _as_json(holder, machine="boot:another-machine-0000")
-    assert _watched_then_taken(tmp_path, marker) >= 1.0
+    assert _watched_then_taken(tmp_path, marker) >= WATCH_LEASE_S
 
 
 def test_a_dead_holder_of_this_machine_and_namespace_is_still_taken_over_at_once(tmp_path: Path) -> None:
@@ -219,7 +223,7 @@ def test_a_dead_holder_of_this_machine_and_namespace_is_still_taken_over_at_once
         pytest.skip("this system's /proc gives no pid namespace or machine identity")
     dead = dataclasses.replace(me, pid=_free_pid(), written=time.time())
     assert dead.holder_is_gone() and stale_at_sight(dead)
-    assert _watched_then_taken(tmp_path, dead.to_bytes()) < 1.0
+    assert _watched_then_taken(tmp_path, dead.to_bytes()) < WATCH_LEASE_S
 
 
 @pytest.mark.parametrize("inherit", [False, True])
