@@ -28,6 +28,7 @@ __all__ = [
     "replica_digests",
     "scaled_mismatches",
     "transfer_scaled_mismatches",
+    "transfer_source_conflicts",
 ]
 
 _EXACT_WIDENING = frozenset({"bfloat16", "float16"})
@@ -215,6 +216,31 @@ def transfer_scaled_mismatches(docs: list[dict[str, Any]]) -> list[str]:
             elif key in scaled_sources and key in held and held[key][1] != dtype:
                 problems.append(f"{name!r}: held as {held[key][1]}, wanted {dtype} (scaled bytes are never cast)")
     return sorted(set(problems))
+
+
+def transfer_source_conflicts(docs: list[dict[str, Any]]) -> list[str]:
+    """On a transfer's coordinator, before anything is planned: the source keys that some ranks hold as a
+    ScaledTensor (or as the scale or global scale of one) and others as a plain tensor, naming the ranks of
+    each. Each rank's description holds ``held`` (key: [shape, dtype]) and ``scaled_held`` (key: record).
+    A save refuses such pieces (:func:`agree_scaled`); a transfer would pair one rank's plain values with
+    another's scales (a plain primary cast to FP8 beside a replica's scales), or miss the scales of the plain
+    ranks' boxes."""
+    scaled_on: dict[str, list[int]] = {}
+    owner: dict[str, str] = {}
+    for rank, doc in enumerate(docs):
+        for key, record_doc in (doc.get("scaled_held") or {}).items():
+            record = record_from_json(key, record_doc)
+            for part in (record.key, record.scale_key, record.global_scale_key):
+                if part is not None:
+                    scaled_on.setdefault(part, []).append(rank)
+                    owner[part] = key
+    problems = []
+    for part, ranks in sorted(scaled_on.items()):
+        plain = [rank for rank, doc in enumerate(docs) if part in doc["held"] and rank not in ranks]
+        if plain:
+            what = "a ScaledTensor" if owner[part] == part else f"a part of the ScaledTensor {owner[part]!r}"
+            problems.append(f"{part!r} is {what} on ranks {sorted(set(ranks))} but a plain tensor on ranks {plain}")
+    return problems
 
 
 def _not_quantized(dtype: str) -> str:
