@@ -7,6 +7,7 @@ In-process ranks (ThreadGroup): the real save, load and transfer protocols."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,3 +104,77 @@ def test_a_transfer_from_scaled_primary_and_scaled_replica_still_moves_bit_exact
 
     got = on_ranks(3, move)[2]["w"]
     assert same_bytes(got.data.data, WANT.data) and same_bytes(got.scale, WANT.scale)
+
+
+# ---- F3: logical (100, 64) padded to (128, 64), block (112, 32): one block of rows either way ----------------
+
+C = torch.randn(100, 64, generator=torch.Generator().manual_seed(2))
+CQ = quantize(C, "fp8_e4m3", block=(112, 32))
+
+
+def _padded(rank: int, *, fill: bool) -> dict[str, Any]:
+    """Rank ``rank`` of 2 holding columns [32 rank, 32 rank + 32) of ``c`` padded to 128 rows (scale rows: 2,
+    of which 1 logical)."""
+    cols = slice(32 * rank, 32 * rank + 32)
+    data = torch.zeros(128, 32, dtype=E4M3)
+    scale = torch.zeros(2, 1)
+    if fill:
+        data[:100] = CQ.data[:, cols]
+        scale[:1] = CQ.scale[:, rank : rank + 1]
+    sharded = ShardedTensor("c", data, (128, 64), (0, 32 * rank), logical_shape=(100, 64))
+    return {"c": ScaledTensor(sharded, scale, "fp8_e4m3", (112, 32))}
+
+
+def _unpadded(*, fill: bool) -> dict[str, Any]:
+    data = CQ.data.clone() if fill else torch.zeros(100, 64, dtype=E4M3)
+    scale = CQ.scale.clone() if fill else torch.zeros(1, 2)
+    return {"c": ScaledTensor(ShardedTensor.from_rank_offsets("c", data), scale, "fp8_e4m3", (112, 32))}
+
+
+def test_a_padded_scaled_tensor_records_the_block_of_its_logical_shape() -> None:
+    """F3. The record is what every layout shares: canonical against the logical shape. The scales' derivation
+    keeps the stored (padded) shape: two scale rows, one logical."""
+    padded, unpadded = _padded(0, fill=False)["c"], _unpadded(fill=False)["c"]
+    assert padded.record == unpadded.record
+    assert padded.record.block == (None, 32)
+    assert padded.scale_sharded.global_shape == (2, 2) and padded.scale_sharded.logical_shape == (1, 2)
+
+
+def test_padded_and_unpadded_layouts_of_one_scaled_tensor_load_each_other_bit_exact(tmp_path: Path) -> None:
+    """F3. Was: the padded save recorded blocks [112, 32] (canonical against the padded 128 rows) and the
+    unpadded template [None, 32], so the load was a MismatchError although both give one scale row. Now both
+    ways load bit for bit, and both saves record the same block."""
+    on_ranks(2, lambda r, g: reshard.save(_padded(r, fill=True), tmp_path / "padded", group=g))
+    reshard.save(_unpadded(fill=True), tmp_path / "unpadded")
+    records = [reshard.read_metadata(tmp_path / p).scaled["c"] for p in ("padded", "unpadded")]
+    assert records[0] == records[1] and records[0].block == (None, 32)
+
+    got = reshard.load(_unpadded(fill=False), tmp_path / "padded")["c"]
+    assert same_bytes(got.data.data, CQ.data) and same_bytes(got.scale, CQ.scale)
+
+    def load_padded(rank: int, group: Any) -> ScaledTensor:
+        return reshard.load(_padded(rank, fill=False), tmp_path / "unpadded", group=group)["c"]
+
+    for rank, leaf in enumerate(on_ranks(2, load_padded)):
+        want = _padded(rank, fill=True)["c"]
+        assert same_bytes(leaf.data.data, want.data.data) and same_bytes(leaf.scale, want.scale)
+
+
+def test_a_padded_scaled_tensor_transfers_to_an_unpadded_layout_and_is_quantized_into_one() -> None:
+    """F3, the transfer side: padded scaled sources (two ranks) fill an unpadded ScaledTensor target (was: a
+    MismatchError on the blocks), and fp32 sources are quantized into the padded target as quantize gives."""
+
+    def scaled(rank: int, group: Any) -> Any:
+        target = _unpadded(fill=False) if rank == 0 else {}
+        return reshard.transfer(_padded(rank, fill=True), target, group=group)
+
+    got = on_ranks(2, scaled)[0]["c"]
+    assert same_bytes(got.data.data, CQ.data) and same_bytes(got.scale, CQ.scale)
+
+    def quantized(rank: int, group: Any) -> Any:
+        source = {"c": ShardedTensor.from_rank_offsets("c", C[:, 32 * rank : 32 * rank + 32].clone(), (1, rank, 2))}
+        return reshard.transfer(source, _padded(rank, fill=False), group=group)["c"]
+
+    for rank, leaf in enumerate(on_ranks(2, quantized)):
+        want = _padded(rank, fill=True)["c"]
+        assert same_bytes(leaf.data.data, want.data.data) and same_bytes(leaf.scale, want.scale)
