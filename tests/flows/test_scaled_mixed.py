@@ -6,6 +6,7 @@ In-process ranks (ThreadGroup): the real save, load and transfer protocols."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ import torch
 
 import reshard
 from reshard import ScaledTensor, ShardedTensor
+from reshard.metadata.model import METADATA_CHECKSUM_MEMBER
+from reshard.metadata.wire import seal_document
 from reshard.state.quantize import quantize
 from tests.flows.test_scaled import errors_on_ranks, on_ranks, same_bytes
 
@@ -176,5 +179,28 @@ def test_a_padded_scaled_tensor_transfers_to_an_unpadded_layout_and_is_quantized
         return reshard.transfer(source, _padded(rank, fill=False), group=group)["c"]
 
     for rank, leaf in enumerate(on_ranks(2, quantized)):
+        want = _padded(rank, fill=True)["c"]
+        assert same_bytes(leaf.data.data, want.data.data) and same_bytes(leaf.scale, want.scale)
+
+
+def _as_written_before_the_fix(path: Path) -> None:
+    """Rewrite ``path``'s record of ``c`` with the block a padded save recorded before F3 ([112, 32]), sealed."""
+    doc = json.loads((path / "metadata.json").read_bytes())
+    doc.pop(METADATA_CHECKSUM_MEMBER)
+    doc["scaled"]["c"]["block"] = [112, 32]
+    (path / "metadata.json").write_bytes(seal_document(json.dumps(doc).encode()))
+
+
+def test_a_checkpoint_whose_padded_record_holds_the_padded_block_still_loads_both_layouts(tmp_path: Path) -> None:
+    """F3, compatibility: a checkpoint saved padded before the fix records [112, 32]; it is the same scale grid
+    over the logical shape, so the padded template that saved it and an unpadded one both load it bit for bit."""
+    on_ranks(2, lambda r, g: reshard.save(_padded(r, fill=True), tmp_path / "old", group=g))
+    _as_written_before_the_fix(tmp_path / "old")
+    assert reshard.read_metadata(tmp_path / "old").scaled["c"].block == (112, 32)
+    got = reshard.load(_unpadded(fill=False), tmp_path / "old")["c"]
+    assert same_bytes(got.data.data, CQ.data) and same_bytes(got.scale, CQ.scale)
+    for rank, leaf in enumerate(
+        on_ranks(2, lambda r, g: reshard.load(_padded(r, fill=False), tmp_path / "old", group=g)["c"])
+    ):
         want = _padded(rank, fill=True)["c"]
         assert same_bytes(leaf.data.data, want.data.data) and same_bytes(leaf.scale, want.scale)

@@ -14,9 +14,9 @@ from reshard.errors import ShardingError
 from reshard.metadata import Metadata
 from reshard.planning.descriptions import DescriptionTable
 from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name
-from reshard.state.lowprec import FORMATS
+from reshard.state.lowprec import FORMATS, Block
 from reshard.state.quantize import INPUT_DTYPE_NAMES
-from reshard.state.scaled import ScaledRecord
+from reshard.state.scaled import ScaledRecord, canonical_block
 from reshard.state.sharding import is_main_replica
 from reshard.state.statedict import FlatStateDict
 
@@ -146,6 +146,7 @@ def record_mismatches(
     problems = []
     parts: set[str] = set()
     widened: set[str] = set()
+    shapes = {tensor.key: tensor.saved_shape for tensor in flat.tensors}
     for key, mine in flat.scaled.items():
         parts.update(k for k in (mine.key, mine.scale_key, mine.global_scale_key) if k is not None)
         if FORMATS[mine.format].scale_dtypes == (torch.float32,):
@@ -157,7 +158,7 @@ def record_mismatches(
             problems.append(
                 f"{key!r}: the checkpoint holds a plain tensor, the template a ScaledTensor of {mine.describe()}"
             )
-        elif (saved.format, saved.block) != (mine.format, mine.block):
+        elif (saved.format, _canonical(saved, shapes.get(key))) != (mine.format, mine.block):
             problems.append(f"{key!r}: the checkpoint holds {saved.describe()}, the template {mine.describe()}")
         elif (saved.scale_key, saved.global_scale_key) != (mine.scale_key, mine.global_scale_key):
             problems.append(
@@ -181,6 +182,15 @@ def record_mismatches(
                 f"{dtype_name(tensor.data.dtype)} (scaled data and scales are never cast)"
             )
     return sorted(set(problems))
+
+
+def _canonical(record: ScaledRecord, shape: tuple[int, ...] | None) -> Block:
+    """``record``'s block canonical against the logical ``shape`` (as :attr:`ScaledTensor.record` writes it): a
+    checkpoint written before the records were measured against the logical shape may hold the block of a
+    padded axis as its length (the same scale cells)."""
+    if shape is None or len(shape) != len(record.block) or record.format not in FORMATS:
+        return record.block
+    return canonical_block(FORMATS[record.format], record.block, shape)
 
 
 def transfer_scaled_mismatches(docs: list[dict[str, Any]]) -> list[str]:
