@@ -37,7 +37,13 @@ from reshard.io.exchange import ExchangeCounters, describe_need, run_exchange
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
 from reshard.planning.exchange import DEFAULT_ROUND_BYTES, RankSchedule, TransferPlan, schedule_transfer
-from reshard.planning.scaled import record_from_json, replica_conflicts, replica_digests, transfer_scaled_mismatches
+from reshard.planning.scaled import (
+    record_from_json,
+    replica_conflicts,
+    replica_digests,
+    transfer_scaled_mismatches,
+    transfer_source_conflicts,
+)
 from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name, is_lossy_cast
 from reshard.state.sharding import LocalPiece, ShardedTensor
 from reshard.state.statedict import check_tensors, flatten_state_dict, is_empty_container, map_leaves
@@ -107,8 +113,9 @@ def transfer(
         StateDictError: the target holds ShardedObjects or non-tensor values; or tensors that a transfer
             cannot read or fill (:func:`reshard.state.statedict.check_tensors`: on the meta device, not dense, a freed
             storage, an expanded target), named with their rank, on every rank before any byte moves.
-        ShardingError: two primaries of overlapping boxes of a source key (named with their ranks), on
-            every rank.
+        ShardingError: two primaries of overlapping boxes of a source key (named with their ranks), or a
+            source key held as a ScaledTensor on some ranks and as a plain tensor on others (named with the
+            ranks of each), on every rank before any byte moves.
         MismatchError: a global shape or a lossy dtype conversion that differs, or a ``key_map`` that maps
             a part of a scaled target to another source than its data's, on every rank.
         DataUnavailableError: a target key that no rank holds, or parts of target tensors that no rank
@@ -331,7 +338,11 @@ class TransferSession:
 
     def _make_plan(self, descriptions: list[dict[str, Any]]) -> tuple[TransferPlan, list[Job]]:
         """On the coordinator: check the pieces against each other and plan the whole transfer, with the
-        quantized tensors of its quantizing jobs (:mod:`reshard.flows.transfer_quantize`) as sources."""
+        quantized tensors of its quantizing jobs (:mod:`reshard.flows.transfer_quantize`) as sources. A source
+        key that is scaled on some ranks and plain on others is refused first, as a save refuses it."""
+        mixed = transfer_source_conflicts(descriptions)
+        if mixed:
+            raise ShardingError("transfer: the ranks disagree on scaled tensors: " + "; ".join(mixed[:10]))
         jobs = find_jobs(descriptions)
         if jobs:
             descriptions = rewrite(descriptions, jobs)

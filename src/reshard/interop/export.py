@@ -26,11 +26,13 @@ from reshard.flows.progress import Progress, reporting
 from reshard.interop.offline import DEFAULT_SLAB_BYTES, CheckpointReader, cast_floating, kept_scaled, scaled_part_keys
 from reshard.interop.safetensors import SafetensorsWriter, TensorSpec, safetensors_dtype
 from reshard.metadata import check_relative_path
+from reshard.state.scaled import GLOBAL_SCALE_SUFFIX, SCALE_SUFFIX
 from reshard.storage import CheckpointLocation, Storage, storage_for
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_FILE",
+    "SCALED_METADATA_KEY",
     "ExportResult",
     "KeyMap",
     "export_safetensors",
@@ -42,6 +44,10 @@ __all__ = [
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 """5 GB, Hugging Face's default shard size."""
+
+SCALED_METADATA_KEY = "reshard.scaled"
+"""The ``__metadata__`` entry of every shard of an export holding scaled tensors: JSON of ``{output name of the
+data: {"format", "block", "scale": output name, "global_scale": output name or null}}``."""
 
 KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
 """Checkpoint key -> output name; None leaves the tensor out. A mapping leaves unlisted keys unchanged. (A load
@@ -197,7 +203,8 @@ def export_safetensors(
             do the data, scales and global scales of scaled tensors: see ``ExportResult.kept_scaled``).
         max_shard_bytes: shard size limit in bytes (a larger tensor gets a shard of its own).
         overwrite: replace an earlier export in ``out`` (its index and shards).
-        metadata: extra ``__metadata__`` entries of every shard (``format: pt`` is always set).
+        metadata: extra ``__metadata__`` entries of every shard (``format: pt`` is always set, and
+            :data:`SCALED_METADATA_KEY` when scaled tensors are exported).
         storage_options: for object-store URLs (both sides).
         progress: told the bytes written.
         slab_bytes: the largest piece of a tensor held in memory at once.
@@ -208,15 +215,22 @@ def export_safetensors(
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError: ``checkpoint`` is not
             a loadable checkpoint.
-        MismatchError, StateDictError: a bad key map (one that leaves out every tensor, too), or a dtype
-            safetensors cannot hold (complex128).
+        MismatchError, StateDictError: a bad key map (one that leaves out every tensor, too, or one that
+            exports a scaled tensor's data without its scale or global scale, or with one renamed apart from
+            it: naming the parts), a dtype safetensors cannot hold (complex128), or a ``metadata`` entry
+            ``reshard.scaled`` (the export's own).
         CheckpointExistsError: ``out`` holds an export and ``overwrite`` is off.
         StorageError: writing failed (the shards written so far are removed).
     """
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    if SCALED_METADATA_KEY in (metadata or {}):
+        raise MismatchError(f"the __metadata__ entry {SCALED_METADATA_KEY!r} is the export's own (its scaled tensors)")
     with CheckpointReader(checkpoint, storage_options=storage_options) as reader:
         items, left_out = _items(reader, key_map, dtype)
+        scaled = _scaled_records(reader, items)
+        if scaled:
+            metadata = {**(metadata or {}), SCALED_METADATA_KEY: json.dumps(scaled, sort_keys=True)}
         shards = _shards(items, max_shard_bytes)
         names = shard_file_names(len(shards))
         storage = storage_for(out, storage_options)
@@ -270,6 +284,42 @@ def _items(
             raise StateDictError(f"tensor {key!r}: safetensors cannot hold dtype {saved.dtype}") from None
         items.append(_Item(key, spec))
     return items, left_out
+
+
+def _scaled_records(reader: CheckpointReader, items: list[_Item]) -> dict[str, Any]:
+    """The records of the exported scaled tensors under their output names (``SCALED_METADATA_KEY``).
+
+    Raises:
+        MismatchError: naming the parts, for a scaled tensor whose data is exported without a scale or global
+            scale, or with one renamed apart from it (not ``<data's output name>:scale`` / ``:global_scale``):
+            its data could not be decoded, or paired with its scales by name.
+    """
+    names = {item.key: item.spec.name for item in items}
+    records: dict[str, Any] = {}
+    problems = []
+    for key, record in sorted(reader.metadata.scaled.items()):
+        if key not in names:
+            continue
+        doc = record.to_json()
+        for field, part, suffix in (
+            ("scale", record.scale_key, SCALE_SUFFIX),
+            ("global_scale", record.global_scale_key, GLOBAL_SCALE_SUFFIX),
+        ):
+            if part is None:
+                continue
+            want = names[key] + suffix
+            if names.get(part) != want:
+                done = "left out" if part not in names else f"named {names[part]!r}"
+                problems.append(f"{part!r} (of {key!r}, exported as {names[key]!r}) is {done}: it must be {want!r}")
+            doc[field] = want
+        records[names[key]] = doc
+    if problems:
+        raise MismatchError(
+            "the key map parts scaled data from its scales: " + "; ".join(problems[:20]) + ". Export a scaled "
+            "tensor's data, scale and global scale together, under its name with ':scale' and ':global_scale' "
+            "(or leave all three out); `reshard export-hf --quantize` writes a model's Hugging Face names"
+        )
+    return records
 
 
 def _write_index(storage: Storage, names: list[str], total: int, weight_map: dict[str, str]) -> None:

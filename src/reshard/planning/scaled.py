@@ -14,9 +14,9 @@ from reshard.errors import ShardingError
 from reshard.metadata import Metadata
 from reshard.planning.descriptions import DescriptionTable
 from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name
-from reshard.state.lowprec import FORMATS
+from reshard.state.lowprec import FORMATS, Block
 from reshard.state.quantize import INPUT_DTYPE_NAMES
-from reshard.state.scaled import ScaledRecord
+from reshard.state.scaled import ScaledRecord, canonical_block
 from reshard.state.sharding import is_main_replica
 from reshard.state.statedict import FlatStateDict
 
@@ -28,6 +28,7 @@ __all__ = [
     "replica_digests",
     "scaled_mismatches",
     "transfer_scaled_mismatches",
+    "transfer_source_conflicts",
 ]
 
 _EXACT_WIDENING = frozenset({"bfloat16", "float16"})
@@ -145,6 +146,7 @@ def record_mismatches(
     problems = []
     parts: set[str] = set()
     widened: set[str] = set()
+    shapes = {tensor.key: tensor.saved_shape for tensor in flat.tensors}
     for key, mine in flat.scaled.items():
         parts.update(k for k in (mine.key, mine.scale_key, mine.global_scale_key) if k is not None)
         if FORMATS[mine.format].scale_dtypes == (torch.float32,):
@@ -156,7 +158,7 @@ def record_mismatches(
             problems.append(
                 f"{key!r}: the checkpoint holds a plain tensor, the template a ScaledTensor of {mine.describe()}"
             )
-        elif (saved.format, saved.block) != (mine.format, mine.block):
+        elif (saved.format, _canonical(saved, shapes.get(key))) != (mine.format, mine.block):
             problems.append(f"{key!r}: the checkpoint holds {saved.describe()}, the template {mine.describe()}")
         elif (saved.scale_key, saved.global_scale_key) != (mine.scale_key, mine.global_scale_key):
             problems.append(
@@ -180,6 +182,15 @@ def record_mismatches(
                 f"{dtype_name(tensor.data.dtype)} (scaled data and scales are never cast)"
             )
     return sorted(set(problems))
+
+
+def _canonical(record: ScaledRecord, shape: tuple[int, ...] | None) -> Block:
+    """``record``'s block canonical against the logical ``shape`` (as :attr:`ScaledTensor.record` writes it): a
+    checkpoint written before the records were measured against the logical shape may hold the block of a
+    padded axis as its length (the same scale cells)."""
+    if shape is None or len(shape) != len(record.block) or record.format not in FORMATS:
+        return record.block
+    return canonical_block(FORMATS[record.format], record.block, shape)
 
 
 def transfer_scaled_mismatches(docs: list[dict[str, Any]]) -> list[str]:
@@ -215,6 +226,31 @@ def transfer_scaled_mismatches(docs: list[dict[str, Any]]) -> list[str]:
             elif key in scaled_sources and key in held and held[key][1] != dtype:
                 problems.append(f"{name!r}: held as {held[key][1]}, wanted {dtype} (scaled bytes are never cast)")
     return sorted(set(problems))
+
+
+def transfer_source_conflicts(docs: list[dict[str, Any]]) -> list[str]:
+    """On a transfer's coordinator, before anything is planned: the source keys that some ranks hold as a
+    ScaledTensor (or as the scale or global scale of one) and others as a plain tensor, naming the ranks of
+    each. Each rank's description holds ``held`` (key: [shape, dtype]) and ``scaled_held`` (key: record).
+    A save refuses such pieces (:func:`agree_scaled`); a transfer would pair one rank's plain values with
+    another's scales (a plain primary cast to FP8 beside a replica's scales), or miss the scales of the plain
+    ranks' boxes."""
+    scaled_on: dict[str, list[int]] = {}
+    owner: dict[str, str] = {}
+    for rank, doc in enumerate(docs):
+        for key, record_doc in (doc.get("scaled_held") or {}).items():
+            record = record_from_json(key, record_doc)
+            for part in (record.key, record.scale_key, record.global_scale_key):
+                if part is not None:
+                    scaled_on.setdefault(part, []).append(rank)
+                    owner[part] = key
+    problems = []
+    for part, ranks in sorted(scaled_on.items()):
+        plain = [rank for rank, doc in enumerate(docs) if part in doc["held"] and rank not in ranks]
+        if plain:
+            what = "a ScaledTensor" if owner[part] == part else f"a part of the ScaledTensor {owner[part]!r}"
+            problems.append(f"{part!r} is {what} on ranks {sorted(set(ranks))} but a plain tensor on ranks {plain}")
+    return problems
 
 
 def _not_quantized(dtype: str) -> str:

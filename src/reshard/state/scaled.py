@@ -154,7 +154,8 @@ class ScaledTensor:
         format: a name of :data:`reshard.state.lowprec.FORMATS`.
         block: elements per block on each logical axis, None for the whole axis (None: the format's block,
             per-tensor scaling for the FP8 formats). A block at least as long as its (non-empty) axis is the
-            whole axis: it is recorded as None, so every layout of the tensor records the same block.
+            whole axis: it is recorded as None, so every layout of the tensor records the same block (of a
+            padded axis, the logical length counts for the record; the scales follow the stored length).
         global_scale: the fp32 global scale (0-d or ``(1,)``) of the NVFP4 formats; None for the others.
 
     Raises:
@@ -190,12 +191,15 @@ class ScaledTensor:
 
     @property
     def record(self) -> ScaledRecord:
-        """What the checkpoint's metadata records of this tensor."""
+        """What the checkpoint's metadata records of this tensor. Its block is canonical against the logical
+        (saved) shape, which every layout of the tensor shares: a block at least as long as a padded axis's
+        logical length is the whole axis in the record, while the scales are derived over the stored (padded)
+        shape (``block``). Both give the same scale cells over the logical elements."""
         fmt = scale_format(self.format, key=self.key)
         return ScaledRecord(
             key=self.key,
             format=self.format,
-            block=tuple(self.block or ()),
+            block=canonical_block(fmt, tuple(self.block or ()), self.data.saved_shape),
             scale_key=self.key + SCALE_SUFFIX,
             global_scale_key=self.key + GLOBAL_SCALE_SUFFIX if fmt.global_scale else None,
         )
