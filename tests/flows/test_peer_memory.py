@@ -95,6 +95,17 @@ def _check_restore(tier: Any, new_rank: int, world: int, root: str, with_fallbac
     return ("restored", rank, exact, stats.bytes_received + stats.bytes_copied, lost)
 
 
+def _reported_restore(
+    tier: Any, new_rank: int, world: int, root: str, with_fallback: bool, rank: int
+) -> tuple[Any, ...]:
+    """:func:`_check_restore`'s report, or ``("error", rank, ...)`` naming what it raised: a rank that fails
+    reports it instead of leaving the test to wait out its timeout for a message that never comes."""
+    try:
+        return _check_restore(tier, new_rank, world, root, with_fallback, rank)
+    except Exception as exc:
+        return ("error", rank, f"{type(exc).__name__}: {exc}")
+
+
 def late_rank(rank: int, new_rank: int, world: int, port: int, root: str, results: Any) -> None:
     """A rank started after the failure: it holds nothing, joins the new group and restores."""
     torch.set_num_threads(1)
@@ -102,7 +113,7 @@ def late_rank(rank: int, new_rank: int, world: int, port: int, root: str, result
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=new_rank, world_size=world, timeout=TIMEOUT
     )
     tier = reshard.PeerMemoryCheckpoint(replicas=1, node_size=2, timeout=60)
-    results.put(_check_restore(tier, new_rank, world, root, False, rank))
+    results.put(_reported_restore(tier, new_rank, world, root, False, rank))
     dist.destroy_process_group()
 
 
@@ -126,7 +137,7 @@ def peer_rank(rank: int, port: int, root: str, commands: Any, results: Any) -> N
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{new_port}", rank=new_rank, world_size=world, timeout=TIMEOUT
         )
-        results.put(_check_restore(tier, new_rank, world, root, with_fallback, rank))
+        results.put(_reported_restore(tier, new_rank, world, root, with_fallback, rank))
 
 
 def _collect(results: Any, count: int, kind: str) -> list[tuple[Any, ...]]:
