@@ -175,7 +175,7 @@ class PeerMemoryCheckpoint:
             common = json.dumps({p: encode_tagged(v, where=p) for p, v in flat.common.items()}, sort_keys=True)
             terms = {"replicas": self.replicas, "node_size": self.node_size}
             scaled = {key: record.to_json() for key, record in flat.scaled.items()}
-            parts = {k for r in flat.scaled.values() for k in (r.key, r.scale_key, r.global_scale_key) if k}
+            parts = {k for r in flat.scaled.values() for k in r.part_keys}
             plain = sorted({t.key for t in flat.tensors} - parts)
             doc = {"boxes": described, "common": common, "terms": terms, "scaled": scaled, "plain": plain}
             doc["replicas"] = replica_digests(flat)

@@ -67,9 +67,9 @@ def scan_root(storage: Storage) -> list[StepInfo]:
     """Every step directory under ``storage``, oldest first, with its status. Not collective."""
     out = []
     for name in storage.list_children():
-        match = _STEP.match(name)
-        if match is not None:
-            out.append(_inspect_step(storage, name, int(match.group(1))))
+        step = step_of(name)
+        if step is not None:
+            out.append(_inspect_step(storage, name, step))
     return sorted(out, key=lambda s: s.step)
 
 

@@ -51,7 +51,6 @@ from reshard.state.scaled import GLOBAL_SCALE_SUFFIX, SCALE_SUFFIX, stored_view
 from reshard.state.sharding import LocalPiece
 
 __all__ = [
-    "HIGH_PRECISION",
     "Job",
     "find_jobs",
     "quantize_pieces",
@@ -59,9 +58,6 @@ __all__ = [
     "rewrite",
     "virtual_holdings",
 ]
-
-HIGH_PRECISION = INPUT_DTYPE_NAMES
-"""The source dtypes (names) a transfer quantizes: those :func:`reshard.state.quantize.quantize` takes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +164,7 @@ def find_jobs(docs: list[dict[str, Any]]) -> list[Job]:
         for name, (key, record) in sorted(doc.get("scaled_wanted", {}).items()):
             block = tuple(record["block"])
             wanted.setdefault(name, {}).setdefault((record["format"], str(list(block))), []).append(rank)
-            if key in held and key not in scaled_held and held[key][1] in HIGH_PRECISION:
+            if key in held and key not in scaled_held and held[key][1] in INPUT_DTYPE_NAMES:
                 vkey = f"{key} quantized to {record['format']} blocks {list(block)}"
                 jobs.setdefault(vkey, Job(key, vkey, record["format"], block, tuple(held[key][0])))
     differ = [

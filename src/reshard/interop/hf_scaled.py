@@ -31,6 +31,7 @@ reshard's float32 scales widens them, which is exact (see :mod:`reshard.planning
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Any
@@ -289,12 +290,12 @@ def _pair(module: str, scheme: _Scheme, tensors: dict[str, TensorEntry]) -> Pair
     if fmt.elements_per_item > 1 and logical_cols % (scheme.block[1] or 1):
         raise _fail(f"{data.name!r}: {logical_cols} elements per row are not whole groups of {scheme.block[1]}")
     grid = scale_grid_shape(data.shape, stored_block(fmt, scheme.block))
-    if scale.shape != grid and not (_volume(scale.shape) == 1 and _volume(grid) == 1 and len(scale.shape) <= 2):
+    if scale.shape != grid and not (math.prod(scale.shape) == 1 and math.prod(grid) == 1 and len(scale.shape) <= 2):
         raise _fail(
             f"{scale.name!r} has shape {list(scale.shape)}, but {data.name!r} of shape {list(data.shape)} with "
             f"blocks {list(scheme.block)} ({scheme.format}) has a scale grid of {list(grid)}"
         )
-    if glob is not None and (glob.dtype != "F32" or _volume(glob.shape) != 1 or len(glob.shape) > 1):
+    if glob is not None and (glob.dtype != "F32" or math.prod(glob.shape) != 1 or len(glob.shape) > 1):
         raise _fail(f"{glob.name!r} must be one float32 (the global scale of {data.name!r})")
     name = f"{module}.weight"
     return Pair(name, data.name, scale.name, glob.name if glob else None, scheme.format, scheme.block)
@@ -343,13 +344,6 @@ def _refuse_unpaired_scales(tensors: dict[str, TensorEntry], pairs: Pairs) -> No
                 "names them as a (data, scale) pair: loaded, the data would come without its scales; reshard "
                 "does not guess the format and block (give the config.json that wrote them)"
             )
-
-
-def _volume(shape: tuple[int, ...]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,7 +78,7 @@ def cast_floating(saved: torch.dtype, target: torch.dtype | None) -> torch.dtype
 def scaled_part_keys(metadata: Metadata) -> frozenset[str]:
     """The keys of every part (data, scales, global scale) of the checkpoint's scaled tensors: a dtype
     conversion never touches them (cast without each other, the data would decode with wrong scales)."""
-    return frozenset(k for r in metadata.scaled.values() for k in (r.key, r.scale_key, r.global_scale_key) if k)
+    return frozenset(k for r in metadata.scaled.values() for k in r.part_keys)
 
 
 def kept_scaled(metadata: Metadata, target: torch.dtype | None, keys: Iterable[str] | None = None) -> tuple[str, ...]:
@@ -87,13 +87,7 @@ def kept_scaled(metadata: Metadata, target: torch.dtype | None, keys: Iterable[s
     if target is None:
         return ()
     wanted = None if keys is None else set(keys)
-    return tuple(
-        sorted(
-            key
-            for key, r in metadata.scaled.items()
-            if wanted is None or wanted & {k for k in (r.key, r.scale_key, r.global_scale_key) if k}
-        )
-    )
+    return tuple(sorted(key for key, r in metadata.scaled.items() if wanted is None or wanted & set(r.part_keys)))
 
 
 class CheckpointReader:

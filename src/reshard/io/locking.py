@@ -417,10 +417,6 @@ def _heir(me: LockInfo, stale: LockInfo) -> LockInfo:
     return dataclasses.replace(me, token=stale.token, dead_saves=stale.dead_saves)
 
 
-MAX_DEAD_SAVES = 1024
-"""The most dead saves a marker records (the newest; a marker stays far below the 64 KiB a reader reads)."""
-
-
 def _successor(me: LockInfo, stale: LockInfo) -> LockInfo:
     """``me`` taking over from ``stale``, recording ``stale``'s token after the dead saves ``stale`` recorded: the
     marker of the takeover names them all before the taker deletes anything of theirs (see the module doc). Only
@@ -432,11 +428,11 @@ def _successor(me: LockInfo, stale: LockInfo) -> LockInfo:
 
 
 def _bounded(info: LockInfo) -> LockInfo:
-    """``info`` as a marker may say it: its record of dead saves holds save ids only, the newest
-    :data:`MAX_DEAD_SAVES` of them, trimmed oldest first until the marker takes at most half of what a reader reads,
-    so that every marker written reads back as its writer (a hostile or damaged stale marker copied whole would
-    make the taker's unreadable: a holder of unknown identity, stale at sight)."""
-    dead = [t for t in info.dead_saves if is_save_token(t)][-MAX_DEAD_SAVES:]
+    """``info`` as a marker may say it: its record of dead saves holds save ids only, trimmed oldest first until
+    the marker takes at most half of what a reader reads (32 KiB: at most 910 save ids of 36 bytes each), so
+    that every marker written reads back as its writer (a hostile or damaged stale marker copied whole would make
+    the taker's unreadable: a holder of unknown identity, stale at sight)."""
+    dead = [t for t in info.dead_saves if is_save_token(t)]
     room = _MARKER_BUDGET_BYTES - len(dataclasses.replace(info, dead_saves=()).to_bytes()) - len(', "dead_saves": []')
     keep = 0
     for token in reversed(dead):  # the newest first: each takes its quotes and a separator

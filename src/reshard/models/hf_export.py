@@ -174,8 +174,9 @@ def export_hf(
         try:
             storage = LocalStorage(temp)
             weight_map: dict[str, str] = {}
+            global_scales: dict[tuple[str, int], torch.Tensor] = {}  # NVFP4: one amax pass per weight
             for shard, name in zip(shards, names, strict=True):
-                _write_shard(reader, storage, [parts[i] for i in shard], name, slab_bytes, scheme)
+                _write_shard(reader, storage, [parts[i] for i in shard], name, slab_bytes, scheme, global_scales)
                 weight_map.update({parts[i].spec.name: name for i in shard})
             if len(shards) > 1:
                 index = {"metadata": {"total_size": sum(p.spec.nbytes for p in parts)}, "weight_map": weight_map}
@@ -204,9 +205,10 @@ def _write_shard(
     name: str,
     slab_bytes: int,
     scheme: QuantScheme | None,
+    global_scales: dict[tuple[str, int], torch.Tensor] | None = None,
 ) -> None:
     """One safetensors file of ``parts``, each streamed in slabs of at most ``slab_bytes`` (quantized ones
-    by :func:`write_quantized`)."""
+    by :func:`write_quantized`, sharing ``global_scales``)."""
     # Larger elements first: every tensor then starts aligned to its element size.
     ordered = sorted(parts, key=lambda p: (-p.spec.dtype.itemsize, p.spec.name))
     sink = storage.open_writer(name)
@@ -215,7 +217,7 @@ def _write_shard(
         for part in ordered:
             if part.role in ("data", "scale", "global"):
                 assert scheme is not None
-                write_quantized(reader, writer, part, scheme, slab_bytes)
+                write_quantized(reader, writer, part, scheme, slab_bytes, global_scales=global_scales)
                 writer.end_tensor()
                 continue
             if part.role == "cast":  # saved scales in the consumer's dtype, exactly

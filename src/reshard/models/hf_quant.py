@@ -42,11 +42,12 @@ requantized); a checkpoint whose tensor is saved as a scaled tensor of another f
 :func:`check_source_format`). A weight saved as a scaled tensor of the scheme's format and blocks is written
 as it is, not requantized (:mod:`reshard.models.hf_scaled`).
 
-Streaming: each output tensor of a weight (data, scales, NVFP4's global scale) is computed by reading the
-weight again in strips of whole block rows (a strip of at most ``slab_bytes``, never less than one row of
-blocks), with the same deterministic operations, so its scales come out the same each time; NVFP4 adds one
-amax pass over the weight for the global scale. An export holds one strip at a time, never a whole tensor's
-quantized copy: memory is bounded, at the price of reading each quantized weight two to five times.
+Streaming: the data and the scales of a weight are each computed by reading the weight again in strips of
+whole block rows (a strip of at most ``slab_bytes``, never less than one row of blocks), with the same
+deterministic operations, so its scales come out the same each time; NVFP4 adds one amax pass over the
+weight for the global scale, made once per weight and kept for its other tensors (see
+:func:`write_quantized`). An export holds one strip at a time, never a whole tensor's quantized copy: memory
+is bounded, at the price of reading each quantized weight twice (three times for NVFP4).
 """
 
 from __future__ import annotations
@@ -78,7 +79,6 @@ __all__ = [
     "is_quantized_weight",
     "quantization_config",
     "quantized_parts",
-    "saved_scaled_format",
     "write_quantized",
 ]
 
@@ -183,13 +183,6 @@ class ExportPart:
 def is_quantized_weight(name: str) -> bool:
     """Whether the Hugging Face tensor ``name`` is a weight the schemes quantize (see the module doc)."""
     return _QUANTIZED_MODULE.search(name) is not None
-
-
-def saved_scaled_format(reader: CheckpointReader, key: str) -> tuple[str, Block] | None:
-    """The low-precision format and block of checkpoint tensor ``key`` when it was saved as a scaled tensor
-    (its ``Metadata.scaled`` record), None for a plain tensor."""
-    record = reader.metadata.scaled.get(key)
-    return None if record is None else (record.format, record.block)
 
 
 def check_source_format(key: str, saved: tuple[str, Block] | None, dtype: torch.dtype, scheme: QuantScheme) -> bool:
@@ -322,11 +315,20 @@ def write_quantized(
     scheme: QuantScheme,
     slab_bytes: int,
     advance: Callable[[int], None] | None = None,
+    global_scales: dict[tuple[str, int], torch.Tensor] | None = None,
 ) -> None:
     """Write the tensor ``part`` (role data, scale or global) of a weight quantized with ``scheme``, strip by
-    strip (see the module doc). The caller ends the tensor."""
+    strip (see the module doc). The caller ends the tensor. ``global_scales``: NVFP4 global scales by the
+    weight's ``(key, start)``, filled and reused across a weight's parts (one amax pass per weight); None:
+    computed for this part alone."""
     fmt = scale_format(scheme.fmt)
-    global_scale = _global_scale(reader, part, scheme, slab_bytes) if fmt.global_scale is not None else None
+    global_scale = None
+    if fmt.global_scale is not None:
+        weight = (part.key, part.start)
+        cached = None if global_scales is None else global_scales.get(weight)
+        global_scale = cached if cached is not None else _global_scale(reader, part, scheme, slab_bytes)
+        if global_scales is not None:
+            global_scales[weight] = global_scale
     if part.role == "global":
         assert global_scale is not None
         writer.write(global_scale.reshape(1))

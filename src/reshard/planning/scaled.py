@@ -148,7 +148,7 @@ def record_mismatches(
     widened: set[str] = set()
     shapes = {tensor.key: tensor.saved_shape for tensor in flat.tensors}
     for key, mine in flat.scaled.items():
-        parts.update(k for k in (mine.key, mine.scale_key, mine.global_scale_key) if k is not None)
+        parts.update(mine.part_keys)
         if FORMATS[mine.format].scale_dtypes == (torch.float32,):
             widened.add(mine.scale_key)
         if saved_dtype(key) is None:
@@ -206,7 +206,7 @@ def transfer_scaled_mismatches(docs: list[dict[str, Any]]) -> list[str]:
     for d in docs:
         for name, (key, doc) in d.get("scaled_wanted", {}).items():
             mine = record_from_json(name, doc)
-            parts.update({p: name for p in (mine.key, mine.scale_key, mine.global_scale_key) if p is not None})
+            parts.update(dict.fromkeys(mine.part_keys, name))
             source = held_records.get(key)
             if key in held and source is None:
                 dtype = held[key][1]
@@ -217,7 +217,7 @@ def transfer_scaled_mismatches(docs: list[dict[str, Any]]) -> list[str]:
                 )
             elif source is not None and (source.format, source.block) != (mine.format, mine.block):
                 problems.append(f"{name!r}: the source {key!r} is {source.describe()}, the target {mine.describe()}")
-    scaled_sources = {p for r in held_records.values() for p in (r.key, r.scale_key, r.global_scale_key) if p}
+    scaled_sources = {p for r in held_records.values() for p in r.part_keys}
     for d in docs:
         for name, key, _shape, dtype in d["wanted"]:
             if name not in parts and key in held_records:

@@ -57,6 +57,11 @@ class ScaledRecord:
     scale_key: str
     global_scale_key: str | None
 
+    @property
+    def part_keys(self) -> tuple[str, ...]:
+        """The keys of its saved parts: the data, the scales and (when it has one) the global scale."""
+        return tuple(k for k in (self.key, self.scale_key, self.global_scale_key) if k is not None)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": self.format,

@@ -203,7 +203,7 @@ def _check_scaled_keys(flat: FlatStateDict) -> None:
                 f"tensor {tensor.key!r} of dtype {tensor.data.dtype} can be saved and loaded only as the data or "
                 "scales of a reshard.ScaledTensor (which records its format)"
             )
-    parts = {k for r in flat.scaled.values() for k in (r.key, r.scale_key, r.global_scale_key) if k is not None}
+    parts = {k for r in flat.scaled.values() for k in r.part_keys}
     clash = sorted({t.key for t in flat.tensors} & parts)
     if clash:
         raise StateDictError(
