@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from reshard.flows.peer import PeerMemoryCheckpoint, PeerSaveResult
     from reshard.flows.save import SaveResult, save
     from reshard.flows.stats import LoadStats, SaveStats
+    from reshard.flows.tiered import StepStatus, TieredCheckpointManager, TieredSaveResult
+    from reshard.flows.tiers import Durable, LocalDisk, PeerMemory
     from reshard.flows.transfer import TransferSession, TransferStats, transfer
     from reshard.metadata import Metadata
     from reshard.state.scaled import ScaledTensor
@@ -55,11 +57,14 @@ _PUBLIC_MODULE = {
     "CommunicationError": "reshard.errors",
     "CorruptCheckpointError": "reshard.errors",
     "DataUnavailableError": "reshard.errors",
+    "Durable": "reshard.flows.tiers",
     "IncompleteCheckpointError": "reshard.errors",
     "LoadOptions": "reshard.flows.options",
+    "LocalDisk": "reshard.flows.tiers",
     "LoadStats": "reshard.flows.stats",
     "Metadata": "reshard.metadata",
     "MismatchError": "reshard.errors",
+    "PeerMemory": "reshard.flows.tiers",
     "PeerMemoryCheckpoint": "reshard.flows.peer",
     "PeerSaveResult": "reshard.flows.peer",
     "SaveHandle": "reshard.flows.async_save",
@@ -72,7 +77,10 @@ _PUBLIC_MODULE = {
     "ShardingError": "reshard.errors",
     "StagingOptions": "reshard.flows.options",
     "StateDictError": "reshard.errors",
+    "StepStatus": "reshard.flows.tiered",
     "StorageError": "reshard.errors",
+    "TieredCheckpointManager": "reshard.flows.tiered",
+    "TieredSaveResult": "reshard.flows.tiered",
     "TransferSession": "reshard.flows.transfer",
     "TransferStats": "reshard.flows.transfer",
     "UnconfirmedCommitError": "reshard.errors",
@@ -113,11 +121,14 @@ __all__ = [
     "CommunicationError",
     "CorruptCheckpointError",
     "DataUnavailableError",
+    "Durable",
     "IncompleteCheckpointError",
     "LoadOptions",
     "LoadStats",
+    "LocalDisk",
     "Metadata",
     "MismatchError",
+    "PeerMemory",
     "PeerMemoryCheckpoint",
     "PeerSaveResult",
     "SaveHandle",
@@ -130,7 +141,10 @@ __all__ = [
     "ShardingError",
     "StagingOptions",
     "StateDictError",
+    "StepStatus",
     "StorageError",
+    "TieredCheckpointManager",
+    "TieredSaveResult",
     "TransferSession",
     "TransferStats",
     "UnconfirmedCommitError",

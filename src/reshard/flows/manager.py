@@ -41,6 +41,7 @@ import logging
 import re
 import uuid
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from reshard.errors import (
@@ -214,13 +215,29 @@ class CheckpointManager:
                 if comm.is_coordinator:
                     self._point_latest_at(step)  # the step is complete; the group is not: no retention
                 raise
-            self._publish_step(comm, held[0] if held else None, step=step, rewind=rewind, past=past, result=result)
+            lock = held[0] if held else None
+            self._publish_step(comm, lock, step=step, rewind=rewind, past=past, save_id=result.save_id)
         finally:
             for lock_held in held:
                 lock_held.release()
             if base is not None:
                 base.close()
         return result
+
+    def save_written(self, step: int, write: Callable[[Storage], None]) -> None:
+        """:meth:`save` of a checkpoint that ``write`` (every rank) writes and commits into step ``step``'s storage
+        (and closes), as a drain of node-local copies does (:class:`~reshard.TieredCheckpointManager`): the manager
+        lock, forward in time, ``latest`` and retention as :meth:`save`. Collective; never incremental, an overwrite
+        or a rewind."""
+        comm = Communicator(self.group, timeout=self.timeout)
+        held: list[Lock] = []
+        try:
+            _, past, _ = self._lock_step(comm, held, step=step, overwrite=False, rewind=False, chunk_bytes=0)
+            write(self.path_of(step))
+            self._publish_step(comm, held[0] if held else None, step=step, rewind=False, past=past, save_id="")
+        finally:
+            for lock_held in held:
+                lock_held.release()
 
     def _lock_step(
         self, comm: Communicator, held: list[Lock], *, step: int, overwrite: bool, rewind: bool, chunk_bytes: int
@@ -293,7 +310,7 @@ class CheckpointManager:
         step: int,
         rewind: bool,
         past: tuple[int, ...],
-        result: SaveResult,
+        save_id: str,
     ) -> None:
         """The last step of :meth:`save` (collective ``manager retention``, every rank), after the commit: the
         coordinator, still holding the manager lock ``held``, points ``latest`` at ``step`` and applies the retention
@@ -319,10 +336,10 @@ class CheckpointManager:
             comm.step("manager retention", publish)
         except CheckpointError as exc:  # the same error on every rank, after a commit that every rank saw
             raise UnconfirmedCommitError(
-                f"{step_name(step)} was committed and is complete (save {result.save_id}), but the manager's "
+                f"{step_name(step)} was committed and is complete (save {save_id or 'drained'}), but the manager's "
                 f"work after the commit failed: {exc}",
-                path=result.path,
-                save_id=result.save_id,
+                path=self.root.describe(step_name(step)),
+                save_id=save_id,
                 failures=exc.failures,
             ) from exc
 

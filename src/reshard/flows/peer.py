@@ -127,6 +127,12 @@ class PeerMemoryCheckpoint:
         """A generation this rank holds whole, whose commit did not reach it (the save failed in its last
         step): it may be current on other ranks. Settled by the next save or restore."""
 
+    @property
+    def generation(self) -> list[Any] | None:
+        """The number (``[counter, token]``) of the generation this rank knows to be current, None when it holds
+        none: the newest one, among the ranks' numbers, is what :meth:`restore` restores. Not collective."""
+        return None if self._current is None else list(self._current.number)
+
     def _generations(self) -> dict[str, list[Any] | None]:
         return {
             "current": None if self._current is None else self._current.number,
