@@ -208,3 +208,27 @@ def test_nothing_saved_restores_none_and_a_template_mismatch_raises(tmp_path: Pa
 
     with pytest.raises(reshard.CheckpointError):
         on_threads(2, wrong, group=group)
+
+
+def test_save_written_commits_a_step_that_a_function_wrote_under_the_manager_rules(tmp_path: Path) -> None:
+    """What a drain uses: the step written by the function (here a plain save into the step's storage) is committed
+    under the manager's rules: ``latest.json`` names it, retention runs (keep_last=1 deletes step 4), and a step
+    older than the newest complete one is refused before the function runs."""
+    manager = reshard.CheckpointManager(tmp_path, keep_last=1)
+    manager.save(4, {"w": torch.ones(2)})
+    written: list[int] = []
+
+    def write(step: int) -> Any:
+        def run(target: Any) -> None:
+            written.append(step)
+            reshard.save({"w": torch.full((2,), float(step))}, target)
+            target.close()
+
+        return run
+
+    manager.save_written(8, write(8))
+    assert manager.steps() == [8] and manager.latest_pointer() == 8
+    assert torch.equal(reshard.load({"w": torch.zeros(2)}, tmp_path / "step_000000008")["w"], torch.full((2,), 8.0))
+    with pytest.raises(reshard.CheckpointExistsError, match="go back in time"):
+        manager.save_written(6, write(6))
+    assert written == [8] and manager.steps() == [8]
