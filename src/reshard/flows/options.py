@@ -138,12 +138,14 @@ class LoadOptions:
         read_once: whether the ranks that need the same saved bytes (data- and context-parallel replicas,
             any overlap of several ranks' boxes) read them from storage once between them, each reader
             verifying what it read, and send them to the others over the group (:mod:`reshard.io.exchange`):
-            True, False, or None (the default) for where it wins: on when several ranks load from an object
-            store (a request is costly and the network between nodes is faster than the store), off for a
-            local path (replicas on one node share its page cache; pass True for a network file system);
-            where the ranks' storages differ, on when any of them is an object store (every rank decides
-            alike). The exchange's buffers come out of ``memory_budget_bytes`` (half for sending, half for
-            receiving, at least 4 KiB each), after the reads released theirs.
+            True, False, or None (the default) for where it wins: on when several ranks load from storage
+            many nodes share (:meth:`~reshard.storage.Storage.sharing`: an object store, or a shared file
+            system such as NFS, Lustre, GPFS, CephFS, BeeGFS or a FUSE mount, detected or marked with
+            ``LocalStorage(path, shared=True)`` or ``RESHARD_SHARED_FILESYSTEM=1``), off for a local disk
+            (replicas on one node share its page cache); where the ranks' storages differ, on when any of them
+            is shared (every rank decides alike; ``LoadStats.read_once_reason`` says why). The exchange's
+            buffers come out of ``memory_budget_bytes`` (half for sending, half for receiving, at least 4 KiB
+            each), after the reads released theirs.
         object_grid: what a per-rank :class:`~reshard.ShardedObject` whose template grid differs from the
             saved one loads (a resume on another layout; :mod:`reshard.planning.objects`): ``"exact"`` (the
             default) raises :class:`~reshard.MismatchError` on every rank; ``"same_coordinate"`` loads each
