@@ -123,3 +123,149 @@ def test_a_damaged_certificate_is_not_certified_with_a_reason(tmp_path: Path, co
     record, why = certificate_status(storage_for(tmp_path / "c"))
     assert record is None and CERTIFICATE_FILE in why
     assert not certified(tmp_path / "c")
+
+
+def manager_run(root: Path, run: Any, **kwargs: Any) -> list[Any]:
+    """``run(manager, rank)`` on 2 ranks as threads, each with its manager of ``root``."""
+    group = ThreadGroup(2, timeout=20)
+
+    def rank(r: int) -> Any:
+        manager = reshard.CheckpointManager(root, group=group.member(r), **kwargs)
+        try:
+            return run(manager, r)
+        finally:
+            manager.close()
+
+    return on_threads(2, rank, group=group)
+
+
+def test_load_latest_prefers_the_older_certified_step_with_a_warning(tmp_path: Path) -> None:
+    def run(manager: reshard.CheckpointManager, r: int) -> Any:
+        manager.save(1, dp_state(r))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            saved = manager.save(2, dp_state(r, flip=r == 1))
+        skipped: list[tuple[int, str]] = []
+        template = {"w": reshard.ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4), (0, r, 2))}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = manager.load_latest(template, skipped=skipped)
+        return (
+            saved.checks,
+            step,
+            skipped,
+            [str(w.message) for w in caught],
+            [s.certified for s in manager_infos(manager)],
+        )
+
+    for checks, step, skipped, _messages, flags in manager_run(tmp_path, run, certify=reshard.CertifyOptions()):
+        assert not checks.passed and "'emb'" in checks.problems[0]
+        assert step == 1 and flags == [True, False]
+        assert skipped[0][0] == 2 and "not certified" in skipped[0][1] and "'emb'" in skipped[0][1]
+
+
+def manager_infos(manager: reshard.CheckpointManager) -> list[Any]:
+    from reshard.flows.steps import scan_root
+
+    return scan_root(manager.root)
+
+
+def test_a_hook_veto_or_raise_keeps_the_step_uncertified_and_certify_promotes_it_later(tmp_path: Path) -> None:
+    def run(manager: reshard.CheckpointManager, r: int) -> Any:
+        vetoed = manager.save(1, dp_state(r)).checks
+        raised = manager.save(2, dp_state(r)).checks
+        flags = [s.certified for s in manager_infos(manager)]
+        later = manager.certify(1)
+        return vetoed, raised, flags, later, [s.certified for s in manager_infos(manager)]
+
+    import threading
+
+    local = threading.local()
+
+    def hook_by_rank(step: int, checks: reshard.Checks) -> bool:
+        if step == 2 and local.rank == 1:
+            raise ValueError("loss spiked")
+        return step != 1
+
+    def run_with_rank(manager: reshard.CheckpointManager, r: int) -> Any:
+        local.rank = r
+        return run(manager, r)
+
+    results = manager_run(tmp_path, run_with_rank, certify=reshard.CertifyOptions(), certify_hook=hook_by_rank)
+    for vetoed, raised, flags, later, after in results:
+        assert not vetoed.passed and vetoed.problems == (
+            "certify_hook vetoed on rank 0",
+            "certify_hook vetoed on rank 1",
+        )
+        assert vetoed.checked == ("finite", "replicas", "hook")
+        assert raised.problems == ("certify_hook raised on rank 1: ValueError: loss spiked",)
+        assert flags == [False, False] and later.passed and after == [True, False]
+
+
+def test_certify_refuses_a_step_whose_checks_failed(tmp_path: Path) -> None:
+    def run(manager: reshard.CheckpointManager, r: int) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            manager.save(1, dp_state(r, nan=r == 1))
+        with pytest.raises(reshard.CheckpointError, match=r"cannot be certified.*NaN"):
+            manager.certify(1)
+        with pytest.raises(reshard.CheckpointError, match="did not save step 5"):
+            manager.certify(5)
+        return True
+
+    assert manager_run(tmp_path, run, certify=reshard.CertifyOptions()) == [True, True]
+
+
+def test_retention_deletes_certified_json_with_its_step_and_keeps_the_newest_certified(tmp_path: Path) -> None:
+    def run(manager: reshard.CheckpointManager, r: int) -> Any:
+        for step in (1, 2):
+            manager.save(step, dp_state(r))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            manager.save(3, dp_state(r, flip=r == 1))  # not certified: step 2 stays as the recovery point
+            manager.save(4, dp_state(r, flip=r == 1))
+        return manager.steps()
+
+    assert manager_run(tmp_path, run, certify=reshard.CertifyOptions(), keep_last=1) == [[2, 4], [2, 4]]
+    assert not (tmp_path / "step_000000001").exists()
+    assert (tmp_path / "step_000000002" / CERTIFICATE_FILE).exists()
+    assert not (tmp_path / "step_000000003").exists()
+
+
+def test_a_manager_with_other_certify_options_per_rank_is_refused(tmp_path: Path) -> None:
+    options = [reshard.CertifyOptions(), None]
+    group = ThreadGroup(2, timeout=20)
+
+    def rank(r: int) -> Any:
+        manager = reshard.CheckpointManager(tmp_path, group=group.member(r), certify=options[r])
+        with pytest.raises(reshard.CheckpointError, match="certify"):
+            manager.save(1, dp_state(r))
+        return True
+
+    assert on_threads(2, rank, group=group) == [True, True]
+
+
+def test_async_and_incremental_saves_certify(tmp_path: Path) -> None:
+    group = ThreadGroup(2, timeout=20)
+
+    def rank(r: int) -> Any:
+        member = group.member(r)
+        handle = reshard.async_save(dp_state(r, flip=r == 1), tmp_path / "a", group=member, options=CERTIFY)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flipped = handle.wait()
+        base_opts = reshard.SaveOptions(certify=reshard.CertifyOptions(), content_hash=True)
+        reshard.save(dp_state(r), tmp_path / "b", group=member, options=base_opts)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            incremental = reshard.save(
+                dp_state(r, flip=r == 1), tmp_path / "c", group=member, options=CERTIFY, base=tmp_path / "b"
+            )
+        return flipped.checks, incremental
+
+    for flipped, incremental in on_threads(2, rank, group=group):
+        assert not flipped.passed and "'emb'" in flipped.problems[0]
+        # 'emb' is referenced from the base, its saved copy the base's: the flipped replica is still compared.
+        assert incremental.referenced_bytes > 0
+        assert not incremental.checks.passed and "'emb'" in incremental.checks.problems[0]
+    assert certified(tmp_path / "b") and not certified(tmp_path / "a") and not certified(tmp_path / "c")

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,11 +50,14 @@ __all__ = [
     "Checks",
     "certificate_status",
     "certified",
+    "certify_later",
     "decide_certification",
     "judge",
     "judge_save",
     "local_facts",
     "nonfinite_count",
+    "options_term",
+    "prefer_certified",
     "read_certificate",
     "save_facts",
     "write_certificate",
@@ -330,3 +334,49 @@ def decide_certification(
         return Checks(passed=not vetoes, problems=tuple(vetoes), checked=checked).to_json()
 
     return Checks.from_json(comm.step("certification", local, combine))
+
+
+def options_term(options: CertifyOptions | None) -> str | None:
+    """``options`` as a term every rank must pass alike (hashable: the agreement groups ranks by it)."""
+    return None if options is None else json.dumps(options.to_json(), sort_keys=True)
+
+
+def certify_later(comm: Communicator, storage: Storage, step: int, checks: Checks | None) -> Checks:
+    """Collective (every rank of ``comm``): certify the step at ``storage`` now, after its save (a
+    :class:`~reshard.CheckpointManager`'s ``certify(step)``: a decision that needed later information, such as the
+    loss a few steps on; the hook is not run again). ``checks``: those the manager's save of the step found.
+
+    Raises:
+        CheckpointError: on every rank: the checks are unknown (the manager did not save the step with checks in
+            this process: save it again) or did not pass, or the certificate could not be written.
+    """
+    known = checks or Checks(passed=False, problems=(f"this manager did not save step {step} with checks",))
+    decided = decide_certification(comm, storage, step, known, None)
+    if not decided.passed:
+        raise CheckpointError(f"step {step} cannot be certified: {'; '.join(decided.problems)}")
+    return decided
+
+
+def prefer_certified(
+    listed: list[list[Any]], skip: Callable[[int, str], None], known: Mapping[int, Checks]
+) -> list[list[Any]]:
+    """A manager's ``load_latest`` candidates (newest first: ``[step, status, problem, digest, certified, why]``)
+    when it certifies: the complete steps newer than the newest certified one are skipped (``skip(step, reason)``,
+    the reason their checks' problems where ``known``, else why they are not certified); with no certified step,
+    every candidate stays, and a warning says that the newest complete one is not certified."""
+    certified_steps = [entry[0] for entry in listed if entry[1] == "complete" and entry[4]]
+    if not certified_steps:
+        if any(entry[1] == "complete" for entry in listed):
+            warnings.warn("reshard: no certified step: loading the newest complete one, not certified", stacklevel=4)
+        return listed
+    newest = max(certified_steps)
+    kept = []
+    for entry in listed:
+        step, status, why = entry[0], entry[1], entry[5]
+        if status == "complete" and step > newest:
+            checks = known.get(step)
+            reason = "; ".join(checks.problems) if checks is not None and checks.problems else why or "not certified"
+            skip(step, f"it is not certified ({reason}); step {newest} is")
+            continue
+        kept.append(entry)
+    return kept

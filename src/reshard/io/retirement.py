@@ -61,7 +61,13 @@ from reshard.storage import FileTooLargeError, Storage
 
 __all__ = [
     "CERTIFICATE_FILE",
-    "MAX_RECORD_BYTES", "Removal", "RetiredRecord", "delete_checkpoint", "read_record", "remove_checkpoint"]
+    "MAX_RECORD_BYTES",
+    "Removal",
+    "RetiredRecord",
+    "delete_checkpoint",
+    "read_record",
+    "remove_checkpoint",
+]
 
 logger = logging.getLogger("reshard")
 
