@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from reshard.errors import CheckpointError
 from reshard.io.datafile import DEFAULT_SAVE_MEMORY_BUDGET, MIN_SAVE_MEMORY_BUDGET
 from reshard.io.reader import DEFAULT_LOAD_MEMORY_BUDGET, MIN_LOAD_MEMORY_BUDGET
+from reshard.planning.certify import CertifyOptions
 from reshard.planning.objects import OBJECT_GRIDS, ObjectGrid
 
 if TYPE_CHECKING:
@@ -64,6 +65,11 @@ class SaveOptions:
             complete and loads. This reads every referenced byte on every save. False trusts the base's
             recorded hashes and reads nothing of it (the behaviour before this option): a base damaged after
             its commit then makes the new checkpoint unloadable. Every rank passes the same.
+        certify: run the checks of a certified recovery point on the state saved (:class:`~reshard.CertifyOptions`:
+            no NaN or infinity, replicas equal; :mod:`reshard.flows.certify`) and return them in
+            ``SaveResult.checks``; when they pass, the coordinator writes ``certified.json`` after the commit. A
+            failed check never fails the save (a warning on the coordinator names the problems). None: no checks.
+            Every rank passes equal ones.
 
     Raises (on construction):
         ValueError: ``memory_budget_bytes`` below 1 MiB.
@@ -74,8 +80,11 @@ class SaveOptions:
     content_hash: bool = False
     memory_budget_bytes: int = DEFAULT_SAVE_MEMORY_BUDGET
     verify_base: bool = True
+    certify: CertifyOptions | None = None
 
     def __post_init__(self) -> None:
+        if self.certify is not None and not isinstance(self.certify, CertifyOptions):
+            raise TypeError(f"certify must be a reshard.CertifyOptions or None, got {self.certify!r}")
         if self.memory_budget_bytes < MIN_SAVE_MEMORY_BUDGET:
             raise ValueError(
                 f"memory_budget_bytes must be at least {MIN_SAVE_MEMORY_BUDGET} bytes, got {self.memory_budget_bytes}"
