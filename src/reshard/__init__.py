@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         UnconfirmedCommitError,
     )
     from reshard.flows.async_save import AsyncCheckpointer, SaveHandle, async_save
+    from reshard.flows.certify import CertifyOptions, Checks
     from reshard.flows.load import load, read_metadata
     from reshard.flows.manager import CheckpointManager
     from reshard.flows.options import LoadOptions, SaveOptions, StagingOptions
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 # ``--help`` and ``--version`` do not pay for importing torch.
 _PUBLIC_MODULE = {
     "AsyncCheckpointer": "reshard.flows.async_save",
+    "CertifyOptions": "reshard.flows.certify",
+    "Checks": "reshard.flows.certify",
     "CheckpointError": "reshard.errors",
     "CheckpointExistsError": "reshard.errors",
     "CheckpointLockedError": "reshard.errors",
@@ -113,11 +116,13 @@ logging.getLogger("reshard").addHandler(logging.NullHandler())
 
 __all__ = [
     "AsyncCheckpointer",
+    "CertifyOptions",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointLockedError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "Checks",
     "CommunicationError",
     "CorruptCheckpointError",
     "DataUnavailableError",

@@ -53,6 +53,7 @@ ALTERNATES: dict[str, dict[str, Any]] = {
         "content_hash": True,
         "memory_budget_bytes": (PER_RANK, "the size of this rank's own write buffers"),
         "verify_base": False,
+        "certify": "certify",
     },
     "LoadOptions": {
         "allow_dtype_cast": False,
@@ -81,6 +82,8 @@ def cases() -> list[Case]:
         Case("manager_save", "keep_last", 5),
         Case("manager_save", "keep_every", 2),
         Case("manager_save", "incremental", True),
+        Case("manager_save", "certify_options", "certify"),
+        Case("manager_save", "certify_hook", "hook"),
         Case("manager_save", "overwrite", True),
         Case("manager_save", "rewind", True),
         Case("manager_load", "strict", False),
@@ -121,6 +124,8 @@ def _value(case: Case, rank: int, default: Any) -> Any:
 def _save_options(case: Case, rank: int) -> Any:
     import reshard
 
+    if case.option == "certify":
+        return reshard.SaveOptions(certify=reshard.CertifyOptions() if rank == 1 else None)
     if case.option in ALTERNATES["SaveOptions"]:
         return reshard.SaveOptions(**{case.option: _value(case, rank, getattr(reshard.SaveOptions(), case.option))})
     return None
@@ -181,6 +186,11 @@ def _manager(case: Case, rank: int, group: Any, place: Path, state: dict[str, An
     settings: dict[str, Any] = {"keep_last": 2, "keep_every": None, "incremental": False}
     if case.option in settings:
         settings[case.option] = _value(case, rank, settings[case.option])
+    if case.option == "certify_options" and rank == 1:
+        settings["certify"] = reshard.CertifyOptions()
+    if case.option == "certify_hook":  # every rank certifies; rank 1 alone with a hook
+        settings["certify"] = reshard.CertifyOptions()
+        settings["certify_hook"] = (lambda step, checks: True) if rank == 1 else None
     manager = reshard.CheckpointManager(place / "root", group=group, timeout=10, **settings)
     try:
         if case.flow == "manager_load":

@@ -246,3 +246,28 @@ def test_a_session_sends_only_what_changed() -> None:
     targets[1]["c"] = torch.empty(16, dtype=torch.int32)  # the receiver reallocated a tensor: a new plan
     sync()
     assert received == [everything, 8 * 8 * 4, 0, everything, everything]
+
+
+@pytest.mark.unit
+def test_sources_of_one_key_in_different_dtypes_or_shapes_per_rank_are_refused() -> None:
+    """A save refuses a key that ranks describe with different dtypes or global shapes; a transfer did not: the
+    coordinator kept one rank's description, so a float32 half could be cast to a bfloat16 target with no
+    ``allow_lossy_cast``, or a half of another global shape land in the target."""
+    for other in ({"dtype": torch.bfloat16}, {"global_shape": (4, 8)}):
+        group = ThreadGroup(2)
+        errors: list[BaseException | None] = [None, None]
+
+        def rank(r: int, other: dict[str, Any] = other, group: ThreadGroup = group, errors: list[Any] = errors) -> None:
+            dtype = other.get("dtype", torch.float32) if r == 1 else torch.float32
+            shape = other.get("global_shape", (4, 4)) if r == 1 else (4, 4)
+            data = torch.full((2, 4), 1.0 + 1e-3 * r, dtype=dtype)
+            source = {"w": reshard.ShardedTensor("w", data, shape, (2 * r, 0))}
+            target = {"w": torch.empty(4, 4, dtype=torch.bfloat16)} if r == 0 else {}
+            try:
+                reshard.transfer(source, target, group=group.member(r))
+            except reshard.ShardingError as exc:
+                errors[r] = exc
+
+        on_threads(2, rank)
+        assert all(isinstance(e, reshard.ShardingError) for e in errors), (other, errors)
+        assert str(errors[0]) == str(errors[1]) and "'w'" in str(errors[0]) and "ranks 0" in str(errors[0])

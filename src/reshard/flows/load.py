@@ -162,6 +162,7 @@ def _load_from(
     if stats is not None:
         needed = _bytes_needed(metadata, template, planned)
         _fill_stats(stats, ctx.clock, planned, done, exchanged, staged, needed=needed, template=template)
+        stats.read_once, stats.read_once_reason = agreed.read_once, agreed.read_once_reason
     _log(ctx, planned)
     return result
 

@@ -120,40 +120,56 @@ class LoadContext:
 @dataclass(frozen=True)
 class Agreed:
     """The outcome of :func:`read_metadata_once`, the same on every rank: the metadata, whether the load
-    reads once per replica group, and the smallest memory budget of the group (for the exchange)."""
+    reads once per replica group and why (``LoadStats.read_once_reason``), and the smallest memory budget
+    of the group (for the exchange)."""
 
     metadata: Metadata
     read_once: bool
     budget: int
+    read_once_reason: str = ""
+
+
+def _read_once_wanted(ctx: LoadContext) -> tuple[bool, str]:
+    """Whether this rank wants to read once, and why: on request; never alone or with node-local staging
+    (which downloads each file once per node); by default where its storage is shared by many nodes (object
+    stores, shared file systems: :meth:`~reshard.storage.Storage.sharing`)."""
+    options = ctx.options
+    if ctx.comm.size == 1:
+        return False, "one rank"
+    if options.staging is not None:
+        return False, "staging downloads each file once per node"
+    if options.read_once is not None:
+        return bool(options.read_once), f"LoadOptions(read_once={bool(options.read_once)})"
+    sharing = ctx.source.storage.sharing()
+    return sharing.shared, sharing.reason
 
 
 def _arguments(ctx: LoadContext) -> dict[str, Any]:
     """What this rank sends the coordinator in its first step: the arguments every rank must pass alike
-    (:func:`~reshard.flows.options.load_terms`), whether its storage wants to read once, and its budget."""
+    (:func:`~reshard.flows.options.load_terms`), whether it wants to read once and why, and its budget."""
     options = ctx.options
     node = node_id(options.staging.node_group) if options.staging is not None else ""
     kind = type(ctx.source).__name__ + (" refusing unused entries" if ctx.source.refuses_unused else "")
-    wanted = ctx.comm.size > 1 and options.staging is None and options.read_once is not False
-    return {
-        "terms": load_terms(options, strict=ctx.strict, source=kind, node=node),
-        # On request, or by default where a storage request is costly (object stores); never with node-local
-        # staging, which already downloads each file once per node.
-        "read_once": wanted and (options.read_once is True or ctx.source.storage.request_cost_bytes > 0),
-        "budget": options.memory_budget_bytes,
-    }
+    wanted, reason = _read_once_wanted(ctx)
+    terms = load_terms(options, strict=ctx.strict, source=kind, node=node)
+    return {"terms": terms, "read_once": wanted, "reason": reason, "budget": options.memory_budget_bytes}
 
 
 def _agreed_arguments(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    """On the coordinator: the arguments agree; read once where any rank's storage wants it, and exchange
-    within the smallest budget of the group."""
+    """On the coordinator: the arguments agree; read once where any rank wants it, with the reason of the
+    first rank that wants the mode agreed on (the coordinator's when it is off), and exchange within the
+    smallest budget of the group."""
     check_terms([d["terms"] for d in docs], "reshard.load")
-    return {"read_once": any(d["read_once"] for d in docs), "budget": min(d["budget"] for d in docs)}
+    read_once = any(d["read_once"] for d in docs)
+    rank = next(r for r, d in enumerate(docs) if d["read_once"] == read_once)
+    reason = docs[rank]["reason"] + (f" (on rank {rank})" if rank else "")
+    return {"read_once": read_once, "reason": reason, "budget": min(d["budget"] for d in docs)}
 
 
-def _returning(outcome: Outcome[Any], value: T) -> T:
-    """A step's local part: ``value`` once ``outcome`` succeeded."""
+def _returning(outcome: Outcome[Any], value: Outcome[T]) -> T:
+    """A step's local part: ``value`` once ``outcome`` succeeded (and ``value`` itself)."""
     outcome.check()
-    return value
+    return value.get()
 
 
 def read_metadata_once(ctx: LoadContext) -> Agreed:
@@ -164,12 +180,13 @@ def read_metadata_once(ctx: LoadContext) -> Agreed:
     with clock.exchange():
         with clock.phase("metadata"):
             read = attempt(ctx.source.read_metadata) if comm.is_coordinator else Outcome((b"", None))
-        agreed = comm.step("reading metadata", functools.partial(_returning, read, _arguments(ctx)), _agreed_arguments)
+        arguments = attempt(_arguments, ctx)  # a storage's override it cannot read fails the step on every rank
+        agreed = comm.step("reading metadata", functools.partial(_returning, read, arguments), _agreed_arguments)
         raw, mine = read.get()
         raw = comm.broadcast_bytes(raw if comm.is_coordinator else None)
     with clock.phase("metadata"):
         metadata = mine if mine is not None else ctx.source.decode_metadata(raw)
-    return Agreed(metadata, bool(agreed["read_once"]), int(agreed["budget"]))
+    return Agreed(metadata, bool(agreed["read_once"]), int(agreed["budget"]), str(agreed["reason"]))
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import re
 import uuid
 import warnings
 from collections.abc import Callable
@@ -54,31 +53,38 @@ from reshard.errors import (
     StorageError,
     UnconfirmedCommitError,
 )
+from reshard.flows.certify import (
+    CertifyHook,
+    CertifyOptions,
+    Checks,
+    certify_later,
+    decide_certification,
+    prefer_certified,
+)
 from reshard.flows.load import load
 from reshard.flows.maintenance import validate_checkpoint
 from reshard.flows.options import SaveOptions, check_terms
 from reshard.flows.save import SaveResult, save_replacing
 from reshard.flows.skipped import SkippedStep, metadata_digest, still_skipped
-from reshard.flows.steps import StepInfo, scan_root, step_name, step_of
+from reshard.flows.steps import (
+    LATEST_FILE,
+    StepInfo,
+    lock_is_live,
+    scan_root,
+    step_name,
+    step_of,
+    sweep_pointer_temporaries,
+)
 from reshard.flows.timeline import Timeline, refusal
-from reshard.io.locking import Lock, acquire_lock, foreign_holder, read_lock, stale_at_sight
+from reshard.io.locking import Lock, acquire_lock
 from reshard.io.retirement import remove_checkpoint
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
-from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
+from reshard.storage import CheckpointLocation, Storage, storage_for
 
 __all__ = ["LATEST_FILE", "CheckpointManager", "StepInfo", "scan_root", "step_name"]
 
 logger = logging.getLogger("reshard")
-
-LATEST_FILE = "latest.json"
-_LATEST_TEMPORARY = re.compile(rf"^\.{re.escape(LATEST_FILE)}\.tmp-[0-9a-f]{{32}}$")
-"""The temporary of ``latest.json``'s commit (a manager killed while it replaced the pointer leaves one)."""
-
-
-def _is_pointer(pointer: dict[str, Any]) -> bool:
-    step = pointer["step"]
-    return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and pointer["path"] == step_name(step)
 
 
 class CheckpointManager:
@@ -97,6 +103,12 @@ class CheckpointManager:
         group: the ranks that save and load together (collective methods say so).
         storage_options: for object-store roots.
         timeout: collective timeout.
+        certify: run these checks in every save (``SaveOptions(certify=...)``); a step whose checks pass (and that
+            ``certify_hook`` approves) is certified (``certified.json``), :meth:`load_latest` prefers the newest
+            certified step, and retention keeps it (:mod:`reshard.flows.certify`).
+        certify_hook: ``hook(step, checks) -> bool``, run on every rank after a save whose checks passed: any rank
+            returning False, or raising, vetoes the certification (named in ``SaveResult.checks``, on every rank;
+            the save stands). :meth:`certify` certifies a step later.
     """
 
     def __init__(
@@ -110,7 +122,11 @@ class CheckpointManager:
         group: Group = None,
         storage_options: dict[str, Any] | None = None,
         timeout: datetime.timedelta | float | None = None,
+        certify: CertifyOptions | None = None,
+        certify_hook: CertifyHook | None = None,
     ) -> None:
+        if certify_hook is not None and certify is None:
+            raise ValueError("certify_hook needs certify=CertifyOptions(...)")
         if full_every is not None and (full_every < 1 or not incremental):
             raise ValueError(f"full_every needs incremental=True and at least 1, got {full_every}")
         if keep_last is not None and keep_last < 1:
@@ -124,6 +140,10 @@ class CheckpointManager:
         self.full_every = full_every
         self.group = group
         self.timeout = timeout
+        self.certify_options = certify
+        self.certify_hook = certify_hook
+        self._checks: dict[int, Checks] = {}
+        """The checks of the steps this manager saved (before its hook), for :meth:`certify`."""
         self.resumed_past: frozenset[int] = frozenset()
         """The complete steps newer than the one :meth:`load_latest` resumed from whose data failed to load: a save
         may go past them while they are still the saves that failed and still fail their checks (they are deleted
@@ -193,6 +213,8 @@ class CheckpointManager:
         options = options if options is not None else SaveOptions()
         if self.incremental:
             options = dataclasses.replace(options, content_hash=True)
+        if self.certify_options is not None:
+            options = dataclasses.replace(options, certify=self.certify_options)
         held: list[Lock] = []  # the manager lock, on the coordinator once taken (released below, whatever fails)
         base: Storage | None = None
         try:
@@ -210,7 +232,9 @@ class CheckpointManager:
                     options=options,
                     timeout=self.timeout,
                     base=base,
+                    certificate=self.certify_hook is None,
                 )
+                result = self._decide(comm, step, result)
             except UnconfirmedCommitError:
                 if comm.is_coordinator:
                     self._point_latest_at(step)  # the step is complete; the group is not: no retention
@@ -353,6 +377,10 @@ class CheckpointManager:
             "keep_every": self.keep_every,
             "incremental": self.incremental,
             "full_every": self.full_every,
+            "certify_options": None
+            if self.certify_options is None
+            else json.dumps(self.certify_options.to_json(), sort_keys=True),
+            "certify_hook": self.certify_hook is not None,
             **call,
         }
 
@@ -422,7 +450,7 @@ class CheckpointManager:
         every step newer than ``keep_step`` as well: ``keep_step`` is the newest; and the complete steps ``drop``, each
         only while it is still the save of the digest given)."""
         drop = drop or {}
-        self._sweep_pointer_temporaries()
+        sweep_pointer_temporaries(self.root)
         infos = scan_root(self.root)
 
         def rewound(info: StepInfo) -> bool:  # a step of the timeline a rewind abandons, or a dropped one
@@ -436,6 +464,8 @@ class CheckpointManager:
         if self.keep_every is not None:
             keep |= {s for s in complete if s % self.keep_every == 0}
         keep |= {newest, keep_step}
+        if self.certify_options is not None:  # the newest certified step is the recovery point: never deleted
+            keep |= set(sorted(s.step for s in infos if s.certified and s.step in complete)[-1:])
 
         # Newest first, so that a checkpoint referenced only by older ones being deleted too goes whole;
         # then the retired ones, whose referrers may just have gone.
@@ -446,30 +476,11 @@ class CheckpointManager:
                 what = "removing the leftovers of interrupted save"
             else:
                 continue
-            if not (info.locked and self._lock_is_live(info.name)):
+            if not (info.locked and lock_is_live(self.root, info.name)):
                 self._remove(info.name, what, only_save=drop.get(info.step) if info.status == "complete" else None)
         for info in infos:
             if info.status == "retired":
                 self._remove(info.name, "sweeping retired")
-
-    def _sweep_pointer_temporaries(self) -> None:
-        """On the coordinator, under the manager lock (so that no manager is replacing ``latest.json``): delete the
-        temporaries of ``latest.json`` that managers killed mid-commit left, only those whose content is a pointer
-        reshard wrote (a file named so that is not one stays).
-
-        Raises:
-            OSError: listing or deleting failed.
-        """
-        for name in self.root.list_names(f".{LATEST_FILE}.tmp-"):
-            if not _LATEST_TEMPORARY.match(name):
-                continue
-            try:
-                pointer = json.loads(self.root.read_bytes(name, max_bytes=4096))
-            except (FileNotFoundError, FileTooLargeError, ValueError, RecursionError):
-                continue
-            if isinstance(pointer, dict) and set(pointer) == {"step", "path"} and _is_pointer(pointer):
-                logger.info("retention: removing %s, left by a manager killed while it moved the pointer", name)
-                self.root.delete(name)
 
     def _remove(self, name: str, what: str, only_save: str | None = None) -> None:
         """On the coordinator: delete what reshard wrote in step directory ``name`` (retired where newer
@@ -502,27 +513,6 @@ class CheckpointManager:
                 ", ".join(removal.left[:5]),
             )
 
-    def _lock_is_live(self, name: str) -> bool:
-        """On the coordinator: whether step ``name``'s lock holder is live, judged without watching the lock (the other
-        ranks wait in a collective meanwhile): a holder of another host always is
-        (:func:`reshard.io.locking.stale_at_sight`), so the step is kept for this run, and the log says so."""
-        child = self.root.child(name)
-        try:
-            holder = read_lock(child)
-        finally:
-            child.close()
-        if holder is None or stale_at_sight(holder):
-            return False
-        if foreign_holder(holder):
-            logger.warning(
-                "retention: kept %s: its lock by host %s has not been seen unchanged for the lease yet (a lock of "
-                "another host is judged only by watching it on this host's clock; a save over the step, or `reshard "
-                "gc`, does)",
-                name,
-                holder.host,
-            )
-        return True
-
     # ---- load (collective) -----------------------------------------------------------------------
 
     def load_latest_with_state(
@@ -543,7 +533,10 @@ class CheckpointManager:
             if not comm.is_coordinator:
                 return [root, None]
             listed = reversed(scan_root(self.root))
-            return [root, [[s.step, s.status, s.problem, self._digest(s)] for s in listed]]
+            return [
+                root,
+                [[s.step, s.status, s.problem, self._digest(s), s.certified, s.certification] for s in listed],
+            ]
 
         def coordinators(values: list[list[Any]]) -> list[list[Any]]:
             check_terms([terms for terms, _ in values], "CheckpointManager.load_latest")
@@ -557,8 +550,10 @@ class CheckpointManager:
             if skipped is not None:
                 skipped.append((step, reason))
 
+        if self.certify_options is not None:
+            listed = prefer_certified(listed, skip, self._checks)
         unloadable: list[SkippedStep] = []  # complete steps that failed to load: a save may go past them
-        for step, status, problem, digest in listed:
+        for step, status, problem, digest, *_ in listed:
             if status == "retired":
                 skip(step, "it was deleted by retention and keeps only data files that newer checkpoints reference")
                 continue
@@ -577,6 +572,20 @@ class CheckpointManager:
             return step, loaded
         self._remember_skipped(unloadable)
         return None
+
+    def _decide(self, comm: Communicator, step: int, result: SaveResult) -> SaveResult:
+        """After the commit of ``step``: remember its checks; with a hook, decide (collective) its certification."""
+        if result.checks is not None:
+            self._checks[step] = result.checks
+            if self.certify_hook is not None:
+                hooked = decide_certification(comm, self.path_of(step), step, result.checks, self.certify_hook)
+                return dataclasses.replace(result, checks=hooked)
+        return result
+
+    def certify(self, step: int) -> Checks:
+        """Certify step ``step`` now (collective), as :func:`reshard.flows.certify.certify_later` says."""
+        comm = Communicator(self.group, timeout=self.timeout)
+        return certify_later(comm, self.path_of(step), step, self._checks.get(step))
 
     def _remember_skipped(self, skipped: list[SkippedStep]) -> None:
         self._skipped = tuple(skipped)

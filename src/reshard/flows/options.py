@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from reshard.errors import CheckpointError
 from reshard.io.datafile import DEFAULT_SAVE_MEMORY_BUDGET, MIN_SAVE_MEMORY_BUDGET
 from reshard.io.reader import DEFAULT_LOAD_MEMORY_BUDGET, MIN_LOAD_MEMORY_BUDGET
+from reshard.planning.certify import CertifyOptions
 from reshard.planning.objects import OBJECT_GRIDS, ObjectGrid
 
 if TYPE_CHECKING:
@@ -64,6 +65,11 @@ class SaveOptions:
             complete and loads. This reads every referenced byte on every save. False trusts the base's
             recorded hashes and reads nothing of it (the behaviour before this option): a base damaged after
             its commit then makes the new checkpoint unloadable. Every rank passes the same.
+        certify: run the checks of a certified recovery point on the state saved (:class:`~reshard.CertifyOptions`:
+            no NaN or infinity, replicas equal; :mod:`reshard.flows.certify`) and return them in
+            ``SaveResult.checks``; when they pass, the coordinator writes ``certified.json`` after the commit. A
+            failed check never fails the save (a warning on the coordinator names the problems). None: no checks.
+            Every rank passes equal ones.
 
     Raises (on construction):
         ValueError: ``memory_budget_bytes`` below 1 MiB.
@@ -74,8 +80,11 @@ class SaveOptions:
     content_hash: bool = False
     memory_budget_bytes: int = DEFAULT_SAVE_MEMORY_BUDGET
     verify_base: bool = True
+    certify: CertifyOptions | None = None
 
     def __post_init__(self) -> None:
+        if self.certify is not None and not isinstance(self.certify, CertifyOptions):
+            raise TypeError(f"certify must be a reshard.CertifyOptions or None, got {self.certify!r}")
         if self.memory_budget_bytes < MIN_SAVE_MEMORY_BUDGET:
             raise ValueError(
                 f"memory_budget_bytes must be at least {MIN_SAVE_MEMORY_BUDGET} bytes, got {self.memory_budget_bytes}"
@@ -138,12 +147,14 @@ class LoadOptions:
         read_once: whether the ranks that need the same saved bytes (data- and context-parallel replicas,
             any overlap of several ranks' boxes) read them from storage once between them, each reader
             verifying what it read, and send them to the others over the group (:mod:`reshard.io.exchange`):
-            True, False, or None (the default) for where it wins: on when several ranks load from an object
-            store (a request is costly and the network between nodes is faster than the store), off for a
-            local path (replicas on one node share its page cache; pass True for a network file system);
-            where the ranks' storages differ, on when any of them is an object store (every rank decides
-            alike). The exchange's buffers come out of ``memory_budget_bytes`` (half for sending, half for
-            receiving, at least 4 KiB each), after the reads released theirs.
+            True, False, or None (the default) for where it wins: on when several ranks load from storage
+            many nodes share (:meth:`~reshard.storage.Storage.sharing`: an object store, or a shared file
+            system such as NFS, Lustre, GPFS, CephFS, BeeGFS or a FUSE mount, detected or marked with
+            ``LocalStorage(path, shared=True)`` or ``RESHARD_SHARED_FILESYSTEM=1``), off for a local disk
+            (replicas on one node share its page cache); where the ranks' storages differ, on when any of them
+            is shared (every rank decides alike; ``LoadStats.read_once_reason`` says why). The exchange's
+            buffers come out of ``memory_budget_bytes`` (half for sending, half for receiving, at least 4 KiB
+            each), after the reads released theirs.
         object_grid: what a per-rank :class:`~reshard.ShardedObject` whose template grid differs from the
             saved one loads (a resume on another layout; :mod:`reshard.planning.objects`): ``"exact"`` (the
             default) raises :class:`~reshard.MismatchError` on every rank; ``"same_coordinate"`` loads each

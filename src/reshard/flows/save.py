@@ -44,10 +44,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from reshard.flows.certify import Checks, save_facts
 from reshard.flows.collector import collector_paused
 from reshard.flows.options import SaveOptions
 from reshard.flows.save_commit import commit, finish
-from reshard.flows.save_phases import SaveRequest, describe_rank, plan, write_assigned
+from reshard.flows.save_phases import Described, Planned, SaveRequest, describe_rank, plan, write_assigned
 from reshard.flows.stats import PhaseClock, SaveStats
 from reshard.io.datafile import tensor_bytes
 from reshard.io.reuse import base_name_of
@@ -81,6 +82,8 @@ class SaveResult:
             which never receive the whole checkpoint's metadata (at ten thousand ranks that would be every
             rank holding everyone's plan): use :func:`reshard.read_metadata` where it is needed.
         stats: this rank's :class:`~reshard.SaveStats` (bytes written, seconds per phase).
+        checks: with ``SaveOptions(certify=...)``, the outcome of the checks (:class:`~reshard.Checks`, the same on
+            every rank; ``passed``: the coordinator wrote ``certified.json``); None without.
     """
 
     path: str
@@ -93,6 +96,7 @@ class SaveResult:
     referenced_bytes: int = 0
     rewritten_bytes: int = 0
     stats: SaveStats = field(default_factory=SaveStats, compare=False)
+    checks: Checks | None = None
 
 
 def save(
@@ -184,11 +188,14 @@ def save_replacing(
     timeout: datetime.timedelta | float | None = None,
     base: CheckpointLocation | None = None,
     started: float | None = None,
+    certificate: bool = True,
 ) -> SaveResult:
     """:func:`save`, which may also replace the one complete checkpoint at ``path`` whose ``metadata.json`` has the
     SHA-256 ``replaces`` (checked on the coordinator under the save lock; any other is refused as without
     ``overwrite``): how :class:`~reshard.CheckpointManager` saves again a damaged step that its ``load_latest``
-    resumed past. Called by all ranks of ``group``, with equal arguments.
+    resumed past. Called by all ranks of ``group``, with equal arguments. ``certificate=False``: with
+    ``SaveOptions(certify=...)`` the checks run but ``certified.json`` is not written (the manager writes it once its
+    ``certify_hook`` approved).
 
     Raises:
         as :func:`save`.
@@ -199,12 +206,28 @@ def save_replacing(
     storage = storage_for(path, storage_options)
     try:
         base_name = None if base is None else base_name_of(storage, base, storage_options)
-        request = SaveRequest.of(storage, options, overwrite=overwrite, base_name=base_name, replaces=replaces)
+        request = SaveRequest.of(
+            storage, options, overwrite=overwrite, base_name=base_name, replaces=replaces, certificate=certificate
+        )
         with collector_paused():
             return _save_to(request, state_dict, comm, started=started)
     finally:
         if storage is not path:
             storage.close()
+
+
+def certify_facts(request: SaveRequest, described: Described, planned: Planned) -> dict[str, Any] | None:
+    """This rank's facts for the checks of ``request.certify`` (None without): local, after its write, so that a rank
+    that writes nothing checksums its replicas while the writers write. Never raises."""
+    if request.certify is None or described.error is not None:
+        return None
+    return save_facts(
+        described.description.tensors,
+        described.views,
+        planned.assignment.tensors,
+        request.certify,
+        chunk_bytes=request.checksum_chunk_bytes,
+    )
 
 
 def _deprecated_stats(deprecated: dict[str, Any]) -> SaveStats | None:
@@ -234,7 +257,8 @@ def _save_to(request: SaveRequest, state_dict: Any, comm: Communicator, *, start
     described = clock.timed("plan", describe_rank)(request, state_dict, rank=rank, is_coordinator=comm.is_coordinator)
     planned = plan(comm, request, described, clock)
     written = clock.timed("write", write_assigned)(request, described, planned, rank=rank)
-    committed = commit(comm, request, described, planned, written, clock)
+    facts = clock.timed("certify", certify_facts)(request, described, planned)
+    committed = commit(comm, request, described, planned, written, clock, facts)
     stats = finish(planned, committed, described, written, clock)
     result = SaveResult(
         path=request.storage.describe(),
@@ -247,7 +271,12 @@ def _save_to(request: SaveRequest, state_dict: Any, comm: Communicator, *, start
         referenced_bytes=committed.referenced_bytes,
         rewritten_bytes=committed.rewritten_bytes,
         stats=stats,
+        checks=committed.checks,
     )
+    if committed.checks is not None and not committed.checks.passed and comm.is_coordinator:
+        warnings.warn(
+            f"reshard: {result.path} is saved but not certified: {'; '.join(committed.checks.problems)}", stacklevel=4
+        )
     logger.info(
         "[rank=%d] saved %s in %.3f s (%s): this rank wrote %d bytes (%.1f MB/s); the checkpoint holds %d bytes "
         "in %d files",

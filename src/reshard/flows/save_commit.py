@@ -10,11 +10,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import CheckpointError, CommunicationError, StorageError, UnconfirmedCommitError
+from reshard.flows.certify import Checks, judge_save, write_certificate
 from reshard.flows.save_phases import CoordinatorPlan, Described, Planned, SaveRequest, Written, kept_step
 from reshard.flows.stats import PhaseClock, SaveStats, fill_save_stats
 from reshard.io.commit import CommitOutcome
@@ -26,7 +28,7 @@ from reshard.net.comm import Communicator
 from reshard.planning.assemble import WriteReport, assemble_metadata
 from reshard.storage import Storage
 
-__all__ = ["Committed", "commit", "commit_on_coordinator", "committed_as", "finish"]
+__all__ = ["Committed", "certify_on_coordinator", "commit", "commit_on_coordinator", "committed_as", "finish"]
 
 
 # ---- 4. commit -----------------------------------------------------------------------------------------------
@@ -44,6 +46,7 @@ class Committed:
     referenced_bytes: int = 0
     rewritten_bytes: int = 0
     metadata: Metadata | None = None
+    checks: Checks | None = None
 
     @classmethod
     def of(cls, metadata: Metadata, rewritten_bytes: int) -> Committed:
@@ -57,7 +60,7 @@ class Committed:
             metadata=metadata,
         )
 
-    def summary(self) -> dict[str, int]:
+    def summary(self) -> dict[str, Any]:
         """What the coordinator sends every rank (never the whole metadata)."""
         return {
             "files": self.files,
@@ -65,6 +68,7 @@ class Committed:
             "total_bytes": self.total_bytes,
             "referenced_bytes": self.referenced_bytes,
             "rewritten_bytes": self.rewritten_bytes,
+            "checks": None if self.checks is None else self.checks.to_json(),
         }
 
 
@@ -116,9 +120,12 @@ def commit(
     planned: Planned,
     written: Written,
     clock: PhaseClock,
+    facts: dict[str, Any] | None = None,
 ) -> Committed:
     """Phase 4, one collective (``save``: gather, broadcast) called by every rank of ``comm``: the write reports go
-    to the coordinator, which commits (:func:`commit_on_coordinator`), and every rank gets the summary.
+    to the coordinator, which commits (:func:`commit_on_coordinator`), and every rank gets the summary. With
+    ``request.certify``, each rank's ``facts`` (:func:`reshard.flows.certify.save_facts`) travel with its report and
+    the coordinator judges them after the commit (:func:`certify_on_coordinator`): the summary carries the checks.
 
     Raises:
         UnconfirmedCommitError: the checkpoint was committed, but the end of the step failed (on the coordinator),
@@ -127,16 +134,24 @@ def commit(
             files and markers.
     """
 
-    def decide(results: list[dict[str, Any]]) -> tuple[Committed, dict[str, int]]:
+    def decide(results: list[dict[str, Any]]) -> tuple[Committed, dict[str, Any]]:
         if planned.coordinator is None:
             raise CheckpointError("the coordinator has no plan (planning did not run here)")
-        reports = [WriteReport.from_json(r) for r in results]
+        certify = request.certify is not None
+        reports = [WriteReport.from_json(r["report"] if certify else r) for r in results]
         done = commit_on_coordinator(
             request, planned.coordinator, reports, common=described.common or {}, rank=comm.rank
         )
+        if certify:
+            done = certify_on_coordinator(request, done, [r["facts"] or {} for r in results])
         return done, done.summary()
 
-    local = clock.timed("write", written.report_or_raise)
+    def report() -> dict[str, Any]:
+        if request.certify is None:
+            return written.report_or_raise()
+        return {"report": written.report_or_raise(), "facts": facts}
+
+    local = clock.timed("write", report)
     try:
         with clock.exchange():
             summary, kept = kept_step(lambda combine: comm.step("save", local, combine), clock.timed("commit", decide))
@@ -150,7 +165,26 @@ def commit(
         total_bytes=int(summary["total_bytes"]),
         referenced_bytes=int(summary["referenced_bytes"]),
         rewritten_bytes=int(summary["rewritten_bytes"]),
+        checks=None if summary.get("checks") is None else Checks.from_json(summary["checks"]),
     )
+
+
+def certify_on_coordinator(request: SaveRequest, done: Committed, facts: list[dict[str, Any]]) -> Committed:
+    """On the coordinator, after the commit: judge every rank's facts against the committed metadata
+    (:func:`reshard.flows.certify.judge_save`) and, when every check passed (and the request writes it), write
+    ``certified.json`` (a failure to write it is a problem of the checks). Never raises: the save is committed
+    whatever this finds."""
+    if request.certify is None or done.metadata is None:
+        return done
+    checks = judge_save(facts, request.certify, done.metadata)
+    if checks.passed and request.certificate:
+        try:
+            write_certificate(request.storage, checks)
+        except CheckpointError as exc:
+            checks = dataclasses.replace(
+                checks, passed=False, problems=(f"the certificate could not be written: {exc}",)
+            )
+    return dataclasses.replace(done, checks=checks)
 
 
 def _after_failed_commit(comm: Communicator, request: SaveRequest, planned: Planned, exc: CheckpointError) -> Exception:

@@ -26,6 +26,7 @@ frozen values.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Callable, Mapping
@@ -55,6 +56,7 @@ from reshard.io.sources import read_metadata_bytes
 from reshard.metadata import METADATA_FILE, Metadata
 from reshard.net.comm import Communicator
 from reshard.planning.assemble import ObjectReport, TensorReport, WriteReport
+from reshard.planning.certify import CertifyOptions
 from reshard.planning.descriptions import (
     DescriptionTable,
     LocalSaveDescription,
@@ -89,7 +91,15 @@ __all__ = [
 
 logger = logging.getLogger("reshard")
 
-AGREED_TERMS = ("overwrite", "fingerprint", "checksum_chunk_bytes", "content_hash", "verify_base", "base")
+AGREED_TERMS = (
+    "overwrite",
+    "fingerprint",
+    "checksum_chunk_bytes",
+    "content_hash",
+    "verify_base",
+    "base",
+    "certify",
+)
 """The per-save terms every rank must pass alike (besides the path), in the order their differences are named."""
 
 K = TypeVar("K")
@@ -113,6 +123,11 @@ class SaveRequest:
     lock_timing: LockTiming | None = None
     replaces: str | None = None
     """Without ``overwrite``: the digest of the one checkpoint the save may replace (:class:`SaveCommit`)."""
+    certify: CertifyOptions | None = None
+    """The checks to run (:mod:`reshard.flows.certify`), or None."""
+    certificate: bool = True
+    """With ``certify``: the coordinator writes ``certified.json`` when the checks pass (a manager with a
+    ``certify_hook`` writes it itself, once the hook approved)."""
 
     @classmethod
     def of(
@@ -123,6 +138,7 @@ class SaveRequest:
         overwrite: bool,
         base_name: str | None,
         replaces: str | None = None,
+        certificate: bool = True,
     ) -> SaveRequest:
         """The request of a save with ``options`` (an incremental save, ``base_name`` set, records content
         hashes)."""
@@ -136,6 +152,8 @@ class SaveRequest:
             base_name=base_name,
             verify_base=options.verify_base,
             replaces=replaces,
+            certify=options.certify,
+            certificate=certificate,
         )
 
     def terms(self) -> dict[str, Any]:
@@ -154,6 +172,7 @@ class SaveRequest:
             "content_hash": bool(self.content_hashes),
             "verify_base": bool(self.verify_base),
             "base": self.base_name,
+            "certify": None if self.certify is None else json.dumps(self.certify.to_json(), sort_keys=True),
         }
 
 

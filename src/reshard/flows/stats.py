@@ -106,6 +106,13 @@ class LoadStats:
             received from the ranks that read them, and sent to the ranks that needed what it read (its own
             reads are in ``bytes_read``; over all ranks, storage sees each needed byte once).
         exchange_rounds: the rounds that exchange took (the same on every rank; 0 without one).
+        read_once: whether the load read once per replica group (agreed: the same on every rank; with nothing
+            needed by two ranks there is no exchange even so).
+        read_once_reason: why, the same on every rank: ``LoadOptions(read_once=True)``, ``one rank``,
+            ``staging downloads each file once per node``, ``object store s3://...``, ``/mnt/ckpt is nfs4 (a
+            shared file system, mounted at /mnt/ckpt)``, ``/tmp/x is ext4 (local, mounted at /)``, an override
+            (``LocalStorage(shared=True) for ...``, ``RESHARD_SHARED_FILESYSTEM=1 (...)``); where the ranks'
+            storages differ, the first rank's that wanted the mode agreed on (`` (on rank 3)`` when not rank 0).
         files_downloaded, bytes_downloaded: with staging, the whole data files this rank downloaded for its
             node (each file needed by a node is downloaded by exactly one of its ranks).
         files_reused: with staging, complete files found in the staging directory and reused.
@@ -138,6 +145,8 @@ class LoadStats:
     bytes_from_peers: int = 0
     bytes_to_peers: int = 0
     exchange_rounds: int = 0
+    read_once: bool = False
+    read_once_reason: str = ""
     files_downloaded: int = 0
     bytes_downloaded: int = 0
     files_reused: int = 0

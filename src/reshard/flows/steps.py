@@ -3,17 +3,41 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
-from reshard.io.locking import read_lock
+from reshard.flows.certify import certificate_status
+from reshard.io.locking import foreign_holder, read_lock, stale_at_sight
 from reshard.io.references import is_retired
 from reshard.io.sources import read_metadata_bytes
 from reshard.metadata import METADATA_FILE, Metadata
-from reshard.storage import Storage
+from reshard.storage import FileTooLargeError, Storage
 
-__all__ = ["StepInfo", "scan_root", "step_name", "step_of"]
+__all__ = [
+    "LATEST_FILE",
+    "StepInfo",
+    "lock_is_live",
+    "scan_root",
+    "step_name",
+    "step_of",
+    "sweep_pointer_temporaries",
+]
+
+LATEST_FILE = "latest.json"
+_LATEST_TEMPORARY = re.compile(rf"^\.{re.escape(LATEST_FILE)}\.tmp-[0-9a-f]{{32}}$")
+"""The temporary of ``latest.json``'s commit (a manager killed while it replaced the pointer leaves one)."""
+
+
+def _is_pointer(pointer: dict[str, Any]) -> bool:
+    step = pointer["step"]
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and pointer["path"] == step_name(step)
+
+
+logger = logging.getLogger("reshard")
 
 _STEP = re.compile(r"^step_(\d{9,})$")
 
@@ -56,6 +80,10 @@ class StepInfo:
     dead_writer_pid: int | None = None
     """The process id of the holder of the step's lock when it ran on this host and no longer exists (its save was
     interrupted: ``locked`` is then False, nobody is writing the step), else None."""
+    certified: bool = False
+    """A complete step whose ``certified.json`` certifies its ``metadata.json`` (:mod:`reshard.flows.certify`)."""
+    certification: str = ""
+    """Why a complete step is not certified (``"not certified"``: no certificate), else ``""``."""
 
     @property
     def written_bytes(self) -> int:
@@ -97,10 +125,13 @@ def _inspect_step(storage: Storage, name: str, step: int) -> StepInfo:
             status = "incomplete"
         except CorruptCheckpointError as exc:
             status, problem = "corrupt", str(exc)
+        certificate, why = certificate_status(child) if metadata is not None else (None, "")
         return StepInfo(
             step=step,
             name=name,
             status=status,
+            certified=certificate is not None,
+            certification=why,
             locked=locked,
             tensor_bytes=metadata.total_bytes if metadata is not None else 0,
             world_size=metadata.world_size if metadata is not None else None,
@@ -113,3 +144,45 @@ def _inspect_step(storage: Storage, name: str, step: int) -> StepInfo:
         )
     finally:
         child.close()
+
+
+def lock_is_live(root: Storage, name: str) -> bool:
+    """On the coordinator: whether step ``name``'s lock holder is live, judged without watching the lock (the other
+    ranks wait in a collective meanwhile): a holder of another host always is
+    (:func:`reshard.io.locking.stale_at_sight`), so the step is kept for this run, and the log says so."""
+    child = root.child(name)
+    try:
+        holder = read_lock(child)
+    finally:
+        child.close()
+    if holder is None or stale_at_sight(holder):
+        return False
+    if foreign_holder(holder):
+        logger.warning(
+            "retention: kept %s: its lock by host %s has not been seen unchanged for the lease yet (a lock of "
+            "another host is judged only by watching it on this host's clock; a save over the step, or `reshard "
+            "gc`, does)",
+            name,
+            holder.host,
+        )
+    return True
+
+
+def sweep_pointer_temporaries(root: Storage) -> None:
+    """On the coordinator, under the manager lock (so that no manager is replacing ``latest.json``): delete the
+    temporaries of ``latest.json`` that managers killed mid-commit left, only those whose content is a pointer
+    reshard wrote (a file named so that is not one stays).
+
+    Raises:
+        OSError: listing or deleting failed.
+    """
+    for name in root.list_names(f".{LATEST_FILE}.tmp-"):
+        if not _LATEST_TEMPORARY.match(name):
+            continue
+        try:
+            pointer = json.loads(root.read_bytes(name, max_bytes=4096))
+        except (FileNotFoundError, FileTooLargeError, ValueError, RecursionError):
+            continue
+        if isinstance(pointer, dict) and set(pointer) == {"step", "path"} and _is_pointer(pointer):
+            logger.info("retention: removing %s, left by a manager killed while it moved the pointer", name)
+            root.delete(name)

@@ -114,8 +114,8 @@ def transfer(
             cannot read or fill (:func:`reshard.state.statedict.check_tensors`: on the meta device, not dense, a freed
             storage, an expanded target), named with their rank, on every rank before any byte moves.
         ShardingError: two primaries of overlapping boxes of a source key (named with their ranks), or a
-            source key held as a ScaledTensor on some ranks and as a plain tensor on others (named with the
-            ranks of each), on every rank before any byte moves.
+            source key held as a ScaledTensor on some ranks and as a plain tensor on others, or with other global
+            shapes or dtypes by different ranks (named with the ranks of each), on every rank before any byte moves.
         MismatchError: a global shape or a lossy dtype conversion that differs, or a ``key_map`` that maps
             a part of a scaled target to another source than its data's, on every rank.
         DataUnavailableError: a target key that no rank holds, or parts of target tensors that no rank
@@ -343,6 +343,7 @@ class TransferSession:
         mixed = transfer_source_conflicts(descriptions)
         if mixed:
             raise ShardingError("transfer: the ranks disagree on scaled tensors: " + "; ".join(mixed[:10]))
+        _check_held_agreement(descriptions)
         jobs = find_jobs(descriptions)
         if jobs:
             descriptions = rewrite(descriptions, jobs)
@@ -396,6 +397,30 @@ def _check(docs: list[dict[str, Any]], allow_lossy_cast: bool) -> None:
         unique = sorted(set(unavailable))
         shown = "; ".join(unique[:20])
         raise DataUnavailableError(f"transfer: {len(unique)} target tensors are held by no rank: {shown}")
+
+
+def _check_held_agreement(docs: list[dict[str, Any]]) -> None:
+    """On the coordinator: every rank that holds pieces of a source key describes it with the same global shape
+    and dtype, as a save requires (else one rank's description would stand for all: a half in another dtype cast
+    without ``allow_lossy_cast``, or a half of another global shape placed in the target).
+
+    Raises:
+        ShardingError: naming each key and the ranks of each description (every rank).
+    """
+    by_key: dict[str, dict[str, list[int]]] = {}
+    for rank, doc in enumerate(docs):
+        for key, (shape, dtype) in doc["held"].items():
+            by_key.setdefault(key, {}).setdefault(f"global shape {shape}, {dtype}", []).append(rank)
+    problems = [
+        f"{key!r} is held as " + "; ".join(f"{what} on ranks {', '.join(map(str, rs))}" for what, rs in seen.items())
+        for key, seen in sorted(by_key.items())
+        if len(seen) > 1
+    ]
+    if problems:
+        raise ShardingError(
+            f"transfer: the source ranks describe keys differently: {'; '.join(problems[:10])}"
+            + (" ..." if len(problems) > 10 else "")
+        )
 
 
 def _check_agreement(docs: list[dict[str, Any]], rename: Callable[[str], str]) -> None:

@@ -37,7 +37,6 @@ Nothing here imports torchao unless the state dict holds its tensors.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -49,26 +48,13 @@ from reshard.errors import ShardingError
 from reshard.state.lowprec import Block, scale_format
 from reshard.state.scaled import ScaledTensor
 from reshard.state.sharding import ReplicaId, ShardedTensor
-from reshard.state.statedict import map_leaves
+from reshard.state.statedict import map_leaves, torchao_class
 
 __all__ = ["TorchaoShard", "is_torchao_tensor", "torchao_state", "torchao_to_scaled"]
 
-_CLASSES = ("Float8Tensor", "MXTensor", "NVFP4Tensor")
-
-
-def _torchao_class(value: object) -> str | None:
-    """The name of ``value``'s torchao class among those reshard knows, or None (torchao never imported)."""
-    if not isinstance(value, torch.Tensor) or "torchao" not in sys.modules:
-        return None
-    for cls in type(value).__mro__:
-        if cls.__name__ in _CLASSES and cls.__module__.startswith("torchao."):
-            return cls.__name__
-    return None
-
-
 def is_torchao_tensor(value: object) -> bool:
     """Whether ``value`` is a torchao ``Float8Tensor``, ``MXTensor`` or ``NVFP4Tensor`` (importing nothing)."""
-    return _torchao_class(value) is not None
+    return torchao_class(value) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +179,7 @@ def _to_scaled(
 ) -> ScaledTensor:
     shard = leaf if isinstance(leaf, TorchaoShard) else None
     tensor: Any = leaf.tensor if isinstance(leaf, TorchaoShard) else leaf
-    kind = _torchao_class(tensor)
+    kind = torchao_class(tensor)
     if kind is None:
         raise ShardingError(f"{key!r}: {type(tensor).__name__} is not a torchao Float8Tensor, MXTensor or NVFP4Tensor")
     if conversion is None and getattr(tensor, "is_swizzled_scales", False):

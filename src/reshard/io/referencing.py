@@ -19,6 +19,7 @@ from pathlib import Path
 from reshard.metadata import SIBLING_PREFIX
 from reshard.storage import FileWriter, ReadRequest, Storage
 from reshard.storage.base import MappedRange
+from reshard.storage.filesystems import Sharing
 
 __all__ = ["ReferencingStorage", "referencing", "resolve_location", "split_location"]
 
@@ -70,6 +71,9 @@ class ReferencingStorage(Storage):
         self.supports_mapping = inner.supports_mapping
         self.supports_ranged_reads = inner.supports_ranged_reads
         self.concurrent_reads = inner.concurrent_reads
+
+    def sharing(self) -> Sharing:
+        return self.inner.sharing()
 
     @property
     def range_bytes_read(self) -> int:

@@ -59,9 +59,21 @@ from reshard.io.references import (
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
 from reshard.storage import FileTooLargeError, Storage
 
-__all__ = ["MAX_RECORD_BYTES", "Removal", "RetiredRecord", "delete_checkpoint", "read_record", "remove_checkpoint"]
+__all__ = [
+    "CERTIFICATE_FILE",
+    "MAX_RECORD_BYTES",
+    "Removal",
+    "RetiredRecord",
+    "delete_checkpoint",
+    "read_record",
+    "remove_checkpoint",
+]
 
 logger = logging.getLogger("reshard")
+
+CERTIFICATE_FILE = "certified.json"
+"""The record of a certified checkpoint (:mod:`reshard.flows.certify`): a file of the checkpoint, deleted with it
+(it certifies a ``metadata.json``, so it goes with the metadata, before the data files)."""
 
 MAX_RECORD_BYTES = 16 * 1024 * 1024
 """The largest ``retired.json`` read (a record of 8192 data files takes half a megabyte)."""
@@ -279,6 +291,8 @@ def _ties(storage: Storage, named: set[str], tokens: set[str], locks: list[str],
     tied = set(record.files if record is not None else ()) | named
     if metadata is not None:
         tied |= {f.path for f in metadata.files if f.checkpoint is None}
+    if (metadata is not None or record is not None) and CERTIFICATE_FILE in names:
+        tied.add(CERTIFICATE_FILE)  # the certificate of the save being deleted (a retired step is no recovery point)
     for name in names:
         if DATA_FILE_PATTERN.match(name) and (metadata is not None or name[5:].partition("-r")[0] in saves):
             tied.add(name)
@@ -417,7 +431,9 @@ def _remove(
         if not dry_run:
             storage.commit(RETIRED_FILE, record.to_bytes(), replace=True)
             has_record = True
-    steps = ([METADATA_FILE] if ties.metadata is not None else []) + doomed + sorted(stale)
+    certificate = [CERTIFICATE_FILE] if CERTIFICATE_FILE in doomed else []
+    doomed = [name for name in doomed if name != CERTIFICATE_FILE]
+    steps = certificate + ([METADATA_FILE] if ties.metadata is not None else []) + doomed + sorted(stale)
     done = not (kept or young)
     if has_record or done:  # the record (or nothing left) ties what the lock of a dead save tied
         steps += ties.extra + ties.lock_markers

@@ -10,6 +10,7 @@ is its container keys joined with dots: ``optimizer.state.0.lr``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,19 +170,30 @@ def flatten_state_dict(state_dict: object, *, rank: int, dedup: bool = True) -> 
     return flat
 
 
-_TORCHAO_SCALED = ("Float8Tensor", "MXTensor", "NVFP4Tensor")
+TORCHAO_SCALED_CLASSES = ("Float8Tensor", "MXTensor", "NVFP4Tensor")
+"""The torchao low-precision tensor subclasses reshard knows (:mod:`reshard.interop.torchao` describes them)."""
+
+
+def torchao_class(value: object) -> str | None:
+    """The name of ``value``'s torchao low-precision class (:data:`TORCHAO_SCALED_CLASSES`), or None; judged by
+    class name and module, importing nothing (None at once where torchao was never imported)."""
+    if not isinstance(value, torch.Tensor) or "torchao" not in sys.modules:
+        return None
+    for cls in type(value).__mro__:
+        if cls.__name__ in TORCHAO_SCALED_CLASSES and cls.__module__.startswith("torchao."):
+            return cls.__name__
+    return None
 
 
 def _refuse_quantized_subclass(path: str, leaf: torch.Tensor) -> None:
     """Refuse a torchao low-precision tensor given as a plain tensor: its bytes are ``qdata`` and scales, not
-    elements of its dtype, and only :func:`reshard.interop.torchao.torchao_state` says which (checked by class
-    name and module, importing nothing)."""
-    for cls in type(leaf).__mro__:
-        if cls.__name__ in _TORCHAO_SCALED and cls.__module__.startswith("torchao."):
-            raise StateDictError(
-                f"{path!r} is a torchao {cls.__name__}: save and load it inside "
-                "reshard.interop.torchao.torchao_state(state_dict), which describes its data and scales"
-            )
+    elements of its dtype, and only :func:`reshard.interop.torchao.torchao_state` says which."""
+    name = torchao_class(leaf)
+    if name is not None:
+        raise StateDictError(
+            f"{path!r} is a torchao {name}: save and load it inside "
+            "reshard.interop.torchao.torchao_state(state_dict), which describes its data and scales"
+        )
 
 
 def _add_scaled(flat: FlatStateDict, leaf: ScaledTensor) -> list[ShardedTensor]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from reshard.errors import StorageError
+from reshard.storage.filesystems import Sharing
 
 if TYPE_CHECKING:
     import torch
@@ -110,6 +111,16 @@ class Storage(ABC):
     @abstractmethod
     def describe(self, name: str = "") -> str:
         """A human-readable location of ``name`` (or of the root), for error messages."""
+
+    def sharing(self) -> Sharing:
+        """Whether many nodes share this storage, so that the replicas of a load read each byte once between
+        them by default (``LoadOptions(read_once=None)``), and why. The default: shared where a request is
+        costly (an object store); :class:`~reshard.storage.LocalStorage` detects shared file systems
+        (:mod:`reshard.storage.filesystems`). Decided once per object; raises :class:`~reshard.CheckpointError`
+        for an override it cannot read."""
+        if self.request_cost_bytes > 0:
+            return Sharing(True, f"object store {self.describe()}")
+        return Sharing(False, f"{self.describe()}: requests are cheap and the storage is not known to be shared")
 
     def root_exists(self) -> bool:
         """Whether the root exists (a directory, or a prefix with at least one object). Derived: whether it

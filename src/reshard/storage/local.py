@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from reshard.storage.base import FileTooLargeError, FileWriter, MappedRange, ReadRequest, Storage
+from reshard.storage.filesystems import Sharing, detect_sharing, sharing_from_env
 
 __all__ = ["WRITEBACK_BYTES", "LocalStorage"]
 
@@ -168,13 +169,31 @@ class LocalStorage(Storage):
     is opened with ``O_NOFOLLOW``, and an operation whose path passes through a link (a ``data`` directory
     that is a link, say) fails with ``OSError(ELOOP)``, so that no operation reaches outside the checkpoint.
     The root itself may be a link.
+
+    ``shared``: whether the directory is on a file system that many nodes share, where a load's replicas read
+    each byte once between them by default (:meth:`sharing`): True or False decide it; None (the default)
+    takes the environment variable ``RESHARD_SHARED_FILESYSTEM`` (``1`` or ``0``) where set, else detects
+    the file system's type (:mod:`reshard.storage.filesystems`). Its children and siblings inherit it.
     """
 
     supports_mapping = True
     concurrent_reads = False
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, shared: bool | None = None) -> None:
         self.root = Path(root)
+        self.shared = shared
+        self._sharing: Sharing | None = None
+
+    def sharing(self) -> Sharing:
+        """``shared`` where given, else the environment's override, else the detected type of the root's file
+        system; decided on the first call (a statfs and one read of mountinfo), then kept."""
+        if self._sharing is None:
+            path = str(self._resolved())
+            if self.shared is not None:
+                self._sharing = Sharing(self.shared, f"LocalStorage(shared={self.shared}) for {path}")
+            else:
+                self._sharing = sharing_from_env(path) or detect_sharing(path)
+        return self._sharing
 
     def _resolved(self) -> Path:
         """The root's path; where the root itself is a link (``latest -> step_000001000``), the directory it
@@ -192,7 +211,7 @@ class LocalStorage(Storage):
         return self._resolved().name
 
     def sibling(self, name: str) -> Storage:
-        return LocalStorage(self.parent / name)
+        return LocalStorage(self.parent / name, shared=self.shared)
 
     def describe(self, name: str = "") -> str:
         return str(self.root / name) if name else str(self.root)
@@ -326,7 +345,7 @@ class LocalStorage(Storage):
         _fsync_dir(target.parent)
 
     def child(self, name: str) -> Storage:
-        return LocalStorage(self.root / name)
+        return LocalStorage(self.root / name, shared=self.shared)
 
     def delete_prefix(self, prefix: str) -> None:
         _check_no_links(self.root, prefix)
