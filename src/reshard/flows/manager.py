@@ -70,6 +70,7 @@ from reshard.flows.steps import (
     LATEST_FILE,
     StepInfo,
     lock_is_live,
+    point_latest_at,
     scan_root,
     step_name,
     step_of,
@@ -237,10 +238,9 @@ class CheckpointManager:
                 result = self._decide(comm, step, result)
             except UnconfirmedCommitError:
                 if comm.is_coordinator:
-                    self._point_latest_at(step)  # the step is complete; the group is not: no retention
+                    point_latest_at(self.root, step)  # the step is complete; the group is not: no retention
                 raise
-            lock = held[0] if held else None
-            self._publish_step(comm, lock, step=step, rewind=rewind, past=past, save_id=result.save_id)
+            self._publish_step(comm, held[0] if held else None, step=step, rewind=rewind, past=past, result=result)
         finally:
             for lock_held in held:
                 lock_held.release()
@@ -249,16 +249,13 @@ class CheckpointManager:
         return result
 
     def save_written(self, step: int, write: Callable[[Storage], None]) -> None:
-        """:meth:`save` of a checkpoint that ``write`` (every rank) writes and commits into step ``step``'s storage
-        (and closes), as a drain of node-local copies does (:class:`~reshard.TieredCheckpointManager`): the manager
-        lock, forward in time, ``latest`` and retention as :meth:`save`. Collective; never incremental, an overwrite
-        or a rewind."""
-        comm = Communicator(self.group, timeout=self.timeout)
-        held: list[Lock] = []
+        """:meth:`save` (collective: lock, forward in time, ``latest``, retention) of the checkpoint that ``write``
+        writes, commits and closes in step ``step``'s storage (a drain of :class:`~reshard.TieredCheckpointManager`)."""
+        comm, held = Communicator(self.group, timeout=self.timeout), list[Lock]()
         try:
             _, past, _ = self._lock_step(comm, held, step=step, overwrite=False, rewind=False, chunk_bytes=0)
             write(self.path_of(step))
-            self._publish_step(comm, held[0] if held else None, step=step, rewind=False, past=past, save_id="")
+            self._publish_step(comm, held[0] if held else None, step=step, rewind=False, past=past, result=None)
         finally:
             for lock_held in held:
                 lock_held.release()
@@ -334,7 +331,7 @@ class CheckpointManager:
         step: int,
         rewind: bool,
         past: tuple[int, ...],
-        save_id: str,
+        result: SaveResult | None,
     ) -> None:
         """The last step of :meth:`save` (collective ``manager retention``, every rank), after the commit: the
         coordinator, still holding the manager lock ``held``, points ``latest`` at ``step`` and applies the retention
@@ -350,7 +347,7 @@ class CheckpointManager:
             if comm.is_coordinator:
                 if held is not None:
                     held.check()
-                self._point_latest_at(step)
+                point_latest_at(self.root, step)
                 try:
                     self._retain(keep_step=step, rewind=rewind, drop=self._still_skipped(past))
                 except (OSError, CheckpointError) as exc:
@@ -360,10 +357,10 @@ class CheckpointManager:
             comm.step("manager retention", publish)
         except CheckpointError as exc:  # the same error on every rank, after a commit that every rank saw
             raise UnconfirmedCommitError(
-                f"{step_name(step)} was committed and is complete (save {save_id or 'drained'}), but the manager's "
-                f"work after the commit failed: {exc}",
+                f"{step_name(step)} was committed and is complete (save {result.save_id if result else 'drained'}), "
+                f"but the manager's work after the commit failed: {exc}",
                 path=self.root.describe(step_name(step)),
-                save_id=save_id,
+                save_id=result.save_id if result else "",
                 failures=exc.failures,
             ) from exc
 
@@ -420,14 +417,6 @@ class CheckpointManager:
         if problems:
             logger.warning("%s cannot be the base of an incremental save, saving in full: %s", name, problems[0])
         return not problems
-
-    def _point_latest_at(self, step: int) -> None:
-        """On the coordinator, after step ``step`` committed: replace ``latest.json`` (atomically)."""
-        pointer = json.dumps({"step": step, "path": step_name(step)}).encode()
-        try:
-            self.root.commit(LATEST_FILE, pointer, replace=True)
-        except OSError as exc:
-            raise StorageError(f"updating {self.root.describe(LATEST_FILE)} failed: {exc}") from exc
 
     def _still_skipped(self, past: tuple[int, ...]) -> dict[int, str]:
         """On the coordinator, after a save went past the steps ``past``: those still the unloadable saves that

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, StorageError
 from reshard.flows.certify import certificate_status
 from reshard.io.locking import foreign_holder, read_lock, stale_at_sight
 from reshard.io.references import is_retired
@@ -21,6 +21,7 @@ __all__ = [
     "LATEST_FILE",
     "StepInfo",
     "lock_is_live",
+    "point_latest_at",
     "scan_root",
     "step_name",
     "step_of",
@@ -186,3 +187,16 @@ def sweep_pointer_temporaries(root: Storage) -> None:
         if isinstance(pointer, dict) and set(pointer) == {"step", "path"} and _is_pointer(pointer):
             logger.info("retention: removing %s, left by a manager killed while it moved the pointer", name)
             root.delete(name)
+
+
+def point_latest_at(root: Storage, step: int) -> None:
+    """On the coordinator of a manager, after step ``step`` committed: replace ``latest.json`` (atomically).
+
+    Raises:
+        StorageError: the pointer could not be written.
+    """
+    pointer = json.dumps({"step": step, "path": step_name(step)}).encode()
+    try:
+        root.commit(LATEST_FILE, pointer, replace=True)
+    except OSError as exc:
+        raise StorageError(f"updating {root.describe(LATEST_FILE)} failed: {exc}") from exc
