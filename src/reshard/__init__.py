@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from reshard.flows.async_save import AsyncCheckpointer, SaveHandle, async_save
     from reshard.flows.load import load, read_metadata
     from reshard.flows.manager import CheckpointManager
+    from reshard.flows.nodelocal import NodeLocalCheckpoints
     from reshard.flows.options import LoadOptions, SaveOptions, StagingOptions
     from reshard.flows.peer import PeerMemoryCheckpoint, PeerSaveResult
     from reshard.flows.save import SaveResult, save
@@ -60,6 +61,7 @@ _PUBLIC_MODULE = {
     "LoadStats": "reshard.flows.stats",
     "Metadata": "reshard.metadata",
     "MismatchError": "reshard.errors",
+    "NodeLocalCheckpoints": "reshard.flows.nodelocal",
     "PeerMemoryCheckpoint": "reshard.flows.peer",
     "PeerSaveResult": "reshard.flows.peer",
     "SaveHandle": "reshard.flows.async_save",
@@ -118,6 +120,7 @@ __all__ = [
     "LoadStats",
     "Metadata",
     "MismatchError",
+    "NodeLocalCheckpoints",
     "PeerMemoryCheckpoint",
     "PeerSaveResult",
     "SaveHandle",

@@ -113,6 +113,10 @@ class SaveRequest:
     lock_timing: LockTiming | None = None
     replaces: str | None = None
     """Without ``overwrite``: the digest of the one checkpoint the save may replace (:class:`SaveCommit`)."""
+    location: str | None = None
+    """The checkpoint path every rank must pass alike (None: ``storage.describe()``). A node-local save
+    (:mod:`reshard.flows.nodelocal`) writes each rank's file to its own node's directory, so its ranks agree on
+    the directory pattern and step instead."""
 
     @classmethod
     def of(
@@ -208,7 +212,8 @@ def describe_rank(request: SaveRequest, state_dict: Any, *, rank: int, is_coordi
             for item_path, value in flat.common.items():
                 encode_tagged(value, where=f"common value {item_path!r}")
         description, views = describe_state(flat)
-        context: dict[str, Any] = {"path": request.storage.describe(), "options": terms}
+        location = request.location if request.location is not None else request.storage.describe()
+        context: dict[str, Any] = {"path": location, "options": terms}
         if flat.scaled:
             context["scaled"] = {key: record.to_json() for key, record in flat.scaled.items()}
             context["replicas"] = replica_digests(flat)
