@@ -176,7 +176,8 @@ class NodeLocalCheckpoints:
             committed = commit(comm, request, described, planned, written, clock)
             stats = finish(planned, committed, described, written, clock)
             kept = self._spread(comm, step)
-        self._retire(step, kept)
+            # Each node leader retires its old steps; the step ends once all did (a rank's steps() then agrees).
+            comm.step("node-local save: retention", lambda: self._retire(step, kept))
         return SaveResult(
             path=storage.describe(),
             save_id=planned.save_id,

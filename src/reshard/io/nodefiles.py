@@ -315,7 +315,7 @@ def copy_verified(directory: Path, target: Storage, metadata: Metadata, file: in
         for what, _, offset, length, checksums in _entries(metadata, file, where)
     ]
     progress = [ChunkProgress() for _ in chunks]
-    writer = target.open_writer(entry.path, max_buffered_bytes=2 * COPY_BLOCK_BYTES)
+    writer = target.open_writer(entry.path)  # the storage bounds what it buffers (its part size)
     try:
         with open(directory / entry.path, "rb", buffering=0) as local:
             _stream(local, writer, chunks, progress, where, entry.size)
