@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from reshard.flows.certify import CertifyOptions, Checks
     from reshard.flows.load import load, read_metadata
     from reshard.flows.manager import CheckpointManager
+    from reshard.flows.nodelocal import NodeLocalCheckpoints
     from reshard.flows.options import LoadOptions, SaveOptions, StagingOptions
     from reshard.flows.peer import PeerMemoryCheckpoint, PeerSaveResult
     from reshard.flows.save import SaveResult, save
@@ -67,6 +68,7 @@ _PUBLIC_MODULE = {
     "LoadStats": "reshard.flows.stats",
     "Metadata": "reshard.metadata",
     "MismatchError": "reshard.errors",
+    "NodeLocalCheckpoints": "reshard.flows.nodelocal",
     "PeerMemory": "reshard.flows.tiers",
     "PeerMemoryCheckpoint": "reshard.flows.peer",
     "PeerSaveResult": "reshard.flows.peer",
@@ -133,6 +135,7 @@ __all__ = [
     "LocalDisk",
     "Metadata",
     "MismatchError",
+    "NodeLocalCheckpoints",
     "PeerMemory",
     "PeerMemoryCheckpoint",
     "PeerSaveResult",

@@ -128,6 +128,10 @@ class SaveRequest:
     certificate: bool = True
     """With ``certify``: the coordinator writes ``certified.json`` when the checks pass (a manager with a
     ``certify_hook`` writes it itself, once the hook approved)."""
+    location: str | None = None
+    """The checkpoint path every rank must pass alike (None: ``storage.describe()``). A node-local save
+    (:mod:`reshard.flows.nodelocal`) writes each rank's file to its own node's directory, so its ranks agree on
+    the directory pattern and step instead."""
 
     @classmethod
     def of(
@@ -227,7 +231,8 @@ def describe_rank(request: SaveRequest, state_dict: Any, *, rank: int, is_coordi
             for item_path, value in flat.common.items():
                 encode_tagged(value, where=f"common value {item_path!r}")
         description, views = describe_state(flat)
-        context: dict[str, Any] = {"path": request.storage.describe(), "options": terms}
+        location = request.location if request.location is not None else request.storage.describe()
+        context: dict[str, Any] = {"path": location, "options": terms}
         if flat.scaled:
             context["scaled"] = {key: record.to_json() for key, record in flat.scaled.items()}
             context["replicas"] = replica_digests(flat)

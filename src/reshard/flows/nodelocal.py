@@ -1,0 +1,322 @@
+"""Node-local checkpoints: saved to each node's own disk, restored into any layout, drained to durable storage.
+
+Large jobs checkpoint often to each node's local NVMe and rarely to durable storage. A node-local save is a
+:func:`reshard.save` whose ranks each write their data file into their own node's directory (the phases of
+:mod:`reshard.flows.save_phases` and :mod:`reshard.flows.save_commit` over a per-node storage: the ranks agree on
+the directory pattern and step, not on one path), then one more collective step puts the committed
+``metadata.json`` (the coordinator's bytes) on every other node, atomically. The files are ordinary reshard data
+files; only their placement differs. A step is complete on a node when its ``metadata.json`` is there.
+
+A restore (:meth:`NodeLocalCheckpoints.restore`, :mod:`reshard.flows.nodelocal_restore`) first gives each node
+every data file its ranks' loads read (fetched from a node that holds it, over the group's transport, verified
+before it is renamed into place), then runs an ordinary :func:`reshard.load` from this node's directory: any
+layout, any world size. A drain (:meth:`NodeLocalCheckpoints.drain`) copies the step's files from the nodes that
+hold them to durable storage and publishes the same ``metadata.json`` there: a normal checkpoint.
+
+What reshard.save assumes about one storage for all ranks, and how a node-local save keeps it true:
+
+- the ranks agree on the checkpoint path: here on the pattern and the step (``SaveRequest.location``);
+- the coordinator's commit (save lock, the refusal of a complete checkpoint, the cleanup of dead saves'
+  files, the fsync of ``data/``) acts on its own node's directory; each other node's leader makes its
+  ``data/`` durable before it writes ``metadata.json``, removes the data files of earlier failed saves of
+  the step there, and a save of a step complete on any node is refused (CheckpointExistsError) before
+  anything is written;
+- a failed save's files on other nodes are not removed by the coordinator: the next save's retention (or a
+  save of the same step) removes them. One job owns a node-local directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import CheckpointError, CheckpointExistsError, CommunicationError, UnconfirmedCommitError
+from reshard.flows.collector import collector_paused
+from reshard.flows.nodelocal_restore import drain_step, restorable_steps, restore_step
+from reshard.flows.options import SaveOptions
+from reshard.flows.save import SaveResult
+from reshard.flows.save_commit import commit, finish
+from reshard.flows.save_phases import SaveRequest, describe_rank, plan, write_assigned
+from reshard.flows.stats import PhaseClock
+from reshard.flows.steps import step_name, step_of
+from reshard.io.nodefiles import publish_on_node, remove_unlisted
+from reshard.io.retirement import remove_checkpoint
+from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
+from reshard.net.comm import Communicator
+from reshard.net.transports import Group
+from reshard.planning.nodelocal import node_directory, node_of
+from reshard.storage import CheckpointLocation, LocalStorage, Storage
+
+__all__ = ["NodeLocalCheckpoints"]
+
+logger = logging.getLogger("reshard")
+
+
+def _count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"NodeLocalCheckpoints({name}={value!r}): an integer of at least 1")
+    return value
+
+
+class NodeLocalCheckpoints:
+    """Step checkpoints on each node's own disk. Create one per rank, with the same arguments on every rank;
+    :meth:`save`, :meth:`restorable`, :meth:`restore` and :meth:`drain` are collective over ``group``.
+
+    Args:
+        directory: local to each node: the same string on every node, or one containing ``{node}`` (replaced by
+            this rank's node index, ``rank // node_size``: several simulated nodes on one machine). Step ``s``
+            lives in ``<directory>/step_<s, 9 digits>``.
+        node_size: ranks per node (consecutive group ranks share a node). Default: ``LOCAL_WORLD_SIZE`` from
+            the launcher's environment, else 1.
+        keep_last: complete steps each save keeps (besides the steps given to :meth:`keep`).
+        group: the ranks that save and restore together (``None``: the default group).
+        timeout: how long each collective may wait for the slowest rank.
+
+    Raises:
+        ValueError: ``node_size`` (or ``LOCAL_WORLD_SIZE``) or ``keep_last`` is not an integer of at least 1.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        node_size: int | None = None,
+        keep_last: int = 2,
+        group: Group = None,
+        timeout: datetime.timedelta | float | None = None,
+    ) -> None:
+        if node_size is None:
+            local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+            given: object = int(local) if local.strip().isdigit() else local
+            self.node_size = _count("node_size (LOCAL_WORLD_SIZE, from the launcher's environment)", given)
+        else:
+            self.node_size = _count("node_size", node_size)
+        self.keep_last = _count("keep_last", keep_last)
+        self.pattern = os.fspath(directory)
+        self.group = group
+        self.timeout = timeout
+        self._kept: frozenset[int] = frozenset()
+        comm = Communicator(group, timeout=timeout)
+        self.rank = comm.rank
+        self.world_size = comm.size
+        self.node = node_of(self.rank, self.node_size)
+        """This rank's node index."""
+        self.directory = Path(node_directory(self.pattern, self.node))
+        """This node's directory."""
+
+    # ---- paths -------------------------------------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank is its node's leader (its lowest rank): it reads and writes what is per node."""
+        return self.rank % self.node_size == 0
+
+    def step_directory(self, step: int) -> Path:
+        """This node's directory of ``step``."""
+        return self.directory / step_name(step)
+
+    def path_of(self, step: int) -> Storage:
+        """This node's directory of ``step``, as a storage (a checkpoint directory once the step is complete)."""
+        return LocalStorage(self.step_directory(step))
+
+    def _location(self, step: int) -> str:
+        """What every rank agrees on for a save of ``step``: the directory pattern (with ``{node}`` kept) and the
+        step."""
+        return f"node-local {os.path.join(self.pattern, step_name(step))}"
+
+    def _comm(self, group: Group = None) -> Communicator:
+        comm = Communicator(self.group if group is None else group, timeout=self.timeout)
+        if comm.rank != self.rank and group is None:
+            raise CheckpointError(f"the group's rank of this process is {comm.rank}, it was {self.rank}")
+        return comm
+
+    # ---- steps, keep -------------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The steps complete in this node's directory (``metadata.json`` there), oldest first. Not collective."""
+        return _complete_steps(self.directory)
+
+    def keep(self, steps: set[int]) -> None:
+        """Steps that retention must not delete (not yet drained, say), replacing those given before. Every rank
+        passes the same; the coordinator's count."""
+        self._kept = frozenset(int(s) for s in steps)
+
+    # ---- save --------------------------------------------------------------------------------------------
+
+    def save(self, step: int, state_dict: Any, *, options: SaveOptions | None = None) -> SaveResult:
+        """Save ``state_dict`` as ``step``: each rank writes its data file into its own node's directory, the
+        coordinator commits ``metadata.json`` on its node, then every other node's leader writes the same bytes
+        on its node (one more collective step); then retention, per node. Collective over the group.
+
+        Raises:
+            CheckpointExistsError: the step is complete on some node (nothing is written).
+            CheckpointError: as :func:`reshard.save` (the same error on every rank); nothing is committed.
+            UnconfirmedCommitError: committed on the coordinator's node, but a later step failed: the step may be
+                complete on some nodes only (:meth:`restorable` tells).
+        """
+        started = time.perf_counter()
+        options = options if options is not None else SaveOptions()
+        comm = self._comm()
+        storage = self.path_of(step)
+        request = SaveRequest.of(storage, options, overwrite=False, base_name=None)
+        request = dataclasses.replace(request, location=self._location(step))
+        self._refuse_complete(comm, step)
+        with collector_paused():
+            clock = PhaseClock("save", comm.rank, started)
+            described = clock.timed("plan", describe_rank)(
+                request, state_dict, rank=comm.rank, is_coordinator=comm.is_coordinator
+            )
+            planned = plan(comm, request, described, clock)
+            written = clock.timed("write", write_assigned)(request, described, planned, rank=comm.rank)
+            committed = commit(comm, request, described, planned, written, clock)
+            stats = finish(planned, committed, described, written, clock)
+            kept = self._spread(comm, step)
+            # Each node leader retires its old steps; the step ends once all did (a rank's steps() then agrees).
+            comm.step("node-local save: retention", lambda: self._retire(step, kept))
+        return SaveResult(
+            path=storage.describe(),
+            save_id=planned.save_id,
+            world_size=comm.size,
+            num_files=committed.files,
+            file_bytes=committed.file_bytes,
+            total_bytes=committed.total_bytes,
+            metadata=committed.metadata,
+            stats=stats,
+        )
+
+    def _refuse_complete(self, comm: Communicator, step: int) -> None:
+        """One collective step before a save: the nodes where ``step`` is complete already; CheckpointExistsError
+        on every rank when there is one (the coordinator's commit would only see its own node)."""
+
+        def local() -> bool:
+            return self.is_leader and (self.step_directory(step) / METADATA_FILE).exists()
+
+        def combine(found: list[bool]) -> None:
+            nodes = sorted({node_of(r, self.node_size) for r, f in enumerate(found) if f})
+            if nodes:
+                raise CheckpointExistsError(
+                    f"step {step} is complete already in {self._location(step)} on nodes {nodes}: a node-local "
+                    "save never replaces a step"
+                )
+
+        comm.step("node-local save: existing steps", local, combine)
+
+    def _spread(self, comm: Communicator, step: int) -> list[int]:
+        """After the commit, one collective step: the coordinator's ``metadata.json`` (its bytes, broadcast) on
+        every other node, written by the node's leader after its ``data/`` is durable, and the data files of
+        earlier failed saves of the step removed there; returns the steps retention keeps (the coordinator's
+        judgement: its ``keep_last`` newest complete steps, the steps given to :meth:`keep`, this one).
+
+        Raises:
+            UnconfirmedCommitError: a node could not write it (the step is committed on the coordinator's node).
+        """
+        storage = self.path_of(step)
+        raw = storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES) if comm.is_coordinator else None
+        document = comm.broadcast_bytes(raw)
+
+        def local() -> None:
+            if self.is_leader:
+                if not comm.is_coordinator:
+                    publish_on_node(storage, document)
+                remove_unlisted(storage, Metadata.from_json_bytes(document, lazy=True))
+
+        def combine(_: list[None]) -> list[int]:
+            complete = _complete_steps(self.directory)
+            return sorted({*complete[-self.keep_last :], *self._kept, step})
+
+        try:
+            kept: list[int] = comm.step("node-local save: metadata on every node", local, combine)
+        except CheckpointError as exc:
+            if isinstance(exc, CommunicationError):
+                raise
+            raise UnconfirmedCommitError(
+                f"step {step} was committed on the coordinator's node, but not every node holds its metadata: {exc}",
+                path=storage.describe(),
+                save_id=Metadata.from_json_bytes(document, lazy=True).save_id,
+            ) from exc
+        return kept
+
+    def _retire(self, step: int, kept: list[int]) -> None:
+        """Retention on this node (its leader; not collective): remove every step directory older than ``step``
+        that ``kept`` does not name, complete here or not (:func:`~reshard.io.retirement.remove_checkpoint`, then
+        the data files no save of it named, left by a failed save). Best effort: a failure is logged."""
+        if not self.is_leader or not self.directory.is_dir():
+            return
+        for name in sorted(os.listdir(self.directory)):
+            old = step_of(name)
+            if old is None or old >= step or old in kept:
+                continue
+            storage = LocalStorage(self.directory / name)
+            try:
+                if storage.exists(METADATA_FILE):
+                    remove_checkpoint(storage)
+                if not storage.exists(METADATA_FILE):
+                    for leftover in storage.list_files(DATA_DIR):
+                        storage.delete(leftover)
+                    storage.remove_empty_dirs()
+            except (OSError, CheckpointError) as exc:
+                logger.warning("node-local retention kept %s: %s", storage.describe(), exc)
+
+    # ---- restorable, restore, drain ------------------------------------------------------------------------
+
+    def restorable(self) -> list[int]:
+        """The steps the group can restore whole (a ``metadata.json`` on some node, every data file it names on
+        some node with its recorded size), oldest first. Collective over the group."""
+        return restorable_steps(self._comm(), self)
+
+    def restore(self, step: int, template: Any, **load_kwargs: Any) -> Any:
+        """Restore ``step`` into ``template`` (any layout, any world size: the group restoring). Collective.
+
+        First a file exchange gives each node every data file its ranks' loads read that it does not hold
+        (sent by a rank of a node that holds it, in rounds of bounded bytes; each copy verified, size and every
+        chunk checksum, before it is renamed into place; fetched files stay: they are valid files of the step),
+        and ``metadata.json`` to nodes that lack it; then :func:`reshard.load` from this node's directory with
+        ``load_kwargs`` (``strict``, ``options``, ...). Returns the loaded state dict.
+
+        Raises:
+            DataUnavailableError: (every rank) no node holds the step's metadata or some of its data files whole
+                (named), before any byte moves.
+            CorruptCheckpointError: (every rank) a copy does not match its checksums.
+            CheckpointError: as :func:`reshard.load`.
+        """
+        return restore_step(self._comm(), self, step, template, load_kwargs)
+
+    def drain(
+        self,
+        step: int,
+        target: CheckpointLocation,
+        *,
+        group: Group = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        """Copy ``step`` to ``target`` (a step directory of durable storage: a path, URL or Storage): every data
+        file by one rank of a node that holds it (balanced by bytes), each chunk verified as it is read and the
+        copy read back once written, then the coordinator publishes the same ``metadata.json`` there
+        (atomically, under the save lock): a normal checkpoint, byte-identical to the local one. Idempotent: a
+        file already whole in ``target`` is not copied again, and a target already holding this step's
+        ``metadata.json`` is done, so a drain killed at any point is simply run again. Collective over
+        ``group`` (default: the group given at construction; a drain in a background thread passes its own).
+
+        Raises:
+            DataUnavailableError: no node holds the step whole (named files).
+            CheckpointExistsError: ``target`` holds another checkpoint.
+            CorruptCheckpointError: a local file or a copy does not match its checksums.
+            CheckpointError, StorageError: the same on every rank; ``target`` has no ``metadata.json`` then.
+        """
+        comm = Communicator(self.group if group is None else group, timeout=self.timeout)
+        drain_step(comm, self, step, target, storage_options)
+
+
+def _complete_steps(directory: Path) -> list[int]:
+    """The steps whose directory under ``directory`` holds ``metadata.json``, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    steps = [s for s in map(step_of, names) if s is not None]
+    return sorted(s for s in steps if (directory / step_name(s) / METADATA_FILE).is_file())
