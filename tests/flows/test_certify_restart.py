@@ -1,0 +1,77 @@
+"""Certification after a restart: a certified save records its checks (``checks.json``, tied to its
+``metadata.json``), so that any manager of the root (a restarted job's) can certify the step later, and what the
+listing says of each step. Ranks are threads of this process (ThreadGroup: the real protocol; real files)."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import reshard
+from reshard.flows.certify import CHECKS_FILE, certified, checks_status
+from reshard.io.retirement import remove_checkpoint
+from reshard.storage import storage_for
+from tests.flows.test_certify import dp_state, manager_infos, manager_run
+
+pytestmark = pytest.mark.unit
+
+OPTIONS = reshard.CertifyOptions()
+
+
+def saved_by(root: Path, steps: dict[int, dict[str, bool]], **kwargs: Any) -> None:
+    """Step ``s`` saved by a first incarnation, with ``dp_state(r, **steps[s])`` on rank 1 (rank 0 clean)."""
+
+    def run(manager: reshard.CheckpointManager, r: int) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step, damage in steps.items():
+                manager.save(step, dp_state(r, **(damage if r == 1 else {})))
+
+    manager_run(root, run, **kwargs)
+
+
+def test_a_restarted_manager_certifies_a_step_its_previous_incarnation_checked(tmp_path: Path) -> None:
+    saved_by(tmp_path, {1: {}}, certify=OPTIONS, certify_hook=lambda step, checks: False)  # vetoed: not certified
+    assert not certified(tmp_path / "step_000000001")
+
+    def later(manager: reshard.CheckpointManager, r: int) -> Any:
+        before = [(s.certified, s.certification) for s in manager_infos(manager)]
+        return before, manager.certify(1), [s.certified for s in manager_infos(manager)]
+
+    for before, checks, after in manager_run(tmp_path, later, certify=OPTIONS):  # a new process's managers
+        assert before == [(False, "not certified yet (its checks passed)")]
+        assert checks == reshard.Checks(passed=True, checked=("finite", "replicas")) and after == [True]
+
+
+def test_a_restarted_manager_refuses_failed_unknown_or_foreign_checks(tmp_path: Path) -> None:
+    saved_by(tmp_path, {1: {"nan": True}, 2: {}, 3: {}}, certify=OPTIONS, certify_hook=lambda step, checks: False)
+    saved_by(tmp_path, {4: {}})  # a manager without certify: no checks
+    shutil.copy(tmp_path / "step_000000002" / CHECKS_FILE, tmp_path / "step_000000003" / CHECKS_FILE)
+    (tmp_path / "step_000000002" / CHECKS_FILE).write_bytes(b'{"format": 1, "passed": true')
+
+    def later(manager: reshard.CheckpointManager, r: int) -> Any:
+        reasons = [s.certification for s in manager_infos(manager)]
+        for step, match in [(1, "NaN"), (2, "not a record"), (3, "another save"), (4, "not checked")]:
+            with pytest.raises(reshard.CheckpointError, match=rf"step {step} cannot be certified.*{match}"):
+                manager.certify(step)
+        return reasons
+
+    for reasons in manager_run(tmp_path, later, certify=OPTIONS):
+        assert reasons[0].startswith("its checks failed: 'w' box (2,0)+(2,4) holds 1 NaN")
+        assert "checks.json is not a record reshard wrote" in reasons[1]
+        assert "checks of another save" in reasons[2]
+        assert reasons[3] == "not checked"
+    checks, why = checks_status(storage_for(tmp_path / "step_000000001"))
+    assert checks is not None and not checks.passed and why == ""
+
+
+def test_retention_and_remove_delete_checks_json_with_its_step(tmp_path: Path) -> None:
+    saved_by(tmp_path, {1: {}, 2: {}, 3: {}}, certify=OPTIONS, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_000000003"]
+    assert (tmp_path / "step_000000003" / CHECKS_FILE).exists()
+    removal = remove_checkpoint(storage_for(tmp_path / "step_000000003"))
+    assert not removal.left and not (tmp_path / "step_000000003").exists()
