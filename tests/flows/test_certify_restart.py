@@ -75,3 +75,40 @@ def test_retention_and_remove_delete_checks_json_with_its_step(tmp_path: Path) -
     assert (tmp_path / "step_000000003" / CHECKS_FILE).exists()
     removal = remove_checkpoint(storage_for(tmp_path / "step_000000003"))
     assert not removal.left and not (tmp_path / "step_000000003").exists()
+
+
+@pytest.mark.parametrize("next_step", [5, 6])
+def test_a_job_resumed_from_a_certified_step_saves_on_past_the_uncertified_newer_one(
+    tmp_path: Path, next_step: int
+) -> None:
+    """Resumed from certified step 4 past an uncertified 6 (its replicas differ), the job saves 5 (or 6) without
+    ``rewind``, as past a damaged step that load_latest skipped: the uncertified 6 goes once the save commits."""
+    saved_by(tmp_path, {4: {}, 6: {"flip": True}}, certify=OPTIONS)
+
+    def restarted(manager: reshard.CheckpointManager, r: int) -> Any:
+        skipped: list[tuple[int, str]] = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step = manager.load_latest(dp_state(r), skipped=skipped)
+            result = manager.save(next_step, dp_state(r))
+        return step, result.checks.passed, manager.steps(), skipped
+
+    for step, passed, steps, skipped in manager_run(tmp_path, restarted, certify=OPTIONS):
+        assert step == 4 and passed and steps == [4, next_step]
+        assert [s for s, _ in skipped] == [6] and "not certified" in skipped[0][1]
+    assert certified(tmp_path / f"step_{next_step:09d}")
+
+
+def test_a_skipped_uncertified_step_certified_since_counts_as_newer(tmp_path: Path) -> None:
+    saved_by(tmp_path, {4: {}, 6: {}}, certify=OPTIONS, certify_hook=lambda step, checks: step != 6)
+
+    def restarted(manager: reshard.CheckpointManager, r: int) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step = manager.load_latest(dp_state(r))
+        manager.certify(6)  # promoted after the load skipped it: it is a recovery point, newer than 5
+        with pytest.raises(reshard.CheckpointExistsError, match="newer"):
+            manager.save(5, dp_state(r))
+        return step, manager.steps()
+
+    assert manager_run(tmp_path, restarted, certify=OPTIONS) == [(4, [4, 6]), (4, [4, 6])]
