@@ -4,6 +4,7 @@ listing says of each step. Ranks are threads of this process (ThreadGroup: the r
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 import reshard
-from reshard.flows.certify import CHECKS_FILE, certified, checks_status
+from reshard.flows.certify import CHECKS_FILE, certification_status, certified, checks_status
 from reshard.io.retirement import remove_checkpoint
 from reshard.storage import storage_for
 from tests.flows.test_certify import dp_state, manager_infos, manager_run
@@ -112,3 +113,29 @@ def test_a_skipped_uncertified_step_certified_since_counts_as_newer(tmp_path: Pa
         return step, manager.steps()
 
     assert manager_run(tmp_path, restarted, certify=OPTIONS) == [(4, [4, 6]), (4, [4, 6])]
+
+
+@pytest.mark.parametrize("record", ["certified.json", "checks.json"])
+def test_a_record_whose_time_overflows_a_float_is_refused_not_raised(tmp_path: Path, record: str) -> None:
+    """``certified_at``/``checked_at`` an integer too large for a float: the step is not certified, with a reason
+    (math.isfinite raised OverflowError out of certificate_status, which never raises)."""
+    saved_by(tmp_path, {1: {}}, certify=OPTIONS)
+    path = tmp_path / "step_000000001" / record
+    doc = json.loads(path.read_bytes())
+    doc["certified_at" if record == "certified.json" else "checked_at"] = 10**400
+    path.write_text(json.dumps(doc))
+    is_certified, why = certification_status(storage_for(tmp_path / "step_000000001"))
+    assert not is_certified if record == "certified.json" else is_certified
+    checks, reason = checks_status(storage_for(tmp_path / "step_000000001"))
+    assert (checks is None) == (record == "checks.json")
+    assert f"{record} is not a" in (why if record == "certified.json" else reason)
+
+
+def test_a_retired_step_is_not_certified_even_with_its_certificate(tmp_path: Path) -> None:
+    """A ``retired.json`` beside a genuine certificate (a step retention retired, or a forged record): no recovery
+    point (certification_status said certified)."""
+    saved_by(tmp_path, {1: {}}, certify=OPTIONS)
+    step = tmp_path / "step_000000001"
+    (step / "retired.json").write_text(json.dumps({"retired": 1, "kept": ["../home/notes.txt", "/etc/hosts"]}))
+    is_certified, why = certification_status(storage_for(step))
+    assert not is_certified and "retired" in why and not certified(step)

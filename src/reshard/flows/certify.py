@@ -35,6 +35,7 @@ import torch
 from reshard.errors import CheckpointError, StorageError
 from reshard.io.checksums import ChunkedChecksum
 from reshard.io.device import HostSlabs
+from reshard.io.references import is_retired
 from reshard.io.retirement import CERTIFICATE_FILE, CHECKS_FILE
 from reshard.io.sources import read_metadata_bytes
 from reshard.metadata import Metadata
@@ -249,6 +250,17 @@ def write_certificate(storage: Storage, checks: Checks, *, metadata_sha256: str 
     return record
 
 
+def _is_time(value: Any) -> bool:
+    """Whether ``value`` (parsed JSON) is a time in seconds: a finite number (an integer too large for a float is
+    not, nor is a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _parse(raw: bytes) -> Certificate:
     doc = json.loads(raw)
     if not isinstance(doc, dict) or set(doc) != {"format", "metadata_sha256", "checks", "certified_at"}:
@@ -260,7 +272,7 @@ def _parse(raw: bytes) -> Certificate:
         raise ValueError("metadata_sha256 is not a SHA-256")
     if not isinstance(checks, list) or not all(isinstance(c, str) for c in checks):
         raise ValueError("checks is not a list of names")
-    if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
+    if not _is_time(at):
         raise ValueError("certified_at is not a time")
     return Certificate(metadata_sha256=digest, checks=tuple(checks), certified_at=float(at))
 
@@ -325,6 +337,8 @@ def _parse_checks(raw: bytes) -> tuple[str, Checks]:
         raise ValueError("metadata_sha256 is not a SHA-256")
     if not isinstance(doc["problems"], list) or not isinstance(doc["checked"], list):
         raise TypeError("problems and checked are not lists")
+    if not _is_time(doc["checked_at"]):
+        raise ValueError("checked_at is not a time")
     try:
         return digest, Checks.from_json(doc)
     except CheckpointError as exc:
@@ -356,7 +370,13 @@ def checks_status(storage: Storage) -> tuple[Checks | None, str]:
 def certification_status(storage: Storage) -> tuple[bool, str]:
     """Whether the checkpoint at ``storage`` is certified, and why not: its certificate's problem, else what its
     save's checks recorded (``"not checked"``, ``"its checks failed: ..."``, ``"not certified yet (its checks
-    passed)"``). Not collective; never raises."""
+    passed)"``); a retired checkpoint (deleted by retention, kept for the files newer ones reference) is no
+    recovery point. Not collective; never raises."""
+    try:
+        if is_retired(storage):
+            return False, "it is retired (deleted by retention; only files newer checkpoints reference are kept)"
+    except OSError as exc:
+        return False, f"it cannot be read: {exc}"
     record, why = certificate_status(storage)
     if record is not None:
         return True, ""
@@ -381,8 +401,14 @@ def read_certificate(path: CheckpointLocation, storage_options: dict[str, Any] |
 
 
 def certified(path: CheckpointLocation, storage_options: dict[str, Any] | None = None) -> bool:
-    """Whether the checkpoint at ``path`` holds a valid certificate of its own ``metadata.json``. Not collective."""
-    return read_certificate(path, storage_options) is not None
+    """Whether the checkpoint at ``path`` holds a valid certificate of its own ``metadata.json`` (and is not
+    retired: :func:`certification_status`). Not collective."""
+    storage = storage_for(path, storage_options)
+    try:
+        return certification_status(storage)[0]
+    finally:
+        if storage is not path:
+            storage.close()
 
 
 # ---- the decision (collective) -------------------------------------------------------------------------------
