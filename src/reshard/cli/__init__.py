@@ -299,7 +299,7 @@ def _add_checkpoint_parsers(sub: Any, storage: argparse.ArgumentParser, quiet: a
         "file exists with its recorded size, and (unless --quick) every CRC-32C of every stored box and object, "
         "with a progress bar on a terminal. Prints each problem, the step's certification (certified, not "
         "certified: why, e.g. a damaged certified.json or one of another save; not checked), which does not change "
-        "the exit code, and a summary line; exits 1 if there is any problem of the data.",
+        "the exit code, and a summary line (neither with --quiet); exits 1 if there is any problem of the data.",
     )
     validate.add_argument("path", help="checkpoint directory or URL")
     validate.add_argument("--quick", action="store_true", help="check presence and sizes only, not checksums")

@@ -86,9 +86,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     )
     for problem in problems:
         sys.stdout.write(f"PROBLEM: {problem}\n")
-    certification = certification_line(args)
+    certification = None if args.quiet else certification_line(args)  # part of the summary: not with --quiet
     if certification is not None:
-        sys.stdout.write(f"certification: {printable(certification).replace(chr(10), ' ')}\n")
+        say(args, f"certification: {printable(certification).replace(chr(10), ' ')}")
     kind = "presence and sizes" if args.quick else "presence, sizes and every checksum"
     if problems:
         say(args, f"{args.path}: {counted(len(problems), 'problem')} ({kind} checked)")

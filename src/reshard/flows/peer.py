@@ -184,11 +184,7 @@ class PeerMemoryCheckpoint:
 
         def describe() -> bytes:  # inside the first step: a state that cannot be kept fails every rank alike
             flat = flatten_state_dict(state_dict, rank=comm.rank)
-            if flat.objects:
-                names = ", ".join(repr(o.key) for o in flat.objects[:10])
-                raise StateDictError(
-                    f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}"
-                )
+            _refuse_objects(flat.objects)
             check_tensors(flat.tensors, what="peer save", fill=False)  # copied to the host after this agreed step
             pieces.extend((t, piece) for t in flat.tensors if t.is_main_replica for piece in t.pieces())
             described = [
@@ -286,7 +282,8 @@ class PeerMemoryCheckpoint:
 
         The ranks first agree on the generation to restore: the newest that some rank knows to be current
         (a save whose commit reached it), which every rank that took part in that save holds whole; every
-        other generation is released. Every rank passes a ``fallback`` or none does.
+        other generation is released. Every rank passes a ``fallback`` or none does. The checks of a certified
+        save of that generation become :attr:`checks` on every rank (new ranks too).
 
         Raises:
             DataUnavailableError: boxes without a surviving copy (named), and no ``fallback`` (or it has
@@ -298,10 +295,7 @@ class PeerMemoryCheckpoint:
         """
         comm = Communicator(group, timeout=self.timeout)
         flat = flatten_state_dict(template, rank=comm.rank, dedup=False)
-        objects = flat.objects
-        if objects:
-            names = ", ".join(repr(o.key) for o in objects[:10])
-            raise StateDictError(f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}")
+        _refuse_objects(flat.objects)
         kept = filter_state_dict(template, lambda _path, leaf: _is_tensor(leaf) or isinstance(leaf, ScaledTensor))
         # A ScaledTensor as its parts, each filled in place from the held parts of its key.
         tensors = map_leaves(kept, lambda _path, leaf: leaf.parts() if isinstance(leaf, ScaledTensor) else leaf)
@@ -360,6 +354,13 @@ def _fall_back(fallback: CheckpointManager, template: Any, exc: DataUnavailableE
         nothing = f"{fallback.root.describe()} holds no complete checkpoint"
         raise DataUnavailableError(f"{exc}; and {nothing}") from exc
     return found[1]
+
+
+def _refuse_objects(objects: list[Any]) -> None:
+    """The StateDictError of a state holding ShardedObjects (per-rank values the tier does not keep)."""
+    if objects:
+        names = ", ".join(repr(o.key) for o in objects[:10])
+        raise StateDictError(f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}")
 
 
 def _count(name: str, value: object) -> int:
