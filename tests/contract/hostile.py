@@ -471,7 +471,7 @@ def tools(parent: Path, pristine: Path) -> dict[str, tuple[bool, Callable[[], bo
         "gc": (False, lambda: collect_garbage(ckpt, min_age_s=0.0) is not None),
         "gc_base": (True, lambda: collect_garbage(parent / BASE, min_age_s=0.0) is not None),
         "ls": (True, lambda: _cli("ls", str(parent)) is None),
-        "validate_cli": (False, lambda: _cli("validate", "--quiet", str(ckpt)) is None),
+        "validate_cli": (False, lambda: _cli("validate", str(ckpt)) is None),
         "certification": (False, certification),
         "manager_load": (True, manager_load),
         "manager_save": (True, manager_save),
