@@ -10,7 +10,8 @@ nodelocal`, reported by each node's leader) and the byte moves of :mod:`reshard.
   (the rounds, each copy verified and renamed), *metadata on every node*, then :func:`reshard.load`;
 - drain: *holdings*, *metadata*, *plan* (the coordinator takes the target's save lock, or finds the step there
   already, and assigns each file to one rank of a node that holds it), *copy* (each chunk verified as read, the
-  copy read back), *publish* (the coordinator commits the same ``metadata.json`` with the commit protocol).
+  copy read back), *publish* (the coordinator commits the same ``metadata.json`` with the commit protocol),
+  *certificate* (the source node's ``certified.json``, when it certifies that document, copied after it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from reshard.errors import CorruptCheckpointError, DataUnavailableError
+from reshard.flows.certify import CERTIFICATE_FILE, MAX_CERTIFICATE_BYTES, certificate_status
 from reshard.flows.load import load
 from reshard.flows.load_phases import match_template
 from reshard.flows.options import LoadOptions
@@ -37,13 +39,14 @@ from reshard.planning.nodelocal import (
     Holding,
     Judgement,
     RankFetches,
+    agree_on_node_size,
     assign_drain,
     judge_step,
     needed_files,
     node_of,
     plan_fetches,
 )
-from reshard.storage import CheckpointLocation, LocalStorage, storage_for
+from reshard.storage import CheckpointLocation, LocalStorage, Storage, storage_for
 
 __all__ = ["FETCH_ROUND_BYTES", "Site", "drain_step", "restorable_steps", "restore_step"]
 
@@ -90,19 +93,20 @@ def _judged(step: int, holdings: list[Holding]) -> Judgement:
 
 
 def holdings_phase(comm: Communicator, site: Site, step: int) -> _Holdings:
-    """One collective step: every node's leader reports what its directory holds of ``step``; the coordinator
-    judges it (DataUnavailableError on every rank when no node holds its metadata or some file)."""
+    """One collective step: every node's leader reports what its directory holds of ``step``, every rank its
+    ``node_size`` (CheckpointError on every rank when they differ); the coordinator judges it
+    (DataUnavailableError on every rank when no node holds its metadata or some file)."""
     kept: list[list[Holding]] = []
 
-    def local() -> dict[str, Any] | None:
+    def local() -> tuple[int, dict[str, Any] | None]:
         if not _leader(comm, site):
-            return None
-        return read_holding(
-            site.step_directory(step), node=node_of(comm.rank, site.node_size), rank=comm.rank
-        ).to_json()
+            return site.node_size, None
+        holding = read_holding(site.step_directory(step), node=node_of(comm.rank, site.node_size), rank=comm.rank)
+        return site.node_size, holding.to_json()
 
-    def combine(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
-        holdings = [Holding.from_json(d) for d in docs if d is not None]
+    def combine(reports: list[tuple[int, dict[str, Any] | None]]) -> dict[str, Any]:
+        agree_on_node_size([size for size, _ in reports], f"node-local step {step}")
+        holdings = [Holding.from_json(d) for _, d in reports if d is not None]
         kept.append(holdings)
         return _judged(step, holdings).to_json()
 
@@ -143,22 +147,26 @@ def metadata_phase(comm: Communicator, site: Site, step: int, judgement: Judgeme
 
 
 def restorable_steps(comm: Communicator, site: Site) -> list[int]:
-    """The steps the group can restore whole, oldest first (one collective step)."""
+    """The steps the group can restore whole, oldest first (one collective step; CheckpointError on every rank
+    when the ranks' ``node_size`` differ)."""
 
-    def local() -> dict[str, Any] | None:
+    def local() -> tuple[int, dict[str, Any] | None]:
         if not _leader(comm, site):
-            return None
+            return site.node_size, None
         node = node_of(comm.rank, site.node_size)
         try:
             names = sorted(p.name for p in site.directory.iterdir())
         except OSError:
             names = []
         found = [s for s in map(step_of, names) if s is not None]
-        return {str(s): read_holding(site.step_directory(s), node=node, rank=comm.rank).to_json() for s in found}
+        return site.node_size, {
+            str(s): read_holding(site.step_directory(s), node=node, rank=comm.rank).to_json() for s in found
+        }
 
-    def combine(docs: list[dict[str, Any] | None]) -> list[int]:
+    def combine(reports: list[tuple[int, dict[str, Any] | None]]) -> list[int]:
+        agree_on_node_size([size for size, _ in reports], "node-local restorable steps")
         by_step: dict[int, list[Holding]] = {}
-        for doc in docs:
+        for _, doc in reports:
             for name, holding in (doc or {}).items():
                 by_step.setdefault(int(name), []).append(Holding.from_json(holding))
         out = []
@@ -226,6 +234,26 @@ def restore_step(comm: Communicator, site: Site, step: int, template: Any, load_
     return load(template, str(directory), group=site.group, timeout=site.timeout, **load_kwargs)
 
 
+def _copy_certificate(comm: Communicator, site: Site, step: int, judgement: Judgement, target: Storage) -> None:
+    """On the rank whose node's ``metadata.json`` the drain published (``judgement.source``), after the publish:
+    copy that node's ``certified.json`` to ``target`` when it is a valid certificate of that very document (so
+    the durable copy is file for file the local one, certified too); nothing when the step is not certified
+    there. A drain run again after a cut here copies it then."""
+    if comm.rank != judgement.source:
+        return
+    local = LocalStorage(site.step_directory(step))
+    record, _ = certificate_status(local)
+    if record is None or record.metadata_sha256 != judgement.digest:
+        return
+    raw = local.read_bytes(CERTIFICATE_FILE, max_bytes=MAX_CERTIFICATE_BYTES)
+    try:
+        found: bytes | None = target.read_bytes(CERTIFICATE_FILE, max_bytes=MAX_CERTIFICATE_BYTES)
+    except FileNotFoundError:
+        found = None
+    if found != raw:
+        target.commit(CERTIFICATE_FILE, raw, replace=True)
+
+
 def drain_step(
     comm: Communicator,
     site: Site,
@@ -257,14 +285,15 @@ def drain_step(
 
     try:
         decided = comm.step("node-local drain: plan", lambda: None, begin)
-        if decided["done"]:
-            return
-        mine = [int(f) for f in decided["assign"][comm.rank]]
-        directory = site.step_directory(step)
-        comm.step(
-            "node-local drain: copying files", lambda: [copy_verified(directory, storage, metadata, f) for f in mine]
-        )
-        comm.step("node-local drain: publish", lambda: None, lambda _: protocol[0].publish(document))
+        if not decided["done"]:
+            mine = [int(f) for f in decided["assign"][comm.rank]]
+            directory = site.step_directory(step)
+            comm.step(
+                "node-local drain: copying files",
+                lambda: [copy_verified(directory, storage, metadata, f) for f in mine],
+            )
+            comm.step("node-local drain: publish", lambda: None, lambda _: protocol[0].publish(document))
+        comm.step("node-local drain: certificate", lambda: _copy_certificate(comm, site, step, held.judgement, storage))
     finally:
         for commit in protocol:
             commit.release_lock()  # never discard: the files copied are the step's, kept for the next run
