@@ -151,7 +151,6 @@ def _restore_all(pattern: str, step: int) -> list[bool]:
     return on_threads(4, run, group=group)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 33 item 3: fixed in the next commit")
 def test_a_damaged_fetched_copy_is_fetched_again_from_the_node_that_holds_it_whole(tmp_path: Path) -> None:
     pattern = os.path.join(tmp_path, "node{node}")
     _save_all(pattern, 5, _state)

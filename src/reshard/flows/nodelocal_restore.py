@@ -31,7 +31,7 @@ from reshard.flows.load_phases import match_template
 from reshard.flows.options import LoadOptions
 from reshard.flows.steps import step_of
 from reshard.io.commit import SaveCommit
-from reshard.io.nodefiles import copy_verified, publish_on_node, read_holding, run_fetches
+from reshard.io.nodefiles import copy_verified, is_whole, publish_on_node, read_holding, run_fetches
 from reshard.metadata import MAX_METADATA_BYTES, METADATA_FILE, Metadata
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
@@ -189,41 +189,120 @@ def _needs(template: Any, metadata: Metadata, rank: int, load_kwargs: dict[str, 
     return json.dumps(sorted(needed_files(metadata, pieces, [o.key for o in matched.objects]))).encode()
 
 
+def _verifications(
+    metadata: Metadata, held: _Holdings, needs: list[list[int]], rank_nodes: list[int]
+) -> list[list[int]]:
+    """On the coordinator: which held copies each rank verifies before the exchange: every file a node's ranks
+    need that the node holds with its recorded size, each by one rank of that node (the fewest bytes so far)."""
+    index = {f.path: i for i, f in enumerate(metadata.files)}
+    holds = {
+        h.node: {index[n] for n, size in h.held.items() if n in index and metadata.files[index[n]].size == size}
+        for h in held.holdings
+    }
+    wanted = sorted({(rank_nodes[r], f) for r, files in enumerate(needs) for f in files})
+    work: list[list[int]] = [[] for _ in rank_nodes]
+    load: dict[int, int] = {}
+    for node, file in wanted:
+        if file in holds.get(node, set()):
+            ranks = [r for r, n in enumerate(rank_nodes) if n == node]
+            rank = min(ranks, key=lambda r: (load.get(r, 0), r))
+            load[rank] = load.get(rank, 0) + metadata.files[file].size
+            work[rank].append(file)
+    return work
+
+
+def _good_holdings(
+    metadata: Metadata, held: _Holdings, bad: set[tuple[int, int]], verified: set[tuple[int, int]]
+) -> dict[int, set[int]]:
+    """The files each node holds whole for the exchange: not those whose copy failed verification (``bad``, as
+    (node, file)), and, for a file some node verified whole (``verified``), only the verified copies."""
+    index = {f.path: i for i, f in enumerate(metadata.files)}
+    proven = {f for _, f in verified}
+    by_node: dict[int, set[int]] = {}
+    for h in held.holdings:
+        files = {index[n] for n, size in h.held.items() if n in index and metadata.files[index[n]].size == size}
+        by_node[h.node] = {f for f in files if (h.node, f) not in bad and (f not in proven or (h.node, f) in verified)}
+    return by_node
+
+
 def plan_phase(
-    comm: Communicator, site: Site, metadata: Metadata, held: _Holdings, template: Any, load_kwargs: dict[str, Any]
+    comm: Communicator,
+    site: Site,
+    directory: Path,
+    metadata: Metadata,
+    held: _Holdings,
+    template: Any,
+    load_kwargs: dict[str, Any],
 ) -> RankFetches:
-    """One collective step: each rank sends the files its load reads; the coordinator schedules the fetches
-    (:func:`~reshard.planning.nodelocal.plan_fetches`) and sends each rank its part."""
+    """Two collective steps over this node's step ``directory``. First each rank sends the files its load reads;
+    the coordinator gives each rank the held copies of its node to verify (:func:`_verifications`). Then each
+    rank verifies those (size and every chunk checksum: a copy damaged since it was written or fetched) and
+    reports the bad ones; the coordinator schedules the fetches (:func:`~reshard.planning.nodelocal.plan_fetches`)
+    from verified copies, so that a node whose copy is bad fetches the file again from a node that holds it whole
+    (the new copy replaces the bad one), and sends each rank its part.
+
+    Raises:
+        CorruptCheckpointError: (every rank) a needed file's only copies failed verification (named).
+    """
     options = load_kwargs.get("options") or LoadOptions()
     round_bytes = max(4096, min(FETCH_ROUND_BYTES, options.memory_budget_bytes // 2))
+    rank_nodes = [node_of(r, site.node_size) for r in range(comm.size)]
+    needs: list[list[int]] = []
 
-    def combine(payloads: list[bytes]) -> tuple[None, list[bytes]]:
-        index = {f.path: i for i, f in enumerate(metadata.files)}
-        by_node = {
-            h.node: {index[n] for n, size in h.held.items() if n in index and metadata.files[index[n]].size == size}
-            for h in held.holdings
-        }
-        plans = plan_fetches(
-            [f.size for f in metadata.files],
-            [json.loads(p) for p in payloads],
-            [node_of(r, site.node_size) for r in range(comm.size)],
-            by_node,
-            round_bytes=round_bytes,
-        )
+    def assign(payloads: list[bytes]) -> tuple[None, list[bytes]]:
+        needs.extend(json.loads(p) for p in payloads)
+        return None, [json.dumps(w).encode() for w in _verifications(metadata, held, needs, rank_nodes)]
+
+    _, work = comm.step_scatter(
+        "node-local restore: planning the exchange",
+        lambda: _needs(template, metadata, comm.rank, load_kwargs),
+        assign,
+    )
+    storage = LocalStorage(directory)
+
+    def verify() -> bytes:
+        mine = [int(f) for f in json.loads(work)]
+        return json.dumps([[f, is_whole(storage, metadata, f)] for f in mine]).encode()
+
+    def schedule(payloads: list[bytes]) -> tuple[None, list[bytes]]:
+        bad: set[tuple[int, int]] = set()
+        verified: set[tuple[int, int]] = set()
+        for rank, payload in enumerate(payloads):
+            for file, whole in json.loads(payload):
+                (verified if whole else bad).add((rank_nodes[rank], int(file)))
+        by_node = _good_holdings(metadata, held, bad, verified)
+        _refuse_lost(metadata, bad, by_node, needs, rank_nodes)
+        plans = plan_fetches([f.size for f in metadata.files], needs, rank_nodes, by_node, round_bytes=round_bytes)
         return None, [json.dumps(p.to_json()).encode() for p in plans]
 
-    _, mine = comm.step_scatter(
-        "node-local restore: planning the exchange", lambda: _needs(template, metadata, comm.rank, load_kwargs), combine
-    )
+    _, mine = comm.step_scatter("node-local restore: verifying held copies", verify, schedule)
     return RankFetches.from_json(json.loads(mine))
+
+
+def _refuse_lost(
+    metadata: Metadata,
+    bad: set[tuple[int, int]],
+    by_node: dict[int, set[int]],
+    needs: list[list[int]],
+    rank_nodes: list[int],
+) -> None:
+    """CorruptCheckpointError when a file some rank needs is held whole by no node once the bad copies are out."""
+    whole = {f for files in by_node.values() for f in files}
+    lost = sorted({f for files in needs for f in files if f not in whole})
+    if lost:
+        damaged = sorted({f"{metadata.files[f].path} on node {n}" for n, f in bad if f in lost})
+        raise CorruptCheckpointError(
+            f"{len(lost)} data files the restore reads are held whole by no node: the copies there do not match "
+            f"their checksums ({', '.join(damaged[:20])})"
+        )
 
 
 def restore_step(comm: Communicator, site: Site, step: int, template: Any, load_kwargs: dict[str, Any]) -> Any:
     """:meth:`reshard.NodeLocalCheckpoints.restore` (collective): the phases of the module doc, then the load."""
     held = holdings_phase(comm, site, step)
     metadata, document = metadata_phase(comm, site, step, held.judgement)
-    fetches = plan_phase(comm, site, metadata, held, template, load_kwargs)
     directory = site.step_directory(step)
+    fetches = plan_phase(comm, site, directory, metadata, held, template, load_kwargs)
     comm.step("node-local restore: fetching files", lambda: run_fetches(comm.transport, fetches, directory, metadata))
 
     def complete_node() -> None:
