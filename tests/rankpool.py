@@ -27,6 +27,17 @@ import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT_S = 60.0
 
+FORKSERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "reshard",
+    "tests.rankpool",
+    "tests.faults",
+    "megatron.core.dist_checkpointing",  # skipped by the forkserver when megatron-core is not installed
+    "reshard.interop.megatron",
+)
+"""What the forkserver of :func:`private_pool` imports once, before it forks any rank."""
+
 
 @dataclass
 class RankContext:
@@ -119,9 +130,11 @@ class PoolBrokenError(RuntimeError):
 class RankPool:
     """``world_size`` spawned ranks with a gloo group, running test functions on request."""
 
-    def __init__(self, world_size: int, *, start_timeout_s: float = 240.0) -> None:
+    def __init__(self, world_size: int, *, start_timeout_s: float = 240.0, start_method: str = "spawn") -> None:
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":  # taken into account when the session's forkserver starts (once)
+            ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         port = _free_port()
@@ -187,3 +200,12 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def private_pool(world_size: int) -> RankPool:
+    """A pool of a test's own, for a test that breaks it (kills a rank, leaves a collective timed out): its ranks
+    are forked by multiprocessing's forkserver, which imported torch, reshard and megatron-core once for the
+    session (:data:`FORKSERVER_PRELOAD`), so it starts in about a second where spawned ranks import torch again,
+    seconds each. The ranks are fresh processes all the same: nothing of a test's ranks reaches the next's. The
+    shared pools of ``tests/conftest.py`` are spawned: they start once."""
+    return RankPool(world_size, start_method="forkserver")
