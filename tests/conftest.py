@@ -33,7 +33,9 @@ class PoolRegistry:
         if pool is None or pool.broken:
             if pool is not None:
                 pool.close()
-            pool = RankPool(world_size)
+            # Forked by the session's forkserver (tests/rankpool.py, private_pool), which has imported torch and
+            # reshard once: 8 ranks start in under a second where spawning them took about 16 s.
+            pool = RankPool(world_size, start_method="forkserver")
             self.pools[world_size] = pool
         return pool
 

@@ -207,5 +207,5 @@ def private_pool(world_size: int) -> RankPool:
     are forked by multiprocessing's forkserver, which imported torch, reshard and megatron-core once for the
     session (:data:`FORKSERVER_PRELOAD`), so it starts in about a second where spawned ranks import torch again,
     seconds each. The ranks are fresh processes all the same: nothing of a test's ranks reaches the next's. The
-    shared pools of ``tests/conftest.py`` are spawned: they start once."""
+    shared pools of ``tests/conftest.py`` start the same way."""
     return RankPool(world_size, start_method="forkserver")
