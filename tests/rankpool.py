@@ -1,8 +1,10 @@
-"""A pool of spawned ranks, reused across test cases.
+"""A pool of rank processes, reused across test cases.
 
 Starting ranks is the slow part of a multi-process test (importing torch, forming the gloo group), so
 the pool starts ``world_size`` processes once, forms the default gloo group and a fixed set of
-subgroups, and then runs one test function after another on every rank.
+subgroups, and then runs one test function after another on every rank. The test suite's pools fork
+their ranks from multiprocessing's forkserver, which imported torch and reshard once for the session
+(:func:`forkserver_context`); ``start_method="spawn"`` gives ranks that import everything themselves.
 
 A test function is a module-level function ``fn(ctx: RankContext, *args)``, referenced by module and
 name (so nothing is pickled but plain arguments); its return value (plain data) comes back per rank.
