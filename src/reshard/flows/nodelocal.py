@@ -39,7 +39,7 @@ from reshard.errors import CheckpointError, CheckpointExistsError, Communication
 from reshard.flows.collector import collector_paused
 from reshard.flows.nodelocal_restore import drain_step, restorable_steps, restore_step
 from reshard.flows.options import SaveOptions
-from reshard.flows.save import SaveResult
+from reshard.flows.save import SaveResult, certify_facts
 from reshard.flows.save_commit import commit, finish
 from reshard.flows.save_phases import SaveRequest, describe_rank, plan, write_assigned
 from reshard.flows.stats import PhaseClock
@@ -148,10 +148,14 @@ class NodeLocalCheckpoints:
 
     # ---- save --------------------------------------------------------------------------------------------
 
-    def save(self, step: int, state_dict: Any, *, options: SaveOptions | None = None) -> SaveResult:
+    def save(
+        self, step: int, state_dict: Any, *, options: SaveOptions | None = None, certificate: bool = True
+    ) -> SaveResult:
         """Save ``state_dict`` as ``step``: each rank writes its data file into its own node's directory, the
         coordinator commits ``metadata.json`` on its node, then every other node's leader writes the same bytes
         on its node (one more collective step); then retention, per node. Collective over the group.
+        ``certificate=False``: with ``SaveOptions(certify=...)`` the checks run but ``certified.json`` is not written
+        (a caller with a ``certify_hook`` writes it once the hook approved).
 
         Raises:
             CheckpointExistsError: the step is complete on some node (nothing is written).
@@ -163,7 +167,7 @@ class NodeLocalCheckpoints:
         options = options if options is not None else SaveOptions()
         comm = self._comm()
         storage = self.path_of(step)
-        request = SaveRequest.of(storage, options, overwrite=False, base_name=None)
+        request = SaveRequest.of(storage, options, overwrite=False, base_name=None, certificate=certificate)
         request = dataclasses.replace(request, location=self._location(step))
         self._refuse_complete(comm, step)
         with collector_paused():
@@ -173,7 +177,8 @@ class NodeLocalCheckpoints:
             )
             planned = plan(comm, request, described, clock)
             written = clock.timed("write", write_assigned)(request, described, planned, rank=comm.rank)
-            committed = commit(comm, request, described, planned, written, clock)
+            facts = clock.timed("certify", certify_facts)(request, described, planned)  # its checks, if any
+            committed = commit(comm, request, described, planned, written, clock, facts)
             stats = finish(planned, committed, described, written, clock)
             kept = self._spread(comm, step)
             # Each node leader retires its old steps; the step ends once all did (a rank's steps() then agrees).
@@ -187,6 +192,7 @@ class NodeLocalCheckpoints:
             total_bytes=committed.total_bytes,
             metadata=committed.metadata,
             stats=stats,
+            checks=committed.checks,
         )
 
     def _refuse_complete(self, comm: Communicator, step: int) -> None:
@@ -251,16 +257,20 @@ class NodeLocalCheckpoints:
             old = step_of(name)
             if old is None or old >= step or old in kept:
                 continue
-            storage = LocalStorage(self.directory / name)
-            try:
-                if storage.exists(METADATA_FILE):
-                    remove_checkpoint(storage)
-                if not storage.exists(METADATA_FILE):
-                    for leftover in storage.list_files(DATA_DIR):
-                        storage.delete(leftover)
-                    storage.remove_empty_dirs()
-            except (OSError, CheckpointError) as exc:
-                logger.warning("node-local retention kept %s: %s", storage.describe(), exc)
+            _remove_step(LocalStorage(self.directory / name), "node-local retention")
+
+    def discard(self, steps: set[int]) -> None:
+        """Remove ``steps`` from every node (collective over the group; each node's leader removes its own copies):
+        steps of a timeline a restore abandoned, which a save of the same step would otherwise be refused for.
+        Best effort per node: a failure is logged."""
+
+        def remove() -> None:
+            if self.is_leader:
+                for step in sorted(steps):
+                    if self.step_directory(step).is_dir():
+                        _remove_step(self.path_of(step), "node-local discard")
+
+        self._comm().step("node-local: discard steps", remove)
 
     # ---- restorable, restore, drain ------------------------------------------------------------------------
 
@@ -293,6 +303,7 @@ class NodeLocalCheckpoints:
         *,
         group: Group = None,
         storage_options: dict[str, Any] | None = None,
+        replaces: str | None = None,
     ) -> None:
         """Copy ``step`` to ``target`` (a step directory of durable storage: a path, URL or Storage): every data
         file by one rank of a node that holds it (balanced by bytes), each chunk verified as it is read and the
@@ -301,6 +312,8 @@ class NodeLocalCheckpoints:
         file already whole in ``target`` is not copied again, and a target already holding this step's
         ``metadata.json`` is done, so a drain killed at any point is simply run again. Collective over
         ``group`` (default: the group given at construction; a drain in a background thread passes its own).
+        ``replaces``: the SHA-256 of a damaged ``metadata.json`` in ``target`` that the drain may replace (as
+        :func:`reshard.flows.save.save_replacing`; checked under the save lock).
 
         Raises:
             DataUnavailableError: no node holds the step whole (named files).
@@ -309,7 +322,21 @@ class NodeLocalCheckpoints:
             CheckpointError, StorageError: the same on every rank; ``target`` has no ``metadata.json`` then.
         """
         comm = Communicator(self.group if group is None else group, timeout=self.timeout)
-        drain_step(comm, self, step, target, storage_options)
+        drain_step(comm, self, step, target, storage_options, replaces=replaces)
+
+
+def _remove_step(storage: Storage, why: str) -> None:
+    """Remove one node-local step directory: the checkpoint (:func:`~reshard.io.retirement.remove_checkpoint`),
+    then the data files no save of it named (left by a failed save). Best effort: a failure is logged."""
+    try:
+        if storage.exists(METADATA_FILE):
+            remove_checkpoint(storage)
+        if not storage.exists(METADATA_FILE):
+            for leftover in storage.list_files(DATA_DIR):
+                storage.delete(leftover)
+            storage.remove_empty_dirs()
+    except (OSError, CheckpointError) as exc:
+        logger.warning("%s kept %s: %s", why, storage.describe(), exc)
 
 
 def _complete_steps(directory: Path) -> list[int]:
