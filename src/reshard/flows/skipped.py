@@ -7,7 +7,9 @@ step's ``metadata.json`` as the listing read it, before the load). A step is *st
 present, of its recorded size, and every checksum: :func:`reshard.flows.maintenance.validate_checkpoint`, the
 checks whose failure made the load fail). Anything else (another save wrote the step, or a data file that was
 away is back) is a complete step like any other: it counts as newer, and nothing deletes it. The judgment runs on
-the coordinator only (it alone lists and deletes), so every rank acts on one answer.
+the coordinator only (it alone lists and deletes), so every rank acts on one answer. A step a resume skipped as
+not certified (``SkippedStep.uncertified``) is still skipped while it is that save and still has no valid
+certificate.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import hashlib
 from dataclasses import dataclass
 
 from reshard.errors import CheckpointError
+from reshard.flows.certify import certificate_status
 from reshard.flows.maintenance import validate_checkpoint
 from reshard.flows.steps import step_name
 from reshard.io.sources import read_metadata_bytes
@@ -27,10 +30,13 @@ __all__ = ["SkippedStep", "metadata_digest", "still_skipped"]
 @dataclass(frozen=True, slots=True)
 class SkippedStep:
     """A complete step that ``load_latest`` failed to load: ``digest`` is :func:`metadata_digest` of it when it was
-    listed (None: unknown on this rank; only the coordinator's record is judged)."""
+    listed (None: unknown on this rank; only the coordinator's record is judged). ``uncertified``: it loads, but a
+    resume that prefers certified steps skipped it as not certified (a tiered restore): it is still skipped while it
+    is that save and still not certified."""
 
     step: int
     digest: str | None
+    uncertified: bool = False
 
 
 def metadata_digest(checkpoint: Storage) -> str | None:
@@ -52,6 +58,9 @@ def still_skipped(root: Storage, skipped: SkippedStep) -> str | None:
     try:
         if metadata_digest(child) != skipped.digest:
             return None
+        if skipped.uncertified:
+            certificate, why = certificate_status(child)
+            return None if certificate is not None else why
         try:
             problems = validate_checkpoint(child)
         except CheckpointError as exc:
