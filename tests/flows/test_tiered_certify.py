@@ -123,3 +123,21 @@ def test_a_certify_hook_veto_leaves_the_step_uncertified_on_every_tier(tmp_path:
         reshard.TieredCheckpointManager(
             [reshard.Durable(tmp_path / "d", every=4)], certify=None, certify_hook=lambda s, c: True
         )
+
+
+def test_ranks_passing_other_certify_fail_every_rank_naming_it(tmp_path: Path) -> None:
+    group = ThreadGroup(2, timeout=30)
+    errors = [""] * 2
+
+    def run(r: int) -> None:
+        certify = reshard.CertifyOptions() if r == 0 else reshard.CertifyOptions(replicas=False)
+        tiers = [reshard.Durable(tmp_path, every=4)]
+        manager = reshard.TieredCheckpointManager(tiers, group=group.member(r), certify=certify, timeout=30)
+        try:
+            manager.save(4, {"w": torch.ones(2)})
+        except reshard.CheckpointError as exc:
+            errors[r] = f"{type(exc).__name__}: {exc}"
+
+    on_threads(2, run)
+    assert len(set(errors)) == 1 and errors[0].startswith("CheckpointError") and "certify" in errors[0], errors
+    assert not (tmp_path / "step_000000004").exists()
