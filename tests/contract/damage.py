@@ -1,8 +1,10 @@
 """Seeded damage of every artefact a flow of the manager leaves: data files (a holder's referenced file
-included), ``metadata.json``, reference markers, ``retired.json``, ``latest.json``, the root's lock; then
-every reader and every mutator of a root, judged by the guarantees.
+included), ``metadata.json``, reference markers, ``retired.json``, ``latest.json``, the certification records
+(``certified.json``, ``checks.json``), the root's lock; then every reader and every mutator of a root, judged by
+the guarantees.
 
-The pristine root is what ``CheckpointManager(root, keep_last=2, incremental=True)`` leaves after three
+The pristine root is what ``CheckpointManager(root, keep_last=2, incremental=True, certify=CertifyOptions())``
+(every step certified) leaves after three
 steps of generations 1, 2 and 3 that share ``frozen``: step 1 holds every box (and is *retired*: deleted
 by retention but kept for the files steps 2 and 3 reference), steps 2 and 3 hold their own boxes and
 reference step 1's file (markers in ``step_000000001/refs/``), ``latest.json`` names step 3.
@@ -10,8 +12,9 @@ reference step 1's file (markers in ``step_000000001/refs/``), ``latest.json`` n
 After one seeded change the tools run in order:
 
 - readers: a load of every step (exact or a reshard error), ``validate`` of every step (passes only what
-  loads), ``reshard ls`` (complete only what loads), ``CheckpointManager.load_latest_with_state`` (the
-  state of the step it names, exactly);
+  loads), ``reshard ls`` (complete only what loads), the certification of every step (certified only what loads
+  exactly: a damaged, truncated, garbage or copied record certifies nothing, and never changes what loads),
+  ``CheckpointManager(certify=...).load_latest_with_state`` (the state of the step it names, exactly);
 - mutators: ``reshard gc`` of every step, then a manager's save of step 4 with retention. Nothing that
   loaded before them and that the policy keeps (step 3, the newest complete one before step 4) may stop
   loading, step 4 must load, and the user's files in the root must be intact.
@@ -60,7 +63,7 @@ def make_pristine(root: Path) -> None:
     """Three incremental steps under ``root`` (see the module doc), and the user's files."""
     import reshard
 
-    manager = reshard.CheckpointManager(root, keep_last=2, incremental=True)
+    manager = reshard.CheckpointManager(root, keep_last=2, incremental=True, certify=reshard.CertifyOptions())
     for step in (1, 2, 3):
         manager.save(step, states.single_process_state(step, WORLD))
     manager.close()
@@ -75,6 +78,8 @@ def _artefacts(root: Path) -> dict[str, list[Path]]:
         "marker": sorted(root.glob("step_*/refs/*.json")),
         "retired": sorted(root.glob("step_*/retired.json")),
         "latest": [root / "latest.json"],
+        "certificate": sorted(root.glob("step_*/certified.json")),
+        "checks": sorted(root.glob("step_*/checks.json")),
     }
 
 
@@ -84,12 +89,19 @@ def corrupt(root: Path, rng: random.Random) -> Damage:
     kind = rng.choice(sorted(artefacts))
     path = rng.choice(artefacts[kind])
     how = rng.choice(["flip", "truncate", "delete", "garbage", "swap"] + (["retarget"] if kind == "latest" else []))
+    damage_file(path, how, rng, others=[p for p in artefacts[kind] if p != path])
+    return Damage(f"{kind}:{how}", str(path.relative_to(root)))
+
+
+def damage_file(path: Path, how: str, rng: random.Random, *, others: list[Path]) -> Damage:
+    """``path`` damaged ``how``: ``flip`` one bit, ``truncate`` (shorter), ``delete``, ``garbage`` (other JSON or
+    random bytes), ``swap`` (the bytes of one of ``others``, a file of the same kind), ``retarget`` (latest.json)."""
     raw = path.read_bytes()
     if how == "flip" and raw:
         at = rng.randrange(len(raw))
         path.write_bytes(raw[:at] + bytes([raw[at] ^ (1 << rng.randrange(8))]) + raw[at + 1 :])
     elif how == "truncate":
-        path.write_bytes(raw[: rng.randrange(len(raw) + 1)])
+        path.write_bytes(raw[: rng.randrange(max(len(raw), 1))])
     elif how == "delete":
         path.unlink()
     elif how == "garbage":
@@ -100,9 +112,8 @@ def corrupt(root: Path, rng: random.Random) -> Damage:
         step = rng.choice([1, 2, 9, -1])
         path.write_text(json.dumps({"step": step, "path": f"step_{max(step, 0):09d}"}))
     else:
-        others = [p for p in artefacts[kind] if p != path] or artefacts[kind]
-        path.write_bytes(rng.choice(others).read_bytes())
-    return Damage(f"{kind}:{how}", str(path.relative_to(root)))
+        path.write_bytes(rng.choice(others or [path]).read_bytes())
+    return Damage(f"{path.name}:{how}", f"{path.parent.name}/{path.name}")
 
 
 def corrupt_held(root: Path, how: str, rng: random.Random) -> Damage:
@@ -177,7 +188,8 @@ def _readers(root: Path, verdict: Verdict) -> dict[str, int | None]:
     # step that loads must be listed complete
     wrong = [n for n, s in listed.items() if s != "complete" and loads.get(n) == int(n.split("_")[1])]
     verdict.results["ls"] = f"other: ls does not list {wrong} complete, yet they load" if wrong else "exact"
-    manager = reshard.CheckpointManager(root)
+    _certification(root, loads, verdict)
+    manager = reshard.CheckpointManager(root, certify=reshard.CertifyOptions())
     try:
         found = manager.load_latest_with_state(states.full_template(WORLD))
         if found is None:
@@ -190,6 +202,33 @@ def _readers(root: Path, verdict: Verdict) -> dict[str, int | None]:
     finally:
         manager.close()
     return loads
+
+
+def _certification(root: Path, loads: dict[str, int | None], verdict: Verdict) -> None:
+    """Every step's certification (never raising), as ``ls`` says: a damaged ``metadata.json``, ``certified.json`` or
+    ``checks.json`` never leaves a step certified unless it still loads exactly (a certificate vouches for the save
+    its ``metadata.json`` names, not for data damaged since: that step is certified and fails to load, as
+    ``validate`` says)."""
+    import reshard
+    from reshard.flows.certify import certification_status
+
+    listed = {i.name: i.certified for i in reshard.flows.manager.scan_root(reshard.storage.LocalStorage(root))}
+    for name, generation in loads.items():
+        storage = reshard.storage.LocalStorage(root / name)
+        try:
+            is_certified, _ = certification_status(storage)
+        except Exception as exc:  # it never raises: anything escaping is a finding
+            verdict.results[f"certified {name}"] = f"other: {type(exc).__name__}: {exc}"
+            continue
+        finally:
+            storage.close()
+        records = {f"{name}/{n}" for n in ("metadata.json", "certified.json", "checks.json")}
+        if is_certified and generation != int(name.split("_")[1]) and verdict.damage.target in records:
+            verdict.results[f"certified {name}"] = f"silent: {name} is certified but does not load exactly"
+        elif is_certified != listed.get(name, False):
+            verdict.results[f"certified {name}"] = f"other: ls says certified={listed.get(name)} of {name}"
+        else:
+            verdict.results[f"certified {name}"] = "exact" if is_certified else "error"
 
 
 def _mutators(root: Path, verdict: Verdict, before: dict[str, int | None]) -> None:
@@ -206,7 +245,7 @@ def _mutators(root: Path, verdict: Verdict, before: dict[str, int | None]) -> No
     if lost:
         verdict.results["gc"] = f"lost: gc made {lost} stop loading"
         return
-    manager = reshard.CheckpointManager(root, keep_last=2, incremental=True)
+    manager = reshard.CheckpointManager(root, keep_last=2, incremental=True, certify=reshard.CertifyOptions())
     try:
         manager.save(4, states.single_process_state(4, WORLD))
         verdict.results["save"] = "exact"

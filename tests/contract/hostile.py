@@ -1,6 +1,7 @@
 """Hostile documents: checkpoints written by someone else, of every format version, whose ``metadata.json``
-(resealed, as a forger who knows the format would), reference markers, ``retired.json`` or ``latest.json``
-name things they must not: file names with ``..``, absolute paths, URLs of other buckets, references to
+(resealed, as a forger who knows the format would), reference markers, ``retired.json``, ``latest.json`` or the
+certification records (``certified.json``, ``checks.json``: oversized, deeply nested, of wrong types, with
+hostile strings) name things they must not: file names with ``..``, absolute paths, URLs of other buckets, references to
 sibling directories that are not checkpoints or are not tied to this one by a marker, to the checkpoint
 itself (a cycle), huge counts.
 
@@ -87,7 +88,8 @@ def make_pristine(parent: Path, version: int) -> None:
     reshard.save(states.single_process_state(1, WORLD), parent / BASE, options=hashes)
     if version == 4:
         state = states.single_process_state(2, WORLD)
-        reshard.save(state, parent / CKPT, options=hashes, base=parent / BASE)
+        certify = reshard.SaveOptions(content_hash=True, certify=reshard.CertifyOptions())  # certified
+        reshard.save(state, parent / CKPT, options=certify, base=parent / BASE)
     else:
         shutil.copytree(GOLDEN / f"golden_v{version}", parent / CKPT)
     reshard.save(states.single_process_state(3, WORLD), parent / ARCHIVE)
@@ -155,6 +157,7 @@ ATTACKS_V4 = (
     "downgrade",
     "archive",
     "numbers",
+    "record",
 )
 
 
@@ -190,6 +193,8 @@ def _attacks_v4(rng: random.Random, doc: dict[str, Any], parent: Path) -> tuple[
         return kind, f"{count} references"
     if kind == "marker":
         return kind, _attack_marker(rng, parent)
+    if kind == "record":
+        return kind, attack_record(parent, rng.choice(RECORDS), rng.choice(sorted(HOSTILE_RECORDS)))
     if kind == "retired":
         doc_text = {"retired": 1, "kept": [rng.choice(HOSTILE_NAMES), "../home/notes.txt", "/etc/hosts"]}
         target = rng.choice([CKPT, BASE])
@@ -228,6 +233,39 @@ def _attack_marker(rng: random.Random, parent: Path) -> str:
         doc["files"] = [f"data/{j:032x}-r00000.bin" for j in range(50_000)]
     marker.write_text(json.dumps(doc))
     return f"{marker.name}: {json.dumps(doc)[:120]}"
+
+
+RECORDS = ("certified.json", "checks.json")
+HOSTILE_RECORDS: dict[str, Callable[[dict[str, Any], bytes], bytes]] = {
+    "oversized": lambda doc, raw: raw + b" " * (1 << 20),
+    "deep": lambda doc, raw: b"[" * 100_000 + b"]" * 100_000,
+    "deep_object": lambda doc, raw: b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+    "format_string": lambda doc, raw: _dumps({**doc, "format": "1"}),
+    "digest_int": lambda doc, raw: _dumps({**doc, "metadata_sha256": 12}),
+    "digest_path": lambda doc, raw: _dumps({**doc, "metadata_sha256": "../" * 21 + "a"}),
+    "lists_as_string": lambda doc, raw: _dumps({k: "finite" if isinstance(v, list) else v for k, v in doc.items()}),
+    "lists_of_numbers": lambda doc, raw: _dumps({k: [1, None] if isinstance(v, list) else v for k, v in doc.items()}),
+    "bool_as_time": lambda doc, raw: _dumps({k: True if k.endswith("_at") else v for k, v in doc.items()}),
+    "nan_time": lambda doc, raw: _dumps({k: math.nan if k.endswith("_at") else v for k, v in doc.items()}),
+    "huge_time": lambda doc, raw: _dumps({k: 10**400 if k.endswith("_at") else v for k, v in doc.items()}),
+    "passed_string": lambda doc, raw: _dumps({**doc, "passed": "yes"}),
+    "extra_field": lambda doc, raw: _dumps({**doc, "path": "../home/.ssh/id_rsa"}),
+    "not_utf8": lambda doc, raw: b"\xff\xfe" + raw,
+    "escape_codes": lambda doc, raw: _dumps({**doc, "checks": ["\x1b[2J\u202e"], "problems": ["\x1b]0;x\x07"]}),
+}
+"""Hostile certification records, from the genuine document and its bytes."""
+
+
+def _dumps(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc).encode()
+
+
+def attack_record(parent: Path, record: str, how: str) -> str:
+    """The attacked checkpoint's ``record`` replaced by the hostile document ``how`` made of it."""
+    path = parent / CKPT / record
+    raw = path.read_bytes()
+    path.write_bytes(HOSTILE_RECORDS[how](json.loads(raw), raw))
+    return f"{record}: {how}"
 
 
 HOSTILE_NUMBERS: list[Any] = [-1, 2**62, 2**62 + 1, 2**63, 2**64, 1.5, True, None, "8", [8], 10**400]
@@ -392,6 +430,28 @@ def tools(parent: Path, pristine: Path) -> dict[str, tuple[bool, Callable[[], bo
             return False  # a retired step served
         return found is None or found[0] != 2 or _same(found[1], want)
 
+    def certification() -> bool:
+        """A hostile record certifies nothing: certified only with the genuine record and metadata."""
+        from reshard.flows.certify import certification_status
+
+        storage = reshard.storage.LocalStorage(ckpt)
+        try:
+            is_certified, why = certification_status(storage)
+        finally:
+            storage.close()
+        genuine = (
+            all(
+                (ckpt / n).exists() and (ckpt / n).read_bytes() == (pristine / CKPT / n).read_bytes()
+                for n in ("metadata.json", "certified.json")
+            )
+            and not (ckpt / "retired.json").exists()
+        )  # a retired checkpoint is no recovery point
+        if is_certified or not (pristine / CKPT / "certified.json").exists():
+            return genuine or not is_certified  # certified only as the pristine one was
+        if genuine:
+            return False  # the genuine certificate refused
+        raise reshard.CheckpointError(why)  # refused: not certified
+
     def manager_save() -> bool:
         manager = reshard.CheckpointManager(parent, keep_last=1)
         try:
@@ -411,6 +471,8 @@ def tools(parent: Path, pristine: Path) -> dict[str, tuple[bool, Callable[[], bo
         "gc": (False, lambda: collect_garbage(ckpt, min_age_s=0.0) is not None),
         "gc_base": (True, lambda: collect_garbage(parent / BASE, min_age_s=0.0) is not None),
         "ls": (True, lambda: _cli("ls", str(parent)) is None),
+        "validate_cli": (False, lambda: _cli("validate", str(ckpt)) is None),
+        "certification": (False, certification),
         "manager_load": (True, manager_load),
         "manager_save": (True, manager_save),
     }

@@ -31,6 +31,7 @@ def test_the_pristine_root_passes_every_tool(pristine: Path, tmp_path: Path) -> 
     assert not verdict.findings, verdict.results
     assert verdict.results["load step_000000001"] == "error"  # retired: not a checkpoint
     assert verdict.results["load step_000000003"] == "exact"
+    assert verdict.results["certified step_000000003"] == "exact"  # certified
 
 
 def test_damage_is_refused_or_harmless_and_never_costs_a_kept_checkpoint(pristine: Path, tmp_path: Path) -> None:
@@ -45,6 +46,24 @@ def test_damage_is_refused_or_harmless_and_never_costs_a_kept_checkpoint(pristin
     summary = damage.summarize(verdicts)
     assert summary["silent"] == summary["lost"] == summary["outside"] == summary["other"] == 0, summary["failures"]
     assert len(summary["by_kind"]) >= 10, summary["by_kind"]
+
+
+@pytest.mark.parametrize("record", ["certified.json", "checks.json"])
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete", "garbage", "swap"])
+def test_a_damaged_certification_record_certifies_nothing_and_loads_are_unaffected(
+    pristine: Path, tmp_path: Path, record: str, how: str
+) -> None:
+    """Step 3's record damaged: the step is not certified (or, a flipped bit in its time, still its own), every
+    step loads as before, and the certifying manager resumes from a certified step, exactly."""
+    root = tmp_path / "root"
+    damage.copy(pristine, root)
+    target = root / "step_000000003" / record
+    hurt = damage.damage_file(target, how, random.Random(SEED), others=[root / "step_000000002" / record])
+    verdict = damage.run_tools(root, hurt)
+    assert not verdict.findings, verdict.results
+    assert verdict.results["load step_000000003"] == verdict.results["load step_000000002"] == "exact"
+    if how in ("truncate", "delete", "garbage", "swap") and record == "certified.json":
+        assert verdict.results["certified step_000000003"] == "error"
 
 
 @pytest.mark.parametrize("how", ["flip", "same_size"])

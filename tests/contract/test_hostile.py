@@ -50,3 +50,19 @@ def test_hostile_documents_are_refused_without_touching_anything_outside(
         shutil.rmtree(copy)
     summary = hostile.summarize(verdicts)
     assert summary["silent"] == summary["outside"] == summary["other"] == 0, summary["failures"]
+
+
+@pytest.mark.parametrize("record", hostile.RECORDS)
+def test_hostile_certification_records_certify_nothing(pristine: dict[int, Path], tmp_path: Path, record: str) -> None:
+    """Every hostile record (oversized, deep, wrong types, hostile strings) against every tool: refused or harmless,
+    never certified, nothing touched outside."""
+    verdicts = []
+    for i, how in enumerate(sorted(hostile.HOSTILE_RECORDS)):
+        copy = tmp_path / f"doc-{i}"
+        shutil.copytree(pristine[4], copy, symlinks=True)
+        detail = hostile.attack_record(copy, record, how)
+        verdicts.append(hostile.run_tools(copy, pristine[4], hostile.Attack(4, "record", detail)))
+        assert verdicts[-1].results["certification"] in ("error", "exact"), verdicts[-1].results
+        shutil.rmtree(copy)
+    summary = hostile.summarize(verdicts)
+    assert summary["silent"] == summary["outside"] == summary["other"] == 0, summary["failures"]

@@ -16,6 +16,7 @@ import torch
 
 import reshard
 from reshard import ScaledTensor, ShardedObject, ShardedTensor
+from reshard.storage import Storage
 from tests.faults import Fault, FaultyStorage, kill_pool, run_with_deaths
 from tests.rankpool import RankContext, RankFailure, RankPool
 
@@ -240,3 +241,51 @@ def test_retention_per_node_keeps_the_newest_and_the_kept_steps(pool4: RankPool,
     assert pool4.run_ok(rank_retention, str(tmp_path)) == [expected] * WORLD
     for node in (0, 1):
         assert sorted(p.name for p in (tmp_path / f"node{node}").iterdir()) == ["step_000000040"]
+
+
+class _KilledOnNode(reshard.NodeLocalCheckpoints):
+    """Node-local checkpoints whose step storage SIGKILLs this rank at ``fault`` (a real local storage)."""
+
+    fault: Fault | None = None
+
+    def path_of(self, step: int) -> Storage:
+        if self.fault is None:
+            return super().path_of(step)
+        return FaultyStorage(self.step_directory(step), self.fault)
+
+
+def rank_save_killed(ctx: RankContext, root: str, step: int, fault: dict[str, Any]) -> list[int]:
+    tiers = _KilledOnNode(os.path.join(root, "node{node}"), node_size=NODE_SIZE, timeout=10)
+    tiers.fault = Fault.from_json(fault)
+    tiers.save(step, training_state(2, ctx.rank, fill=True))
+    return tiers.steps()
+
+
+def test_a_save_killed_mid_write_on_another_node_then_saved_again_keeps_no_leftover(tmp_path: Path) -> None:
+    marker = tmp_path / "killed.json"
+    pool = RankPool(WORLD)
+    try:
+        pool.run_ok(rank_save, str(tmp_path), 10)
+        fault = Fault("mid_write", rank=3, after_bytes=16, marker=str(marker))
+        run = run_with_deaths(pool, rank_save_killed, str(tmp_path), 20, fault.to_json(), dead={3})
+    finally:
+        kill_pool(pool)
+    assert marker.exists() and run.exitcodes[3] != 0
+    assert all(isinstance(r, RankFailure) for r in run.results.values()), run.results
+    leftovers = sorted((_step_dir(tmp_path, 1, 20) / "data").glob("*-r00003.bin"))
+    assert [p.stat().st_size for p in leftovers] == [16]  # the part rank 3 wrote before it was killed
+    assert not list(tmp_path.glob("node*/step_000000020/metadata.json"))
+    pool = RankPool(WORLD)
+    try:
+        assert pool.run_ok(rank_save, str(tmp_path), 20) == [[10, 20]] * WORLD
+        assert pool.run_ok(rank_restore, str(tmp_path), 20, 4) == [[]] * WORLD
+        assert pool.run_ok(rank_restore, str(tmp_path), 10, 1) == [[]] * WORLD  # the earlier step is whole
+    finally:
+        pool.request_close()
+        pool.close()
+    metadata = reshard.read_metadata(str(_step_dir(tmp_path, 1, 20)))
+    named = {f.path for f in metadata.files}
+    for node in (0, 1):
+        held = {f"data/{p.name}" for p in (_step_dir(tmp_path, node, 20) / "data").iterdir()}
+        assert held <= named, held - named
+    assert not any(p.exists() for p in leftovers)

@@ -41,12 +41,9 @@ def _expected(rank: int, world: int, step: int) -> torch.Tensor:
 def _managers(
     tmp_path: Path, world: int, group: ThreadGroup, node_size: int = 2
 ) -> list[reshard.TieredCheckpointManager]:
-    """One manager per rank: every 2 steps to peer memory (nodes of ``node_size``), every 4 to the durable root;
-    without certification (the order of the tiers is what these tests check: test_tiered_certify.py certifies)."""
+    """One manager per rank: every 2 steps to peer memory (nodes of ``node_size``), every 4 to the durable root."""
     tiers = [reshard.PeerMemory(every=2, node_size=node_size), reshard.Durable(tmp_path / "durable", every=4)]
-    return [
-        reshard.TieredCheckpointManager(tiers, group=group.member(r), certify=None, timeout=30) for r in range(world)
-    ]
+    return [reshard.TieredCheckpointManager(tiers, group=group.member(r), timeout=30) for r in range(world)]
 
 
 def _restore(managers: list[reshard.TieredCheckpointManager], group: ThreadGroup) -> tuple[list[Any], list[str]]:

@@ -297,8 +297,9 @@ def _add_checkpoint_parsers(sub: Any, storage: argparse.ArgumentParser, quiet: a
         help="check a checkpoint: completeness, file sizes and every checksum",
         description="Check that PATH is a complete checkpoint (metadata.json present and valid), that every data "
         "file exists with its recorded size, and (unless --quick) every CRC-32C of every stored box and object, "
-        "with a progress bar on a terminal. Prints each problem and a summary line; exits 1 if there is any "
-        "problem.",
+        "with a progress bar on a terminal. Prints each problem, the step's certification (certified, not "
+        "certified: why, e.g. a damaged certified.json or one of another save; not checked), which does not change "
+        "the exit code, and a summary line (neither with --quiet); exits 1 if there is any problem of the data.",
     )
     validate.add_argument("path", help="checkpoint directory or URL")
     validate.add_argument("--quick", action="store_true", help="check presence and sizes only, not checksums")
@@ -308,7 +309,8 @@ def _add_checkpoint_parsers(sub: Any, storage: argparse.ArgumentParser, quiet: a
         parents=[storage],
         help="list the step checkpoints of a CheckpointManager root",
         description="List the step directories of a manager root with their status (complete, incomplete: an "
-        "interrupted or running save, corrupt), size, and which one latest.json points at.",
+        "interrupted or running save, corrupt), size, which one latest.json points at, and the certification of "
+        "each complete step (certified; not certified: why, e.g. its checks failed; not checked).",
     )
     ls.add_argument("root", help="manager root directory or URL")
     ls.add_argument("--json", action="store_true", help="print the listing as JSON")

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from reshard.cli.text import counted, human_bytes, inspect_summary, print_inspect
+from reshard.cli.text import counted, human_bytes, inspect_summary, print_inspect, printable
 from reshard.errors import CheckpointNotFoundError
 
 __all__ = [
@@ -86,12 +86,42 @@ def cmd_validate(args: argparse.Namespace) -> int:
     )
     for problem in problems:
         sys.stdout.write(f"PROBLEM: {problem}\n")
+    certification = None if args.quiet else certification_line(args)  # part of the summary: not with --quiet
+    if certification is not None:
+        say(args, f"certification: {printable(certification).replace(chr(10), ' ')}")
     kind = "presence and sizes" if args.quick else "presence, sizes and every checksum"
     if problems:
         say(args, f"{args.path}: {counted(len(problems), 'problem')} ({kind} checked)")
         return 1
     say(args, f"{args.path}: OK ({kind} checked)")
     return 0
+
+
+def certification_line(args: argparse.Namespace) -> str | None:
+    """What ``validate`` says of the certification of the checkpoint at ``args.path`` (None: it has no
+    ``metadata.json``, nothing to certify): ``certified (finite, replicas)``, ``not checked``, or ``not certified:``
+    and why (a damaged certificate, another save's, failed checks). It never changes the exit code."""
+    from reshard.flows.certify import certificate_status, certification_status
+    from reshard.metadata import METADATA_FILE
+    from reshard.storage import storage_for
+
+    storage = storage_for(args.path, storage_options_of(args))
+    try:
+        if not storage.exists(METADATA_FILE):
+            return None
+        record, _ = certificate_status(storage)
+        if record is not None:
+            return f"certified ({', '.join(record.checks)})"
+        return certification_text(certification_status(storage)[1])
+    finally:
+        storage.close()
+
+
+def certification_text(why: str) -> str:
+    """A step's certification as ``ls`` and ``validate`` show it, from ``StepInfo.certification``."""
+    if not why:
+        return "certified"
+    return why if why == "not checked" else f"not certified: {why}"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -122,6 +152,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         "referenced_bytes": i.referenced_bytes,
                         "world_size": i.world_size,
                         "problem": i.problem,
+                        "certified": i.certified,
+                        "certification": i.certification,
                     }
                     for i in infos
                 ],
@@ -140,6 +172,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if info.referenced_bytes:
             written, referenced = human_bytes(info.written_bytes), human_bytes(info.referenced_bytes)
             flags = f"  ({written} written, {referenced} referenced)" + flags
+        if info.status == "complete":
+            flags += f"  {printable(certification_text(info.certification)).replace(chr(10), ' ')}"
         sys.stdout.write(f"  {info.name}  {info.status:<10}  {size:>10}{flags}\n")
     return 0
 

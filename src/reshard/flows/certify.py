@@ -35,7 +35,8 @@ import torch
 from reshard.errors import CheckpointError, StorageError
 from reshard.io.checksums import ChunkedChecksum
 from reshard.io.device import HostSlabs
-from reshard.io.retirement import CERTIFICATE_FILE
+from reshard.io.references import is_retired
+from reshard.io.retirement import CERTIFICATE_FILE, CHECKS_FILE
 from reshard.io.sources import read_metadata_bytes
 from reshard.metadata import Metadata
 from reshard.net.comm import Communicator
@@ -44,13 +45,16 @@ from reshard.storage import CheckpointLocation, Storage, storage_for
 
 __all__ = [
     "CERTIFICATE_FILE",
+    "CHECKS_FILE",
     "Certificate",
     "CertifyHook",
     "CertifyOptions",
     "Checks",
     "certificate_status",
+    "certification_status",
     "certified",
     "certify_later",
+    "checks_status",
     "decide_certification",
     "judge",
     "judge_save",
@@ -61,6 +65,7 @@ __all__ = [
     "read_certificate",
     "save_facts",
     "write_certificate",
+    "write_checks",
 ]
 
 logger = logging.getLogger("reshard")
@@ -71,6 +76,10 @@ CertifyHook = Callable[[int, Checks], bool]
 CERTIFICATE_FORMAT = 1
 MAX_CERTIFICATE_BYTES = 64 * 1024
 """A larger certified.json is not read (hostile or broken): the step is not certified."""
+MAX_CHECKS_BYTES = 256 * 1024
+"""A larger checks.json is not read (hostile or broken): the step's checks are unknown."""
+_MAX_PROBLEM_CHARS = 1000
+"""Each problem kept in checks.json is cut to this many characters (the record stays under its limit)."""
 
 _FACT_ELEMENTS = 1 << 24
 """Elements checked for finiteness at a time (bounds the temporary memory of the check)."""
@@ -241,6 +250,17 @@ def write_certificate(storage: Storage, checks: Checks, *, metadata_sha256: str 
     return record
 
 
+def _is_time(value: Any) -> bool:
+    """Whether ``value`` (parsed JSON) is a time in seconds: a finite number (an integer too large for a float is
+    not, nor is a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _parse(raw: bytes) -> Certificate:
     doc = json.loads(raw)
     if not isinstance(doc, dict) or set(doc) != {"format", "metadata_sha256", "checks", "certified_at"}:
@@ -252,7 +272,7 @@ def _parse(raw: bytes) -> Certificate:
         raise ValueError("metadata_sha256 is not a SHA-256")
     if not isinstance(checks, list) or not all(isinstance(c, str) for c in checks):
         raise ValueError("checks is not a list of names")
-    if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
+    if not _is_time(at):
         raise ValueError("certified_at is not a time")
     return Certificate(metadata_sha256=digest, checks=tuple(checks), certified_at=float(at))
 
@@ -279,6 +299,97 @@ def certificate_status(storage: Storage) -> tuple[Certificate | None, str]:
     return record, ""
 
 
+def write_checks(storage: Storage, checks: Checks, *, metadata_sha256: str | None = None) -> None:
+    """Record what the save's checks found (:data:`CHECKS_FILE`, coordinator only, after its commit, passed or not),
+    tied to its ``metadata.json`` as the certificate is, so that a later process (a restarted job's
+    :meth:`~reshard.CheckpointManager.certify`, ``reshard ls``) knows them.
+
+    Raises:
+        CheckpointError: the checkpoint has no valid ``metadata.json``.
+        StorageError: the record could not be written.
+    """
+    digest = metadata_sha256 if metadata_sha256 is not None else _metadata_sha256(storage)
+    doc = {
+        "format": CERTIFICATE_FORMAT,
+        "metadata_sha256": digest,
+        **Checks(
+            passed=checks.passed,
+            problems=tuple(p[:_MAX_PROBLEM_CHARS] for p in checks.problems),
+            checked=checks.checked,
+        ).to_json(),
+        "checked_at": time.time(),
+    }
+    try:
+        storage.commit(CHECKS_FILE, json.dumps(doc, sort_keys=True).encode(), replace=True)
+    except OSError as exc:
+        raise StorageError(f"writing {storage.describe(CHECKS_FILE)} failed: {exc}") from exc
+
+
+def _parse_checks(raw: bytes) -> tuple[str, Checks]:
+    doc = json.loads(raw)
+    fields = {"format", "metadata_sha256", "passed", "problems", "checked", "checked_at"}
+    if not isinstance(doc, dict) or set(doc) != fields:
+        raise ValueError("not a record of checks")
+    if doc["format"] != CERTIFICATE_FORMAT:
+        raise ValueError(f"unknown format {doc['format']!r}")
+    digest = doc["metadata_sha256"]
+    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError("metadata_sha256 is not a SHA-256")
+    if not isinstance(doc["problems"], list) or not isinstance(doc["checked"], list):
+        raise TypeError("problems and checked are not lists")
+    if not _is_time(doc["checked_at"]):
+        raise ValueError("checked_at is not a time")
+    try:
+        return digest, Checks.from_json(doc)
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def checks_status(storage: Storage) -> tuple[Checks | None, str]:
+    """The checks the save of the checkpoint at ``storage`` recorded (:func:`write_checks`) and ``""``, or None and
+    why they are unknown (``"not checked"``: no record). Not collective; never raises."""
+    try:
+        raw = storage.read_bytes(CHECKS_FILE, max_bytes=MAX_CHECKS_BYTES)
+    except FileNotFoundError:
+        return None, "not checked"
+    except OSError as exc:
+        return None, f"{CHECKS_FILE} cannot be read: {exc}"
+    try:
+        digest, checks = _parse_checks(raw)
+    except (ValueError, TypeError, RecursionError, UnicodeDecodeError) as exc:
+        return None, f"{CHECKS_FILE} is not a record reshard wrote ({exc})"
+    try:
+        mine = _metadata_sha256(storage)
+    except (OSError, CheckpointError) as exc:
+        return None, f"its {CHECKS_FILE} records nothing: {exc}"
+    if digest != mine:
+        return None, f"its {CHECKS_FILE} records the checks of another save (of another metadata.json)"
+    return checks, ""
+
+
+def certification_status(storage: Storage) -> tuple[bool, str]:
+    """Whether the checkpoint at ``storage`` is certified, and why not: its certificate's problem, else what its
+    save's checks recorded (``"not checked"``, ``"its checks failed: ..."``, ``"not certified yet (its checks
+    passed)"``); a retired checkpoint (deleted by retention, kept for the files newer ones reference) is no
+    recovery point. Not collective; never raises."""
+    try:
+        if is_retired(storage):
+            return False, "it is retired (deleted by retention; only files newer checkpoints reference are kept)"
+    except OSError as exc:
+        return False, f"it cannot be read: {exc}"
+    record, why = certificate_status(storage)
+    if record is not None:
+        return True, ""
+    if why != "not certified":
+        return False, why
+    checks, unknown = checks_status(storage)
+    if checks is None:
+        return False, unknown
+    if checks.passed:
+        return False, "not certified yet (its checks passed)"
+    return False, f"its checks failed: {'; '.join(checks.problems)}"
+
+
 def read_certificate(path: CheckpointLocation, storage_options: dict[str, Any] | None = None) -> Certificate | None:
     """The valid certificate of the checkpoint at ``path``, or None (see :func:`certificate_status`)."""
     storage = storage_for(path, storage_options)
@@ -290,8 +401,14 @@ def read_certificate(path: CheckpointLocation, storage_options: dict[str, Any] |
 
 
 def certified(path: CheckpointLocation, storage_options: dict[str, Any] | None = None) -> bool:
-    """Whether the checkpoint at ``path`` holds a valid certificate of its own ``metadata.json``. Not collective."""
-    return read_certificate(path, storage_options) is not None
+    """Whether the checkpoint at ``path`` holds a valid certificate of its own ``metadata.json`` (and is not
+    retired: :func:`certification_status`). Not collective."""
+    storage = storage_for(path, storage_options)
+    try:
+        return certification_status(storage)[0]
+    finally:
+        if storage is not path:
+            storage.close()
 
 
 # ---- the decision (collective) -------------------------------------------------------------------------------
@@ -344,17 +461,37 @@ def options_term(options: CertifyOptions | None) -> str | None:
 def certify_later(comm: Communicator, storage: Storage, step: int, checks: Checks | None) -> Checks:
     """Collective (every rank of ``comm``): certify the step at ``storage`` now, after its save (a
     :class:`~reshard.CheckpointManager`'s ``certify(step)``: a decision that needed later information, such as the
-    loss a few steps on; the hook is not run again). ``checks``: those the manager's save of the step found.
+    loss a few steps on; the hook is not run again). ``checks``: those the manager's save of the step found in this
+    process, if it saved it; else (a restarted job, another manager) the coordinator reads those the save recorded
+    in :data:`CHECKS_FILE`, which must belong to the step's ``metadata.json``.
 
     Raises:
-        CheckpointError: on every rank: the checks are unknown (the manager did not save the step with checks in
-            this process: save it again) or did not pass, or the certificate could not be written.
+        CheckpointError: on every rank: the checks are unknown (the step was saved without checks, or its record
+            is missing, damaged or another save's: save it again) or did not pass, or the certificate could not be
+            written.
     """
-    known = checks or Checks(passed=False, problems=(f"this manager did not save step {step} with checks",))
-    decided = decide_certification(comm, storage, step, known, None)
-    if not decided.passed:
-        raise CheckpointError(f"step {step} cannot be certified: {'; '.join(decided.problems)}")
-    return decided
+
+    def local() -> dict[str, Any] | None:
+        return None if checks is None else checks.to_json()
+
+    def combine(values: list[dict[str, Any] | None]) -> dict[str, Any]:
+        known = next((Checks.from_json(v) for v in values if v is not None), None)
+        if known is None:
+            known, why = checks_status(storage)
+            if known is None:
+                return {"problem": f"its checks are unknown ({why})"}
+        if not known.passed:
+            return {"problem": "; ".join(known.problems)}
+        try:
+            write_certificate(storage, known)
+        except CheckpointError as exc:
+            return {"problem": f"the certificate could not be written: {exc}"}
+        return {"checks": known.to_json()}
+
+    decided = comm.step("certification", local, combine)
+    if "problem" in decided:
+        raise CheckpointError(f"step {step} cannot be certified: {decided['problem']}")
+    return Checks.from_json(decided["checks"])
 
 
 def prefer_certified(

@@ -42,7 +42,7 @@ from reshard.io.references import (
     reference_problems,
     refuse_a_link,
 )
-from reshard.io.retirement import Removal, remove_checkpoint
+from reshard.io.retirement import CERTIFICATE_FILE, CHECKS_FILE, Removal, remove_checkpoint
 from reshard.io.sources import read_metadata_bytes
 from reshard.io.verified import StoredEntry, verify_stored_ranges
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
@@ -304,6 +304,8 @@ _KINDS: tuple[tuple[str, str, Callable[[str], bool]], ...] = (
     ("stale lock marker", "stale lock markers", lambda n: n.startswith(LOCK_FILE)),
     ("metadata.json", "", lambda n: n == METADATA_FILE),
     ("the retirement record", "", lambda n: n == RETIRED_FILE),
+    (CERTIFICATE_FILE, "", lambda n: n == CERTIFICATE_FILE),
+    (CHECKS_FILE, "", lambda n: n == CHECKS_FILE),
     ("other file", "other files", lambda n: True),
 )
 

@@ -65,7 +65,7 @@ from reshard.flows.load import load
 from reshard.flows.maintenance import validate_checkpoint
 from reshard.flows.options import SaveOptions, check_terms
 from reshard.flows.save import SaveResult, save_replacing
-from reshard.flows.skipped import SkippedStep, metadata_digest, still_skipped
+from reshard.flows.skipped import SkippedStep, metadata_digest, still_skipped, uncertified_skipped
 from reshard.flows.steps import (
     LATEST_FILE,
     StepInfo,
@@ -197,7 +197,8 @@ class CheckpointManager:
         steps all follow the new timeline. Steps that this manager's :meth:`load_latest` skipped as unloadable
         do not count as newer while they are still the saves it failed to load and still fail their checks
         (judged again on the coordinator): a save goes past them (with a warning), and they are deleted once it
-        commits if they still fail then. One that loads again, or that another save replaced, counts as newer.
+        commits if they still fail then; so do the newer steps it skipped as not certified (when the manager certifies)
+        while they are still not certified. One that loads again, or that another save replaced, counts as newer.
         ``overwrite`` replaces a complete checkpoint of ``step`` itself.
 
         Raises:
@@ -313,13 +314,14 @@ class CheckpointManager:
         base_name, past, replaces = comm.step("manager lock", lock, coordinators)
         if replaces is not None:
             warnings.warn(
-                f"reshard: step {step} replaces the damaged step {step}, which load_latest skipped as unloadable",
+                f"reshard: step {step} replaces the step {step} that load_latest skipped (unloadable or not certified)",
                 stacklevel=3,
             )
         if past:
             warnings.warn(
-                f"reshard: step {step} is saved past steps {sorted(past)}, which load_latest skipped as unloadable; "
-                "they are deleted once it commits, if they still fail their checks then",
+                f"reshard: step {step} is saved past steps {sorted(past)}, which load_latest skipped (unloadable or "
+                "not certified); they are deleted once it commits, if they still fail their checks (or are still not "
+                "certified) then",
                 stacklevel=3,
             )
         return base_name, tuple(past), replaces
@@ -540,9 +542,10 @@ class CheckpointManager:
             if skipped is not None:
                 skipped.append((step, reason))
 
-        if self.certify_options is not None:
-            listed = prefer_certified(listed, skip, self._checks)
-        unloadable: list[SkippedStep] = []  # complete steps that failed to load: a save may go past them
+        unloadable: list[SkippedStep] = []  # complete steps that failed to load or are not certified: a save may
+        if self.certify_options is not None:  # go past them
+            listed, before = prefer_certified(listed, skip, self._checks), listed
+            unloadable = uncertified_skipped(before, listed)
         for step, status, problem, digest, *_ in listed:
             if status == "retired":
                 skip(step, "it was deleted by retention and keeps only data files that newer checkpoints reference")

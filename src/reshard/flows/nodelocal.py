@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import logging
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointError, CheckpointExistsError, CommunicationError, UnconfirmedCommitError
+from reshard.flows.certify import CERTIFICATE_FILE, Certificate, Checks
 from reshard.flows.collector import collector_paused
 from reshard.flows.nodelocal_restore import drain_step, restorable_steps, restore_step
 from reshard.flows.options import SaveOptions
@@ -46,10 +49,10 @@ from reshard.flows.stats import PhaseClock
 from reshard.flows.steps import step_name, step_of
 from reshard.io.nodefiles import publish_on_node, remove_unlisted
 from reshard.io.retirement import remove_checkpoint
-from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
+from reshard.metadata import MAX_METADATA_BYTES, METADATA_FILE, Metadata
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
-from reshard.planning.nodelocal import node_directory, node_of
+from reshard.planning.nodelocal import agree_on_node_size, node_directory, node_of
 from reshard.storage import CheckpointLocation, LocalStorage, Storage
 
 __all__ = ["NodeLocalCheckpoints"]
@@ -154,8 +157,8 @@ class NodeLocalCheckpoints:
         """Save ``state_dict`` as ``step``: each rank writes its data file into its own node's directory, the
         coordinator commits ``metadata.json`` on its node, then every other node's leader writes the same bytes
         on its node (one more collective step); then retention, per node. Collective over the group.
-        ``certificate=False``: with ``SaveOptions(certify=...)`` the checks run but ``certified.json`` is not written
-        (a caller with a ``certify_hook`` writes it once the hook approved).
+        ``certificate=False``: with ``SaveOptions(certify=...)`` the checks run but ``certified.json`` is written on
+        no node (a caller with a ``certify_hook`` writes and spreads it once the hook approved).
 
         Raises:
             CheckpointExistsError: the step is complete on some node (nothing is written).
@@ -167,7 +170,8 @@ class NodeLocalCheckpoints:
         options = options if options is not None else SaveOptions()
         comm = self._comm()
         storage = self.path_of(step)
-        request = SaveRequest.of(storage, options, overwrite=False, base_name=None, certificate=certificate)
+        # With certify, certified.json is written on every node after its metadata.json (_certify), not by the commit.
+        request = SaveRequest.of(storage, options, overwrite=False, base_name=None, certificate=False)
         request = dataclasses.replace(request, location=self._location(step))
         self._refuse_complete(comm, step)
         with collector_paused():
@@ -177,12 +181,18 @@ class NodeLocalCheckpoints:
             )
             planned = plan(comm, request, described, clock)
             written = clock.timed("write", write_assigned)(request, described, planned, rank=comm.rank)
-            facts = clock.timed("certify", certify_facts)(request, described, planned)  # its checks, if any
+            facts = clock.timed("certify", certify_facts)(request, described, planned)
             committed = commit(comm, request, described, planned, written, clock, facts)
             stats = finish(planned, committed, described, written, clock)
-            kept = self._spread(comm, step)
+            kept, document = self._spread(comm, step)
+            checks = self._certify(comm, step, committed.checks, document) if certificate else committed.checks
             # Each node leader retires its old steps; the step ends once all did (a rank's steps() then agrees).
             comm.step("node-local save: retention", lambda: self._retire(step, kept))
+        if checks is not None and not checks.passed and comm.is_coordinator:
+            warnings.warn(
+                f"reshard: node-local step {step} is saved but not certified: {'; '.join(checks.problems)}",
+                stacklevel=2,
+            )
         return SaveResult(
             path=storage.describe(),
             save_id=planned.save_id,
@@ -192,18 +202,48 @@ class NodeLocalCheckpoints:
             total_bytes=committed.total_bytes,
             metadata=committed.metadata,
             stats=stats,
-            checks=committed.checks,
+            checks=checks,
         )
 
+    def _certify(self, comm: Communicator, step: int, checks: Checks | None, document: bytes) -> Checks | None:
+        """With ``SaveOptions(certify=...)``, after every node holds ``metadata.json``: when the checks (judged by
+        the coordinator at the commit, the same on every rank) passed, one collective step writes the coordinator's
+        ``certified.json`` (its bytes, broadcast: tied to the SHA-256 of ``document``, the same on every node) on
+        every node, by its leader. A node that cannot write it makes the checks fail (a problem naming it); the
+        step is committed whatever happens here. Returns the checks, the same on every rank."""
+        if checks is None or not checks.passed:
+            return checks
+        record = None
+        if comm.is_coordinator:
+            digest = hashlib.sha256(document).hexdigest()
+            record = Certificate(metadata_sha256=digest, checks=checks.checked, certified_at=time.time()).to_bytes()
+        certificate = comm.broadcast_bytes(record)
+
+        def local() -> str | None:
+            if not self.is_leader:
+                return None
+            try:
+                self.path_of(step).commit(CERTIFICATE_FILE, certificate, replace=True)
+            except OSError as exc:
+                return f"certified.json could not be written on node {self.node}: {exc}"
+            return None
+
+        problems = comm.step("node-local save: certificate on every node", local, lambda p: [x for x in p if x])
+        if problems:
+            return dataclasses.replace(checks, passed=False, problems=tuple(problems))
+        return checks
+
     def _refuse_complete(self, comm: Communicator, step: int) -> None:
-        """One collective step before a save: the nodes where ``step`` is complete already; CheckpointExistsError
-        on every rank when there is one (the coordinator's commit would only see its own node)."""
+        """One collective step before a save: the ranks agree on ``node_size`` (CheckpointError on every rank, naming
+        it, when not) and the nodes where ``step`` is complete already; CheckpointExistsError on every rank when
+        there is one (the coordinator's commit would only see its own node)."""
 
-        def local() -> bool:
-            return self.is_leader and (self.step_directory(step) / METADATA_FILE).exists()
+        def local() -> tuple[int, bool]:
+            return self.node_size, self.is_leader and (self.step_directory(step) / METADATA_FILE).exists()
 
-        def combine(found: list[bool]) -> None:
-            nodes = sorted({node_of(r, self.node_size) for r, f in enumerate(found) if f})
+        def combine(reports: list[tuple[int, bool]]) -> None:
+            agree_on_node_size([size for size, _ in reports], f"node-local save of step {step}")
+            nodes = sorted({node_of(r, self.node_size) for r, (_, f) in enumerate(reports) if f})
             if nodes:
                 raise CheckpointExistsError(
                     f"step {step} is complete already in {self._location(step)} on nodes {nodes}: a node-local "
@@ -212,11 +252,12 @@ class NodeLocalCheckpoints:
 
         comm.step("node-local save: existing steps", local, combine)
 
-    def _spread(self, comm: Communicator, step: int) -> list[int]:
+    def _spread(self, comm: Communicator, step: int) -> tuple[list[int], bytes]:
         """After the commit, one collective step: the coordinator's ``metadata.json`` (its bytes, broadcast) on
         every other node, written by the node's leader after its ``data/`` is durable, and the data files of
         earlier failed saves of the step removed there; returns the steps retention keeps (the coordinator's
-        judgement: its ``keep_last`` newest complete steps, the steps given to :meth:`keep`, this one).
+        judgement: its ``keep_last`` newest complete steps, the steps given to :meth:`keep`, this one) and the
+        document.
 
         Raises:
             UnconfirmedCommitError: a node could not write it (the step is committed on the coordinator's node).
@@ -245,30 +286,35 @@ class NodeLocalCheckpoints:
                 path=storage.describe(),
                 save_id=Metadata.from_json_bytes(document, lazy=True).save_id,
             ) from exc
-        return kept
+        return kept, document
 
     def _retire(self, step: int, kept: list[int]) -> None:
-        """Retention on this node (its leader; not collective): remove every step directory older than ``step``
-        that ``kept`` does not name, complete here or not (:func:`~reshard.io.retirement.remove_checkpoint`, then
-        the data files no save of it named, left by a failed save). Best effort: a failure is logged."""
+        """Retention on this node (its leader; not collective): every step directory older than ``step`` that
+        ``kept`` does not name, complete here or not, goes through :func:`~reshard.io.retirement.remove_checkpoint`,
+        as the manager's retention: only files a reshard save wrote and something reshard wrote ties to it (its
+        ``metadata.json``, a stale save lock, a record or marker) are deleted; a directory that is a symbolic link
+        is left alone, and so are files nothing ties (a person's, or those of a failed save on a node without its
+        lock), with a warning. Best effort: a failure is logged."""
         if not self.is_leader or not self.directory.is_dir():
             return
+        root = LocalStorage(self.directory)
         for name in sorted(os.listdir(self.directory)):
             old = step_of(name)
             if old is None or old >= step or old in kept:
                 continue
-            _remove_step(LocalStorage(self.directory / name), "node-local retention")
+            _remove_step(root, name, "node-local retention")
 
     def discard(self, steps: set[int]) -> None:
-        """Remove ``steps`` from every node (collective over the group; each node's leader removes its own copies):
-        steps of a timeline a restore abandoned, which a save of the same step would otherwise be refused for.
-        Best effort per node: a failure is logged."""
+        """Remove ``steps`` from every node (collective over the group; each node's leader removes its own copies,
+        as retention does): steps of a timeline a restore abandoned, which a save of the same step would otherwise
+        be refused for. Best effort per node: a failure is logged."""
 
         def remove() -> None:
-            if self.is_leader:
+            if self.is_leader and self.directory.is_dir():
+                root = LocalStorage(self.directory)
                 for step in sorted(steps):
                     if self.step_directory(step).is_dir():
-                        _remove_step(self.path_of(step), "node-local discard")
+                        _remove_step(root, step_name(step), "node-local discard")
 
         self._comm().step("node-local: discard steps", remove)
 
@@ -312,8 +358,8 @@ class NodeLocalCheckpoints:
         file already whole in ``target`` is not copied again, and a target already holding this step's
         ``metadata.json`` is done, so a drain killed at any point is simply run again. Collective over
         ``group`` (default: the group given at construction; a drain in a background thread passes its own).
-        ``replaces``: the SHA-256 of a damaged ``metadata.json`` in ``target`` that the drain may replace (as
-        :func:`reshard.flows.save.save_replacing`; checked under the save lock).
+        ``replaces``: the SHA-256 of a damaged or uncertified ``metadata.json`` in ``target`` that the drain may
+        replace (as :func:`reshard.flows.save.save_replacing`; checked under the save lock).
 
         Raises:
             DataUnavailableError: no node holds the step whole (named files).
@@ -325,18 +371,29 @@ class NodeLocalCheckpoints:
         drain_step(comm, self, step, target, storage_options, replaces=replaces)
 
 
-def _remove_step(storage: Storage, why: str) -> None:
-    """Remove one node-local step directory: the checkpoint (:func:`~reshard.io.retirement.remove_checkpoint`),
-    then the data files no save of it named (left by a failed save). Best effort: a failure is logged."""
+def _remove_step(root: LocalStorage, name: str, why: str) -> None:
+    """Remove step directory ``name`` of this node through :func:`~reshard.io.retirement.remove_checkpoint` (only
+    files a reshard save wrote and something reshard wrote ties to it; a symbolic link is left alone). Best effort:
+    a failure is logged."""
+    if root.is_link(name):
+        logger.warning("%s: %s is a symbolic link, left alone", why, root.describe(name))
+        return
+    storage = root.child(name)
     try:
-        if storage.exists(METADATA_FILE):
-            remove_checkpoint(storage)
-        if not storage.exists(METADATA_FILE):
-            for leftover in storage.list_files(DATA_DIR):
-                storage.delete(leftover)
-            storage.remove_empty_dirs()
+        removal = remove_checkpoint(storage)
     except (OSError, CheckpointError) as exc:
         logger.warning("%s kept %s: %s", why, storage.describe(), exc)
+        return
+    finally:
+        storage.close()
+    if removal.left:
+        logger.warning(
+            "%s: %s keeps %d files that no reshard save wrote or records (%s)",
+            why,
+            storage.describe(),
+            len(removal.left),
+            ", ".join(removal.left[:5]),
+        )
 
 
 def _complete_steps(directory: Path) -> list[int]:

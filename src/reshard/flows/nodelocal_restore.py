@@ -10,7 +10,8 @@ nodelocal`, reported by each node's leader) and the byte moves of :mod:`reshard.
   (the rounds, each copy verified and renamed), *metadata on every node*, then :func:`reshard.load`;
 - drain: *holdings*, *metadata*, *plan* (the coordinator takes the target's save lock, or finds the step there
   already, and assigns each file to one rank of a node that holds it), *copy* (each chunk verified as read, the
-  copy read back), *publish* (the coordinator commits the same ``metadata.json`` with the commit protocol).
+  copy read back), *publish* (the coordinator commits the same ``metadata.json`` with the commit protocol),
+  *certificate* (the source node's ``certified.json``, when it certifies that document, copied after it).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from typing import Any, Protocol
 import torch
 
 from reshard.errors import CorruptCheckpointError, DataUnavailableError
+from reshard.flows.certify import CERTIFICATE_FILE, MAX_CERTIFICATE_BYTES, certificate_status
 from reshard.flows.load import load
 from reshard.flows.load_phases import match_template
 from reshard.flows.options import LoadOptions
 from reshard.flows.steps import step_of
 from reshard.io.commit import SaveCommit
-from reshard.io.nodefiles import copy_verified, publish_on_node, read_holding, run_fetches
+from reshard.io.nodefiles import copy_verified, is_whole, publish_on_node, read_holding, run_fetches
 from reshard.metadata import MAX_METADATA_BYTES, METADATA_FILE, Metadata
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
@@ -37,13 +39,14 @@ from reshard.planning.nodelocal import (
     Holding,
     Judgement,
     RankFetches,
+    agree_on_node_size,
     assign_drain,
     judge_step,
     needed_files,
     node_of,
     plan_fetches,
 )
-from reshard.storage import CheckpointLocation, LocalStorage, storage_for
+from reshard.storage import CheckpointLocation, LocalStorage, Storage, storage_for
 
 __all__ = ["FETCH_ROUND_BYTES", "Site", "drain_step", "restorable_steps", "restore_step"]
 
@@ -90,19 +93,20 @@ def _judged(step: int, holdings: list[Holding]) -> Judgement:
 
 
 def holdings_phase(comm: Communicator, site: Site, step: int) -> _Holdings:
-    """One collective step: every node's leader reports what its directory holds of ``step``; the coordinator
-    judges it (DataUnavailableError on every rank when no node holds its metadata or some file)."""
+    """One collective step: every node's leader reports what its directory holds of ``step``, every rank its
+    ``node_size`` (CheckpointError on every rank when they differ); the coordinator judges it
+    (DataUnavailableError on every rank when no node holds its metadata or some file)."""
     kept: list[list[Holding]] = []
 
-    def local() -> dict[str, Any] | None:
+    def local() -> tuple[int, dict[str, Any] | None]:
         if not _leader(comm, site):
-            return None
-        return read_holding(
-            site.step_directory(step), node=node_of(comm.rank, site.node_size), rank=comm.rank
-        ).to_json()
+            return site.node_size, None
+        holding = read_holding(site.step_directory(step), node=node_of(comm.rank, site.node_size), rank=comm.rank)
+        return site.node_size, holding.to_json()
 
-    def combine(docs: list[dict[str, Any] | None]) -> dict[str, Any]:
-        holdings = [Holding.from_json(d) for d in docs if d is not None]
+    def combine(reports: list[tuple[int, dict[str, Any] | None]]) -> dict[str, Any]:
+        agree_on_node_size([size for size, _ in reports], f"node-local step {step}")
+        holdings = [Holding.from_json(d) for _, d in reports if d is not None]
         kept.append(holdings)
         return _judged(step, holdings).to_json()
 
@@ -143,22 +147,26 @@ def metadata_phase(comm: Communicator, site: Site, step: int, judgement: Judgeme
 
 
 def restorable_steps(comm: Communicator, site: Site) -> list[int]:
-    """The steps the group can restore whole, oldest first (one collective step)."""
+    """The steps the group can restore whole, oldest first (one collective step; CheckpointError on every rank
+    when the ranks' ``node_size`` differ)."""
 
-    def local() -> dict[str, Any] | None:
+    def local() -> tuple[int, dict[str, Any] | None]:
         if not _leader(comm, site):
-            return None
+            return site.node_size, None
         node = node_of(comm.rank, site.node_size)
         try:
             names = sorted(p.name for p in site.directory.iterdir())
         except OSError:
             names = []
         found = [s for s in map(step_of, names) if s is not None]
-        return {str(s): read_holding(site.step_directory(s), node=node, rank=comm.rank).to_json() for s in found}
+        return site.node_size, {
+            str(s): read_holding(site.step_directory(s), node=node, rank=comm.rank).to_json() for s in found
+        }
 
-    def combine(docs: list[dict[str, Any] | None]) -> list[int]:
+    def combine(reports: list[tuple[int, dict[str, Any] | None]]) -> list[int]:
+        agree_on_node_size([size for size, _ in reports], "node-local restorable steps")
         by_step: dict[int, list[Holding]] = {}
-        for doc in docs:
+        for _, doc in reports:
             for name, holding in (doc or {}).items():
                 by_step.setdefault(int(name), []).append(Holding.from_json(holding))
         out = []
@@ -181,41 +189,120 @@ def _needs(template: Any, metadata: Metadata, rank: int, load_kwargs: dict[str, 
     return json.dumps(sorted(needed_files(metadata, pieces, [o.key for o in matched.objects]))).encode()
 
 
+def _verifications(
+    metadata: Metadata, held: _Holdings, needs: list[list[int]], rank_nodes: list[int]
+) -> list[list[int]]:
+    """On the coordinator: which held copies each rank verifies before the exchange: every file a node's ranks
+    need that the node holds with its recorded size, each by one rank of that node (the fewest bytes so far)."""
+    index = {f.path: i for i, f in enumerate(metadata.files)}
+    holds = {
+        h.node: {index[n] for n, size in h.held.items() if n in index and metadata.files[index[n]].size == size}
+        for h in held.holdings
+    }
+    wanted = sorted({(rank_nodes[r], f) for r, files in enumerate(needs) for f in files})
+    work: list[list[int]] = [[] for _ in rank_nodes]
+    load: dict[int, int] = {}
+    for node, file in wanted:
+        if file in holds.get(node, set()):
+            ranks = [r for r, n in enumerate(rank_nodes) if n == node]
+            rank = min(ranks, key=lambda r: (load.get(r, 0), r))
+            load[rank] = load.get(rank, 0) + metadata.files[file].size
+            work[rank].append(file)
+    return work
+
+
+def _good_holdings(
+    metadata: Metadata, held: _Holdings, bad: set[tuple[int, int]], verified: set[tuple[int, int]]
+) -> dict[int, set[int]]:
+    """The files each node holds whole for the exchange: not those whose copy failed verification (``bad``, as
+    (node, file)), and, for a file some node verified whole (``verified``), only the verified copies."""
+    index = {f.path: i for i, f in enumerate(metadata.files)}
+    proven = {f for _, f in verified}
+    by_node: dict[int, set[int]] = {}
+    for h in held.holdings:
+        files = {index[n] for n, size in h.held.items() if n in index and metadata.files[index[n]].size == size}
+        by_node[h.node] = {f for f in files if (h.node, f) not in bad and (f not in proven or (h.node, f) in verified)}
+    return by_node
+
+
 def plan_phase(
-    comm: Communicator, site: Site, metadata: Metadata, held: _Holdings, template: Any, load_kwargs: dict[str, Any]
+    comm: Communicator,
+    site: Site,
+    directory: Path,
+    metadata: Metadata,
+    held: _Holdings,
+    template: Any,
+    load_kwargs: dict[str, Any],
 ) -> RankFetches:
-    """One collective step: each rank sends the files its load reads; the coordinator schedules the fetches
-    (:func:`~reshard.planning.nodelocal.plan_fetches`) and sends each rank its part."""
+    """Two collective steps over this node's step ``directory``. First each rank sends the files its load reads;
+    the coordinator gives each rank the held copies of its node to verify (:func:`_verifications`). Then each
+    rank verifies those (size and every chunk checksum: a copy damaged since it was written or fetched) and
+    reports the bad ones; the coordinator schedules the fetches (:func:`~reshard.planning.nodelocal.plan_fetches`)
+    from verified copies, so that a node whose copy is bad fetches the file again from a node that holds it whole
+    (the new copy replaces the bad one), and sends each rank its part.
+
+    Raises:
+        CorruptCheckpointError: (every rank) a needed file's only copies failed verification (named).
+    """
     options = load_kwargs.get("options") or LoadOptions()
     round_bytes = max(4096, min(FETCH_ROUND_BYTES, options.memory_budget_bytes // 2))
+    rank_nodes = [node_of(r, site.node_size) for r in range(comm.size)]
+    needs: list[list[int]] = []
 
-    def combine(payloads: list[bytes]) -> tuple[None, list[bytes]]:
-        index = {f.path: i for i, f in enumerate(metadata.files)}
-        by_node = {
-            h.node: {index[n] for n, size in h.held.items() if n in index and metadata.files[index[n]].size == size}
-            for h in held.holdings
-        }
-        plans = plan_fetches(
-            [f.size for f in metadata.files],
-            [json.loads(p) for p in payloads],
-            [node_of(r, site.node_size) for r in range(comm.size)],
-            by_node,
-            round_bytes=round_bytes,
-        )
+    def assign(payloads: list[bytes]) -> tuple[None, list[bytes]]:
+        needs.extend(json.loads(p) for p in payloads)
+        return None, [json.dumps(w).encode() for w in _verifications(metadata, held, needs, rank_nodes)]
+
+    _, work = comm.step_scatter(
+        "node-local restore: planning the exchange",
+        lambda: _needs(template, metadata, comm.rank, load_kwargs),
+        assign,
+    )
+    storage = LocalStorage(directory)
+
+    def verify() -> bytes:
+        mine = [int(f) for f in json.loads(work)]
+        return json.dumps([[f, is_whole(storage, metadata, f)] for f in mine]).encode()
+
+    def schedule(payloads: list[bytes]) -> tuple[None, list[bytes]]:
+        bad: set[tuple[int, int]] = set()
+        verified: set[tuple[int, int]] = set()
+        for rank, payload in enumerate(payloads):
+            for file, whole in json.loads(payload):
+                (verified if whole else bad).add((rank_nodes[rank], int(file)))
+        by_node = _good_holdings(metadata, held, bad, verified)
+        _refuse_lost(metadata, bad, by_node, needs, rank_nodes)
+        plans = plan_fetches([f.size for f in metadata.files], needs, rank_nodes, by_node, round_bytes=round_bytes)
         return None, [json.dumps(p.to_json()).encode() for p in plans]
 
-    _, mine = comm.step_scatter(
-        "node-local restore: planning the exchange", lambda: _needs(template, metadata, comm.rank, load_kwargs), combine
-    )
+    _, mine = comm.step_scatter("node-local restore: verifying held copies", verify, schedule)
     return RankFetches.from_json(json.loads(mine))
+
+
+def _refuse_lost(
+    metadata: Metadata,
+    bad: set[tuple[int, int]],
+    by_node: dict[int, set[int]],
+    needs: list[list[int]],
+    rank_nodes: list[int],
+) -> None:
+    """CorruptCheckpointError when a file some rank needs is held whole by no node once the bad copies are out."""
+    whole = {f for files in by_node.values() for f in files}
+    lost = sorted({f for files in needs for f in files if f not in whole})
+    if lost:
+        damaged = sorted({f"{metadata.files[f].path} on node {n}" for n, f in bad if f in lost})
+        raise CorruptCheckpointError(
+            f"{len(lost)} data files the restore reads are held whole by no node: the copies there do not match "
+            f"their checksums ({', '.join(damaged[:20])})"
+        )
 
 
 def restore_step(comm: Communicator, site: Site, step: int, template: Any, load_kwargs: dict[str, Any]) -> Any:
     """:meth:`reshard.NodeLocalCheckpoints.restore` (collective): the phases of the module doc, then the load."""
     held = holdings_phase(comm, site, step)
     metadata, document = metadata_phase(comm, site, step, held.judgement)
-    fetches = plan_phase(comm, site, metadata, held, template, load_kwargs)
     directory = site.step_directory(step)
+    fetches = plan_phase(comm, site, directory, metadata, held, template, load_kwargs)
     comm.step("node-local restore: fetching files", lambda: run_fetches(comm.transport, fetches, directory, metadata))
 
     def complete_node() -> None:
@@ -224,6 +311,26 @@ def restore_step(comm: Communicator, site: Site, step: int, template: Any, load_
 
     comm.step("node-local restore: metadata on every node", complete_node)
     return load(template, str(directory), group=site.group, timeout=site.timeout, **load_kwargs)
+
+
+def _copy_certificate(comm: Communicator, site: Site, step: int, judgement: Judgement, target: Storage) -> None:
+    """On the rank whose node's ``metadata.json`` the drain published (``judgement.source``), after the publish:
+    copy that node's ``certified.json`` to ``target`` when it is a valid certificate of that very document (so
+    the durable copy is file for file the local one, certified too); nothing when the step is not certified
+    there. A drain run again after a cut here copies it then."""
+    if comm.rank != judgement.source:
+        return
+    local = LocalStorage(site.step_directory(step))
+    record, _ = certificate_status(local)
+    if record is None or record.metadata_sha256 != judgement.digest:
+        return
+    raw = local.read_bytes(CERTIFICATE_FILE, max_bytes=MAX_CERTIFICATE_BYTES)
+    try:
+        found: bytes | None = target.read_bytes(CERTIFICATE_FILE, max_bytes=MAX_CERTIFICATE_BYTES)
+    except FileNotFoundError:
+        found = None
+    if found != raw:
+        target.commit(CERTIFICATE_FILE, raw, replace=True)
 
 
 def drain_step(
@@ -259,14 +366,15 @@ def drain_step(
 
     try:
         decided = comm.step("node-local drain: plan", lambda: None, begin)
-        if decided["done"]:
-            return
-        mine = [int(f) for f in decided["assign"][comm.rank]]
-        directory = site.step_directory(step)
-        comm.step(
-            "node-local drain: copying files", lambda: [copy_verified(directory, storage, metadata, f) for f in mine]
-        )
-        comm.step("node-local drain: publish", lambda: None, lambda _: protocol[0].publish(document))
+        if not decided["done"]:
+            mine = [int(f) for f in decided["assign"][comm.rank]]
+            directory = site.step_directory(step)
+            comm.step(
+                "node-local drain: copying files",
+                lambda: [copy_verified(directory, storage, metadata, f) for f in mine],
+            )
+            comm.step("node-local drain: publish", lambda: None, lambda _: protocol[0].publish(document))
+        comm.step("node-local drain: certificate", lambda: _copy_certificate(comm, site, step, held.judgement, storage))
     finally:
         for commit in protocol:
             commit.release_lock()  # never discard: the files copied are the step's, kept for the next run

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from reshard.errors import CheckpointError, DataUnavailableError, MismatchError, ShardingError, StateDictError
+from reshard.flows.certify import CertifyOptions, Checks, judge, local_facts, options_term
 from reshard.flows.options import check_terms
 from reshard.flows.transfer import TransferStats, transfer
 from reshard.io.device import copy_to_host
@@ -62,6 +63,9 @@ if TYPE_CHECKING:
 
 __all__ = ["PeerMemoryCheckpoint", "PeerSaveResult"]
 
+_CHECK_CHUNK_BYTES = 4 * 1024 * 1024
+"""The chunk of a certified peer save's replica checksums (a differing copy is named to this many bytes)."""
+
 
 @dataclass(frozen=True, slots=True)
 class _Generation:
@@ -74,6 +78,7 @@ class _Generation:
     held: dict[str, ShardedTensor]
     common: str | None
     scaled: dict[str, Any]
+    checks: Checks | None = None
 
 
 def _newest(numbers: list[list[Any] | None]) -> list[Any] | None:
@@ -89,6 +94,9 @@ class PeerSaveResult:
 
     own_bytes: int
     copy_bytes: int
+    checks: Checks | None = None
+    """With ``certify``: the outcome of the checks, the same on every rank (kept with the generation:
+    :attr:`PeerMemoryCheckpoint.checks`); None without."""
 
 
 class PeerMemoryCheckpoint:
@@ -126,6 +134,14 @@ class PeerMemoryCheckpoint:
         self._pending: _Generation | None = None
         """A generation this rank holds whole, whose commit did not reach it (the save failed in its last
         step): it may be current on other ranks. Settled by the next save or restore."""
+        self._restored_checks: Checks | None = None
+        """The checks of the generation the last restore agreed on (a rank that holds none of it: a new one)."""
+
+    @property
+    def checks(self) -> Checks | None:
+        """The checks of the current generation (``save(certify=...)``; the same on every rank), or None: it was
+        saved without ``certify``, or there is none. After a restore: those of the generation restored."""
+        return self._current.checks if self._current is not None else self._restored_checks
 
     @property
     def generation(self) -> list[Any] | None:
@@ -148,11 +164,18 @@ class PeerMemoryCheckpoint:
             self._current = None
         self._pending = None
 
-    def save(self, state_dict: Any, *, group: Group = None) -> PeerSaveResult:
+    def save(self, state_dict: Any, *, group: Group = None, certify: CertifyOptions | None = None) -> PeerSaveResult:
         """Keep this rank's primary boxes in host memory and copy them to ``replicas`` peers on other nodes.
-        Called by every rank of ``group`` (with the same ``replicas`` and ``node_size``). The previous save
-        stays restorable until every rank holds the new one; then it is released on every rank (see the module
+        Called by every rank of ``group`` (with the same ``replicas``, ``node_size`` and ``certify``). The previous
+        save stays restorable until every rank holds the new one; then it is released on every rank (see the module
         doc): a rank holds both during the save.
+
+        ``certify``: run the checks of a certified save (:class:`~reshard.CertifyOptions`: no NaN or infinity in
+        the primaries, every replica of a box equal to its primary by content) on the state kept: each rank's
+        facts (:func:`reshard.flows.certify.local_facts`: an extra pass over its tensors, the replicas included)
+        travel with the save's planning step and the coordinator judges them there (no extra collective); the
+        :class:`~reshard.Checks` are in the result and kept with the generation (:attr:`checks`). A failed check
+        never fails the save.
 
         Raises:
             StateDictError: the state holds ShardedObjects (every rank).
@@ -167,11 +190,7 @@ class PeerMemoryCheckpoint:
 
         def describe() -> bytes:  # inside the first step: a state that cannot be kept fails every rank alike
             flat = flatten_state_dict(state_dict, rank=comm.rank)
-            if flat.objects:
-                names = ", ".join(repr(o.key) for o in flat.objects[:10])
-                raise StateDictError(
-                    f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}"
-                )
+            _refuse_objects(flat.objects)
             check_tensors(flat.tensors, what="peer save", fill=False)  # copied to the host after this agreed step
             pieces.extend((t, piece) for t in flat.tensors if t.is_main_replica for piece in t.pieces())
             described = [
@@ -179,15 +198,17 @@ class PeerMemoryCheckpoint:
                 for t, p in pieces
             ]
             common = json.dumps({p: encode_tagged(v, where=p) for p, v in flat.common.items()}, sort_keys=True)
-            terms = {"replicas": self.replicas, "node_size": self.node_size}
+            terms = {"replicas": self.replicas, "node_size": self.node_size, "certify": options_term(certify)}
             scaled = {key: record.to_json() for key, record in flat.scaled.items()}
             parts = {k for r in flat.scaled.values() for k in r.part_keys}
             plain = sorted({t.key for t in flat.tensors} - parts)
-            doc = {"boxes": described, "common": common, "terms": terms, "scaled": scaled, "plain": plain}
+            doc: dict[str, Any] = {"boxes": described, "common": common, "terms": terms, "scaled": scaled}
+            doc["plain"] = plain
             doc["replicas"] = replica_digests(flat)
+            doc["facts"] = None if certify is None else local_facts(flat, certify, chunk_bytes=_CHECK_CHUNK_BYTES)
             return json.dumps({**doc, **self._generations()}).encode()
 
-        plan, reply = comm.step_scatter("peer-memory save planning", describe, self._assign)
+        plan, reply = comm.step_scatter("peer-memory save planning", describe, lambda p: self._assign(p, certify))
         self._settle(plan["current"])  # at most the current generation and the new one from here on
         own: dict[str, ShardedTensor] = {}
         to_host: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -203,7 +224,8 @@ class PeerMemoryCheckpoint:
             # hold the box, and a transfer takes one primary per box.
             copies[f"copy/{len(copies)}"] = ShardedTensor(key, data, tuple(shape), tuple(offset), replica_id=1)
         transfer(own, copies, group=comm.transport, timeout=self.timeout)
-        self._pending = _Generation(plan["number"], {**own, **copies}, plan["common"], plan["scaled"])
+        checks = None if plan["checks"] is None else Checks.from_json(plan["checks"])
+        self._pending = _Generation(plan["number"], {**own, **copies}, plan["common"], plan["scaled"], checks)
 
         def agreed(numbers: list[list[Any]]) -> list[Any]:
             if any(n != numbers[0] for n in numbers):
@@ -214,11 +236,12 @@ class PeerMemoryCheckpoint:
         # (where it does not, the next save or restore settles it).
         comm.step("peer-memory save commit", lambda: plan["number"], agreed)
         self._current, self._pending = self._pending, None
-        return PeerSaveResult(own_bytes=_nbytes(own), copy_bytes=_nbytes(copies))
+        return PeerSaveResult(own_bytes=_nbytes(own), copy_bytes=_nbytes(copies), checks=checks)
 
-    def _assign(self, payloads: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
+    def _assign(self, payloads: list[bytes], certify: CertifyOptions | None) -> tuple[dict[str, Any], list[bytes]]:
         """On the coordinator: the ranks agree on the options; the current generation (the newest some rank
-        knows to be current), the new one's number, the common values of rank 0, and what each rank keeps for
+        knows to be current), the new one's number, the common values of rank 0, the checks of the ranks' facts
+        (with ``certify``, which every rank passed alike once the terms agree), and what each rank keeps for
         which peers."""
         docs = [json.loads(p) for p in payloads]
         check_terms([d["terms"] for d in docs], "PeerMemoryCheckpoint.save")
@@ -239,6 +262,7 @@ class PeerMemoryCheckpoint:
             "number": number,
             "common": docs[0]["common"],
             "scaled": _agree_scaled(docs),
+            "checks": None if certify is None else _judge_peer([d["facts"] for d in docs], certify).to_json(),
         }
         return plan, [json.dumps(k).encode() for k in keep]
 
@@ -264,7 +288,8 @@ class PeerMemoryCheckpoint:
 
         The ranks first agree on the generation to restore: the newest that some rank knows to be current
         (a save whose commit reached it), which every rank that took part in that save holds whole; every
-        other generation is released. Every rank passes a ``fallback`` or none does.
+        other generation is released. Every rank passes a ``fallback`` or none does. The checks of a certified
+        save of that generation become :attr:`checks` on every rank (new ranks too).
 
         Raises:
             DataUnavailableError: boxes without a surviving copy (named), and no ``fallback`` (or it has
@@ -276,10 +301,7 @@ class PeerMemoryCheckpoint:
         """
         comm = Communicator(group, timeout=self.timeout)
         flat = flatten_state_dict(template, rank=comm.rank, dedup=False)
-        objects = flat.objects
-        if objects:
-            names = ", ".join(repr(o.key) for o in objects[:10])
-            raise StateDictError(f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}")
+        _refuse_objects(flat.objects)
         kept = filter_state_dict(template, lambda _path, leaf: _is_tensor(leaf) or isinstance(leaf, ScaledTensor))
         # A ScaledTensor as its parts, each filled in place from the held parts of its key.
         tensors = map_leaves(kept, lambda _path, leaf: leaf.parts() if isinstance(leaf, ScaledTensor) else leaf)
@@ -292,6 +314,7 @@ class PeerMemoryCheckpoint:
         self._settle(comm.step("peer-memory restore", lambda: mine, newest))
         current = self._current
         saved = comm.step("peer-memory saved tensors", lambda: _saved(current), _first_saved)
+        self._restored_checks = None if saved["checks"] is None else Checks.from_json(saved["checks"])
 
         def check() -> None:
             records = {key: record_from_json(key, doc) for key, doc in saved["scaled"].items()}
@@ -306,6 +329,7 @@ class PeerMemoryCheckpoint:
         except DataUnavailableError as exc:
             if fallback is None:
                 raise
+            self._restored_checks = None  # not the generation's state: the durable step's
             return _fall_back(fallback, template, exc)
 
         encoded = saved["common"]
@@ -336,6 +360,13 @@ def _fall_back(fallback: CheckpointManager, template: Any, exc: DataUnavailableE
         nothing = f"{fallback.root.describe()} holds no complete checkpoint"
         raise DataUnavailableError(f"{exc}; and {nothing}") from exc
     return found[1]
+
+
+def _refuse_objects(objects: list[Any]) -> None:
+    """The StateDictError of a state holding ShardedObjects (per-rank values the tier does not keep)."""
+    if objects:
+        names = ", ".join(repr(o.key) for o in objects[:10])
+        raise StateDictError(f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}")
 
 
 def _count(name: str, value: object) -> int:
@@ -381,7 +412,8 @@ def _saved(current: _Generation | None) -> dict[str, Any] | None:
     if current is None:
         return None
     dtypes = {t.key: dtype_name(t.data.dtype) for t in current.held.values()}
-    return {"dtypes": dtypes, "scaled": current.scaled, "common": current.common}
+    checks = None if current.checks is None else current.checks.to_json()
+    return {"dtypes": dtypes, "scaled": current.scaled, "common": current.common, "checks": checks}
 
 
 def _first_saved(values: list[dict[str, Any] | None]) -> dict[str, Any]:
@@ -391,8 +423,22 @@ def _first_saved(values: list[dict[str, Any] | None]) -> dict[str, Any]:
     dtypes: dict[str, str] = {}
     for value in held:
         dtypes.update(value["dtypes"])
-    first = held[0] if held else {"scaled": {}, "common": None}
-    return {"dtypes": dtypes, "scaled": first["scaled"], "common": first["common"]}
+    first = held[0] if held else {"scaled": {}, "common": None, "checks": None}
+    return {"dtypes": dtypes, "scaled": first["scaled"], "common": first["common"], "checks": first["checks"]}
+
+
+def _judge_peer(facts: list[dict[str, Any] | None], options: CertifyOptions) -> Checks:
+    """On the coordinator of a certified peer save: the checks of every rank's facts (each replica compared with
+    its primary's checksums). Never raises: a rank whose checks could not run, or facts that cannot be judged,
+    are problems (the save stands)."""
+    errors = [f"rank {r} could not run its checks: {f['error']}" for r, f in enumerate(facts) if f and "error" in f]
+    try:
+        checks = judge([f or {} for f in facts], options, chunk_bytes=_CHECK_CHUNK_BYTES)
+    except CheckpointError as exc:
+        return Checks(passed=False, problems=(*errors, str(exc)), checked=options.checked)
+    if errors:
+        return Checks(passed=False, problems=(*errors, *checks.problems), checked=checks.checked)
+    return checks
 
 
 def _is_tensor(leaf: Any) -> bool:

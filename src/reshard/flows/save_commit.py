@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import CheckpointError, CommunicationError, StorageError, UnconfirmedCommitError
-from reshard.flows.certify import Checks, judge_save, write_certificate
+from reshard.flows.certify import Checks, judge_save, write_certificate, write_checks
 from reshard.flows.save_phases import CoordinatorPlan, Described, Planned, SaveRequest, Written, kept_step
 from reshard.flows.stats import PhaseClock, SaveStats, fill_save_stats
 from reshard.io.commit import CommitOutcome
@@ -171,12 +171,17 @@ def commit(
 
 def certify_on_coordinator(request: SaveRequest, done: Committed, facts: list[dict[str, Any]]) -> Committed:
     """On the coordinator, after the commit: judge every rank's facts against the committed metadata
-    (:func:`reshard.flows.certify.judge_save`) and, when every check passed (and the request writes it), write
-    ``certified.json`` (a failure to write it is a problem of the checks). Never raises: the save is committed
-    whatever this finds."""
+    (:func:`reshard.flows.certify.judge_save`), record them (``checks.json``, passed or not) and, when every check
+    passed (and the request writes it), write ``certified.json`` (a failure to write either is a problem of the
+    checks). Never raises: the save is committed whatever this finds."""
     if request.certify is None or done.metadata is None:
         return done
     checks = judge_save(facts, request.certify, done.metadata)
+    try:
+        write_checks(request.storage, checks)  # what the checks found, for a later process (certify, ls)
+    except CheckpointError as exc:
+        problem = f"the record of the checks could not be written: {exc}"
+        return dataclasses.replace(done, checks=dataclasses.replace(checks, passed=False, problems=(problem,)))
     if checks.passed and request.certificate:
         try:
             write_certificate(request.storage, checks)

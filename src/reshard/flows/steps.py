@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, StorageError
-from reshard.flows.certify import certificate_status
+from reshard.flows.certify import certification_status
 from reshard.io.locking import foreign_holder, read_lock, stale_at_sight
 from reshard.io.references import is_retired
 from reshard.io.sources import read_metadata_bytes
@@ -84,7 +84,9 @@ class StepInfo:
     certified: bool = False
     """A complete step whose ``certified.json`` certifies its ``metadata.json`` (:mod:`reshard.flows.certify`)."""
     certification: str = ""
-    """Why a complete step is not certified (``"not certified"``: no certificate), else ``""``."""
+    """Why a complete step is not certified, else ``""``: ``"not checked"`` (saved without checks), ``"its checks
+    failed: ..."``, ``"not certified yet (its checks passed)"`` (a hook vetoed, or it awaits ``certify``), or what is
+    wrong with its ``certified.json`` or ``checks.json`` (:func:`reshard.flows.certify.certification_status`)."""
 
     @property
     def written_bytes(self) -> int:
@@ -126,12 +128,12 @@ def _inspect_step(storage: Storage, name: str, step: int) -> StepInfo:
             status = "incomplete"
         except CorruptCheckpointError as exc:
             status, problem = "corrupt", str(exc)
-        certificate, why = certificate_status(child) if metadata is not None else (None, "")
+        is_certified, why = certification_status(child) if metadata is not None else (False, "")
         return StepInfo(
             step=step,
             name=name,
             status=status,
-            certified=certificate is not None,
+            certified=is_certified,
             certification=why,
             locked=locked,
             tensor_bytes=metadata.total_bytes if metadata is not None else 0,

@@ -45,7 +45,7 @@ from reshard.flows.peer import PeerMemoryCheckpoint, PeerSaveResult
 from reshard.flows.save import SaveResult
 from reshard.flows.skipped import SkippedStep
 from reshard.flows.steps import scan_root
-from reshard.flows.tiered_certify import certified_here, drain_certificate, node_certified, spread_certificate
+from reshard.flows.tiered_certify import certified_here, node_certified, spread_certificate
 from reshard.flows.tiered_drain import Drain, check_drain_group
 from reshard.flows.tiered_restore import Decision, checks_known, choose, durable_listing
 from reshard.flows.tiers import Durable, LocalDisk, PeerMemory, Tiers, check_tiers, tier_terms
@@ -274,7 +274,7 @@ class TieredCheckpointManager:
             checks = decide_certification(comm, self._local.path_of(step), step, checks, self.certify_hook)
             result = dataclasses.replace(result, checks=checks)
         self._checks[step] = checks
-        if checks.passed:
+        if checks.passed and self.certify_hook is not None:  # without a hook, the node-local save spread it
             spread_certificate(comm, self._local, step)
         return result
 
@@ -314,12 +314,15 @@ class TieredCheckpointManager:
             self.join_drain()
 
     def _save_peer(self, step: int, state_dict: Any) -> PeerSaveResult:
-        """The peer-memory save of ``state_dict``, which carries its step (collective)."""
+        """The peer-memory save of ``state_dict``, which carries its step, with the manager's checks (collective;
+        a ``certify_hook`` is not consulted for this tier: it decides what the storage tiers certify)."""
         assert self._peer is not None
-        result = self._peer.save({STEP_KEY: step, "state": state_dict}, group=self.group)
+        result = self._peer.save({STEP_KEY: step, "state": state_dict}, group=self.group, certify=self.certify_options)
         generation = self._peer.generation
         if generation is not None:
             self._peer_steps = {str(generation[1]): step}  # only the current generation is held
+        if result.checks is not None:
+            self._checks[step] = result.checks  # a storage tier's save of the step, if any, judges it again
         return result
 
     def _kept(self) -> set[int]:
@@ -336,13 +339,10 @@ class TieredCheckpointManager:
         assert drainer is not None
         assert source is not None
         self._undrained.add(step)
-        certify, comm = self.certify_options is not None, Communicator(self.drain_group, timeout=self.timeout)
 
         def write(target: Storage, replaces: str | None) -> None:
-            try:
+            try:  # the drain copies the node-local certificate after the metadata.json it certifies
                 source.drain(step, target, replaces=replaces)
-                if certify:  # the certificate after the metadata.json it certifies
-                    drain_certificate(comm, source, step, target)
             finally:
                 target.close()
 
@@ -470,12 +470,16 @@ class TieredCheckpointManager:
         peer-memory generation it holds and that generation's step where it knows it, the checks it knows, the
         node-local steps certified on its node; on the coordinator, the durable root's steps."""
         generation = self._peer.generation if self._peer is not None else None
-        peer = None if generation is None else [generation, self._peer_steps.get(str(generation[1]))]
+        held = None if generation is None else self._peer_steps.get(str(generation[1]))
+        peer = None if generation is None else [generation, held]
+        checks = dict(self._checks)
+        if held is not None and self._peer is not None and self._peer.checks is not None:
+            checks.setdefault(held, self._peer.checks)  # the checks kept with the generation
         return {
             "terms": self._terms,
             "peer": peer,
             "kwargs": sorted(load_kwargs),
-            "checks": checks_known(self._checks),
+            "checks": checks_known(checks),
             "local_certified": node_certified(self._local) if self._local is not None else [],
             "durable": durable_listing(self.durable.root) if comm.is_coordinator else None,
         }

@@ -1,13 +1,12 @@
-"""Certificates of a :class:`~reshard.TieredCheckpointManager`'s node-local steps: on every node, and carried along
-by a drain.
+"""Certificates of a :class:`~reshard.TieredCheckpointManager`'s node-local steps: which are certified on this node,
+and the certificate a ``certify_hook`` approved, put on every node.
 
-A node-local save's checks are judged on the coordinator, which writes ``certified.json`` in its own node's
-directory of the step (:mod:`reshard.flows.certify`); the certificate is tied to ``metadata.json`` by its SHA-256,
-and every node holds the same ``metadata.json`` bytes, so the same certificate is valid on every node.
-:func:`spread_certificate` puts it there (a node lost later takes nothing certified with it);
-:func:`drain_certificate` copies it to the durable step after the drain published ``metadata.json`` (a durable
-step then carries its certificate, so *finalized and certified* survives the loss of every fast tier). Both are one
-collective step; a node's leader reads and writes its node's files.
+A node-local save certifies itself on every node (:meth:`NodeLocalCheckpoints.save`) and its drain carries the
+certificate to the durable step. With a ``certify_hook`` the save writes none (``certificate=False``): the
+manager's decision (:func:`reshard.flows.certify.decide_certification`) writes it in the coordinator's node
+directory, and :func:`spread_certificate` puts the same bytes on every other node (the certificate is tied to
+``metadata.json`` by its SHA-256, and every node holds the same ``metadata.json`` bytes). A node's leader reads and
+writes its node's files.
 """
 
 from __future__ import annotations
@@ -19,11 +18,9 @@ from reshard.flows.certify import MAX_CERTIFICATE_BYTES, certificate_status
 from reshard.flows.nodelocal import NodeLocalCheckpoints
 from reshard.io.retirement import CERTIFICATE_FILE
 from reshard.io.sources import read_metadata_bytes
-from reshard.metadata import MAX_METADATA_BYTES, METADATA_FILE
 from reshard.net.comm import Communicator
-from reshard.storage import Storage
 
-__all__ = ["certified_here", "drain_certificate", "node_certified", "spread_certificate"]
+__all__ = ["certified_here", "node_certified", "spread_certificate"]
 
 
 def _valid_certificate(local: NodeLocalCheckpoints, step: int) -> str | None:
@@ -74,25 +71,3 @@ def spread_certificate(comm: Communicator, local: NodeLocalCheckpoints, step: in
             storage.close()
 
     comm.step("tiered save: certificate on every node", write)
-
-
-def drain_certificate(comm: Communicator, local: NodeLocalCheckpoints, step: int, target: Storage) -> bool:
-    """After a drain of ``step`` to ``target`` published its ``metadata.json`` (collective over ``comm``, the drain's
-    group): a node leader's valid ``certified.json`` of the step, copied by the coordinator to ``target`` when it
-    certifies ``target``'s ``metadata.json`` (the same bytes as the nodes'). Returns whether ``target`` is
-    certified now (the same on every rank)."""
-
-    def offer() -> str | None:
-        return _valid_certificate(local, step) if local.is_leader else None
-
-    def copy(texts: list[str | None]) -> bool:
-        found = next((t for t in texts if t is not None), None)
-        if found is None:
-            return False
-        published = target.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
-        if json.loads(found).get("metadata_sha256") != hashlib.sha256(published).hexdigest():
-            return False
-        target.commit(CERTIFICATE_FILE, found.encode(), replace=True)
-        return True
-
-    return bool(comm.step("tiered drain: certificate", offer, copy))

@@ -52,6 +52,7 @@ from reshard.state.statedict import map_leaves, torchao_class
 
 __all__ = ["TorchaoShard", "is_torchao_tensor", "torchao_state", "torchao_to_scaled"]
 
+
 def is_torchao_tensor(value: object) -> bool:
     """Whether ``value`` is a torchao ``Float8Tensor``, ``MXTensor`` or ``NVFP4Tensor`` (importing nothing)."""
     return torchao_class(value) is not None

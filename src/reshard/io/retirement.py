@@ -61,6 +61,8 @@ from reshard.storage import FileTooLargeError, Storage
 
 __all__ = [
     "CERTIFICATE_FILE",
+    "CERTIFICATION_FILES",
+    "CHECKS_FILE",
     "MAX_RECORD_BYTES",
     "Removal",
     "RetiredRecord",
@@ -74,6 +76,13 @@ logger = logging.getLogger("reshard")
 CERTIFICATE_FILE = "certified.json"
 """The record of a certified checkpoint (:mod:`reshard.flows.certify`): a file of the checkpoint, deleted with it
 (it certifies a ``metadata.json``, so it goes with the metadata, before the data files)."""
+
+CHECKS_FILE = "checks.json"
+"""The record of what a certified save's checks found (:mod:`reshard.flows.certify`), tied to its ``metadata.json``
+as the certificate is: a file of the checkpoint, deleted with it, before its metadata."""
+
+CERTIFICATION_FILES = (CERTIFICATE_FILE, CHECKS_FILE)
+"""The certification records of a checkpoint (deleted first: they name a ``metadata.json``)."""
 
 MAX_RECORD_BYTES = 16 * 1024 * 1024
 """The largest ``retired.json`` read (a record of 8192 data files takes half a megabyte)."""
@@ -291,8 +300,8 @@ def _ties(storage: Storage, named: set[str], tokens: set[str], locks: list[str],
     tied = set(record.files if record is not None else ()) | named
     if metadata is not None:
         tied |= {f.path for f in metadata.files if f.checkpoint is None}
-    if (metadata is not None or record is not None) and CERTIFICATE_FILE in names:
-        tied.add(CERTIFICATE_FILE)  # the certificate of the save being deleted (a retired step is no recovery point)
+    if metadata is not None or record is not None:  # the certification of the save being deleted goes with it
+        tied |= {name for name in CERTIFICATION_FILES if name in names}
     for name in names:
         if DATA_FILE_PATTERN.match(name) and (metadata is not None or name[5:].partition("-r")[0] in saves):
             tied.add(name)
@@ -431,8 +440,8 @@ def _remove(
         if not dry_run:
             storage.commit(RETIRED_FILE, record.to_bytes(), replace=True)
             has_record = True
-    certificate = [CERTIFICATE_FILE] if CERTIFICATE_FILE in doomed else []
-    doomed = [name for name in doomed if name != CERTIFICATE_FILE]
+    certificate = [name for name in CERTIFICATION_FILES if name in doomed]
+    doomed = [name for name in doomed if name not in CERTIFICATION_FILES]
     steps = certificate + ([METADATA_FILE] if ties.metadata is not None else []) + doomed + sorted(stale)
     done = not (kept or young)
     if has_record or done:  # the record (or nothing left) ties what the lock of a dead save tied

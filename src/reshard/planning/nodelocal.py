@@ -21,6 +21,7 @@ __all__ = [
     "Holding",
     "Judgement",
     "RankFetches",
+    "agree_on_node_size",
     "assign_drain",
     "judge_step",
     "needed_files",
@@ -42,6 +43,24 @@ def node_directory(pattern: str, node: int) -> str:
     """The directory of node ``node``: ``pattern`` with ``{node}`` replaced by the node index (a pattern without
     it is the same directory string on every node: each node's own local disk)."""
     return pattern.replace(NODE_FIELD, str(node))
+
+
+def agree_on_node_size(node_sizes: Sequence[int], what: str) -> None:
+    """On the coordinator, first in every node-local collective: every rank's ``node_size`` (in rank order) must be
+    the same, since it decides each rank's node and each node's leader (no rank's value is used for the others).
+
+    Raises:
+        CheckpointError: they differ (the caller's step raises it on every rank), naming the ranks of each value.
+    """
+    by_value: dict[int, list[int]] = {}
+    for rank, size in enumerate(node_sizes):
+        by_value.setdefault(int(size), []).append(rank)
+    if len(by_value) > 1:
+        shown = "; ".join(f"node_size={size} on ranks {ranks}" for size, ranks in sorted(by_value.items()))
+        raise CheckpointError(
+            f"{what}: the ranks passed different node_size to NodeLocalCheckpoints ({shown}): every rank must pass "
+            "the same; nothing was done"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
