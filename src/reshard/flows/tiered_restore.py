@@ -6,8 +6,8 @@ step, the outcome of the checks of the steps it saved, the node-local steps cert
 the coordinator adds the durable root's listing. The coordinator orders the candidates (:func:`choose`): newest
 step first, fastest tier first for the same step. When the manager certifies, the candidates newer than the newest
 certified one are dropped, each named in a note with why it is not certified; with no certified candidate, every
-candidate stays and a note says the one restored is not certified. A peer-memory generation is certified when the
-storage tier's save of the same step (the same state, in the same :meth:`save`) passed its checks.
+candidate stays and a note says the one restored is not certified. A peer-memory generation is certified when its
+checks passed (those of its own save, kept with the generation, or of a storage tier's save of the same step).
 """
 
 from __future__ import annotations
