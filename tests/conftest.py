@@ -33,7 +33,9 @@ class PoolRegistry:
         if pool is None or pool.broken:
             if pool is not None:
                 pool.close()
-            pool = RankPool(world_size)
+            # Forked by the session's forkserver (tests/rankpool.py, private_pool), which has imported torch and
+            # reshard once: 8 ranks start in under a second where spawning them took about 16 s.
+            pool = RankPool(world_size, start_method="forkserver")
             self.pools[world_size] = pool
         return pool
 
@@ -64,6 +66,12 @@ def pytest_configure(config: pytest.Config) -> None:
     import tempfile
 
     os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "reshard-hypothesis"))
+    # One intra-op thread in the test process, as in every rank (tests/rankpool.py): the tests' tensors are small,
+    # and a second OpenMP thread spinning after each op costs the unit tier about a seventh of its CPU time on
+    # two cores (and takes a core from the ranks of the dist tier).
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from tests.rankpool import RankContext, RankPool
+
 ROWS, COLS = 8, 48
 CHUNK = 512
 
@@ -133,14 +135,30 @@ def _save_rank(rank: int, path: str, generation: int, port: int) -> None:
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    options = reshard.SaveOptions(checksum_chunk_bytes=CHUNK)
+    reshard.save(_generation_state(rank, generation), path, timeout=60, options=options)
+    dist.destroy_process_group()
+
+
+def _generation_state(rank: int, generation: int) -> dict[str, Any]:
+    """What rank ``rank`` saves: the pristine state (generation 0), or another save's (``w`` changed)."""
     state = rank_state(rank)
     if generation:
         state = {
             k: (v.__class__(v.key, v.data + 1, v.global_shape, v.global_offset) if k == "w" else v)
             for k, v in state.items()
         }
-    reshard.save(state, path, timeout=60, options=reshard.SaveOptions(checksum_chunk_bytes=CHUNK))
-    dist.destroy_process_group()
+    return state
+
+
+def rank_save_pristine(ctx: RankContext, path: str, generation: int) -> None:
+    """In a rank of a pool: ranks 0 and 1 (the pool's ``first2`` group) save what :func:`_save_rank` saves."""
+    import reshard
+
+    group, member = ctx.group_of_size(2)
+    if member:
+        options = reshard.SaveOptions(checksum_chunk_bytes=CHUNK)
+        reshard.save(_generation_state(ctx.rank, generation), path, group=group, timeout=60, options=options)
 
 
 def make_pristine(path: Path, other: Path) -> None:
@@ -155,6 +173,13 @@ def make_pristine(path: Path, other: Path) -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         mp.start_processes(_save_rank, args=(str(target), generation, port), nprocs=2, start_method="spawn")
+
+
+def make_pristine_in(pool: RankPool, path: Path, other: Path) -> None:
+    """:func:`make_pristine` on the first two ranks of a running ``pool`` (the same two saves, by two ranks of a
+    two-rank group, without spawning two pairs of processes)."""
+    for target, generation in ((path, 0), (other, 1)):
+        pool.run_ok(rank_save_pristine, str(target), generation)
 
 
 # ---- corruptions ---------------------------------------------------------------------------------------

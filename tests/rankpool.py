@@ -1,8 +1,10 @@
-"""A pool of spawned ranks, reused across test cases.
+"""A pool of rank processes, reused across test cases.
 
 Starting ranks is the slow part of a multi-process test (importing torch, forming the gloo group), so
 the pool starts ``world_size`` processes once, forms the default gloo group and a fixed set of
-subgroups, and then runs one test function after another on every rank.
+subgroups, and then runs one test function after another on every rank. The test suite's pools fork
+their ranks from multiprocessing's forkserver, which imported torch and reshard once for the session
+(:func:`forkserver_context`); ``start_method="spawn"`` gives ranks that import everything themselves.
 
 A test function is a module-level function ``fn(ctx: RankContext, *args)``, referenced by module and
 name (so nothing is pickled but plain arguments); its return value (plain data) comes back per rank.
@@ -26,6 +28,27 @@ from typing import Any
 import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT_S = 60.0
+
+FORKSERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "reshard",
+    "tests.rankpool",
+    "tests.faults",
+    "megatron.core.dist_checkpointing",  # skipped by the forkserver when megatron-core is not installed
+    "reshard.interop.megatron",
+)
+"""What the forkserver of :func:`private_pool` imports once, before it forks any rank."""
+
+
+def forkserver_context() -> Any:
+    """multiprocessing's forkserver context, its server told to import :data:`FORKSERVER_PRELOAD` first (which
+    counts when the session's forkserver starts, on the first process started through it): a process it starts
+    is forked from a server that imported torch and reshard once, in a fraction of a second, where a spawned
+    one imports them again (seconds of CPU on two cores)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return ctx
 
 
 @dataclass
@@ -119,9 +142,9 @@ class PoolBrokenError(RuntimeError):
 class RankPool:
     """``world_size`` spawned ranks with a gloo group, running test functions on request."""
 
-    def __init__(self, world_size: int, *, start_timeout_s: float = 240.0) -> None:
+    def __init__(self, world_size: int, *, start_timeout_s: float = 240.0, start_method: str = "spawn") -> None:
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = forkserver_context() if start_method == "forkserver" else mp.get_context(start_method)
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         port = _free_port()
@@ -187,3 +210,12 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def private_pool(world_size: int) -> RankPool:
+    """A pool of a test's own, for a test that breaks it (kills a rank, leaves a collective timed out): its ranks
+    are forked by multiprocessing's forkserver, which imported torch, reshard and megatron-core once for the
+    session (:data:`FORKSERVER_PRELOAD`), so it starts in about a second where spawned ranks import torch again,
+    seconds each. The ranks are fresh processes all the same: nothing of a test's ranks reaches the next's. The
+    shared pools of ``tests/conftest.py`` start the same way."""
+    return RankPool(world_size, start_method="forkserver")

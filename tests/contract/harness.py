@@ -212,6 +212,8 @@ class _Zygote:
         )
         self.exits: dict[int, int] = {}
         self.lock = threading.Lock()
+        self.requests = threading.Lock()
+        """Held from a request to its pid: iterations run in threads at once (tests/contract/test_kills.py)."""
         self.started: queue.Queue[int] = queue.Queue()
         self.reader = threading.Thread(target=self._read, name="contract-zygote", daemon=True)
         self.reader.start()
@@ -234,9 +236,10 @@ class _Zygote:
         """Start rank ``rank`` of an iteration; its pid."""
         assert self.process.stdin is not None
         request = {"rank": rank, "port": port, "spec": spec, "answer": str(answer_path)}
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        return self.started.get(timeout=120)
+        with self.requests:  # the zygote answers in order: the next "started" line is this request's
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            return self.started.get(timeout=120)
 
     def exit_code(self, pid: int) -> int | None:
         with self.lock:
@@ -289,12 +292,15 @@ def zygote_main() -> None:
 
 
 _ZYGOTE: list[_Zygote] = []
+_ZYGOTE_LOCK = threading.Lock()
 
 
 def _zygote() -> _Zygote:
-    if not _ZYGOTE or _ZYGOTE[0].process.poll() is not None:
-        _ZYGOTE[:] = [_Zygote()]
-    return _ZYGOTE[0]
+    """The one zygote of this process (started on first use, again if it died); threads share it."""
+    with _ZYGOTE_LOCK:
+        if not _ZYGOTE or _ZYGOTE[0].process.poll() is not None:
+            _ZYGOTE[:] = [_Zygote()]
+        return _ZYGOTE[0]
 
 
 def free_port() -> int:

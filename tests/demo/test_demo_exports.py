@@ -183,7 +183,8 @@ def test_demo_lora_adapters_of_the_default_model_export_to_peft(
     assert report is not None and report["phase_b"]["first_step"] == 2
     assert all(is_adapter_key(k) for k in reshard.read_metadata(tmp_path / "demo-lora").tensors)  # adapters only
     _reshard(tmp_path, "reshard export-peft demo-lora peft-demo")
-    _reshard(tmp_path, "reshard demo --steps 0 --resume-steps 0 --out demo-initial")
+    # the README's line for the initial weights; no step runs, so one rank per phase holds them all
+    _reshard(tmp_path, "reshard demo --steps 0 --resume-steps 0 --out demo-initial --layout-a tp=1 --layout-b tp=1")
     _reshard(tmp_path, "reshard export-hf demo-initial hf-initial")
     expected = _logits(pool4, "tp=1", tmp_path / "demo-lora")
     base = transformers.AutoModelForCausalLM.from_pretrained("hf-initial").eval()

@@ -139,3 +139,36 @@ def test_a_retired_step_is_not_certified_even_with_its_certificate(tmp_path: Pat
     (step / "retired.json").write_text(json.dumps({"retired": 1, "kept": ["../home/notes.txt", "/etc/hosts"]}))
     is_certified, why = certification_status(storage_for(step))
     assert not is_certified and "retired" in why and not certified(step)
+
+
+def test_certify_of_a_step_saved_again_since_its_checks_certifies_nothing(tmp_path: Path) -> None:
+    """The checks a manager's save found in memory belong to that save: once the step holds another save (here a
+    plain save of a NaN over it), ``certify(step)`` must not certify the new bytes with the old checks (an outside
+    attack certified and then loaded the NaN)."""
+
+    def run(manager: reshard.CheckpointManager, r: int) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            manager.save(5, dp_state(r))  # checks pass, the hook vetoes: not certified yet
+            reshard.save(dp_state(r, nan=True), tmp_path / "step_000000005", overwrite=True, group=manager.group)
+            with pytest.raises(reshard.CheckpointError, match="step 5 cannot be certified"):
+                manager.certify(5)
+        return [s.certified for s in manager_infos(manager)]
+
+    for certified_after in manager_run(tmp_path, run, certify=OPTIONS, certify_hook=lambda step, checks: False):
+        assert certified_after == [False]
+    assert not certified(tmp_path / "step_000000005")
+
+
+def test_a_hook_that_returns_no_bool_vetoes_naming_what_it_returned(tmp_path: Path) -> None:
+    """A hook answers True or False: ``"no"`` (truthy) approved the step and ``None`` vetoed it silently."""
+
+    def run(manager: reshard.CheckpointManager, r: int) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return manager.save(1, dp_state(r)).checks
+
+    for checks in manager_run(tmp_path, run, certify=OPTIONS, certify_hook=lambda step, checks: "no"):
+        assert checks is not None and not checks.passed
+        assert any("returned 'no'" in problem for problem in checks.problems), checks.problems
+    assert not certified(tmp_path / "step_000000001")

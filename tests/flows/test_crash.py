@@ -34,7 +34,7 @@ import reshard
 from reshard.flows.manager import LATEST_FILE, step_name
 from reshard.metadata import METADATA_FILE
 from tests.faults import Fault, FaultyRoot, kill_pool, run_with_deaths
-from tests.rankpool import RankContext, RankFailure, RankPool
+from tests.rankpool import RankContext, RankFailure, RankPool, private_pool
 
 pytestmark = pytest.mark.dist
 
@@ -167,7 +167,7 @@ def crash(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     root = base / "root"
     marker = base / "killed.json"
     fault = Fault(point=point, rank=killed, after_bytes=after_bytes, marker=str(marker))
-    pool = RankPool(world)
+    pool = private_pool(world)
     try:
         run = run_with_deaths(pool, rank_save_then_crash, str(root), fault.to_json(), dead={killed})
     finally:

@@ -12,7 +12,7 @@ import torch
 
 import reshard
 from reshard.metadata import METADATA_FILE
-from tests.rankpool import RankContext, RankFailure, RankPool
+from tests.rankpool import RankContext, RankFailure, RankPool, private_pool
 
 TIMEOUT = 60.0
 
@@ -315,7 +315,7 @@ def rank_save_but_rank1_absent(ctx: RankContext, path: str) -> str:
 
 @pytest.mark.dist
 def test_absent_rank_times_out_instead_of_hanging(tmp_path: Path) -> None:
-    pool = RankPool(2)  # its own pool: the timed-out collective leaves the group unusable
+    pool = private_pool(2)  # its own pool: the timed-out collective leaves the group unusable
     try:
         results = pool.run(rank_save_but_rank1_absent, str(tmp_path / "ckpt"), timeout_s=120)
     finally:

@@ -286,7 +286,7 @@ def test_gc_of_an_overwritten_holder_holds_its_lock_while_it_judges_the_markers(
 MARKER_NAMED = f"{step_name(9)}.{'0' * 32}.json"
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # seconds of fsync-heavy saves: kept out of the fast tier (make test-fast)
 @pytest.mark.parametrize(
     "kind", ["link", "marker_named_link", "link_loop", "fifo", "directory", "marker_named_directory", "junk"]
 )

@@ -71,7 +71,7 @@ def assert_loads_as(path: Path | str, step: int, **kwargs: Any) -> None:
     assert loaded["rng"] == {"step": step} and loaded["step"] == step
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # seconds of fsync-heavy saves: kept out of the fast tier (make test-fast)
 def test_only_the_changed_boxes_are_written(tmp_path: Path) -> None:
     first = reshard.save(frozen_and_trained(1), tmp_path / "a", options=HASHED)
     assert first.referenced_bytes == 0 and first.metadata is not None and first.metadata.content_hashes
@@ -235,7 +235,7 @@ def _bin_files(path: Path) -> set[str]:
     return {p.name for p in path.rglob("*.bin")}
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # seconds of fsync-heavy saves: kept out of the fast tier (make test-fast)
 def test_retention_and_gc_keep_every_referenced_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "root"
     manager = reshard.CheckpointManager(root, keep_last=1, incremental=True)
@@ -494,7 +494,7 @@ def test_a_save_into_a_retired_directory_and_retention_of_a_cut_short_deletion(t
     assert_loads_as(root / step_name(3), 3)
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # seconds of fsync-heavy saves: kept out of the fast tier (make test-fast)
 def test_full_every_bounds_how_long_a_checkpoint_stays_referenced(tmp_path: Path) -> None:
     root = tmp_path / "root"
     manager = reshard.CheckpointManager(root, keep_last=1, incremental=True, full_every=3)

@@ -162,7 +162,7 @@ def test_a_base_file_replaced_by_another_of_the_same_size_is_not_referenced(
     assert validate_checkpoint(tmp_path / "b") == []
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # seconds of fsync-heavy saves: kept out of the fast tier (make test-fast)
 def test_a_manager_heals_a_damaged_frozen_base_on_two_ranks(tmp_path: Path) -> None:
     """CheckpointManager(incremental=True) on 2 ranks: the held file of the frozen base (step 1, retired) gets a
     flipped byte after steps 1 and 2; step 3 writes that box again and loads, and so does every later step."""
@@ -268,7 +268,7 @@ def test_a_damaged_base_object_is_written_again(object_store: Any) -> None:
     assert result.rewritten_bytes == box.byte_length and result.referenced_bytes == FROZEN_BYTES - box.byte_length
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # seconds of fsync-heavy saves: kept out of the fast tier (make test-fast)
 def test_reading_the_base_back_keeps_within_the_save_budget(tmp_path: Path) -> None:
     """A 64 MiB frozen tensor read back by a save with a 4 MiB budget: the peak RSS grows by far less than the
     tensor (the copy is streamed through a small buffer, never read whole)."""

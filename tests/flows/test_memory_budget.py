@@ -33,7 +33,7 @@ def transposed() -> torch.Tensor:
     return torch.randn(COLS, ROWS, generator=generator).t()
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # seconds of fsync-heavy saves: kept out of the fast tier (make test-fast)
 def test_save_streams_a_non_contiguous_tensor_through_its_budget(tmp_path: Path, transposed: torch.Tensor) -> None:
     """A transposed 64 MiB tensor saved with a 4 MiB budget grows the peak RSS by far less than the tensor (a
     whole contiguous copy would add 64 MiB), and loads back bit-identical."""
@@ -163,7 +163,7 @@ def test_a_single_put_store_refuses_a_file_larger_than_the_budget() -> None:
 # ---- slabs of one box, verified across their boundaries ------------------------------------------------
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # seconds of fsync-heavy saves: kept out of the fast tier (make test-fast)
 def test_a_box_cut_into_slabs_reads_each_chunk_once_and_still_verifies_it(tmp_path: Path) -> None:
     """A 20 MiB box of 5120-byte rows loaded with a 16 MiB budget is read in slabs of at most 7 MiB whose edges
     fall inside

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import reshard
 from reshard.net.transports import ThreadGroup
 from tests.memory import peak_rss_growth
+from tests.rankpool import forkserver_context
 from tests.threads import on_threads
 
 W = torch.arange(12 * 4, dtype=torch.float32).reshape(12, 4)
@@ -154,7 +154,7 @@ def _collect(results: Any, count: int, kind: str) -> list[tuple[Any, ...]]:
 
 @pytest.mark.dist
 def test_restore_from_peer_memory_into_another_layout_after_sigkill(tmp_path: Path) -> None:
-    context = mp.get_context("spawn")
+    context = forkserver_context()  # fresh processes, forked from a server that imported torch and reshard once
     results = context.Queue()
     commands = [context.Queue() for _ in range(6)]
     port = _free_port()

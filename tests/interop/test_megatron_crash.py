@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from tests.faults import kill_pool, run_with_deaths
-from tests.rankpool import RankContext, RankFailure, RankPool
+from tests.rankpool import RankContext, RankFailure, RankPool, private_pool
 
 pytestmark = pytest.mark.dist
 
@@ -229,7 +229,7 @@ def crash(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     path = base / "iter"
     path.mkdir()
     marker = base / "killed.json"
-    pool = RankPool(WORLD)
+    pool = private_pool(WORLD)
     try:
         run = run_with_deaths(pool, rank_save_then_crash, str(path), earlier, point, killed, str(marker), dead={killed})
     finally:

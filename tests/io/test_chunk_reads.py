@@ -9,6 +9,7 @@ bytes the load touches. Bytes are counted by the storage layer (``Storage.range_
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,14 @@ def _load(storage: Storage, name: str, budget: int | None) -> tuple[int, reshard
     return storage.range_bytes_read - before, stats
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One checkpoint of FULL, saved once for the module; a test that damages it works on a copy."""
+    path = tmp_path_factory.mktemp("chunk-reads") / "ckpt"
+    _save(path)
+    return path
+
+
 BUDGETS = [None, 3 * CHUNK, 2 * CHUNK, CHUNK // 2]
 """The default budget, and budgets below four chunks (down to half a chunk)."""
 
@@ -121,11 +130,11 @@ def test_each_touched_chunk_is_read_once_on_object_stores(object_store: Any, nam
 @pytest.mark.parametrize("name", ["columns", "every_other_row", "cast"])
 @pytest.mark.parametrize("storage_class", [LocalStorage, NoMapStorage], ids=["mapped", "staged"])
 def test_a_chunk_read_once_is_still_verified(
-    tmp_path: Path, storage_class: type[LocalStorage], name: str, budget: int | None
+    tmp_path: Path, saved: Path, storage_class: type[LocalStorage], name: str, budget: int | None
 ) -> None:
     """A flipped bit in a touched chunk, in a byte the load uses or only in one it reads to verify the chunk,
     fails the load, whichever item read it."""
-    _save(tmp_path / "ckpt")
+    shutil.copytree(saved, tmp_path / "ckpt")  # a copy of its own to damage
     metadata = reshard.read_metadata(tmp_path / "ckpt")
     box = metadata.tensors["w"].boxes[0]
     data = tmp_path / "ckpt" / metadata.files[box.file].path

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import corruption
+from tests.conftest import PoolRegistry
 
 pytestmark = pytest.mark.dist
 
@@ -21,9 +22,9 @@ CORRUPTIONS = 150
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def pristine(tmp_path_factory: pytest.TempPathFactory, pools: PoolRegistry) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("corruption")
-    corruption.make_pristine(base / "pristine", base / "other")
+    corruption.make_pristine_in(pools.get(4), base / "pristine", base / "other")
     return base / "pristine", base / "other"
 
 

@@ -63,6 +63,7 @@ __all__ = [
     "options_term",
     "prefer_certified",
     "read_certificate",
+    "recorded_checks",
     "save_facts",
     "write_certificate",
     "write_checks",
@@ -348,23 +349,31 @@ def _parse_checks(raw: bytes) -> tuple[str, Checks]:
 def checks_status(storage: Storage) -> tuple[Checks | None, str]:
     """The checks the save of the checkpoint at ``storage`` recorded (:func:`write_checks`) and ``""``, or None and
     why they are unknown (``"not checked"``: no record). Not collective; never raises."""
+    checks, why, _digest = recorded_checks(storage)
+    return checks, why
+
+
+def recorded_checks(storage: Storage) -> tuple[Checks | None, str, str]:
+    """:func:`checks_status` with the SHA-256 of the ``metadata.json`` the checks belong to (``""`` when unknown):
+    a certificate written from them is tied to that save, so a step saved again meanwhile is not certified by them.
+    Not collective; never raises."""
     try:
         raw = storage.read_bytes(CHECKS_FILE, max_bytes=MAX_CHECKS_BYTES)
     except FileNotFoundError:
-        return None, "not checked"
+        return None, "not checked", ""
     except OSError as exc:
-        return None, f"{CHECKS_FILE} cannot be read: {exc}"
+        return None, f"{CHECKS_FILE} cannot be read: {exc}", ""
     try:
         digest, checks = _parse_checks(raw)
     except (ValueError, TypeError, RecursionError, UnicodeDecodeError) as exc:
-        return None, f"{CHECKS_FILE} is not a record reshard wrote ({exc})"
+        return None, f"{CHECKS_FILE} is not a record reshard wrote ({exc})", ""
     try:
         mine = _metadata_sha256(storage)
     except (OSError, CheckpointError) as exc:
-        return None, f"its {CHECKS_FILE} records nothing: {exc}"
+        return None, f"its {CHECKS_FILE} records nothing: {exc}", ""
     if digest != mine:
-        return None, f"its {CHECKS_FILE} records the checks of another save (of another metadata.json)"
-    return checks, ""
+        return None, f"its {CHECKS_FILE} records the checks of another save (of another metadata.json)", ""
+    return checks, "", digest
 
 
 def certification_status(storage: Storage) -> tuple[bool, str]:
@@ -418,9 +427,12 @@ def _run_hook(hook: CertifyHook | None, step: int, checks: Checks) -> list[Any]:
     if hook is None:
         return [True, ""]
     try:
-        return [bool(hook(step, checks)), ""]
+        answer: object = hook(step, checks)  # user code: typed bool, but anything may come back
     except Exception as exc:  # user code: a veto named, never a failed save
-        return [False, f"{type(exc).__name__}: {exc}"]
+        return [False, f"raised on rank {{rank}}: {type(exc).__name__}: {exc}"]
+    if not isinstance(answer, bool):  # "no" is truthy: only True approves, and anything but a bool is named
+        return [False, f"returned {answer!r:.200} ({type(answer).__name__}) on rank {{rank}}, not True or False"]
+    return [answer, ""]
 
 
 def decide_certification(
@@ -439,7 +451,7 @@ def decide_certification(
         if not checks.passed:
             return Checks(passed=False, problems=checks.problems, checked=checked).to_json()
         vetoes = [
-            f"certify_hook raised on rank {r}: {why}" if why else f"certify_hook vetoed on rank {r}"
+            f"certify_hook {why.replace('{rank}', str(r), 1)}" if why else f"certify_hook vetoed on rank {r}"
             for r, (approved, why) in enumerate(values)
             if not approved
         ]
@@ -458,12 +470,13 @@ def options_term(options: CertifyOptions | None) -> str | None:
     return None if options is None else json.dumps(options.to_json(), sort_keys=True)
 
 
-def certify_later(comm: Communicator, storage: Storage, step: int, checks: Checks | None) -> Checks:
+def certify_later(comm: Communicator, storage: Storage, step: int) -> Checks:
     """Collective (every rank of ``comm``): certify the step at ``storage`` now, after its save (a
     :class:`~reshard.CheckpointManager`'s ``certify(step)``: a decision that needed later information, such as the
-    loss a few steps on; the hook is not run again). ``checks``: those the manager's save of the step found in this
-    process, if it saved it; else (a restarted job, another manager) the coordinator reads those the save recorded
-    in :data:`CHECKS_FILE`, which must belong to the step's ``metadata.json``.
+    loss a few steps on; the hook is not run again). The coordinator reads the checks the save recorded in
+    :data:`CHECKS_FILE`, which must belong to the step's ``metadata.json`` now, and ties the certificate to that same
+    ``metadata.json``: checks this process remembers are never used, since the step may have been saved again since
+    (by this job or another), and its new bytes were not checked.
 
     Raises:
         CheckpointError: on every rank: the checks are unknown (the step was saved without checks, or its record
@@ -471,24 +484,19 @@ def certify_later(comm: Communicator, storage: Storage, step: int, checks: Check
             written.
     """
 
-    def local() -> dict[str, Any] | None:
-        return None if checks is None else checks.to_json()
-
-    def combine(values: list[dict[str, Any] | None]) -> dict[str, Any]:
-        known = next((Checks.from_json(v) for v in values if v is not None), None)
+    def combine(_values: list[None]) -> dict[str, Any]:
+        known, why, digest = recorded_checks(storage)
         if known is None:
-            known, why = checks_status(storage)
-            if known is None:
-                return {"problem": f"its checks are unknown ({why})"}
+            return {"problem": f"its checks are unknown ({why})"}
         if not known.passed:
             return {"problem": "; ".join(known.problems)}
         try:
-            write_certificate(storage, known)
+            write_certificate(storage, known, metadata_sha256=digest)
         except CheckpointError as exc:
             return {"problem": f"the certificate could not be written: {exc}"}
         return {"checks": known.to_json()}
 
-    decided = comm.step("certification", local, combine)
+    decided = comm.step("certification", lambda: None, combine)
     if "problem" in decided:
         raise CheckpointError(f"step {step} cannot be certified: {decided['problem']}")
     return Checks.from_json(decided["checks"])

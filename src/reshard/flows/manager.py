@@ -578,7 +578,7 @@ class CheckpointManager:
     def certify(self, step: int) -> Checks:
         """Certify step ``step`` now (collective), as :func:`reshard.flows.certify.certify_later` says."""
         comm = Communicator(self.group, timeout=self.timeout)
-        return certify_later(comm, self.path_of(step), step, self._checks.get(step))
+        return certify_later(comm, self.path_of(step), step)
 
     def remember_skipped(self, skipped: list[SkippedStep]) -> None:
         """The steps a resume skipped (as :meth:`load_latest` does; a tiered restore too): a save may go past them."""
