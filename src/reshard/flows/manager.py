@@ -250,9 +250,8 @@ class CheckpointManager:
         return result
 
     def save_written(self, step: int, write: Callable[[Storage, str | None], None]) -> None:
-        """:meth:`save` (collective: lock, forward in time, ``latest``, retention) of the checkpoint that ``write``
-        writes, commits and closes in step ``step``'s storage (a drain of :class:`~reshard.TieredCheckpointManager`);
-        its second argument: the digest of the damaged save of ``step`` it may replace (as :meth:`save`), or None."""
+        """:meth:`save` (collective: lock, forward in time, ``latest``, retention) of what ``write(storage, replaces)``
+        writes, commits, closes in ``step``'s storage (a tiered drain; ``replaces``: a skipped save's digest, None)."""
         comm, held = Communicator(self.group, timeout=self.timeout), list[Lock]()
         try:
             _, past, replaces = self._lock_step(comm, held, step=step, overwrite=False, rewind=False, chunk_bytes=0)
