@@ -4,6 +4,7 @@ node-local location, a step refused when complete on some node, and ranks that d
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,27 @@ def test_ranks_passing_other_directories_fail_every_rank_and_write_nothing(tmp_p
     assert [cls for cls, _ in errors] == [reshard.CheckpointError] * 2
     assert all("different checkpoint paths" in text for _, text in errors), errors
     assert not list(tmp_path.rglob("metadata.json"))
+
+
+def test_a_certified_node_local_save_runs_its_checks(tmp_path: Path) -> None:
+    """SaveOptions(certify=...) on a node-local save judges the ranks' facts (it certified every save unchecked: the
+    facts were never computed): a replica with one flipped bit is named, and no certified.json is written."""
+    pattern = os.path.join(tmp_path, "node{node}")
+    group = ThreadGroup(4, timeout=30)
+    full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+
+    def run(rank: int) -> reshard.Checks | None:
+        rows = full[(rank % 2) * 4 : (rank % 2) * 4 + 4].clone()
+        if rank == 3:
+            rows.view(torch.int32)[0, 0] ^= 1
+        state = {"w": reshard.ShardedTensor.from_rank_offsets("w", rows, (0, rank % 2, 2), replica_id=rank // 2)}
+        tiers = reshard.NodeLocalCheckpoints(pattern, node_size=2, group=group.member(rank))
+        options = reshard.SaveOptions(certify=reshard.CertifyOptions())
+        return tiers.save(5, state, options=options).checks
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        checks = on_threads(4, run, group=group)
+    assert all(c is not None and not c.passed for c in checks), checks
+    assert any("differ" in p and "rank 3" in p for p in checks[0].problems), checks[0]
+    assert not (tmp_path / "node0" / "step_000000005" / "certified.json").exists()

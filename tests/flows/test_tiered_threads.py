@@ -219,7 +219,7 @@ def test_save_written_commits_a_step_that_a_function_wrote_under_the_manager_rul
     written: list[int] = []
 
     def write(step: int) -> Any:
-        def run(target: Any) -> None:
+        def run(target: Any, replaces: Any) -> None:
             written.append(step)
             reshard.save({"w": torch.full((2,), float(step))}, target)
             target.close()

@@ -249,13 +249,13 @@ class CheckpointManager:
                 base.close()
         return result
 
-    def save_written(self, step: int, write: Callable[[Storage], None]) -> None:
-        """:meth:`save` (collective: lock, forward in time, ``latest``, retention) of the checkpoint that ``write``
-        writes, commits and closes in step ``step``'s storage (a drain of :class:`~reshard.TieredCheckpointManager`)."""
+    def save_written(self, step: int, write: Callable[[Storage, str | None], None]) -> None:
+        """:meth:`save` (collective: lock, forward in time, ``latest``, retention) of what ``write(storage, replaces)``
+        writes, commits, closes in ``step``'s storage (a tiered drain; ``replaces``: a skipped save's digest, None)."""
         comm, held = Communicator(self.group, timeout=self.timeout), list[Lock]()
         try:
-            _, past, _ = self._lock_step(comm, held, step=step, overwrite=False, rewind=False, chunk_bytes=0)
-            write(self.path_of(step))
+            _, past, replaces = self._lock_step(comm, held, step=step, overwrite=False, rewind=False, chunk_bytes=0)
+            write(self.path_of(step), replaces)
             self._publish_step(comm, held[0] if held else None, step=step, rewind=False, past=past, result=None)
         finally:
             for lock_held in held:
@@ -560,9 +560,9 @@ class CheckpointManager:
                 skip(step, str(exc))
                 unloadable.append(SkippedStep(step, digest))
                 continue
-            self._remember_skipped(unloadable)
+            self.remember_skipped(unloadable)
             return step, loaded
-        self._remember_skipped(unloadable)
+        self.remember_skipped(unloadable)
         return None
 
     def _decide(self, comm: Communicator, step: int, result: SaveResult) -> SaveResult:
@@ -579,7 +579,8 @@ class CheckpointManager:
         comm = Communicator(self.group, timeout=self.timeout)
         return certify_later(comm, self.path_of(step), step)
 
-    def _remember_skipped(self, skipped: list[SkippedStep]) -> None:
+    def remember_skipped(self, skipped: list[SkippedStep]) -> None:
+        """The steps a resume skipped (as :meth:`load_latest` does; a tiered restore too): a save may go past them."""
         self._skipped = tuple(skipped)
         self.resumed_past = frozenset(s.step for s in skipped)
 

@@ -151,10 +151,14 @@ class NodeLocalCheckpoints:
 
     # ---- save --------------------------------------------------------------------------------------------
 
-    def save(self, step: int, state_dict: Any, *, options: SaveOptions | None = None) -> SaveResult:
+    def save(
+        self, step: int, state_dict: Any, *, options: SaveOptions | None = None, certificate: bool = True
+    ) -> SaveResult:
         """Save ``state_dict`` as ``step``: each rank writes its data file into its own node's directory, the
         coordinator commits ``metadata.json`` on its node, then every other node's leader writes the same bytes
         on its node (one more collective step); then retention, per node. Collective over the group.
+        ``certificate=False``: with ``SaveOptions(certify=...)`` the checks run but ``certified.json`` is written on
+        no node (a caller with a ``certify_hook`` writes and spreads it once the hook approved).
 
         Raises:
             CheckpointExistsError: the step is complete on some node (nothing is written).
@@ -181,7 +185,7 @@ class NodeLocalCheckpoints:
             committed = commit(comm, request, described, planned, written, clock, facts)
             stats = finish(planned, committed, described, written, clock)
             kept, document = self._spread(comm, step)
-            checks = self._certify(comm, step, committed.checks, document)
+            checks = self._certify(comm, step, committed.checks, document) if certificate else committed.checks
             # Each node leader retires its old steps; the step ends once all did (a rank's steps() then agrees).
             comm.step("node-local save: retention", lambda: self._retire(step, kept))
         if checks is not None and not checks.passed and comm.is_coordinator:
@@ -298,24 +302,21 @@ class NodeLocalCheckpoints:
             old = step_of(name)
             if old is None or old >= step or old in kept:
                 continue
-            if root.is_link(name):
-                logger.warning("node-local retention: %s is a symbolic link, left alone", root.describe(name))
-                continue
-            storage = root.child(name)
-            try:
-                removal = remove_checkpoint(storage)
-            except (OSError, CheckpointError) as exc:
-                logger.warning("node-local retention kept %s: %s", storage.describe(), exc)
-                continue
-            finally:
-                storage.close()
-            if removal.left:
-                logger.warning(
-                    "node-local retention: %s keeps %d files that no reshard save wrote or records (%s)",
-                    storage.describe(),
-                    len(removal.left),
-                    ", ".join(removal.left[:5]),
-                )
+            _remove_step(root, name, "node-local retention")
+
+    def discard(self, steps: set[int]) -> None:
+        """Remove ``steps`` from every node (collective over the group; each node's leader removes its own copies,
+        as retention does): steps of a timeline a restore abandoned, which a save of the same step would otherwise
+        be refused for. Best effort per node: a failure is logged."""
+
+        def remove() -> None:
+            if self.is_leader and self.directory.is_dir():
+                root = LocalStorage(self.directory)
+                for step in sorted(steps):
+                    if self.step_directory(step).is_dir():
+                        _remove_step(root, step_name(step), "node-local discard")
+
+        self._comm().step("node-local: discard steps", remove)
 
     # ---- restorable, restore, drain ------------------------------------------------------------------------
 
@@ -348,6 +349,7 @@ class NodeLocalCheckpoints:
         *,
         group: Group = None,
         storage_options: dict[str, Any] | None = None,
+        replaces: str | None = None,
     ) -> None:
         """Copy ``step`` to ``target`` (a step directory of durable storage: a path, URL or Storage): every data
         file by one rank of a node that holds it (balanced by bytes), each chunk verified as it is read and the
@@ -356,6 +358,8 @@ class NodeLocalCheckpoints:
         file already whole in ``target`` is not copied again, and a target already holding this step's
         ``metadata.json`` is done, so a drain killed at any point is simply run again. Collective over
         ``group`` (default: the group given at construction; a drain in a background thread passes its own).
+        ``replaces``: the SHA-256 of a damaged or uncertified ``metadata.json`` in ``target`` that the drain may
+        replace (as :func:`reshard.flows.save.save_replacing`; checked under the save lock).
 
         Raises:
             DataUnavailableError: no node holds the step whole (named files).
@@ -364,7 +368,32 @@ class NodeLocalCheckpoints:
             CheckpointError, StorageError: the same on every rank; ``target`` has no ``metadata.json`` then.
         """
         comm = Communicator(self.group if group is None else group, timeout=self.timeout)
-        drain_step(comm, self, step, target, storage_options)
+        drain_step(comm, self, step, target, storage_options, replaces=replaces)
+
+
+def _remove_step(root: LocalStorage, name: str, why: str) -> None:
+    """Remove step directory ``name`` of this node through :func:`~reshard.io.retirement.remove_checkpoint` (only
+    files a reshard save wrote and something reshard wrote ties to it; a symbolic link is left alone). Best effort:
+    a failure is logged."""
+    if root.is_link(name):
+        logger.warning("%s: %s is a symbolic link, left alone", why, root.describe(name))
+        return
+    storage = root.child(name)
+    try:
+        removal = remove_checkpoint(storage)
+    except (OSError, CheckpointError) as exc:
+        logger.warning("%s kept %s: %s", why, storage.describe(), exc)
+        return
+    finally:
+        storage.close()
+    if removal.left:
+        logger.warning(
+            "%s: %s keeps %d files that no reshard save wrote or records (%s)",
+            why,
+            storage.describe(),
+            len(removal.left),
+            ", ".join(removal.left[:5]),
+        )
 
 
 def _complete_steps(directory: Path) -> list[int]:

@@ -339,6 +339,8 @@ def drain_step(
     step: int,
     target: CheckpointLocation,
     storage_options: dict[str, Any] | None,
+    *,
+    replaces: str | None = None,
 ) -> None:
     """:meth:`reshard.NodeLocalCheckpoints.drain` (collective): the phases of the module doc."""
     held = holdings_phase(comm, site, step)
@@ -353,7 +355,7 @@ def drain_step(
             found = None
         if found == document:
             return {"done": True, "assign": []}
-        commit = SaveCommit(storage, metadata.save_id, overwrite=False)
+        commit = SaveCommit(storage, metadata.save_id, overwrite=False, replaces=replaces)
         commit.begin()  # the save lock (CheckpointExistsError: another checkpoint is there)
         protocol.append(commit)
         holders: dict[int, list[int]] = {}

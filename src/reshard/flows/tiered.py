@@ -19,13 +19,13 @@ every fallback is an error every rank raises alike.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
-import importlib
 import logging
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any
 
 import torch.distributed as dist
 
@@ -36,13 +36,18 @@ from reshard.errors import (
     DataUnavailableError,
     IncompleteCheckpointError,
 )
+from reshard.flows.certify import CertifyHook, CertifyOptions, Checks, decide_certification, options_term
 from reshard.flows.load import load
 from reshard.flows.manager import CheckpointManager
+from reshard.flows.nodelocal import NodeLocalCheckpoints
 from reshard.flows.options import SaveOptions, check_terms
 from reshard.flows.peer import PeerMemoryCheckpoint, PeerSaveResult
 from reshard.flows.save import SaveResult
+from reshard.flows.skipped import SkippedStep
 from reshard.flows.steps import scan_root
+from reshard.flows.tiered_certify import certified_here, node_certified, spread_certificate
 from reshard.flows.tiered_drain import Drain, check_drain_group
+from reshard.flows.tiered_restore import Decision, checks_known, choose, durable_listing
 from reshard.flows.tiers import Durable, LocalDisk, PeerMemory, Tiers, check_tiers, tier_terms
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
@@ -54,29 +59,18 @@ logger = logging.getLogger("reshard")
 
 STEP_KEY = "tiered_step"
 """The common value a peer-memory generation carries beside the state: the step it holds."""
+DEFAULT_CERTIFY = CertifyOptions()
+"""The checks a manager runs by default: every floating value finite, every replica alike."""
 FALLBACK_ERRORS = (DataUnavailableError, CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError)
 """What makes a restore fall back to its next candidate (every rank raises them alike); a MismatchError (the
 template is not the checkpoint's state) is the caller's and raises."""
 
 
-class NodeLocal(Protocol):
-    """What the tiered manager uses of :class:`reshard.flows.nodelocal.NodeLocalCheckpoints`."""
-
-    def save(self, step: int, state_dict: Any, *, options: SaveOptions | None = None) -> SaveResult: ...
-    def steps(self) -> list[int]: ...
-    def restorable(self) -> list[int]: ...
-    def restore(self, step: int, template: Any, **load_kwargs: Any) -> Any: ...
-    def drain(self, step: int, target: Storage) -> None: ...
-    def keep(self, steps: set[int]) -> None: ...
-
-
-def node_local(tier: LocalDisk, group: Group, timeout: datetime.timedelta | float | None) -> NodeLocal:
+def node_local(tier: LocalDisk, group: Group, timeout: datetime.timedelta | float | None) -> NodeLocalCheckpoints:
     """The node-local checkpoints of ``tier`` over ``group``."""
-    module = importlib.import_module("reshard.flows.nodelocal")
-    made = module.NodeLocalCheckpoints(
+    return NodeLocalCheckpoints(
         tier.directory, node_size=tier.node_size, keep_last=tier.keep_last, group=group, timeout=timeout
     )
-    return cast(NodeLocal, made)
 
 
 @dataclass(frozen=True)
@@ -110,12 +104,15 @@ class StepStatus:
             ``local`` (complete in this node's directory), ``durable`` (complete under the durable root).
         finalized: the durable tier holds it complete.
         draining: this rank's drain of it is running.
+        certified: some tier holding it has it certified (a valid ``certified.json`` in this node's directory or the
+            durable step; for the peer-memory generation, the checks of the save of the step passed).
     """
 
     step: int
     tiers: tuple[str, ...]
     finalized: bool
     draining: bool = False
+    certified: bool = False
 
 
 class TieredCheckpointManager:
@@ -129,11 +126,16 @@ class TieredCheckpointManager:
             the drain uses, such as ``dist.new_group(backend="gloo")``. Default: with ``group=None`` and
             torch.distributed initialized, the constructor makes one (a collective of every process of the default
             group); with another ``group``, it must be given.
+        certify: the checks every storage tier's save runs (:class:`~reshard.CertifyOptions`; None: none): a
+            step whose checks pass (and ``certify_hook`` approves) is certified (``certified.json``, carried to the
+            durable step by its drain), and :meth:`restore` prefers certified steps.
+        certify_hook: ``hook(step, checks) -> bool`` on every rank after a save whose checks passed; any veto (or
+            exception) leaves the step uncertified, as :class:`~reshard.CheckpointManager`'s.
         timeout: collective timeout.
 
     Raises:
         ValueError: naming what is wrong with ``tiers``, or a ``LocalDisk`` tier with a ``group`` and no
-            ``drain_group``.
+            ``drain_group``, or a ``certify_hook`` without ``certify``.
         CheckpointError: ``drain_group`` would carry the drain's collectives on NCCL.
     """
 
@@ -143,21 +145,37 @@ class TieredCheckpointManager:
         *,
         group: Group = None,
         drain_group: Group = None,
+        certify: CertifyOptions | None = DEFAULT_CERTIFY,
+        certify_hook: CertifyHook | None = None,
         timeout: datetime.timedelta | float | None = None,
     ) -> None:
         self.tiers: Tiers = check_tiers(list(tiers) if not isinstance(tiers, (list, tuple)) else tiers)
+        if certify_hook is not None and certify is None:
+            raise ValueError("TieredCheckpointManager: certify_hook needs certify=CertifyOptions(...)")
         self.group = group
         self.timeout = timeout
+        self.certify_options = certify
+        self.certify_hook = certify_hook
+        self._checks: dict[int, Checks] = {}
+        """The checks of the steps this manager saved (as decided: the hook's veto included)."""
+        self._abandoned: set[int] = set()
+        """Node-local steps newer than the step :meth:`restore` resumed from: a save of one replaces it."""
+        self._resume_checked = False
+        """Whether this manager looked for a node-local step whose drain a dead job left unfinished."""
         self.durable = self._durable_manager(group)
-        self._terms = tier_terms(self.tiers, self.durable.root.describe())
+        self._terms = {
+            **tier_terms(self.tiers, self.durable.root.describe()),
+            "certify": options_term(certify),
+            "certify_hook": certify_hook is not None,
+        }
         self._peer: PeerMemoryCheckpoint | None = None
         if self.tiers.peer is not None:
             peer = self.tiers.peer
             self._peer = PeerMemoryCheckpoint(replicas=peer.replicas, node_size=peer.node_size, timeout=timeout)
         self._peer_steps: dict[str, int] = {}
         """The step of each peer-memory generation this rank saw committed, by the generation's token."""
-        self._local: NodeLocal | None = None
-        self._drain_local: NodeLocal | None = None
+        self._local: NodeLocalCheckpoints | None = None
+        self._drain_local: NodeLocalCheckpoints | None = None
         self._drainer: CheckpointManager | None = None
         self._drain: Drain | None = None
         self.drain_group: Group = None
@@ -169,9 +187,10 @@ class TieredCheckpointManager:
             self.drain_group = drain_group
             self._local = node_local(self.tiers.local, group, timeout)
             self._drain_local = node_local(self.tiers.local, drain_group, timeout)
-            self._drainer = self._durable_manager(drain_group)
+            self._drainer = self._durable_manager(drain_group, drains=True)
 
-    def _durable_manager(self, group: Group) -> CheckpointManager:
+    def _durable_manager(self, group: Group, *, drains: bool = False) -> CheckpointManager:
+        """The manager of the durable root over ``group`` (``drains``: the drain's, which runs no hook)."""
         durable = self.tiers.durable
         return CheckpointManager(
             durable.root,
@@ -180,6 +199,8 @@ class TieredCheckpointManager:
             group=group,
             storage_options=durable.storage_options,
             timeout=self.timeout,
+            certify=self.certify_options,
+            certify_hook=None if drains else self.certify_hook,
         )
 
     @staticmethod
@@ -215,12 +236,13 @@ class TieredCheckpointManager:
         if not saving:
             return TieredSaveResult(step=step, tiers=())
         self._agree_save(step)
+        if self._local is not None and not self._resume_checked:
+            self._resume_drain(self._local.restorable(), step - 1)
         names = tuple(t.name for t in saving)
         peer = self._save_peer(step, state_dict) if "peer" in names else None
         local: SaveResult | None = None
         if self._local is not None and "local" in names:
-            self._local.keep(self._kept())
-            local = self._local.save(step, state_dict, options=options)
+            local = self._save_local(step, state_dict, options)
         if "durable" not in names:
             return TieredSaveResult(step=step, tiers=names, peer=peer, local=local)
         self.join_drain()
@@ -228,7 +250,55 @@ class TieredCheckpointManager:
             self._start_drain(step)
             return TieredSaveResult(step=step, tiers=names[:-1], draining=True, peer=peer, local=local)
         durable = self.durable.save(step, state_dict, options=options)
+        if durable.checks is not None:
+            self._checks[step] = durable.checks
         return TieredSaveResult(step=step, tiers=names, peer=peer, local=local, durable=durable)
+
+    def _save_local(self, step: int, state_dict: Any, options: SaveOptions | None) -> SaveResult:
+        """The node-local save of ``step`` (collective): first the steps a restore abandoned are discarded (a save
+        of one would be refused), then the save with the manager's checks; a certified step's certificate goes to
+        every node (with a hook, once every rank approved)."""
+        assert self._local is not None
+        if self._abandoned:
+            self._local.discard(self._abandoned)
+            self._abandoned = set()
+        self._local.keep(self._kept())
+        if self.certify_options is not None:
+            options = dataclasses.replace(options or SaveOptions(), certify=self.certify_options)
+        result = self._local.save(step, state_dict, options=options, certificate=self.certify_hook is None)
+        if result.checks is None:
+            return result
+        comm = Communicator(self.group, timeout=self.timeout)
+        checks = result.checks
+        if self.certify_hook is not None:
+            checks = decide_certification(comm, self._local.path_of(step), step, checks, self.certify_hook)
+            result = dataclasses.replace(result, checks=checks)
+        self._checks[step] = checks
+        if checks.passed and self.certify_hook is not None:  # without a hook, the node-local save spread it
+            spread_certificate(comm, self._local, step)
+        return result
+
+    def _resume_drain(self, local: list[int], limit: int) -> None:
+        """Start the drain that a dead job left unfinished (collective, every rank; once per manager, at its first
+        save or restore): the newest node-local step of ``local`` (restorable ones) up to ``limit`` that is due for
+        the durable tier and newer than its newest complete step (the coordinator's listing), if any.
+        :meth:`NodeLocalCheckpoints.drain` keeps what the dead drain copied whole."""
+        self._resume_checked = True
+        due = [s for s in local if s % self.tiers.durable.every == 0 and s <= limit]
+        if not due or self._drainer is None:
+            return
+        root = self.durable.root
+
+        def decide(_: list[None]) -> int | None:
+            newest = max((i.step for i in scan_root(root) if i.status == "complete"), default=-1)
+            pending = [s for s in due if s > newest]
+            return pending[-1] if pending else None
+
+        step = Communicator(self.group, timeout=self.timeout).step("tiered: unfinished drain", lambda: None, decide)
+        if step is not None:
+            logger.warning("reshard: node-local step %d is not finalized: draining it to the durable tier", step)
+            self.join_drain()
+            self._start_drain(int(step))
 
     def _agree_save(self, step: int) -> None:
         """The first step of a save (collective ``tiered save``, every rank): the ranks' tiers and step agree, and a
@@ -244,12 +314,15 @@ class TieredCheckpointManager:
             self.join_drain()
 
     def _save_peer(self, step: int, state_dict: Any) -> PeerSaveResult:
-        """The peer-memory save of ``state_dict``, which carries its step (collective)."""
+        """The peer-memory save of ``state_dict``, which carries its step, with the manager's checks (collective;
+        a ``certify_hook`` is not consulted for this tier: it decides what the storage tiers certify)."""
         assert self._peer is not None
-        result = self._peer.save({STEP_KEY: step, "state": state_dict}, group=self.group)
+        result = self._peer.save({STEP_KEY: step, "state": state_dict}, group=self.group, certify=self.certify_options)
         generation = self._peer.generation
         if generation is not None:
             self._peer_steps = {str(generation[1]): step}  # only the current generation is held
+        if result.checks is not None:
+            self._checks[step] = result.checks  # a storage tier's save of the step, if any, judges it again
         return result
 
     def _kept(self) -> set[int]:
@@ -267,9 +340,9 @@ class TieredCheckpointManager:
         assert source is not None
         self._undrained.add(step)
 
-        def write(target: Storage) -> None:
-            try:
-                source.drain(step, target)
+        def write(target: Storage, replaces: str | None) -> None:
+            try:  # the drain copies the node-local certificate after the metadata.json it certifies
+                source.drain(step, target, replaces=replaces)
             finally:
                 target.close()
 
@@ -308,16 +381,30 @@ class TieredCheckpointManager:
     def status(self) -> list[StepStatus]:
         """Every step some tier holds as this rank sees it, oldest first: which tiers, finalized or not."""
         held: dict[int, list[str]] = {}
+        certified: set[int] = set()
         for step in self._peer_steps.values():
             held.setdefault(step, []).append("peer")
+            if step in self._checks and self._checks[step].passed:
+                certified.add(step)
         if self._local is not None:
             for step in self._local.steps():
                 held.setdefault(step, []).append("local")
-        for step in self.durable.steps():
-            held.setdefault(step, []).append("durable")
+                if certified_here(self._local, step):
+                    certified.add(step)
+        for info in scan_root(self.durable.root):
+            if info.status == "complete":
+                held.setdefault(info.step, []).append("durable")
+                if info.certified:
+                    certified.add(info.step)
         draining = self._drain.step if self._drain is not None and self._drain.state() == "running" else None
         return [
-            StepStatus(step=s, tiers=tuple(held[s]), finalized="durable" in held[s], draining=s == draining)
+            StepStatus(
+                step=s,
+                tiers=tuple(held[s]),
+                finalized="durable" in held[s],
+                draining=s == draining,
+                certified=s in certified,
+            )
             for s in sorted(held)
         ]
 
@@ -331,9 +418,17 @@ class TieredCheckpointManager:
 
         Candidates, newest step first and fastest tier first for the same step: the peer-memory generation the
         ranks hold (the newest some rank knows to be complete), the node-local tier's restorable steps, the durable
-        root's complete steps. A candidate whose data is lost (:class:`~reshard.DataUnavailableError`), damaged
-        (:class:`~reshard.CorruptCheckpointError`) or incomplete falls back to the next, with a warning naming the
-        tier, the step and the reason; newer durable steps that are not complete are named in a warning too.
+        root's complete steps. When the manager certifies, candidates newer than the newest certified one are
+        skipped, each named in a warning with why (the checks' problems where known). A candidate whose data is
+        lost (:class:`~reshard.DataUnavailableError`), damaged (:class:`~reshard.CorruptCheckpointError`) or
+        incomplete falls back to the next, with a warning naming the tier, the step and the reason; newer durable
+        steps that are not complete are named in a warning too.
+
+        After the restore of step ``s``: the durable steps newer than ``s`` it skipped (damaged, or not certified)
+        do not block later saves while they are still those saves (:mod:`reshard.flows.skipped`: a save goes past
+        them, a save of the same step replaces it, retention deletes them); node-local steps newer than ``s`` are
+        discarded at the next node-local save; and the newest node-local step up to ``s`` due for the durable
+        tier that is not finalized (a dead job's drain) is drained again in the background.
 
         Raises:
             MismatchError: the template does not match the state of the candidate tried (every rank).
@@ -341,53 +436,53 @@ class TieredCheckpointManager:
         """
         comm = Communicator(self.group, timeout=self.timeout)
         local = self._local.restorable() if self._local is not None else []
-        decided = comm.step("tiered restore", lambda: self._offer(comm, load_kwargs), self._choose(local))
-        for note in decided["notes"]:
+        decide = choose(local, self.certify_options is not None)
+        decided = Decision.from_json(comm.step("tiered restore", lambda: self._offer(comm, load_kwargs), decide))
+        for note in decided.notes:
             warnings.warn(f"reshard: {note}", stacklevel=2)
-        for step, tier in decided["candidates"]:
+        for candidate in decided.candidates:
+            step, tier = candidate.step, candidate.tier
             try:
-                return step, tier, self._restore_from(tier, step, template, load_kwargs)
+                state = self._restore_from(tier, step, template, load_kwargs)
             except FALLBACK_ERRORS as exc:
                 warnings.warn(
                     f"reshard: restoring step {step} from the {tier} tier failed, trying the next candidate: {exc}",
                     stacklevel=2,
                 )
+                continue
+            self._resumed_at(step, decided, local)
+            return step, tier, state
         return None
 
+    def _resumed_at(self, step: int, decided: Decision, local: list[int]) -> None:
+        """After the restore of ``step`` (every rank, collective where a drain is resumed): what it went past."""
+        uncertified = {c.step for c in decided.uncertified}
+        skipped = [SkippedStep(c.step, c.digest, c.step in uncertified) for c in decided.durable if c.step > step]
+        for manager in (self.durable, self._drainer):
+            if manager is not None:
+                manager.remember_skipped(skipped)
+        self._abandoned = {s for s in local if s > step}
+        if self._local is not None:
+            self._resume_drain(local, step)
+
     def _offer(self, comm: Communicator, load_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """This rank's part of the restore's decision: its terms, the peer-memory generation it holds and that
-        generation's step where it knows it; on the coordinator, the durable root's steps."""
+        """This rank's part of the restore's decision (:mod:`reshard.flows.tiered_restore`): its terms, the
+        peer-memory generation it holds and that generation's step where it knows it, the checks it knows, the
+        node-local steps certified on its node; on the coordinator, the durable root's steps."""
         generation = self._peer.generation if self._peer is not None else None
-        peer = None if generation is None else [generation, self._peer_steps.get(str(generation[1]))]
-        durable = None
-        if comm.is_coordinator:
-            durable = [[info.step, info.status, info.problem] for info in scan_root(self.durable.root)]
-        return {"terms": self._terms, "peer": peer, "kwargs": sorted(load_kwargs), "durable": durable}
-
-    def _choose(self, local: list[int]) -> Any:
-        def choose(values: list[dict[str, Any]]) -> dict[str, Any]:
-            """On the coordinator: the candidates, in the order they are tried (see :meth:`restore`), and the notes
-            every rank warns of."""
-            terms = [{**v["terms"], "load arguments": v["kwargs"]} for v in values]
-            check_terms(terms, "TieredCheckpointManager.restore")
-            candidates: list[tuple[int, str]] = [(s, "local") for s in local]
-            listed = values[0]["durable"] or []
-            candidates += [(s, "durable") for s, status, _ in listed if status == "complete"]
-            notes: list[str] = []
-            peer = _peer_candidate([v["peer"] for v in values], values[0]["kwargs"], notes)
-            if peer is not None:
-                candidates.append((peer, "peer"))
-            order = {"peer": 0, "local": 1, "durable": 2}
-            candidates.sort(key=lambda c: (-c[0], order[c[1]]))
-            newest = candidates[0][0] if candidates else -1
-            notes += [
-                f"durable step {s} is {status}, not restored from: {problem or 'no metadata.json'}"
-                for s, status, problem in listed
-                if status != "complete" and s > newest
-            ]
-            return {"candidates": candidates, "notes": notes}
-
-        return choose
+        held = None if generation is None else self._peer_steps.get(str(generation[1]))
+        peer = None if generation is None else [generation, held]
+        checks = dict(self._checks)
+        if held is not None and self._peer is not None and self._peer.checks is not None:
+            checks.setdefault(held, self._peer.checks)  # the checks kept with the generation
+        return {
+            "terms": self._terms,
+            "peer": peer,
+            "kwargs": sorted(load_kwargs),
+            "checks": checks_known(checks),
+            "local_certified": node_certified(self._local) if self._local is not None else [],
+            "durable": durable_listing(self.durable.root) if comm.is_coordinator else None,
+        }
 
     def _restore_from(self, tier: str, step: int, template: Any, load_kwargs: dict[str, Any]) -> Any:
         """Step ``step`` of tier ``tier`` loaded into ``template`` (collective)."""
@@ -401,21 +496,3 @@ class TieredCheckpointManager:
             assert self._local is not None
             return self._local.restore(step, template, **load_kwargs)
         return load(template, self.durable.path_of(step), group=self.group, timeout=self.timeout, **load_kwargs)
-
-
-def _peer_candidate(held: list[list[Any] | None], kwargs: list[str], notes: list[str]) -> int | None:
-    """On the coordinator: the step of the peer-memory generation a restore would restore (the newest generation
-    some rank holds as current, as :meth:`PeerMemoryCheckpoint.restore` agrees it), where some rank knows it; None
-    when no rank holds one, or load arguments ``kwargs`` rule the tier out (said in ``notes``)."""
-    known = [h for h in held if h is not None]
-    if not known:
-        return None
-    newest = max((h[0] for h in known), key=lambda n: (int(n[0]), str(n[1])))
-    steps = [h[1] for h in known if h[0] == newest and h[1] is not None]
-    if kwargs:
-        notes.append(f"the peer-memory tier honours no load arguments ({', '.join(kwargs)}): not restored from")
-        return None
-    if not steps:
-        notes.append(f"no rank knows the step of the peer-memory generation {newest}: not restored from")
-        return None
-    return int(steps[0])
