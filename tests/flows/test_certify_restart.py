@@ -172,3 +172,26 @@ def test_a_hook_that_returns_no_bool_vetoes_naming_what_it_returned(tmp_path: Pa
         assert checks is not None and not checks.passed
         assert any("returned 'no'" in problem for problem in checks.problems), checks.problems
     assert not certified(tmp_path / "step_000000001")
+
+
+def test_a_deletion_of_a_certified_step_cut_short_is_finished_by_the_next(tmp_path: Path) -> None:
+    """The retirement record of a certified step listed ``certified.json`` and ``checks.json`` among its files, and
+    every reader then refused the record as "not one reshard wrote": a deletion cut short after the record never
+    finished, the step and its data leaked for ever (outside attack)."""
+    saved_by(tmp_path, {1: {}}, certify=OPTIONS)
+    step = storage_for(tmp_path / "step_000000001")
+    assert certified(tmp_path / "step_000000001")
+    original = type(step).delete
+
+    def cut_at_data(self: Any, name: str) -> None:
+        if name.startswith("data/"):
+            raise OSError("cut short")
+        original(self, name)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(step), "delete", cut_at_data)
+        with pytest.raises(OSError, match="cut short"):
+            remove_checkpoint(step)
+    assert (tmp_path / "step_000000001" / "retired.json").exists()
+    removal = remove_checkpoint(storage_for(tmp_path / "step_000000001"))
+    assert not removal.left and not (tmp_path / "step_000000001").exists()

@@ -126,7 +126,10 @@ class RetiredRecord:
             if not kept:
                 raise ValueError("it keeps no file")
             return cls(retired=float(retired), save_id=None, files=kept, kept=kept)
-        save_id, files = doc["save_id"], _data_files(doc["files"], "files")
+        listed = doc["files"]
+        if isinstance(listed, list):  # the certification records were listed by the first version that wrote them
+            listed = [name for name in listed if name not in CERTIFICATION_FILES]
+        save_id, files = doc["save_id"], _data_files(listed, "files")
         if save_id is not None and (not isinstance(save_id, str) or not _SAVE_ID.match(save_id)):
             raise ValueError(f"save_id is {save_id!r}")
         if not kept <= files:
@@ -434,7 +437,8 @@ def _remove(
         record = RetiredRecord(
             retired=record.retired if record is not None else now,
             save_id=save_id,
-            files=frozenset(ties.files | listed),
+            # Data files only: the certification records go first, before the metadata that ties them.
+            files=frozenset((ties.files | listed) - set(CERTIFICATION_FILES)),
             kept=frozenset(kept),
         )
         if not dry_run:
