@@ -20,7 +20,6 @@ match). ShardedObjects are per-rank values, not replicas: they are not checked.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -38,7 +37,7 @@ from reshard.io.device import HostSlabs
 from reshard.io.references import is_retired
 from reshard.io.retirement import CERTIFICATE_FILE, CHECKS_FILE
 from reshard.io.sources import read_metadata_bytes
-from reshard.metadata import Metadata
+from reshard.metadata import Metadata, document_digest
 from reshard.net.comm import Communicator
 from reshard.planning.certify import CertifyOptions, Checks, SavedCopy, judge
 from reshard.storage import CheckpointLocation, Storage, storage_for
@@ -234,7 +233,7 @@ class Certificate:
 
 
 def _metadata_sha256(storage: Storage) -> str:
-    return hashlib.sha256(read_metadata_bytes(storage)).hexdigest()
+    return document_digest(read_metadata_bytes(storage))
 
 
 def write_certificate(storage: Storage, checks: Checks, *, metadata_sha256: str | None = None) -> Certificate:

@@ -17,7 +17,6 @@ their steps again) without ``rewind``, as past a damaged step.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from reshard.flows.certify import certification_status
 from reshard.flows.maintenance import validate_checkpoint
 from reshard.flows.steps import step_name
 from reshard.io.sources import read_metadata_bytes
+from reshard.metadata import document_digest
 from reshard.storage import Storage
 
 __all__ = ["SkippedStep", "metadata_digest", "still_skipped", "uncertified_skipped"]
@@ -58,7 +58,7 @@ def metadata_digest(checkpoint: Storage) -> str | None:
     """The SHA-256 of ``checkpoint``'s ``metadata.json`` (it names the save: its id, its files), or None when it
     cannot be read. Not collective."""
     try:
-        return hashlib.sha256(read_metadata_bytes(checkpoint)).hexdigest()
+        return document_digest(read_metadata_bytes(checkpoint))
     except (OSError, CheckpointError):
         return None
 

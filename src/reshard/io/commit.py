@@ -34,7 +34,6 @@ single-process :class:`~reshard.interop.offline.CheckpointWriter`), in this orde
 from __future__ import annotations
 
 import enum
-import hashlib
 import logging
 import re
 from typing import TYPE_CHECKING
@@ -43,7 +42,7 @@ from reshard.errors import CheckpointError, CheckpointExistsError, CheckpointLoc
 from reshard.io.datafile import is_data_file_of
 from reshard.io.locking import Lock, LockTiming, acquire_lock
 from reshard.io.references import RETIRED_FILE, lock_for_deletion, protected_files
-from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
+from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata, document_digest
 
 if TYPE_CHECKING:
     from reshard.storage import Storage
@@ -147,7 +146,7 @@ class SaveCommit:
             raw = self.storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
         except OSError:
             return False
-        return hashlib.sha256(raw).hexdigest() == digest
+        return document_digest(raw) == digest
 
     def _remove_dead_files(self) -> None:
         """Under the lock taken over from the :attr:`dead_saves`: remove their data files that the committed

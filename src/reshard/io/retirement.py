@@ -36,7 +36,6 @@ Not collective: one process (the coordinator of a manager's save, ``reshard gc``
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -56,7 +55,7 @@ from reshard.io.references import (
     read_markers,
     refuse_a_link,
 )
-from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
+from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata, document_digest
 from reshard.storage import FileTooLargeError, Storage
 
 __all__ = [
@@ -390,7 +389,7 @@ def _refuse_another_save(storage: Storage, only_save: str | None) -> None:
     if only_save is None:
         return
     try:
-        found = hashlib.sha256(storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)).hexdigest()
+        found = document_digest(storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES))
     except (FileNotFoundError, FileTooLargeError):
         found = None
     if found != only_save:

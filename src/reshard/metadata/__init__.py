@@ -49,6 +49,7 @@ from reshard.metadata.model import (
     ObjectMetadata,
     SavedObject,
     TensorMetadata,
+    document_digest,
 )
 from reshard.metadata.parse import check_relative_path
 from reshard.metadata.wire import seal_document
@@ -79,5 +80,6 @@ __all__ = [
     "SavedObject",
     "TensorMetadata",
     "check_relative_path",
+    "document_digest",
     "seal_document",
 ]

@@ -6,6 +6,7 @@ This is the logical model; :mod:`reshard.metadata.wire` writes it as ``metadata.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections.abc import Sequence
@@ -44,6 +45,7 @@ __all__ = [
     "ObjectMetadata",
     "SavedObject",
     "TensorMetadata",
+    "document_digest",
 ]
 
 FORMAT_NAME = "reshard"
@@ -68,6 +70,14 @@ PACK_MIN_CHECKSUMS = 256
 """... or at least this many checksums (unless told to pack all or none)."""
 METADATA_FILE = "metadata.json"
 DATA_DIR = "data"
+
+
+def document_digest(raw: bytes) -> str:
+    """The SHA-256 (lowercase hex) of a ``metadata.json``'s bytes: what ties a record written beside it (a
+    retirement, a certificate, the checks, a skipped step, a node-local copy) to exactly one save."""
+    return hashlib.sha256(raw).hexdigest()
+
+
 CHECKSUM_ALGORITHM = "crc32c"
 SIBLING_PREFIX = "../"
 """How a storage name addresses a file of a sibling checkpoint (:attr:`DataFile.location`)."""
