@@ -184,3 +184,29 @@ def test_a_checkpoints_reading_storage_keeps_the_override(tmp_path: Path) -> Non
         assert source.storage.sharing() == LocalStorage(tmp_path, shared=True).sharing()
     finally:
         source.close()
+
+
+def test_an_existing_path_is_judged_by_its_device_looking_at_nothing_above_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The detection once resolved the path with realpath, which looks at every directory above the checkpoint
+    (the contract suite's audit caught a restore stat-ing the directories above its sandbox). An existing path is
+    now judged by its file system's device, from one stat of the path itself, even where its name lies under no
+    mount point of the table."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    device = os.stat(checkpoint).st_dev
+    table = f"36 25 {os.major(device)}:{os.minor(device)} / /elsewhere rw,relatime - nfs4 server:/export rw\n"
+    looked_at: list[str] = []
+    for name in ("stat", "lstat"):
+        original = getattr(os, name)
+
+        def recorded(path: object, *args: object, _original: object = original, **kwargs: object) -> object:
+            looked_at.append(os.path.abspath(os.fspath(path)))  # type: ignore[arg-type]
+            return _original(path, *args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(os, name, recorded)
+    sharing = detect_sharing(str(checkpoint), mountinfo=table)
+    monkeypatch.undo()
+    assert sharing.shared and sharing.reason == f"{checkpoint} is nfs4 (a shared file system, mounted at /elsewhere)"
+    assert looked_at and all(path == str(checkpoint) for path in looked_at), looked_at

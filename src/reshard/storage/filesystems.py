@@ -31,6 +31,7 @@ __all__ = [
     "detect_sharing",
     "is_shared_type",
     "mount_of",
+    "mount_of_device",
     "parse_mountinfo",
     "sharing_from_env",
     "statfs_type",
@@ -111,6 +112,8 @@ class Mount:
     mount_point: str
     fstype: str
     source: str
+    device: str = ""
+    """``major:minor`` of the mounted file system (what ``stat`` gives as ``st_dev`` for every file in it)."""
 
 
 def _unescape(field: str) -> str:
@@ -129,7 +132,9 @@ def parse_mountinfo(text: str) -> list[Mount]:
         separator = fields.index("-", 6)
         if len(fields) < separator + 3:
             continue
-        mounts.append(Mount(_unescape(fields[4]), fields[separator + 1], _unescape(fields[separator + 2])))
+        mounts.append(
+            Mount(_unescape(fields[4]), fields[separator + 1], _unescape(fields[separator + 2]), device=fields[2])
+        )
     return mounts
 
 
@@ -145,6 +150,23 @@ def mount_of(path: str, mounts: list[Mount]) -> Mount | None:
         if _contains(mount.mount_point, path) and (best is None or len(mount.mount_point) >= len(best.mount_point)):
             best = mount
     return best
+
+
+def mount_of_device(device: str, mounts: list[Mount]) -> Mount | None:
+    """The mount of the file system ``device`` (``major:minor``): the last listed (of bind mounts of one file
+    system, every one has its type), or None."""
+    found = [mount for mount in mounts if mount.device == device]
+    return found[-1] if found else None
+
+
+def _device_of(path: str) -> str | None:
+    """``major:minor`` of the file system that holds ``path`` (one ``stat`` of ``path`` itself: nothing above it is
+    looked at), or None where it does not exist."""
+    try:
+        st_dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    return f"{os.major(st_dev)}:{os.minor(st_dev)}"
 
 
 def is_shared_type(fstype: str) -> bool:
@@ -206,17 +228,23 @@ def detect_sharing(path: str, *, mountinfo: str | None = None, platform: str = s
     of :data:`MOUNTINFO` (tests); never raises (an unknown type is local, and the reason says so)."""
     if not platform.startswith("linux"):
         return Sharing(False, f"{path}: the file system type is not detected on {platform} (taken as local)")
-    resolved = os.path.realpath(path)  # links followed; a part not yet created stays as written
     if mountinfo is None:
         try:
             with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as file:
                 mountinfo = file.read()
         except OSError:
             mountinfo = ""
-    mount = mount_of(resolved, parse_mountinfo(mountinfo))
+    mounts = parse_mountinfo(mountinfo)
+    device = _device_of(path)
+    if device is not None:  # by the file system's device: no directory above the checkpoint is looked at
+        mount = mount_of_device(device, mounts) or mount_of(os.path.abspath(path), mounts)
+        probe = path
+    else:  # not created yet: by its name, links followed, and statfs of its nearest existing ancestor
+        resolved = os.path.realpath(path)
+        mount, probe = mount_of(resolved, mounts), _existing(resolved)
     if mount is not None:
         return _decided(path, mount.fstype, mount.mount_point)
-    magic = statfs_type(_existing(resolved))
+    magic = statfs_type(probe)
     if magic is None:
         return Sharing(False, f"{path}: the file system type is unknown (no mountinfo, no statfs; taken as local)")
     if magic not in MAGIC_TYPES:
