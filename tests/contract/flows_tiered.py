@@ -63,7 +63,10 @@ class TieredStep(Flow):
         return {"generation": -1 if generation is None else generation, "tier": found[1]}
 
     def check(self, place: Path, world: int, answers: Answers, killed: bool) -> tuple[int | None, Finding | None]:
-        newest, finding = check_root(place / "root", world, 2 if guarantees.confirmed(answers) else None)
+        # Finalized means a wait() returned: an answer "ok" (save, wait and restore done). An UnconfirmedCommitError
+        # may be the node-local save's (committed on the nodes, not finalized), so it promises nothing durable.
+        waited = any(guarantees.outcome_of(a) == "ok" for a in answers.values())
+        newest, finding = check_root(place / "root", world, 2 if waited else None)
         if finding is None:
             _, finding = guarantees.loads_as(place / "root" / "step_000000001", world, (1,), what="finalized step 1")
         return newest, finding or guarantees.returned_generation(answers, (2,), what="restore")
