@@ -44,7 +44,7 @@ from reshard.flows.options import SaveOptions, check_terms
 from reshard.flows.peer import PeerMemoryCheckpoint, PeerSaveResult
 from reshard.flows.save import SaveResult
 from reshard.flows.skipped import SkippedStep
-from reshard.flows.steps import scan_root
+from reshard.flows.steps import check_step, scan_root
 from reshard.flows.tiered_certify import certified_here, node_certified, spread_certificate
 from reshard.flows.tiered_drain import Drain, check_drain_group
 from reshard.flows.tiered_restore import Decision, checks_known, choose, durable_listing
@@ -229,10 +229,11 @@ class TieredCheckpointManager:
         returns at once, with no collective.
 
         Raises:
+            ValueError: ``step`` is not an ``int`` of at least 0 (a float, a tensor, a bool), naming it.
             CheckpointError: the ranks passed other tiers or steps (every rank, naming the difference); the
                 previous drain failed (its error, on every rank: that step is not finalized); as each tier's save.
         """
-        saving = self.tiers.saving(step)
+        saving = self.tiers.saving(check_step(step))
         if not saving:
             return TieredSaveResult(step=step, tiers=())
         self._agree_save(step)
