@@ -158,8 +158,9 @@ class TieredCheckpointManager:
         self.certify_hook = certify_hook
         self._checks: dict[int, Checks] = {}
         """The checks of the steps this manager saved (as decided: the hook's veto included)."""
-        self._abandoned: set[int] = set()
-        """Node-local steps newer than the step :meth:`restore` resumed from: a save of one replaces it."""
+        self._resumed: int | None = None
+        """The step :meth:`restore` resumed from, until the next node-local save discards the node-local steps newer
+        than it (an abandoned timeline, restorable or not: a save of one replaces it)."""
         self._resume_checked = False
         """Whether this manager looked for a node-local step whose drain a dead job left unfinished."""
         self.durable = self._durable_manager(group)
@@ -256,13 +257,14 @@ class TieredCheckpointManager:
         return TieredSaveResult(step=step, tiers=names, peer=peer, local=local, durable=durable)
 
     def _save_local(self, step: int, state_dict: Any, options: SaveOptions | None) -> SaveResult:
-        """The node-local save of ``step`` (collective): first the steps a restore abandoned are discarded (a save
-        of one would be refused), then the save with the manager's checks; a certified step's certificate goes to
-        every node (with a hook, once every rank approved)."""
+        """The node-local save of ``step`` (collective): first the steps newer than the one a restore resumed from
+        are discarded on every node, whether or not they were restorable (a save of one would be refused),
+        then the save with the manager's checks; a certified step's certificate goes to every node (with a hook,
+        once every rank approved)."""
         assert self._local is not None
-        if self._abandoned:
-            self._local.discard(self._abandoned)
-            self._abandoned = set()
+        if self._resumed is not None:
+            self._local.discard(newer_than=self._resumed)
+            self._resumed = None
         self._local.keep(self._kept())
         if self.certify_options is not None:
             options = dataclasses.replace(options or SaveOptions(), certify=self.certify_options)
@@ -427,9 +429,10 @@ class TieredCheckpointManager:
 
         After the restore of step ``s``: the durable steps newer than ``s`` it skipped (damaged, or not certified)
         do not block later saves while they are still those saves (:mod:`reshard.flows.skipped`: a save goes past
-        them, a save of the same step replaces it, retention deletes them); node-local steps newer than ``s`` are
-        discarded at the next node-local save; and the newest node-local step up to ``s`` due for the durable
-        tier that is not finalized (a dead job's drain) is drained again in the background.
+        them, a save of the same step replaces it, retention deletes them); every node-local step newer than ``s``
+        (complete on any node, restorable or not) is discarded at the next node-local save; and the newest
+        node-local step up to ``s`` due for the durable tier that is not finalized (a dead job's drain) is drained
+        again in the background.
 
         Raises:
             MismatchError: the template does not match the state of the candidate tried (every rank).
@@ -462,7 +465,7 @@ class TieredCheckpointManager:
         for manager in (self.durable, self._drainer):
             if manager is not None:
                 manager.remember_skipped(skipped)
-        self._abandoned = {s for s in local if s > step}
+        self._resumed = step
         if self._local is not None:
             self._resume_drain(local, step)
 
