@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.flows.certify import certified
+from reshard.flows.certify import certified, options_term
 from reshard.net.transports import ThreadGroup
 from tests.threads import on_threads
 
@@ -133,7 +133,8 @@ def test_a_save_options_certify_other_than_the_managers_fails_every_rank_naming_
 ) -> None:
     """F4: the manager's ``certify`` is the only source of every tier's checks (the drain carries what they
     certified); a ``SaveOptions.certify`` other than it was honoured by some tiers and not others, and ranks
-    passing other ones both succeeded. Now a ValueError on every rank, naming both, before anything is written."""
+    passing other ones both succeeded. Now a CheckpointError on every rank, naming both, before anything is
+    written."""
     _, managers = _managers(_tiers(tmp_path), certify=manager)
     errors = [""] * 2
 
@@ -142,13 +143,14 @@ def test_a_save_options_certify_other_than_the_managers_fails_every_rank_naming_
         options = reshard.SaveOptions(certify=certify) if certify is not None else None
         try:
             managers[r].save(4, _state(r, 4), options=options)
-        except ValueError as exc:
-            errors[r] = str(exc)
+        except reshard.CheckpointError as exc:
+            errors[r] = f"{type(exc).__name__}: {exc}"
         managers[r].close()
 
     on_threads(2, run)
     assert errors[0] and errors[0] == errors[1], errors
-    assert "SaveOptions.certify" in errors[0] and "TieredCheckpointManager" in errors[0], errors[0]
+    assert errors[0].startswith("CheckpointError") and "SaveOptions.certify=" in errors[0], errors[0]
+    assert f"the manager's certify is {options_term(manager)}" in errors[0], errors[0]
     assert not (tmp_path / "node0" / "step_000000004").exists()
     assert not (tmp_path / "durable" / "step_000000004").exists()
 

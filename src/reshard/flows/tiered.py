@@ -223,21 +223,23 @@ class TieredCheckpointManager:
 
     def save(self, step: int, state_dict: Any, *, options: SaveOptions | None = None) -> TieredSaveResult:
         """Save ``state_dict`` as step ``step`` to every tier whose ``every`` divides ``step``, fastest first
-        (``options`` as for :func:`reshard.save`, for the storage tiers). Called by every rank of the group with the
-        same tiers and step. Returns once the fast tiers hold the step: a durable step that the ``LocalDisk`` tier
-        saved is drained in the background (the drain in flight, if any, is joined first); one that no faster
-        storage tier holds is saved to the durable root directly, before this returns. A step no tier keeps
-        returns at once, with no collective.
+        (``options`` as for :func:`reshard.save`, for the storage tiers, but for ``certify``: the manager's is the
+        only source of every tier's checks, and a ``SaveOptions.certify`` other than it fails the save). Called by
+        every rank of the group with the same tiers and step. Returns once the fast tiers hold the step: a durable
+        step that the ``LocalDisk`` tier saved is drained in the background (the drain in flight, if any, is
+        joined first); one that no faster storage tier holds is saved to the durable root directly, before this
+        returns. A step no tier keeps returns at once, with no collective.
 
         Raises:
             ValueError: ``step`` is not an ``int`` of at least 0 (a float, a tensor, a bool), naming it.
-            CheckpointError: the ranks passed other tiers or steps (every rank, naming the difference); the
+            CheckpointError: the ranks passed other tiers or steps (every rank, naming the difference), or some
+                rank passed a ``SaveOptions.certify`` other than the manager's (every rank, naming both); the
                 previous drain failed (its error, on every rank: that step is not finalized); as each tier's save.
         """
         saving = self.tiers.saving(check_step(step))
         if not saving:
             return TieredSaveResult(step=step, tiers=())
-        self._agree_save(step)
+        self._agree_save(step, options)
         if self._local is not None and not self._resume_checked:
             self._resume_drain(self._local.restorable(), step - 1)
         names = tuple(t.name for t in saving)
@@ -303,14 +305,29 @@ class TieredCheckpointManager:
             self.join_drain()
             self._start_drain(int(step))
 
-    def _agree_save(self, step: int) -> None:
-        """The first step of a save (collective ``tiered save``, every rank): the ranks' tiers and step agree, and a
-        drain that failed on some rank is joined on every rank, which raises its error."""
+    def _agree_save(self, step: int, options: SaveOptions | None) -> None:
+        """The first step of a save (collective ``tiered save``, every rank): the ranks' tiers and step agree, no
+        rank's ``options.certify`` differs from the manager's ``certify`` (the only source of every tier's checks,
+        the drain's included), and a drain that failed on some rank is joined on every rank, which raises its
+        error."""
         comm = Communicator(self.group, timeout=self.timeout)
-        mine = {"terms": {**self._terms, "step": step}, "drain": self._drain.state() if self._drain else None}
+        given = options_term(options.certify) if options is not None and options.certify is not None else None
+        mine = {
+            "terms": {**self._terms, "step": step},
+            "drain": self._drain.state() if self._drain else None,
+            "certify": given,
+        }
 
         def agree(values: list[dict[str, Any]]) -> bool:
             check_terms([v["terms"] for v in values], "TieredCheckpointManager.save")
+            own = self._terms["certify"]
+            for rank, v in enumerate(values):
+                if v["certify"] is not None and v["certify"] != own:
+                    raise CheckpointError(
+                        f"TieredCheckpointManager.save: rank {rank} passed SaveOptions.certify={v['certify']}, but "
+                        f"the manager's certify is {own}: the TieredCheckpointManager's certify is the only source "
+                        "of every tier's checks (leave SaveOptions.certify None, or pass the manager's)"
+                    )
             return any(v["drain"] == "failed" for v in values)
 
         if comm.step("tiered save", lambda: mine, agree):
