@@ -45,7 +45,12 @@ from reshard.flows.peer import PeerMemoryCheckpoint, PeerSaveResult
 from reshard.flows.save import SaveResult
 from reshard.flows.skipped import SkippedStep
 from reshard.flows.steps import check_step, scan_root
-from reshard.flows.tiered_certify import certified_here, node_certified, spread_certificate
+from reshard.flows.tiered_certify import (
+    carry_lost_certificates,
+    certified_here,
+    node_certified,
+    spread_certificate,
+)
 from reshard.flows.tiered_drain import Drain, check_drain_group
 from reshard.flows.tiered_restore import Decision, checks_known, choose, durable_listing
 from reshard.flows.tiers import Durable, LocalDisk, PeerMemory, Tiers, check_tiers, tier_terms
@@ -104,8 +109,9 @@ class StepStatus:
             ``local`` (complete in this node's directory), ``durable`` (complete under the durable root).
         finalized: the durable tier holds it complete.
         draining: this rank's drain of it is running.
-        certified: some tier holding it has it certified (a valid ``certified.json`` in this node's directory or the
-            durable step; for the peer-memory generation, the checks of the save of the step passed).
+        certified: a finalized step: the durable step holds a valid ``certified.json``; another: some tier holding
+            it has it certified (a valid ``certified.json`` in this node's directory; for the peer-memory
+            generation, the checks of the save of the step passed).
     """
 
     step: int
@@ -289,6 +295,9 @@ class TieredCheckpointManager:
         the durable tier and newer than its newest complete step (the coordinator's listing), if any.
         :meth:`NodeLocalCheckpoints.drain` keeps what the dead drain copied whole."""
         self._resume_checked = True
+        assert self._local is not None
+        comm = Communicator(self.group, timeout=self.timeout)
+        carry_lost_certificates(comm, self._local, self.durable.root, self.tiers.durable.every)
         due = [s for s in local if s % self.tiers.durable.every == 0 and s <= limit]
         if not due or self._drainer is None:
             return
@@ -299,7 +308,7 @@ class TieredCheckpointManager:
             pending = [s for s in due if s > newest]
             return pending[-1] if pending else None
 
-        step = Communicator(self.group, timeout=self.timeout).step("tiered: unfinished drain", lambda: None, decide)
+        step = comm.step("tiered: unfinished drain", lambda: None, decide)
         if step is not None:
             logger.warning("reshard: node-local step %d is not finalized: draining it to the durable tier", step)
             self.join_drain()
@@ -399,7 +408,8 @@ class TieredCheckpointManager:
         return step in self.durable.steps()
 
     def status(self) -> list[StepStatus]:
-        """Every step some tier holds as this rank sees it, oldest first: which tiers, finalized or not."""
+        """Every step some tier holds as this rank sees it, oldest first: which tiers, finalized or not; a finalized
+        step's ``certified`` is what the durable tier holds (the fast tiers' copies may go)."""
         held: dict[int, list[str]] = {}
         certified: set[int] = set()
         for step in self._peer_steps.values():
@@ -416,6 +426,8 @@ class TieredCheckpointManager:
                 held.setdefault(info.step, []).append("durable")
                 if info.certified:
                     certified.add(info.step)
+                else:  # a finalized step is certified when the durable tier holds its certificate
+                    certified.discard(info.step)
         draining = self._drain.step if self._drain is not None and self._drain.state() == "running" else None
         return [
             StepStatus(
