@@ -69,6 +69,7 @@ from reshard.flows.skipped import SkippedStep, metadata_digest, still_skipped, u
 from reshard.flows.steps import (
     LATEST_FILE,
     StepInfo,
+    check_step,
     lock_is_live,
     point_latest_at,
     scan_root,
@@ -135,10 +136,8 @@ class CheckpointManager:
         if keep_every is not None and keep_every < 1:
             raise ValueError(f"keep_every must be at least 1, got {keep_every}")
         self.root = storage_for(root, storage_options)
-        self.keep_last = keep_last
-        self.keep_every = keep_every
-        self.incremental = incremental
-        self.full_every = full_every
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.incremental, self.full_every = incremental, full_every
         self.group = group
         self.timeout = timeout
         self.certify_options = certify
@@ -211,6 +210,7 @@ class CheckpointManager:
                 (what retention deleted before it failed stays deleted).
             CheckpointError: as :func:`reshard.save`; the step is not committed and ``latest`` is unchanged.
         """
+        check_step(step)  # ValueError naming it, on every rank, before any collective
         comm = Communicator(self.group, timeout=self.timeout)
         options = options if options is not None else SaveOptions()
         if self.incremental:

@@ -304,17 +304,22 @@ class NodeLocalCheckpoints:
                 continue
             _remove_step(root, name, "node-local retention")
 
-    def discard(self, steps: set[int]) -> None:
-        """Remove ``steps`` from every node (collective over the group; each node's leader removes its own copies,
-        as retention does): steps of a timeline a restore abandoned, which a save of the same step would otherwise
-        be refused for. Best effort per node: a failure is logged."""
+    def discard(self, steps: set[int] | None = None, *, newer_than: int | None = None) -> None:
+        """Remove ``steps``, and with ``newer_than`` every step directory newer than it, from every node (collective
+        over the group; each node's leader removes its own copies, complete or not, whichever nodes hold them, as
+        retention does: only files a save ties to the step, a symbolic link left alone, with a warning): steps of
+        a timeline a restore abandoned, which a save of the same step would otherwise be refused for (a step
+        complete on one node only is not restorable, yet blocks it). Best effort per node: a failure is logged."""
+        chosen = {int(s) for s in steps or ()}
 
         def remove() -> None:
-            if self.is_leader and self.directory.is_dir():
-                root = LocalStorage(self.directory)
-                for step in sorted(steps):
-                    if self.step_directory(step).is_dir():
-                        _remove_step(root, step_name(step), "node-local discard")
+            if not self.is_leader or not self.directory.is_dir():
+                return
+            root = LocalStorage(self.directory)
+            for name in sorted(os.listdir(self.directory)):
+                step = step_of(name)
+                if step is not None and (step in chosen or (newer_than is not None and step > newer_than)):
+                    _remove_step(root, name, "node-local discard")
 
         self._comm().step("node-local: discard steps", remove)
 

@@ -20,6 +20,7 @@ from reshard.storage import FileTooLargeError, Storage
 __all__ = [
     "LATEST_FILE",
     "StepInfo",
+    "check_step",
     "lock_is_live",
     "point_latest_at",
     "scan_root",
@@ -49,10 +50,23 @@ def step_of(name: str) -> int | None:
     return int(match.group(1)) if match is not None else None
 
 
-def step_name(step: int) -> str:
+def check_step(step: object) -> int:
+    """``step``, when it is a step: an ``int`` (not a bool) of at least 0. Not collective.
+
+    Raises:
+        ValueError: naming the step (a float, tensor or bool step would otherwise fail deep in a save, differently).
+    """
+    if isinstance(step, bool) or not isinstance(step, int):
+        # ValueError, as every other bad step (negative): the error class callers already handle
+        raise ValueError(f"a step is an int of at least 0, got {step!r} ({type(step).__name__})")  # noqa: TRY004
     if step < 0:
         raise ValueError(f"steps are non-negative, got {step}")
-    return f"step_{step:09d}"
+    return step
+
+
+def step_name(step: int) -> str:
+    """The directory name of step ``step`` (ValueError naming it when it is not a step: :func:`check_step`)."""
+    return f"step_{check_step(step):09d}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

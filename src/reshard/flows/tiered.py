@@ -44,8 +44,13 @@ from reshard.flows.options import SaveOptions, check_terms
 from reshard.flows.peer import PeerMemoryCheckpoint, PeerSaveResult
 from reshard.flows.save import SaveResult
 from reshard.flows.skipped import SkippedStep
-from reshard.flows.steps import scan_root
-from reshard.flows.tiered_certify import certified_here, node_certified, spread_certificate
+from reshard.flows.steps import check_step, scan_root
+from reshard.flows.tiered_certify import (
+    carry_lost_certificates,
+    certified_here,
+    node_certified,
+    spread_certificate,
+)
 from reshard.flows.tiered_drain import Drain, check_drain_group
 from reshard.flows.tiered_restore import Decision, checks_known, choose, durable_listing
 from reshard.flows.tiers import Durable, LocalDisk, PeerMemory, Tiers, check_tiers, tier_terms
@@ -104,8 +109,9 @@ class StepStatus:
             ``local`` (complete in this node's directory), ``durable`` (complete under the durable root).
         finalized: the durable tier holds it complete.
         draining: this rank's drain of it is running.
-        certified: some tier holding it has it certified (a valid ``certified.json`` in this node's directory or the
-            durable step; for the peer-memory generation, the checks of the save of the step passed).
+        certified: a finalized step: the durable step holds a valid ``certified.json``; another: some tier holding
+            it has it certified (a valid ``certified.json`` in this node's directory; for the peer-memory
+            generation, the checks of the save of the step passed).
     """
 
     step: int
@@ -158,8 +164,9 @@ class TieredCheckpointManager:
         self.certify_hook = certify_hook
         self._checks: dict[int, Checks] = {}
         """The checks of the steps this manager saved (as decided: the hook's veto included)."""
-        self._abandoned: set[int] = set()
-        """Node-local steps newer than the step :meth:`restore` resumed from: a save of one replaces it."""
+        self._resumed: int | None = None
+        """The step :meth:`restore` resumed from, until the next node-local save discards the node-local steps newer
+        than it (an abandoned timeline, restorable or not: a save of one replaces it)."""
         self._resume_checked = False
         """Whether this manager looked for a node-local step whose drain a dead job left unfinished."""
         self.durable = self._durable_manager(group)
@@ -222,20 +229,23 @@ class TieredCheckpointManager:
 
     def save(self, step: int, state_dict: Any, *, options: SaveOptions | None = None) -> TieredSaveResult:
         """Save ``state_dict`` as step ``step`` to every tier whose ``every`` divides ``step``, fastest first
-        (``options`` as for :func:`reshard.save`, for the storage tiers). Called by every rank of the group with the
-        same tiers and step. Returns once the fast tiers hold the step: a durable step that the ``LocalDisk`` tier
-        saved is drained in the background (the drain in flight, if any, is joined first); one that no faster
-        storage tier holds is saved to the durable root directly, before this returns. A step no tier keeps
-        returns at once, with no collective.
+        (``options`` as for :func:`reshard.save`, for the storage tiers, but for ``certify``: the manager's is the
+        only source of every tier's checks, and a ``SaveOptions.certify`` other than it fails the save). Called by
+        every rank of the group with the same tiers and step. Returns once the fast tiers hold the step: a durable
+        step that the ``LocalDisk`` tier saved is drained in the background (the drain in flight, if any, is
+        joined first); one that no faster storage tier holds is saved to the durable root directly, before this
+        returns. A step no tier keeps returns at once, with no collective.
 
         Raises:
-            CheckpointError: the ranks passed other tiers or steps (every rank, naming the difference); the
+            ValueError: ``step`` is not an ``int`` of at least 0 (a float, a tensor, a bool), naming it.
+            CheckpointError: the ranks passed other tiers or steps (every rank, naming the difference), or some
+                rank passed a ``SaveOptions.certify`` other than the manager's (every rank, naming both); the
                 previous drain failed (its error, on every rank: that step is not finalized); as each tier's save.
         """
-        saving = self.tiers.saving(step)
+        saving = self.tiers.saving(check_step(step))
         if not saving:
             return TieredSaveResult(step=step, tiers=())
-        self._agree_save(step)
+        self._agree_save(step, options)
         if self._local is not None and not self._resume_checked:
             self._resume_drain(self._local.restorable(), step - 1)
         names = tuple(t.name for t in saving)
@@ -255,13 +265,14 @@ class TieredCheckpointManager:
         return TieredSaveResult(step=step, tiers=names, peer=peer, local=local, durable=durable)
 
     def _save_local(self, step: int, state_dict: Any, options: SaveOptions | None) -> SaveResult:
-        """The node-local save of ``step`` (collective): first the steps a restore abandoned are discarded (a save
-        of one would be refused), then the save with the manager's checks; a certified step's certificate goes to
-        every node (with a hook, once every rank approved)."""
+        """The node-local save of ``step`` (collective): first the steps newer than the one a restore resumed from
+        are discarded on every node, whether or not they were restorable (a save of one would be refused),
+        then the save with the manager's checks; a certified step's certificate goes to every node (with a hook,
+        once every rank approved)."""
         assert self._local is not None
-        if self._abandoned:
-            self._local.discard(self._abandoned)
-            self._abandoned = set()
+        if self._resumed is not None:
+            self._local.discard(newer_than=self._resumed)
+            self._resumed = None
         self._local.keep(self._kept())
         if self.certify_options is not None:
             options = dataclasses.replace(options or SaveOptions(), certify=self.certify_options)
@@ -284,6 +295,9 @@ class TieredCheckpointManager:
         the durable tier and newer than its newest complete step (the coordinator's listing), if any.
         :meth:`NodeLocalCheckpoints.drain` keeps what the dead drain copied whole."""
         self._resume_checked = True
+        assert self._local is not None
+        comm = Communicator(self.group, timeout=self.timeout)
+        carry_lost_certificates(comm, self._local, self.durable.root, self.tiers.durable.every)
         due = [s for s in local if s % self.tiers.durable.every == 0 and s <= limit]
         if not due or self._drainer is None:
             return
@@ -294,20 +308,35 @@ class TieredCheckpointManager:
             pending = [s for s in due if s > newest]
             return pending[-1] if pending else None
 
-        step = Communicator(self.group, timeout=self.timeout).step("tiered: unfinished drain", lambda: None, decide)
+        step = comm.step("tiered: unfinished drain", lambda: None, decide)
         if step is not None:
             logger.warning("reshard: node-local step %d is not finalized: draining it to the durable tier", step)
             self.join_drain()
             self._start_drain(int(step))
 
-    def _agree_save(self, step: int) -> None:
-        """The first step of a save (collective ``tiered save``, every rank): the ranks' tiers and step agree, and a
-        drain that failed on some rank is joined on every rank, which raises its error."""
+    def _agree_save(self, step: int, options: SaveOptions | None) -> None:
+        """The first step of a save (collective ``tiered save``, every rank): the ranks' tiers and step agree, no
+        rank's ``options.certify`` differs from the manager's ``certify`` (the only source of every tier's checks,
+        the drain's included), and a drain that failed on some rank is joined on every rank, which raises its
+        error."""
         comm = Communicator(self.group, timeout=self.timeout)
-        mine = {"terms": {**self._terms, "step": step}, "drain": self._drain.state() if self._drain else None}
+        given = options_term(options.certify) if options is not None and options.certify is not None else None
+        mine = {
+            "terms": {**self._terms, "step": step},
+            "drain": self._drain.state() if self._drain else None,
+            "certify": given,
+        }
 
         def agree(values: list[dict[str, Any]]) -> bool:
             check_terms([v["terms"] for v in values], "TieredCheckpointManager.save")
+            own = self._terms["certify"]
+            for rank, v in enumerate(values):
+                if v["certify"] is not None and v["certify"] != own:
+                    raise CheckpointError(
+                        f"TieredCheckpointManager.save: rank {rank} passed SaveOptions.certify={v['certify']}, but "
+                        f"the manager's certify is {own}: the TieredCheckpointManager's certify is the only source "
+                        "of every tier's checks (leave SaveOptions.certify None, or pass the manager's)"
+                    )
             return any(v["drain"] == "failed" for v in values)
 
         if comm.step("tiered save", lambda: mine, agree):
@@ -379,7 +408,8 @@ class TieredCheckpointManager:
         return step in self.durable.steps()
 
     def status(self) -> list[StepStatus]:
-        """Every step some tier holds as this rank sees it, oldest first: which tiers, finalized or not."""
+        """Every step some tier holds as this rank sees it, oldest first: which tiers, finalized or not; a finalized
+        step's ``certified`` is what the durable tier holds (the fast tiers' copies may go)."""
         held: dict[int, list[str]] = {}
         certified: set[int] = set()
         for step in self._peer_steps.values():
@@ -396,6 +426,8 @@ class TieredCheckpointManager:
                 held.setdefault(info.step, []).append("durable")
                 if info.certified:
                     certified.add(info.step)
+                else:  # a finalized step is certified when the durable tier holds its certificate
+                    certified.discard(info.step)
         draining = self._drain.step if self._drain is not None and self._drain.state() == "running" else None
         return [
             StepStatus(
@@ -426,9 +458,10 @@ class TieredCheckpointManager:
 
         After the restore of step ``s``: the durable steps newer than ``s`` it skipped (damaged, or not certified)
         do not block later saves while they are still those saves (:mod:`reshard.flows.skipped`: a save goes past
-        them, a save of the same step replaces it, retention deletes them); node-local steps newer than ``s`` are
-        discarded at the next node-local save; and the newest node-local step up to ``s`` due for the durable
-        tier that is not finalized (a dead job's drain) is drained again in the background.
+        them, a save of the same step replaces it, retention deletes them); every node-local step newer than ``s``
+        (complete on any node, restorable or not) is discarded at the next node-local save; and the newest
+        node-local step up to ``s`` due for the durable tier that is not finalized (a dead job's drain) is drained
+        again in the background.
 
         Raises:
             MismatchError: the template does not match the state of the candidate tried (every rank).
@@ -461,7 +494,7 @@ class TieredCheckpointManager:
         for manager in (self.durable, self._drainer):
             if manager is not None:
                 manager.remember_skipped(skipped)
-        self._abandoned = {s for s in local if s > step}
+        self._resumed = step
         if self._local is not None:
             self._resume_drain(local, step)
 

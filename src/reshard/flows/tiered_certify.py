@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 
 from reshard.flows.certify import MAX_CERTIFICATE_BYTES, certificate_status
 from reshard.flows.nodelocal import NodeLocalCheckpoints
+from reshard.flows.steps import scan_root
 from reshard.io.retirement import CERTIFICATE_FILE
 from reshard.io.sources import read_metadata_bytes
 from reshard.net.comm import Communicator
+from reshard.storage import Storage
 
-__all__ = ["certified_here", "node_certified", "spread_certificate"]
+__all__ = ["carry_lost_certificates", "certified_here", "node_certified", "spread_certificate"]
+
+logger = logging.getLogger("reshard")
 
 
 def _valid_certificate(local: NodeLocalCheckpoints, step: int) -> str | None:
@@ -71,3 +76,47 @@ def spread_certificate(comm: Communicator, local: NodeLocalCheckpoints, step: in
             storage.close()
 
     comm.step("tiered save: certificate on every node", write)
+
+
+def carry_lost_certificates(comm: Communicator, local: NodeLocalCheckpoints, root: Storage, every: int) -> list[int]:
+    """Finish the certificates a dead drain did not carry (collective over ``comm``, every rank of the manager's
+    group; at a manager's first save or restore): a drain killed after it published a step's ``metadata.json`` in
+    the durable ``root`` and before its ``certified.json`` left the finalized step uncertified, and no drain runs
+    again for a finalized step. Each node's leader offers its valid node-local certificates of the steps due for
+    the durable tier (``every``); the coordinator copies one to each complete durable step that holds no valid
+    certificate and whose ``metadata.json`` is the one it certifies (the same bytes: the drain copied them).
+    Returns the steps it certified, on every rank. Best effort: a step it cannot write stays uncertified, logged."""
+
+    def offer() -> dict[str, str]:
+        if not local.is_leader:
+            return {}
+        texts = ((s, _valid_certificate(local, s)) for s in local.steps() if s % every == 0)
+        return {str(s): text for s, text in texts if text is not None}
+
+    def carry(offers: list[dict[str, str]]) -> list[int]:
+        texts: dict[int, str] = {}
+        for offered in offers:
+            for step, text in offered.items():
+                texts.setdefault(int(step), text)
+        carried = []
+        for info in scan_root(root):
+            if info.status != "complete" or info.certified or info.step not in texts:
+                continue
+            child = root.child(info.name)
+            try:
+                raw = texts[info.step].encode()
+                if json.loads(raw).get("metadata_sha256") == hashlib.sha256(read_metadata_bytes(child)).hexdigest():
+                    child.commit(CERTIFICATE_FILE, raw, replace=True)
+                    carried.append(info.step)
+            except (OSError, ValueError, AttributeError) as exc:
+                logger.warning("reshard: the certificate of %s could not be carried: %s", child.describe(), exc)
+            finally:
+                child.close()
+        return carried
+
+    steps: list[int] = comm.step("tiered: certificates a drain did not carry", offer, carry)
+    for step in steps:
+        logger.warning(
+            "reshard: durable step %d: its drain did not carry its certificate; copied from its node-local copy", step
+        )
+    return steps

@@ -101,7 +101,7 @@ def choose(local: list[int], certify: bool) -> Callable[[list[dict[str, Any]]], 
         candidates = [_judged(s, "local", s in certified_local, known) for s in local]
         listed = values[0]["durable"] or []
         durable = [
-            Candidate(s, "durable", c, known.get(str(s)) or why or "not certified", d)
+            Candidate(s, "durable", c, known.get(str(s)) or _why_not(why, "durable"), d)
             for s, st, _, c, why, d in listed
             if st == "complete"
         ]
@@ -130,8 +130,16 @@ def choose(local: list[int], certify: bool) -> Callable[[list[dict[str, Any]]], 
 
 
 def _judged(step: int, tier: str, certified: bool, known: dict[str, str]) -> Candidate:
-    why = "" if certified else known.get(str(step)) or "not certified"
+    why = "" if certified else known.get(str(step)) or _why_not("", tier)
     return Candidate(step, tier, certified, why)
+
+
+def _why_not(why: str, tier: str) -> str:
+    """Why a candidate of ``tier`` is not certified, where no rank knows its checks' problems: ``why`` (the durable
+    step's own reason), unless it only says "not certified" (a note says that already)."""
+    if why and why != "not certified":
+        return why
+    return "no checks passed for it in this job" if tier == "peer" else "no certified.json"
 
 
 def _prefer_certified(candidates: list[Candidate], notes: list[str]) -> tuple[list[Candidate], list[Candidate]]:
