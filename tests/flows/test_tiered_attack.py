@@ -206,3 +206,27 @@ def test_a_step_that_is_not_an_int_is_a_value_error_naming_it_in_every_manager(t
     manager.close()
     for where in ("local", "durable", "plain", "nodelocal"):
         assert not list((tmp_path / where).glob("step_*")), where
+
+
+def test_node_local_steps_of_an_abandoned_timeline_are_not_restored_past_a_finalized_step(tmp_path: Path) -> None:
+    """(second outside attack) Job X on cluster 1 saves node-local 2, 4, 6, 8 (4 finalized; the drain of 8 cut before
+    its commit). Job Y on other nodes (empty disks), same durable root, restores 4 and saves 6 and 8 anew (8
+    finalized: Y's save). Back on cluster 1, a restore took X's node-local step 8 as the fastest copy of step 8:
+    the job went on from X's abandoned timeline while the finalized step 8 was Y's, silently. Now a node-local copy
+    of a step the durable tier holds as another save, and every node-local step after it, are not restored from."""
+    cluster1 = _tiers(tmp_path / "c1")
+    cluster1[-1] = reshard.Durable(tmp_path / "durable", every=4)
+    cluster2 = _tiers(tmp_path / "c2")
+    cluster2[-1] = reshard.Durable(tmp_path / "durable", every=4)
+    _saved(cluster1, (2, 4, 6, 8))
+    for name in ("certified.json", "checks.json", "metadata.json"):  # the drain of 8 killed before its commit
+        (tmp_path / "durable" / "step_000000008" / name).unlink(missing_ok=True)
+    group, managers = _managers(cluster2)
+    found, _ = _restore(managers, group)
+    assert found == [(4, "durable", 4.0)] * 2
+    on_threads(2, lambda r: [managers[r].save(s, _state(r, 100 + s)) for s in (6, 8)] and managers[r].close())
+    group, managers = _managers(cluster1)
+    found, warned = _restore(managers, group)
+    assert found == [(8, "durable", 108.0)] * 2
+    assert any("node-local steps [8] are of another timeline" in w for w in warned), warned
+    on_threads(2, lambda r: managers[r].close())

@@ -91,6 +91,10 @@ def test_a_bad_tier_value_is_a_value_error_naming_its_field(make: Any, field: st
         ([reshard.Durable("/x", every=4), reshard.PeerMemory(every=2)], "fastest first"),
         ([reshard.Durable("/x", every=4), reshard.Durable("/y", every=8)], "more than one Durable"),
         ([reshard.PeerMemory(every=2), "/x"], "is not a PeerMemory"),
+        # (second outside attack) one directory for both: a node-local step was taken as finalized, and the drain
+        # of the next durable step found the node-local copy in its own target (CheckpointExistsError)
+        ([reshard.LocalDisk("/x/ckpt", every=2), reshard.Durable("/x/ckpt", every=4)], "is the Durable root"),
+        ([reshard.LocalDisk("/x/node{node}", every=2), reshard.Durable("/x/node1", every=4)], "is the Durable root"),
     ],
 )
 def test_a_bad_list_of_tiers_is_a_value_error(tiers: list[Any], says: str) -> None:

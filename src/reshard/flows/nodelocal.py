@@ -328,6 +328,12 @@ class NodeLocalCheckpoints:
     def restorable(self) -> list[int]:
         """The steps the group can restore whole (a ``metadata.json`` on some node, every data file it names on
         some node with its recorded size), oldest first. Collective over the group."""
+        return list(self.restorable_saves())
+
+    def restorable_saves(self) -> dict[int, str]:
+        """:meth:`restorable`, each step with the digest of the ``metadata.json`` it would restore
+        (:func:`reshard.metadata.document_digest`: which save it is, to compare with another tier's copy of the
+        step). Collective over the group."""
         return restorable_steps(self._comm(), self)
 
     def restore(self, step: int, template: Any, **load_kwargs: Any) -> Any:

@@ -146,9 +146,10 @@ def metadata_phase(comm: Communicator, site: Site, step: int, judgement: Judgeme
     return Metadata.from_json_bytes(document, where=f"node-local step {step} metadata.json"), document
 
 
-def restorable_steps(comm: Communicator, site: Site) -> list[int]:
-    """The steps the group can restore whole, oldest first (one collective step; CheckpointError on every rank
-    when the ranks' ``node_size`` differ)."""
+def restorable_steps(comm: Communicator, site: Site) -> dict[int, str]:
+    """The steps the group can restore whole, oldest first, each with the digest of the ``metadata.json`` it would
+    restore (:func:`reshard.metadata.document_digest`: which save it is); one collective step, CheckpointError on
+    every rank when the ranks' ``node_size`` differ."""
 
     def local() -> tuple[int, dict[str, Any] | None]:
         if not _leader(comm, site):
@@ -163,20 +164,21 @@ def restorable_steps(comm: Communicator, site: Site) -> list[int]:
             str(s): read_holding(site.step_directory(s), node=node, rank=comm.rank).to_json() for s in found
         }
 
-    def combine(reports: list[tuple[int, dict[str, Any] | None]]) -> list[int]:
+    def combine(reports: list[tuple[int, dict[str, Any] | None]]) -> dict[str, str]:
         agree_on_node_size([size for size, _ in reports], "node-local restorable steps")
         by_step: dict[int, list[Holding]] = {}
         for _, doc in reports:
             for name, holding in (doc or {}).items():
                 by_step.setdefault(int(name), []).append(Holding.from_json(holding))
-        out = []
+        out = {}
         for number, holdings in sorted(by_step.items()):
             judgement = judge_step(holdings)
             if judgement is not None and not judgement.missing:
-                out.append(number)
+                out[str(number)] = judgement.digest
         return out
 
-    return [int(s) for s in comm.step("node-local: restorable steps", local, combine)]
+    found = comm.step("node-local: restorable steps", local, combine)
+    return {int(step): str(digest) for step, digest in found.items()}
 
 
 def _needs(template: Any, metadata: Metadata, rank: int, load_kwargs: dict[str, Any]) -> bytes:

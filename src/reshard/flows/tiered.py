@@ -52,7 +52,7 @@ from reshard.flows.tiered_certify import (
     spread_certificate,
 )
 from reshard.flows.tiered_drain import Drain, check_drain_group
-from reshard.flows.tiered_restore import Decision, checks_known, choose, durable_listing
+from reshard.flows.tiered_restore import Decision, checks_known, choose, durable_listing, same_timeline
 from reshard.flows.tiers import Durable, LocalDisk, PeerMemory, Tiers, check_tiers, tier_terms
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
@@ -247,7 +247,7 @@ class TieredCheckpointManager:
             return TieredSaveResult(step=step, tiers=())
         self._agree_save(step, options)
         if self._local is not None and not self._resume_checked:
-            self._resume_drain(self._local.restorable(), step - 1)
+            self._resume_drain(self._local.restorable_saves(), step - 1)
         names = tuple(t.name for t in saving)
         peer = self._save_peer(step, state_dict) if "peer" in names else None
         local: SaveResult | None = None
@@ -289,23 +289,26 @@ class TieredCheckpointManager:
             spread_certificate(comm, self._local, step)
         return result
 
-    def _resume_drain(self, local: list[int], limit: int) -> None:
+    def _resume_drain(self, local: dict[int, str], limit: int) -> None:
         """Start the drain that a dead job left unfinished (collective, every rank; once per manager, at its first
-        save or restore): the newest node-local step of ``local`` (restorable ones) up to ``limit`` that is due for
-        the durable tier and newer than its newest complete step (the coordinator's listing), if any.
+        save or restore): the newest node-local step of ``local`` (restorable ones, with their digests) up to
+        ``limit`` that is due for the durable tier, newer than its newest complete step (the coordinator's listing)
+        and of its timeline (:func:`~reshard.flows.tiered_restore.same_timeline`), if any.
         :meth:`NodeLocalCheckpoints.drain` keeps what the dead drain copied whole."""
         self._resume_checked = True
         assert self._local is not None
         comm = Communicator(self.group, timeout=self.timeout)
         carry_lost_certificates(comm, self._local, self.durable.root, self.tiers.durable.every)
-        due = [s for s in local if s % self.tiers.durable.every == 0 and s <= limit]
+        due = {s: d for s, d in local.items() if s % self.tiers.durable.every == 0 and s <= limit}
         if not due or self._drainer is None:
             return
         root = self.durable.root
 
         def decide(_: list[None]) -> int | None:
-            newest = max((i.step for i in scan_root(root) if i.status == "complete"), default=-1)
-            pending = [s for s in due if s > newest]
+            listed = durable_listing(root)
+            newest = max((s for s, status, *_ in listed if status == "complete"), default=-1)
+            durable = {s: d for s, status, _, _, _, d in listed if status == "complete"}
+            pending = [s for s in same_timeline(due, durable, []) if s > newest]
             return pending[-1] if pending else None
 
         step = comm.step("tiered: unfinished drain", lambda: None, decide)
@@ -468,7 +471,7 @@ class TieredCheckpointManager:
             CheckpointError: the ranks passed other tiers (every rank, naming the difference).
         """
         comm = Communicator(self.group, timeout=self.timeout)
-        local = self._local.restorable() if self._local is not None else []
+        local = self._local.restorable_saves() if self._local is not None else {}
         decide = choose(local, self.certify_options is not None)
         decided = Decision.from_json(comm.step("tiered restore", lambda: self._offer(comm, load_kwargs), decide))
         for note in decided.notes:
@@ -487,7 +490,7 @@ class TieredCheckpointManager:
             return step, tier, state
         return None
 
-    def _resumed_at(self, step: int, decided: Decision, local: list[int]) -> None:
+    def _resumed_at(self, step: int, decided: Decision, local: dict[int, str]) -> None:
         """After the restore of ``step`` (every rank, collective where a drain is resumed): what it went past."""
         uncertified = {c.step for c in decided.uncertified}
         skipped = [SkippedStep(c.step, c.digest, c.step in uncertified) for c in decided.durable if c.step > step]

@@ -22,7 +22,7 @@ from reshard.flows.skipped import metadata_digest
 from reshard.flows.steps import scan_root
 from reshard.storage import Storage
 
-__all__ = ["Candidate", "Decision", "checks_known", "choose", "durable_listing"]
+__all__ = ["Candidate", "Decision", "checks_known", "choose", "durable_listing", "same_timeline"]
 
 ORDER = {"peer": 0, "local": 1, "durable": 2}
 
@@ -85,9 +85,10 @@ def checks_known(checks: dict[int, Checks]) -> dict[str, str]:
     return {str(s): "" if c.passed else "; ".join(c.problems) or "failed" for s, c in checks.items()}
 
 
-def choose(local: list[int], certify: bool) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+def choose(local: dict[int, str], certify: bool) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
     """The coordinator's ``combine`` of the restore's step over the ranks' :meth:`offer` values; ``local``: the
-    node-local tier's restorable steps (agreed before); ``certify``: whether to prefer certified candidates."""
+    node-local tier's restorable steps with the digests of their ``metadata.json`` (agreed before); ``certify``:
+    whether to prefer certified candidates."""
 
     def decide(values: list[dict[str, Any]]) -> dict[str, Any]:
         terms = [{**v["terms"], "load arguments": v["kwargs"]} for v in values]
@@ -98,8 +99,9 @@ def choose(local: list[int], certify: bool) -> Callable[[list[dict[str, Any]]], 
                 known[step] = known.get(step) or problems  # a rank that saw the checks fail names why
         certified_local = {s for v in values for s in v["local_certified"]}
         notes: list[str] = []
-        candidates = [_judged(s, "local", s in certified_local, known) for s in local]
         listed = values[0]["durable"] or []
+        kept_local = same_timeline(local, {s: d for s, st, _, _, _, d in listed if st == "complete"}, notes)
+        candidates = [_judged(s, "local", s in certified_local, known) for s in kept_local]
         durable = [
             Candidate(s, "durable", c, known.get(str(s)) or _why_not(why, "durable"), d)
             for s, st, _, c, why, d in listed
@@ -127,6 +129,22 @@ def choose(local: list[int], certify: bool) -> Callable[[list[dict[str, Any]]], 
         }
 
     return decide
+
+
+def same_timeline(local: dict[int, str], durable: dict[int, str], notes: list[str]) -> list[int]:
+    """The node-local steps of the durable tier's timeline. A node-local copy of a step that the durable tier holds
+    as another save (another job resumed from an older step, on other nodes, and finalized its own save of the step)
+    is of an abandoned timeline, and so is every node-local step after it (the steps of one node-local directory are
+    one timeline: a restore discards the newer ones at its next save); they are dropped, with a note."""
+    diverged = [s for s in sorted(local) if s in durable and durable[s] != local[s]]
+    if not diverged:
+        return sorted(local)
+    dropped = [s for s in sorted(local) if s >= diverged[0]]
+    notes.append(
+        f"node-local steps {dropped} are of another timeline: the durable tier holds step {diverged[0]} as another "
+        "save (finalized by a job that resumed from an older step); not restored from"
+    )
+    return [s for s in sorted(local) if s < diverged[0]]
 
 
 def _judged(step: int, tier: str, certified: bool, known: dict[str, str]) -> Candidate:

@@ -10,6 +10,7 @@ every rank of the group must pass alike (agreed in the first collective of every
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,7 +132,22 @@ def check_tiers(tiers: Any) -> Tiers:
     durable = next((t for t in tiers if isinstance(t, Durable)), None)
     if durable is None:
         raise ValueError("tiers: a Durable tier is required (a step is finalized when the durable tier holds it)")
+    if local is not None and _same_directory(local.directory, durable.root):
+        raise ValueError(
+            f"tiers: LocalDisk.directory {os.fspath(local.directory)!r} is the Durable root {durable.root!r}: each "
+            "tier needs its own directory (their steps have the same names)"
+        )
     return Tiers(peer=peer, local=local, durable=durable)
+
+
+def _same_directory(pattern: str | os.PathLike[str], root: Any) -> bool:
+    """Whether the node-local ``pattern`` (``{node}`` standing for any node index) names the local directory
+    ``root`` (a path; an object-store URL or a storage object never is one)."""
+    if not isinstance(root, (str, os.PathLike)) or "://" in os.fspath(root):
+        return False
+    wanted = os.path.abspath(os.fspath(root))
+    parts = [re.escape(part) for part in os.path.abspath(os.fspath(pattern)).split("{node}")]
+    return re.fullmatch(r"\d+".join(parts), wanted) is not None
 
 
 def tier_terms(tiers: Tiers, durable_root: str) -> dict[str, Any]:
