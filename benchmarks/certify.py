@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import socket
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,9 +27,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 try:
-    from benchmarks.scratch import scratch_dir
+    from benchmarks.scratch import free_port, scratch_dir, warm_and_cold
 except ImportError:  # run as a script: benchmarks/ is the first entry of sys.path
-    from scratch import scratch_dir  # type: ignore[no-redef]
+    from scratch import free_port, scratch_dir, warm_and_cold  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -101,17 +99,6 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], results: Any) 
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _summary(samples: list[float]) -> dict[str, float]:
-    warm = samples[1:] or samples
-    return {"seconds": statistics.median(warm), "cold_seconds": samples[0]}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
@@ -133,14 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         for world in args.dp:
             results = context.Queue()
             options = {"dir": str(work), "size_bytes": size, "repeat": args.repeat}
-            port = _free_port()
+            port = free_port()
             processes = [context.Process(target=_rank, args=(r, world, port, options, results)) for r in range(world)]
             for process in processes:
                 process.start()
             figures = results.get(timeout=1800)
             for process in processes:
                 process.join(timeout=60)
-            report["dp"][world] = {name: _summary(samples) for name, samples in figures.items()}
+            report["dp"][world] = {name: warm_and_cold(samples) for name, samples in figures.items()}
     report["state_bytes"] = sum(v.data.numel() * 4 for v in _state(size, 0).values())
     print(f"state: {report['state_bytes'] / 2**20:.1f} MiB, every rank a DP replica of the whole")
     print(f"{'DP':>3}  {'operation':<18} {'warm s':>8} {'cold s':>8}  ratio")

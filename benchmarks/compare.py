@@ -25,7 +25,6 @@ import os
 import platform
 import queue
 import shutil
-import socket
 import statistics
 import sys
 import threading
@@ -42,9 +41,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 try:
-    from benchmarks.scratch import scratch_dir
+    from benchmarks.scratch import free_port, scratch_dir
 except ImportError:  # run as a script: benchmarks/ is the first entry of sys.path
-    from scratch import scratch_dir  # type: ignore[no-redef]
+    from scratch import free_port, scratch_dir  # type: ignore[no-redef]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -791,12 +790,6 @@ class BenchmarkError(RuntimeError):
     pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Pool:
     """``world`` spawned ranks in one gloo group, reused for every repetition."""
 
@@ -807,7 +800,7 @@ class Pool:
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
-        port = _free_port()
+        port = free_port()
         self.procs = [
             ctx.Process(
                 target=_rank_main,

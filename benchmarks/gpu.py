@@ -46,7 +46,6 @@ import math
 import os
 import queue
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -62,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from compare import Layout, Spec, check_values, fill_values, gpt_specs
-from scratch import scratch_dir
+from scratch import free_port, scratch_dir
 
 GiB = 1 << 30
 SYSTEMS = ("reshard", "dcp", "dcp_pinned")
@@ -357,12 +356,6 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], jobs: list
         results.put(("error", f"rank {rank}: {''.join(traceback.format_exception(exc))}"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(
     world: int, cfg: dict[str, Any], jobs: list[list[Any]], *, fresh: bool, timeout_s: float = 3600
 ) -> dict[str, Any]:
@@ -370,14 +363,14 @@ def _run(
     (one warm rank: it already paid its imports); rank 0's report."""
     if world == 1 and not fresh:
         local: queue.Queue[Any] = queue.Queue()
-        _rank_main(0, 1, _free_port(), cfg, jobs, local)
+        _rank_main(0, 1, free_port(), cfg, jobs, local)
         status, value = local.get()
         if status != "ok":
             raise RuntimeError(value)
         return value
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [
         context.Process(target=_rank_main, args=(r, world, port, cfg, jobs, results), daemon=True) for r in range(world)
     ]

@@ -34,7 +34,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -46,9 +45,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 try:
-    from benchmarks.scratch import scratch_dir
+    from benchmarks.scratch import free_port, scratch_dir
 except ImportError:  # run as a script: benchmarks/ is the first entry of sys.path
-    from scratch import scratch_dir  # type: ignore[no-redef]
+    from scratch import free_port, scratch_dir  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -70,12 +69,6 @@ def global_tensor(scenario: str, index: int, step: int, rows: int, frozen_fracti
     last = max([1] + [s for s in range(2, step + 1) if _changed(scenario, index, s, frozen_fraction)])
     g = torch.Generator().manual_seed(1000 * index + last)
     return torch.randn(rows, 1024, generator=g)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _slowest(seconds: float) -> float:
@@ -150,7 +143,7 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], jobs: list[tup
 def _run(world: int, args: dict[str, Any], jobs: list[tuple[str, int]]) -> dict[str, Any]:
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [context.Process(target=_rank, args=(r, world, port, args, jobs, results)) for r in range(world)]
     for p in processes:
         p.start()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import socket
 import statistics
 import sys
 import time
@@ -35,9 +34,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 try:
-    from benchmarks.scratch import scratch_dir
+    from benchmarks.scratch import free_port, scratch_dir
 except ImportError:  # run as a script: benchmarks/ is the first entry of sys.path
-    from scratch import scratch_dir  # type: ignore[no-redef]
+    from scratch import free_port, scratch_dir  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -169,12 +168,6 @@ def _start_s3(full: dict[str, torch.Tensor]) -> dict[str, Any]:
     return options
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _summary(samples: list[tuple[float, int]]) -> dict[str, Any]:
     if not samples:
         return {}
@@ -222,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             options = {"dir": str(root), "size_bytes": size, "repeat": args.repeat, "s3": s3_options}
             processes = [
                 context.Process(target=_rank, args=(r, world, port, options, results))
-                for port in [_free_port()]
+                for port in [free_port()]
                 for r in range(world)
             ]
             for process in processes:

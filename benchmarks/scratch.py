@@ -1,4 +1,5 @@
-"""Scratch directories of the benchmarks, removed however a run ends.
+"""Scratch directories of the benchmarks, removed however a run ends; and the two small pieces every benchmark
+that spawns ranks shares (:func:`free_port`, :func:`warm_and_cold`).
 
 A benchmark writes gigabytes of checkpoints into its scratch directory. ``try/finally`` (or a
 ``TemporaryDirectory``) removes it after a normal end, an exception or Ctrl-C (KeyboardInterrupt), but
@@ -17,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
+import socket
+import statistics
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -58,3 +61,16 @@ def scratch_dir(prefix: str, parent: str | Path | None = None, *, keep: bool = F
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def warm_and_cold(samples: list[float]) -> dict[str, float]:
+    """The median of the warm repetitions (all but the first, unless there is only one) and the first, cold one."""
+    warm = samples[1:] or samples
+    return {"seconds": statistics.median(warm), "cold_seconds": samples[0]}

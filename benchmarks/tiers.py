@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import socket
-import statistics
 import sys
 import time
 import warnings
@@ -35,9 +33,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 try:
-    from benchmarks.scratch import scratch_dir
+    from benchmarks.scratch import free_port, scratch_dir, warm_and_cold
 except ImportError:  # run as a script: benchmarks/ is the first entry of sys.path
-    from scratch import scratch_dir  # type: ignore[no-redef]
+    from scratch import free_port, scratch_dir, warm_and_cold  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -143,17 +141,6 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], results: Any) 
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _summary(samples: list[float]) -> dict[str, float]:
-    warm = samples[1:] or samples
-    return {"seconds": statistics.median(warm), "cold_seconds": samples[0]}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
@@ -184,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         context = mp.get_context("spawn")
         results = context.Queue()
-        port = _free_port()
+        port = free_port()
         processes = [
             context.Process(target=_rank, args=(r, args.ranks, port, options, results)) for r in range(args.ranks)
         ]
@@ -202,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "ranks": args.ranks,
         "node_size": args.node_size,
         "certify": not args.no_certify,
-        "figures": {name: _summary(samples) for name, samples in figures.items()},
+        "figures": {name: warm_and_cold(samples) for name, samples in figures.items()},
     }
     rows = report["figures"]
     print(f"state: {unique / 2**20:.1f} MiB on {args.ranks} ranks, nodes of {args.node_size}", end="")
