@@ -33,7 +33,6 @@ import hashlib
 import logging
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +41,8 @@ from reshard.flows.certify import CERTIFICATE_FILE, Certificate, Checks
 from reshard.flows.collector import collector_paused
 from reshard.flows.nodelocal_restore import drain_step, restorable_steps, restore_step
 from reshard.flows.options import SaveOptions
-from reshard.flows.save import SaveResult, certify_facts
-from reshard.flows.save_commit import commit, finish
-from reshard.flows.save_phases import SaveRequest, describe_rank, plan, write_assigned
+from reshard.flows.save import SaveResult, run_phases, saved_result
+from reshard.flows.save_phases import SaveRequest
 from reshard.flows.stats import PhaseClock
 from reshard.flows.steps import step_name, step_of
 from reshard.io.nodefiles import publish_on_node, remove_unlisted
@@ -175,35 +173,12 @@ class NodeLocalCheckpoints:
         request = dataclasses.replace(request, location=self._location(step))
         self._refuse_complete(comm, step)
         with collector_paused():
-            clock = PhaseClock("save", comm.rank, started)
-            described = clock.timed("plan", describe_rank)(
-                request, state_dict, rank=comm.rank, is_coordinator=comm.is_coordinator
-            )
-            planned = plan(comm, request, described, clock)
-            written = clock.timed("write", write_assigned)(request, described, planned, rank=comm.rank)
-            facts = clock.timed("certify", certify_facts)(request, described, planned)
-            committed = commit(comm, request, described, planned, written, clock, facts)
-            stats = finish(planned, committed, described, written, clock)
+            planned, committed, stats = run_phases(request, state_dict, comm, PhaseClock("save", comm.rank, started))
             kept, document = self._spread(comm, step)
             checks = self._certify(comm, step, committed.checks, document) if certificate else committed.checks
             # Each node leader retires its old steps; the step ends once all did (a rank's steps() then agrees).
             comm.step("node-local save: retention", lambda: self._retire(step, kept))
-        if checks is not None and not checks.passed and comm.is_coordinator:
-            warnings.warn(
-                f"reshard: node-local step {step} is saved but not certified: {'; '.join(checks.problems)}",
-                stacklevel=2,
-            )
-        return SaveResult(
-            path=storage.describe(),
-            save_id=planned.save_id,
-            world_size=comm.size,
-            num_files=committed.files,
-            file_bytes=committed.file_bytes,
-            total_bytes=committed.total_bytes,
-            metadata=committed.metadata,
-            stats=stats,
-            checks=checks,
-        )
+        return saved_result(request, comm, planned, committed, stats, checks, stacklevel=3)
 
     def _certify(self, comm: Communicator, step: int, checks: Checks | None, document: bytes) -> Checks | None:
         """With ``SaveOptions(certify=...)``, after every node holds ``metadata.json``: when the checks (judged by

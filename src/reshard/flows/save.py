@@ -47,7 +47,7 @@ from typing import Any
 from reshard.flows.certify import Checks, save_facts
 from reshard.flows.collector import collector_paused
 from reshard.flows.options import SaveOptions
-from reshard.flows.save_commit import commit, finish
+from reshard.flows.save_commit import Committed, commit, finish
 from reshard.flows.save_phases import Described, Planned, SaveRequest, describe_rank, plan, write_assigned
 from reshard.flows.stats import PhaseClock, SaveStats
 from reshard.io.datafile import tensor_bytes
@@ -57,7 +57,7 @@ from reshard.net.comm import Communicator
 from reshard.net.transports import Group
 from reshard.storage import CheckpointLocation, storage_for
 
-__all__ = ["SaveResult", "save", "save_replacing", "tensor_bytes"]
+__all__ = ["SaveResult", "run_phases", "save", "save_replacing", "saved_result", "tensor_bytes"]
 
 logger = logging.getLogger("reshard")
 
@@ -254,29 +254,8 @@ def _save_to(request: SaveRequest, state_dict: Any, comm: Communicator, *, start
     :mod:`reshard.flows.save_phases`); the result, with this rank's statistics."""
     clock = PhaseClock("save", comm.rank, started)
     rank = comm.rank
-    described = clock.timed("plan", describe_rank)(request, state_dict, rank=rank, is_coordinator=comm.is_coordinator)
-    planned = plan(comm, request, described, clock)
-    written = clock.timed("write", write_assigned)(request, described, planned, rank=rank)
-    facts = clock.timed("certify", certify_facts)(request, described, planned)
-    committed = commit(comm, request, described, planned, written, clock, facts)
-    stats = finish(planned, committed, described, written, clock)
-    result = SaveResult(
-        path=request.storage.describe(),
-        save_id=planned.save_id,
-        world_size=comm.size,
-        num_files=committed.files,
-        file_bytes=committed.file_bytes,
-        total_bytes=committed.total_bytes,
-        metadata=committed.metadata,
-        referenced_bytes=committed.referenced_bytes,
-        rewritten_bytes=committed.rewritten_bytes,
-        stats=stats,
-        checks=committed.checks,
-    )
-    if committed.checks is not None and not committed.checks.passed and comm.is_coordinator:
-        warnings.warn(
-            f"reshard: {result.path} is saved but not certified: {'; '.join(committed.checks.problems)}", stacklevel=4
-        )
+    planned, committed, stats = run_phases(request, state_dict, comm, clock)
+    result = saved_result(request, comm, planned, committed, stats, committed.checks, stacklevel=5)
     logger.info(
         "[rank=%d] saved %s in %.3f s (%s): this rank wrote %d bytes (%.1f MB/s); the checkpoint holds %d bytes "
         "in %d files",
@@ -289,4 +268,50 @@ def _save_to(request: SaveRequest, state_dict: Any, comm: Communicator, *, start
         result.total_bytes,
         result.num_files,
     )
+    return result
+
+
+def run_phases(
+    request: SaveRequest, state_dict: Any, comm: Communicator, clock: PhaseClock
+) -> tuple[Planned, Committed, SaveStats]:
+    """Every rank of ``comm``: the phases of a save (describe, plan, write, the checks' facts, commit, finish) on
+    ``request``'s storage; what was planned, what was committed and this rank's statistics. Shared by
+    :func:`save` and the node-local save (:mod:`reshard.flows.nodelocal`), which goes on with steps of its own."""
+    rank = comm.rank
+    described = clock.timed("plan", describe_rank)(request, state_dict, rank=rank, is_coordinator=comm.is_coordinator)
+    planned = plan(comm, request, described, clock)
+    written = clock.timed("write", write_assigned)(request, described, planned, rank=rank)
+    facts = clock.timed("certify", certify_facts)(request, described, planned)
+    committed = commit(comm, request, described, planned, written, clock, facts)
+    return planned, committed, finish(planned, committed, described, written, clock)
+
+
+def saved_result(
+    request: SaveRequest,
+    comm: Communicator,
+    planned: Planned,
+    committed: Committed,
+    stats: SaveStats,
+    checks: Checks | None,
+    *,
+    stacklevel: int,
+) -> SaveResult:
+    """This rank's :class:`SaveResult` of a committed save; with failed ``checks``, the coordinator warns that the
+    step is saved but not certified (``stacklevel``: the user's frame)."""
+    result = SaveResult(
+        path=request.storage.describe(),
+        save_id=planned.save_id,
+        world_size=comm.size,
+        num_files=committed.files,
+        file_bytes=committed.file_bytes,
+        total_bytes=committed.total_bytes,
+        metadata=committed.metadata,
+        referenced_bytes=committed.referenced_bytes,
+        rewritten_bytes=committed.rewritten_bytes,
+        stats=stats,
+        checks=checks,
+    )
+    if checks is not None and not checks.passed and comm.is_coordinator:
+        problems = "; ".join(checks.problems)
+        warnings.warn(f"reshard: {result.path} is saved but not certified: {problems}", stacklevel=stacklevel)
     return result
