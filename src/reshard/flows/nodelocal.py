@@ -40,7 +40,7 @@ from reshard.errors import CheckpointError, CheckpointExistsError, Communication
 from reshard.flows.certify import CERTIFICATE_FILE, Certificate, Checks
 from reshard.flows.collector import collector_paused
 from reshard.flows.nodelocal_restore import drain_step, restorable_steps, restore_step
-from reshard.flows.options import SaveOptions
+from reshard.flows.options import SaveOptions, count_argument, node_size_argument
 from reshard.flows.save import SaveResult, run_phases, saved_result
 from reshard.flows.save_phases import SaveRequest
 from reshard.flows.stats import PhaseClock
@@ -56,12 +56,6 @@ from reshard.storage import CheckpointLocation, LocalStorage, Storage
 __all__ = ["NodeLocalCheckpoints"]
 
 logger = logging.getLogger("reshard")
-
-
-def _count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"NodeLocalCheckpoints({name}={value!r}): an integer of at least 1")
-    return value
 
 
 class NodeLocalCheckpoints:
@@ -91,13 +85,8 @@ class NodeLocalCheckpoints:
         group: Group = None,
         timeout: datetime.timedelta | float | None = None,
     ) -> None:
-        if node_size is None:
-            local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-            given: object = int(local) if local.strip().isdigit() else local
-            self.node_size = _count("node_size (LOCAL_WORLD_SIZE, from the launcher's environment)", given)
-        else:
-            self.node_size = _count("node_size", node_size)
-        self.keep_last = _count("keep_last", keep_last)
+        self.node_size = node_size_argument("NodeLocalCheckpoints", node_size)
+        self.keep_last = count_argument("NodeLocalCheckpoints", "keep_last", keep_last)
         self.pattern = os.fspath(directory)
         self.group = group
         self.timeout = timeout

@@ -258,3 +258,21 @@ def _by_rank(values: dict[int, Any], differ: bool = False) -> str:
     return ", ".join(
         f"{value!r} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for value, r in ranks.values()
     )
+
+
+def count_argument(owner: str, name: str, value: object) -> int:
+    """``value`` when it is an integer of at least 1 (a bool is not a count); else a ValueError naming ``owner``
+    and ``name``, raised where it was passed (on that rank), as the option objects report a bad value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}: {name} must be an integer of at least 1, got {value!r}")
+    return value
+
+
+def node_size_argument(owner: str, node_size: object) -> int:
+    """Ranks per node: ``node_size`` where given, else the launcher's ``LOCAL_WORLD_SIZE``, else 1 (a tier that keeps
+    copies on other nodes, or files on each node's disk, needs it); checked by :func:`count_argument`."""
+    if node_size is not None:
+        return count_argument(owner, "node_size", node_size)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    given: object = int(local) if local.strip().isdigit() else local
+    return count_argument(owner, "node_size (LOCAL_WORLD_SIZE, from the launcher's environment)", given)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ import torch
 
 from reshard.errors import CheckpointError, DataUnavailableError, MismatchError, ShardingError, StateDictError
 from reshard.flows.certify import CertifyOptions, Checks, judge, local_facts, options_term
-from reshard.flows.options import check_terms
+from reshard.flows.options import check_terms, count_argument, node_size_argument
 from reshard.flows.transfer import TransferStats, transfer
 from reshard.io.device import copy_to_host
 from reshard.net.comm import Communicator
@@ -121,13 +120,8 @@ class PeerMemoryCheckpoint:
         node_size: int | None = None,
         timeout: datetime.timedelta | float | None = None,
     ) -> None:
-        self.replicas = _count("replicas", replicas)
-        if node_size is None:
-            local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-            given: object = int(local) if local.strip().isdigit() else local
-            self.node_size = _count("node_size (LOCAL_WORLD_SIZE, from the launcher's environment)", given)
-        else:
-            self.node_size = _count("node_size", node_size)
+        self.replicas = count_argument("PeerMemoryCheckpoint", "replicas", replicas)
+        self.node_size = node_size_argument("PeerMemoryCheckpoint", node_size)
         self.timeout = timeout
         self._current: _Generation | None = None
         """The generation this rank knows to be held by every rank of the save that made it."""
@@ -367,14 +361,6 @@ def _refuse_objects(objects: list[Any]) -> None:
     if objects:
         names = ", ".join(repr(o.key) for o in objects[:10])
         raise StateDictError(f"the peer-memory tier keeps tensors and common values, not ShardedObjects: {names}")
-
-
-def _count(name: str, value: object) -> int:
-    """``value`` when it is an integer of at least 1 (a bool is not a count); else a ValueError naming
-    ``name``, as the option objects report a bad value."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"PeerMemoryCheckpoint: {name} must be an integer of at least 1, got {value!r}")
-    return value
 
 
 def _nbytes(tensors: dict[str, ShardedTensor]) -> int:
