@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 try:
-    from benchmarks.scratch import free_port, scratch_dir, warm_and_cold
+    from benchmarks.scratch import free_port, scratch_dir, slowest_timed, warm_and_cold
 except ImportError:  # run as a script: benchmarks/ is the first entry of sys.path
-    from scratch import free_port, scratch_dir, warm_and_cold  # type: ignore[no-redef]
+    from scratch import free_port, scratch_dir, slowest_timed, warm_and_cold  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -47,19 +46,6 @@ def _state(size_bytes: int, rank: int) -> dict[str, Any]:
         value = torch.arange(rows * 1024.0).reshape(rows, 1024) + i
         out[f"layer{i}.weight"] = reshard.ShardedTensor(f"layer{i}.weight", value, value.shape, (0, 0), replica_id=rank)
     return out
-
-
-def _slowest(seconds: float) -> float:
-    value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item())
-
-
-def _timed(run: Any) -> tuple[float, Any]:
-    dist.barrier()
-    started = time.perf_counter()
-    result = run()
-    return _slowest(time.perf_counter() - started), result
 
 
 def _check(checks: reshard.Checks | None) -> None:
@@ -84,14 +70,16 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], results: Any) 
     tier = reshard.PeerMemoryCheckpoint(replicas=1, node_size=1)
     options = reshard.SaveOptions(certify=certify)
     for _ in range(args["repeat"]):
-        seconds, _ = _timed(lambda: reshard.save(state, root / "plain", overwrite=True))
+        seconds, _ = slowest_timed(lambda: reshard.save(state, root / "plain", overwrite=True))
         figures["save"].append(seconds)
-        seconds, result = _timed(lambda: reshard.save(state, root / "certified", overwrite=True, options=options))
+        seconds, result = slowest_timed(
+            lambda: reshard.save(state, root / "certified", overwrite=True, options=options)
+        )
         _check(result.checks)
         figures["save_certify"].append(seconds)
-        seconds, _ = _timed(lambda: tier.save(state))
+        seconds, _ = slowest_timed(lambda: tier.save(state))
         figures["peer_save"].append(seconds)
-        seconds, result = _timed(lambda: tier.save(state, certify=certify))
+        seconds, result = slowest_timed(lambda: tier.save(state, certify=certify))
         _check(result.checks)
         figures["peer_save_certify"].append(seconds)
     if rank == 0:

@@ -1,5 +1,5 @@
 """Scratch directories of the benchmarks, removed however a run ends; and the two small pieces every benchmark
-that spawns ranks shares (:func:`free_port`, :func:`warm_and_cold`).
+that spawns ranks shares (:func:`free_port`, :func:`slowest_timed`, :func:`warm_and_cold`).
 
 A benchmark writes gigabytes of checkpoints into its scratch directory. ``try/finally`` (or a
 ``TemporaryDirectory``) removes it after a normal end, an exception or Ctrl-C (KeyboardInterrupt), but
@@ -74,3 +74,19 @@ def warm_and_cold(samples: list[float]) -> dict[str, float]:
     """The median of the warm repetitions (all but the first, unless there is only one) and the first, cold one."""
     warm = samples[1:] or samples
     return {"seconds": statistics.median(warm), "cold_seconds": samples[0]}
+
+
+def slowest_timed(run: Any) -> tuple[float, Any]:
+    """Collective over the default process group: ``run()`` after a barrier, and the slowest rank's seconds for
+    it, with what it returned on this rank."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    started = time.perf_counter()
+    result = run()
+    seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds.item()), result

@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,9 +32,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 try:
-    from benchmarks.scratch import free_port, scratch_dir, warm_and_cold
+    from benchmarks.scratch import free_port, scratch_dir, slowest_timed, warm_and_cold
 except ImportError:  # run as a script: benchmarks/ is the first entry of sys.path
-    from scratch import free_port, scratch_dir, warm_and_cold  # type: ignore[no-redef]
+    from scratch import free_port, scratch_dir, slowest_timed, warm_and_cold  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -82,19 +81,6 @@ def _template(full: dict[str, torch.Tensor], rank: int, world: int) -> dict[str,
     return out
 
 
-def _slowest(seconds: float) -> float:
-    value = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item())
-
-
-def _timed(run: Any) -> tuple[float, Any]:
-    dist.barrier()
-    started = time.perf_counter()
-    result = run()
-    return _slowest(time.perf_counter() - started), result
-
-
 def _rank(rank: int, world: int, port: int, args: dict[str, Any], results: Any) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")  # the peer tier's steps are not certified: restore says so, each time
@@ -127,10 +113,10 @@ def _rank(rank: int, world: int, port: int, args: dict[str, Any], results: Any) 
             ("durable_save", direct),
             ("drained_save", drained),
         ):
-            figures[name].append(_timed(lambda m=saver, s=step, st=state: m.save(s, st))[0])
-        figures["drain"].append(_timed(drained.wait)[0])
+            figures[name].append(slowest_timed(lambda m=saver, s=step, st=state: m.save(s, st))[0])
+        figures["drain"].append(slowest_timed(drained.wait)[0])
         for name, restorer in (("peer_restore", peer), ("local_restore", disk), ("durable_restore", direct)):
-            seconds, found = _timed(lambda r=restorer: r.restore(_template(full, rank, world)))
+            seconds, found = slowest_timed(lambda r=restorer: r.restore(_template(full, rank, world)))
             assert found is not None, name
             assert found[0] == step, (name, found[:2])
             figures[name].append(seconds)
