@@ -209,7 +209,7 @@ LAYERS = {
     **dict.fromkeys(["storage", "planning"], 4),
     **dict.fromkeys(["io"], 5),
     **dict.fromkeys(["flows"], 6),
-    **dict.fromkeys(["interop", "models", "testing"], 7),
+    **dict.fromkeys(["interop", "models", "testing", "data"], 7),
     **dict.fromkeys(["demo", "cli", "__init__", "__main__", "_moved"], 8),
 }
 

@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CommunicationError",
     "CorruptCheckpointError",
+    "DataStateError",
     "DataUnavailableError",
     "IncompleteCheckpointError",
     "MismatchError",
@@ -72,6 +73,13 @@ class DataUnavailableError(MismatchError):
     them, or a peer-memory restore after more failures than its copies survive. The message names them."""
 
 
+class DataStateError(MismatchError):
+    """Data state (a sampler's or data loader's position, RNG streams, a record buffer) cannot be carried to
+    the requested layout exactly: state whose global meaning reshard cannot know (an opaque iterator, a
+    sampler of unknown order), or parts that disagree (epochs, seeds, dataset sizes, ranks missing). The
+    message names the state and what a documented approximation would do instead."""
+
+
 class StateDictError(CheckpointError, TypeError):
     """The state dict holds a value reshard cannot save (an unsupported type, clashing keys)."""
 
@@ -119,6 +127,7 @@ ERROR_CLASSES: dict[str, type[CheckpointError]] = {
         ShardingError,
         MismatchError,
         DataUnavailableError,
+        DataStateError,
         StateDictError,
         StorageError,
         CommunicationError,

@@ -1,0 +1,9 @@
+"""Data state that survives a change of layout: samplers, data loaders, RNG streams and record buffers.
+
+A resume on another data-parallel size restores the model and the optimizer bit for bit; this package does
+the same for what the job reads: every sample of an epoch consumed exactly once over the whole job, RNG
+streams under an explicit policy, and record buffers (RL rollouts) redistributed with every record once.
+Per-rank state is described in global terms (a sample's position in the epoch's global order, a record's
+global index) so that a load on another number of ranks can redistribute it; state whose global meaning
+reshard cannot know is refused loudly (:class:`~reshard.errors.DataStateError`).
+"""
