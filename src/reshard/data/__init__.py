@@ -7,3 +7,27 @@ Per-rank state is described in global terms (a sample's position in the epoch's 
 global index) so that a load on another number of ranks can redistribute it; state whose global meaning
 reshard cannot know is refused loudly (:class:`~reshard.errors.DataStateError`).
 """
+
+from reshard.data.rng import (
+    PROCESS_GENERATORS,
+    RNG_POLICIES,
+    RestoredRng,
+    RngPolicy,
+    derive_seed,
+    restore_rng,
+    rng_state,
+    rng_template,
+    sample_generator,
+)
+
+__all__ = [
+    "PROCESS_GENERATORS",
+    "RNG_POLICIES",
+    "RestoredRng",
+    "RngPolicy",
+    "derive_seed",
+    "restore_rng",
+    "rng_state",
+    "rng_template",
+    "sample_generator",
+]
