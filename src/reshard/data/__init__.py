@@ -7,3 +7,9 @@ Per-rank state is described in global terms (a sample's position in the epoch's 
 global index) so that a load on another number of ranks can redistribute it; state whose global meaning
 reshard cannot know is refused loudly (:class:`~reshard.errors.DataStateError`).
 """
+
+from reshard.data.records import FieldSpec, RecordBuffer
+from reshard.data.records_load import load_records
+from reshard.data.records_save import records_state
+
+__all__ = ["FieldSpec", "RecordBuffer", "load_records", "records_state"]
