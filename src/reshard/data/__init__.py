@@ -8,6 +8,9 @@ global index) so that a load on another number of ranks can redistribute it; sta
 reshard cannot know is refused loudly (:class:`~reshard.errors.DataStateError`).
 """
 
+from reshard.data.records import FieldSpec, RecordBuffer
+from reshard.data.records_load import load_records
+from reshard.data.records_save import records_state
 from reshard.data.rng import (
     PROCESS_GENERATORS,
     RNG_POLICIES,
@@ -23,9 +26,13 @@ from reshard.data.rng import (
 __all__ = [
     "PROCESS_GENERATORS",
     "RNG_POLICIES",
+    "FieldSpec",
+    "RecordBuffer",
     "RestoredRng",
     "RngPolicy",
     "derive_seed",
+    "load_records",
+    "records_state",
     "restore_rng",
     "rng_state",
     "rng_template",
