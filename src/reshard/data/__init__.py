@@ -7,3 +7,8 @@ Per-rank state is described in global terms (a sample's position in the epoch's 
 global index) so that a load on another number of ranks can redistribute it; state whose global meaning
 reshard cannot know is refused loudly (:class:`~reshard.errors.DataStateError`).
 """
+
+from reshard.data.iterable import ShardedIterable
+from reshard.data.iterable_state import capture_iterable, restore_iterable
+
+__all__ = ["ShardedIterable", "capture_iterable", "restore_iterable"]
