@@ -8,6 +8,8 @@ global index) so that a load on another number of ranks can redistribute it; sta
 reshard cannot know is refused loudly (:class:`~reshard.errors.DataStateError`).
 """
 
+from reshard.data.iterable import ShardedIterable
+from reshard.data.iterable_state import capture_iterable, restore_iterable
 from reshard.data.records import FieldSpec, RecordBuffer
 from reshard.data.records_load import load_records
 from reshard.data.records_save import records_state
@@ -30,9 +32,12 @@ __all__ = [
     "RecordBuffer",
     "RestoredRng",
     "RngPolicy",
+    "ShardedIterable",
+    "capture_iterable",
     "derive_seed",
     "load_records",
     "records_state",
+    "restore_iterable",
     "restore_rng",
     "rng_state",
     "rng_template",
