@@ -7,3 +7,18 @@ Per-rank state is described in global terms (a sample's position in the epoch's 
 global index) so that a load on another number of ranks can redistribute it; state whose global meaning
 reshard cannot know is refused loudly (:class:`~reshard.errors.DataStateError`).
 """
+
+from reshard.data.loaders import APPROXIMATIONS, RestoredData, capture, restore, template
+from reshard.data.order import Positions, epoch_order
+from reshard.data.sampler import ElasticSampler
+
+__all__ = [
+    "APPROXIMATIONS",
+    "ElasticSampler",
+    "Positions",
+    "RestoredData",
+    "capture",
+    "epoch_order",
+    "restore",
+    "template",
+]
