@@ -147,6 +147,11 @@ def _loader_taken(
     """(samples of the current iteration yielded to the training loop, whether the iteration finished)."""
     if consumed is not None:
         return consumed, False
+    if loader.num_workers > 0 and not isinstance(loader, StatefulDataLoader):
+        raise DataStateError(
+            "reshard.data.capture: a plain DataLoader with workers does not tell what it yielded (its workers "
+            "prefetch); pass consumed=, or use torchdata's StatefulDataLoader"
+        )
     if isinstance(sampler, ElasticSampler) and not sampler.iterated_this_epoch:
         return 0, False  # set_epoch moved on since the loader's last iteration: nothing of this epoch yet
     if isinstance(loader, StatefulDataLoader):
@@ -154,11 +159,6 @@ def _loader_taken(
             return None, False
         yielded, finished = stateful_yielded(loader)
         return yielded * _per_yield(loader), finished
-    if loader.num_workers > 0:
-        raise DataStateError(
-            "reshard.data.capture: a plain DataLoader with workers does not tell what it yielded (its workers "
-            "prefetch); pass consumed=, or use torchdata's StatefulDataLoader"
-        )
     if isinstance(sampler, ElasticSampler):
         return sampler.drawn, False  # no workers: what the sampler drew is what the loop got
     if problem is not None:
@@ -196,7 +196,7 @@ def _sampler_report(sampler: object, client: str, taken: int | None, finished: b
     if problem is not None or not _known_order(sampler):
         distributed = sampler if isinstance(sampler, DistributedSampler) else None
         return RankReport(
-            client=f"{client} ({problem or f'a sampler of unknown order ({type(sampler).__name__})'})",
+            client=f"{client} ({problem or 'a sampler of unknown order'})",
             opaque=True,
             dp_rank=distributed.rank if distributed is not None else None,
             dp_size=distributed.num_replicas if distributed is not None else None,
@@ -302,7 +302,7 @@ def _restore_opaque(progress: DataProgress, sampler: Sampler[Any], approximate: 
             "approximate='restart_epoch' (the epoch starts over: samples repeat) or approximate='skip_count' "
             f"(an ElasticSampler skips the first {progress.consumed_samples} positions: exact only if the orders agree)"
         )
-    epoch = progress.epoch
+    epoch = progress.epoch if progress.epoch is not None else getattr(sampler, "epoch", None)
     if approximate == "restart_epoch":
         if isinstance(sampler, ElasticSampler) and epoch is not None:
             sampler.resume(epoch, Positions())
