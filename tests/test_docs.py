@@ -5,7 +5,7 @@
   needs=MODULE -->``: skipped where the optional MODULE is not installed).
 - Every block marked ``<!-- signature: NAME -->`` is the signature of ``NAME`` as the code has it now
   (``render_signature``); a failure prints the text to paste.
-- Every public name of ``reshard``, ``reshard.storage`` and ``reshard.interop`` is in docs/api.md.
+- Every public name of ``reshard``, ``reshard.storage``, ``reshard.interop`` and ``reshard.data`` is in docs/api.md.
 - Every relative link of those files points at a file of the repository (and at one of its headings).
 - docs/migrating.md's claim about Megatron-Core ``torch_dist`` checkpoints: ``import_dcp`` converts their
   tensors (4 ranks save with Megatron-Core, one process imports), leaving ``common.pt`` unread.
@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import reshard
+import reshard.data
 import reshard.interop
 import reshard.storage
 from tests.doc_blocks import DOCS, ROOT, marked_blocks
@@ -112,7 +113,7 @@ def test_signature_matches_code(where: str, name: str, text: str) -> None:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("module", [reshard, reshard.storage, reshard.interop], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [reshard, reshard.storage, reshard.interop, reshard.data], ids=lambda m: m.__name__)
 def test_every_public_name_is_in_the_api_reference(module: Any) -> None:
     api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     missing = [name for name in module.__all__ if not re.search(rf"\b{re.escape(name)}\b", api)]
