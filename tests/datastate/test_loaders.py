@@ -327,3 +327,23 @@ def test_with_workers_the_sampler_draws_ahead_of_what_is_consumed() -> None:
     del it
     assert got == [0, 1, 2, 3]
     assert value["consumed"].tolist() == [[0, 4]]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("stateful", [False, True])
+def test_a_capture_right_after_a_restore_keeps_the_restored_position(tmp_path: Path, stateful: bool) -> None:
+    """Restored at DP=2 and captured again before any iteration (a save at the resume step): the value is
+    the one restored, not an epoch with nothing consumed."""
+    run(Job(4, UNEVEN, save=tmp_path / "a"))
+    saved = reshard.load({"data": template()}, tmp_path / "a")["data"]
+    group = ThreadGroup(2, timeout=30.0)
+
+    def rank(r: int) -> Any:
+        sampler = ElasticSampler(Ids(74), 2, r, seed=7)
+        target: Any = StatefulDataLoader(Ids(74), batch_size=2, sampler=sampler) if stateful else sampler
+        restore(saved, target)
+        return capture(target, group=group.member(r), consumed=None if stateful else 0).value
+
+    again = on_threads(2, rank, group=group)[0]
+    assert saved["consumed"].numel() > 0
+    assert again["consumed"].tolist() == saved["consumed"].tolist()

@@ -143,6 +143,10 @@ def test_positions_are_sorted_disjoint_intervals() -> None:
     assert Positions.of([5, 1, 2, 3, 9, 2]).intervals == ((1, 4), (5, 6), (9, 10))
     assert Positions.prefix(4).union(Positions.of([4, 6])).intervals == ((0, 5), (6, 7))
     assert Positions.of([1, 3]).remaining(5).tolist() == [0, 2, 4]
+    for chosen in ([], [0], [0, 1, 2, 5, 9], [3, 4]):
+        taken = torch.zeros(10, dtype=torch.bool)
+        taken[chosen] = True
+        assert Positions.from_mask(taken) == Positions.of(chosen)
     stored = Positions.of([0, 1, 7]).to_tensor()
     assert stored.dtype == torch.int64
     assert Positions.from_tensor(stored, 8, where="t") == Positions.of([0, 1, 7])

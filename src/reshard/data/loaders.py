@@ -80,11 +80,10 @@ def capture(
 
 
 def _base(target: object) -> Positions:
-    """The consumed positions the target's current iteration began with (empty unless an ElasticSampler)."""
+    """The epoch's positions consumed before the target's current iteration (restored, or kept by
+    ``set_epoch`` of the same epoch); empty unless an ElasticSampler."""
     sampler = target.sampler if isinstance(target, DataLoader) else target
-    if isinstance(sampler, ElasticSampler) and sampler.iterated_this_epoch:
-        return sampler.consumed_positions
-    return Positions()
+    return sampler.consumed_positions if isinstance(sampler, ElasticSampler) else Positions()
 
 
 def _known_order(sampler: object) -> bool:

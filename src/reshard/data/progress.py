@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from reshard.data.order import Positions
-from reshard.data.sampler import rank_positions
+from reshard.data.sampler import dealt_positions
 from reshard.errors import DataStateError
 
 FORMAT = "reshard.data.sampler/1"
@@ -165,18 +165,22 @@ def combine_reports(reports: list[dict[str, Any]], base: Positions) -> dict[str,
     if first["base"] != digest(base):
         raise DataStateError("reshard.data.capture: the coordinator's consumed positions do not match its report")
     by_dp = _by_data_rank(reports, first["dp_size"])
-    consumed = base
-    size, world, drop_last = first["size"], first["dp_size"], first["drop_last"]
+    size, world = first["size"], first["dp_size"]
+    dealt = dealt_positions(size, world, base, first["drop_last"])
+    taken_mask = base.mask(size)
     for dp_rank, (taken, finished) in enumerate(by_dp):
-        own = rank_positions(size, world, dp_rank, base, drop_last)
+        own = dealt[dp_rank::world]
         if taken > own.numel():
             raise DataStateError(
                 f"reshard.data.capture: data-parallel rank {dp_rank} consumed {taken} samples of its {own.numel()}"
             )
-        consumed = consumed.union(Positions.of((own if finished else own[:taken]).tolist()))
+        taken_mask[own if finished else own[:taken]] = True
+    consumed = Positions.from_mask(taken_mask)
     if all(finished for _, finished in by_dp):
         consumed = Positions.prefix(size)  # the epoch is over: nothing of it is left on any layout
-    return DataProgress(size, first["seed"], first["shuffle"], drop_last, first["epoch"], world, consumed).to_json()
+    return DataProgress(
+        size, first["seed"], first["shuffle"], first["drop_last"], first["epoch"], world, consumed
+    ).to_json()
 
 
 def _by_data_rank(reports: list[dict[str, Any]], world: int) -> list[tuple[int, bool]]:

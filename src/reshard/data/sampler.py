@@ -23,19 +23,22 @@ from reshard.data.order import Positions, epoch_order
 from reshard.errors import DataStateError
 
 
-def rank_positions(size: int, world: int, rank: int, consumed: Positions, drop_last: bool) -> torch.Tensor:
-    """The positions rank ``rank`` of ``world`` ranks takes, in order, when ``consumed`` of the epoch's
-    ``size`` positions are taken already: the remaining positions dealt round-robin, with
-    ``DistributedSampler``'s tail rule (truncate to a multiple of ``world``, or pad cyclically with the
+def dealt_positions(size: int, world: int, consumed: Positions, drop_last: bool) -> torch.Tensor:
+    """The positions ``world`` ranks deal round-robin (rank ``r`` takes ``[r::world]``) when ``consumed``
+    of the epoch's ``size`` positions are taken already: the remaining ones in increasing order, with
+    ``DistributedSampler``'s tail rule (truncated to a multiple of ``world``, or padded cyclically with the
     epoch's first positions)."""
     remaining = consumed.remaining(size)
     count = int(remaining.numel())
     if drop_last:
-        sequence = remaining[: (count // world) * world]
-    else:
-        padding = -count % world
-        sequence = torch.cat([remaining, torch.arange(padding, dtype=torch.int64) % max(size, 1)])
-    return sequence[rank::world]
+        return remaining[: (count // world) * world]
+    padding = -count % world
+    return torch.cat([remaining, torch.arange(padding, dtype=torch.int64) % max(size, 1)])
+
+
+def rank_positions(size: int, world: int, rank: int, consumed: Positions, drop_last: bool) -> torch.Tensor:
+    """The positions rank ``rank`` of ``world`` takes, in order (see :func:`dealt_positions`)."""
+    return dealt_positions(size, world, consumed, drop_last)[rank::world]
 
 
 class ElasticSampler(DistributedSampler[int]):
