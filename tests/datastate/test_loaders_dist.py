@@ -1,5 +1,6 @@
 """capture/restore on real ranks: four gloo processes consume uneven batches through StatefulDataLoaders and
-save their data state; the first two of them load it as a DP=2 job and consume the rest of the epoch."""
+save their data state; the first two of them load it as a DP=2 job and consume the rest of the epoch. And
+ElasticSampler's Stateful protocol through a StatefulDataLoader with worker processes."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import reshard
-from reshard.data import ElasticSampler, capture, restore, template
+from reshard.data import ElasticSampler, Positions, capture, restore, template
 from tests.datastate.loaderjobs import Ids, assert_exactly_once
-from tests.rankpool import RankContext, RankPool
+from tests.rankpool import RankContext, RankPool, forkserver_context
 
 pytestmark = pytest.mark.dist
 
@@ -45,3 +46,34 @@ def test_save_at_4_gloo_ranks_resume_at_2(pool4: RankPool, tmp_path: Path) -> No
     after = [ids for ids in pool4.run_ok(rank_resume_at_2, path) if ids is not None]
     assert len(after) == 2
     assert_exactly_once(SIZE, before, after)
+
+
+@pytest.mark.parametrize("snapshot_every", [1, 3])
+def test_stateful_dataloader_with_workers_resumes_an_elastic_sampler_on_the_same_layout(snapshot_every: int) -> None:
+    """The same through a 2-worker loader that prefetches and snapshots every 1 or 3 steps: torchdata restores
+    the sampler from its main snapshot and replays the steps since; the resumed loader yields exactly the
+    rest of the uninterrupted sequence."""
+
+    def loader() -> StatefulDataLoader:
+        sampler = ElasticSampler(Ids(40), 2, 0, seed=6)
+        sampler.resume(0, Positions.of([0, 1, 2, 3, 17]))
+        return StatefulDataLoader(
+            Ids(40),
+            batch_size=2,
+            sampler=sampler,
+            num_workers=2,
+            snapshot_every_n_steps=snapshot_every,
+            multiprocessing_context=forkserver_context(),
+        )
+
+    expected = [int(i) for batch in loader() for i in batch]
+    first = loader()
+    it = iter(first)
+    before = [int(i) for _ in range(4) for i in next(it)]
+    state = first.state_dict()
+    del it
+    second = loader()
+    second.sampler.resume(0, Positions())  # what the state holds must win over what the sampler held
+    second.load_state_dict(state)
+    after = [int(i) for batch in second for i in batch]
+    assert before + after == expected
