@@ -10,6 +10,8 @@ reshard cannot know is refused loudly (:class:`~reshard.errors.DataStateError`).
 
 from reshard.data.iterable import ShardedIterable
 from reshard.data.iterable_state import capture_iterable, restore_iterable
+from reshard.data.loaders import APPROXIMATIONS, RestoredData, capture, restore, template
+from reshard.data.order import Positions, epoch_order
 from reshard.data.records import FieldSpec, RecordBuffer
 from reshard.data.records_load import load_records
 from reshard.data.records_save import records_state
@@ -24,22 +26,31 @@ from reshard.data.rng import (
     rng_template,
     sample_generator,
 )
+from reshard.data.sampler import ElasticSampler
 
 __all__ = [
+    "APPROXIMATIONS",
     "PROCESS_GENERATORS",
     "RNG_POLICIES",
+    "ElasticSampler",
     "FieldSpec",
+    "Positions",
     "RecordBuffer",
+    "RestoredData",
     "RestoredRng",
     "RngPolicy",
     "ShardedIterable",
+    "capture",
     "capture_iterable",
     "derive_seed",
+    "epoch_order",
     "load_records",
     "records_state",
+    "restore",
     "restore_iterable",
     "restore_rng",
     "rng_state",
     "rng_template",
     "sample_generator",
+    "template",
 ]
