@@ -71,18 +71,18 @@ class Rank:
         return [i for batch in self.it for i in ids(batch)]
 
 
-def save_positions(ranks: list[Rank], path: Path) -> None:
+def save_positions(ranks: list[Rank], path: Path, capture: Callable[..., Any] = capture_iterable) -> None:
     """capture_iterable on every rank (threads of one ThreadGroup), then reshard.save of the captured object."""
     group = ThreadGroup(len(ranks))
 
     def run(r: int) -> None:
-        obj = capture_iterable(ranks[r].loader, group=group.member(r))
+        obj = capture(ranks[r].loader, group=group.member(r))
         reshard.save({"data": obj}, path, group=group.member(r))
 
     on_threads(len(ranks), run, group=group)
 
 
-def load_positions(ranks: list[Rank], path: Path) -> None:
+def load_positions(ranks: list[Rank], path: Path, restore: Callable[..., Any] = restore_iterable) -> None:
     """reshard.load of the single-cell object on every rank of the new layout, then restore_iterable (local)."""
     group = ThreadGroup(len(ranks))
 
@@ -91,7 +91,7 @@ def load_positions(ranks: list[Rank], path: Path) -> None:
         return reshard.load(template, path, group=group.member(r))["data"]
 
     for rank, value in zip(ranks, on_threads(len(ranks), run, group=group), strict=True):
-        restore_iterable(value, rank.loader)
+        restore(value, rank.loader)
 
 
 def assert_once(consumed: list[Id]) -> None:
@@ -132,6 +132,20 @@ def test_a_second_reshard_in_the_same_epoch(tmp_path: Path) -> None:
     for rank in new:
         consumed += rank.rest()
     assert_once(consumed)
+
+
+@pytest.mark.unit
+def test_reshard_data_capture_and_restore_take_iterable_datasets_too(tmp_path: Path) -> None:
+    """reshard.data.capture / restore hand a loader over a ShardedIterable to capture_iterable /
+    restore_iterable: one pair of calls for every kind of data."""
+    old = [Rank(r, 4) for r in range(4)]
+    before = [i for rank, n in zip(old, UNEVEN, strict=True) for i in rank.take(n)]
+    save_positions(old, tmp_path / "ckpt", reshard.data.capture)
+    new = [Rank(r, 2) for r in range(2)]
+    load_positions(new, tmp_path / "ckpt", reshard.data.restore)
+    assert_once(before + [i for rank in new for i in rank.rest()])
+    with pytest.raises(DataStateError, match="consumed= does not apply"):
+        reshard.data.capture(new[0].loader, consumed=3)
 
 
 @pytest.mark.unit

@@ -16,6 +16,9 @@ from typing import Any
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from reshard.data.iterable import ShardedIterable
+from reshard.data.iterable_state import KIND as ITERABLE_KIND
+from reshard.data.iterable_state import capture_iterable, restore_iterable
 from reshard.data.order import Positions
 from reshard.data.progress import DataProgress, RankReport, combine_reports, digest
 from reshard.data.sampler import ElasticSampler, rank_positions
@@ -67,7 +70,14 @@ def capture(
     workers, and overrides what the loader reports. Ranks that share a data-parallel rank (TP/PP peers) must
     report the same; any disagreement raises DataStateError on every rank. An opaque client (a sampler or
     loader whose order reshard cannot know) gives a value recording it as opaque.
+
+    A :class:`~reshard.data.ShardedIterable` (or a loader over an iterable dataset) is captured by
+    :func:`~reshard.data.capture_iterable` (``consumed`` does not apply to it: its streams count themselves).
     """
+    if _iterable(loader_or_sampler):
+        if consumed is not None:
+            raise DataStateError("reshard.data.capture: consumed= does not apply to an iterable dataset")
+        return capture_iterable(loader_or_sampler, key=key, group=group, timeout=timeout)
     comm = Communicator(group, timeout=timeout)
     base = _base(loader_or_sampler)
 
@@ -77,6 +87,13 @@ def capture(
     combined = comm.step("data.capture", local, lambda reports: combine_reports(reports, base))
     value = DataProgress.from_json(combined).to_value()
     return ShardedObject(key, value, (1,), (0,), replica_id=comm.rank)
+
+
+def _iterable(target: object) -> bool:
+    """Whether ``target`` is an iterable dataset or a loader over one (the iterable flow's, not a sampler's)."""
+    return isinstance(target, ShardedIterable) or (
+        isinstance(target, DataLoader) and isinstance(target.dataset, IterableDataset)
+    )
 
 
 def _base(target: object) -> Positions:
@@ -99,11 +116,6 @@ def report(target: object, consumed: int | None) -> RankReport:
     if consumed is not None and (type(consumed) is not int or consumed < 0):
         raise DataStateError(f"reshard.data.capture: consumed={consumed!r} is not a count of samples")
     if isinstance(target, DataLoader):
-        if isinstance(target.dataset, IterableDataset):
-            raise DataStateError(
-                f"reshard.data.capture: {type(target).__name__} over an IterableDataset "
-                f"({type(target.dataset).__name__}): capture handles map-style datasets only"
-            )
         sampler = target.sampler
         problem = _loader_problem(target)
         taken, finished = _loader_taken(target, sampler, consumed, problem)
@@ -242,14 +254,21 @@ def restore(value: object, loader_or_sampler: object, *, approximate: str | None
     is reset, so that the next ``iter(loader)`` starts at the restored position. An opaque value is refused
     (DataStateError naming its clients) unless ``approximate`` names one of :data:`APPROXIMATIONS`, which
     only opaque values use.
+
+    A value of :func:`~reshard.data.capture_iterable` (or a target that is an iterable dataset or a loader over
+    one) is restored by :func:`~reshard.data.restore_iterable`; ``approximate`` does not apply to it.
     """
+    raw = value.value if isinstance(value, ShardedObject) else value
+    if _iterable(loader_or_sampler) or (isinstance(raw, dict) and raw.get("kind") == ITERABLE_KIND):
+        if approximate is not None:
+            raise DataStateError("reshard.data.restore: approximate= does not apply to an iterable dataset")
+        restore_iterable(raw, loader_or_sampler)
+        return RestoredData(epoch=None, consumed=0)
     if approximate is not None and approximate not in APPROXIMATIONS:
         raise DataStateError(f"reshard.data.restore: approximate={approximate!r} is none of {APPROXIMATIONS}")
-    progress = DataProgress.from_value(value.value if isinstance(value, ShardedObject) else value)
+    progress = DataProgress.from_value(raw)
     loader = loader_or_sampler if isinstance(loader_or_sampler, DataLoader) else None
     sampler = loader.sampler if loader is not None else loader_or_sampler
-    if loader is not None and isinstance(loader.dataset, IterableDataset):
-        raise DataStateError("reshard.data.restore: a loader over an IterableDataset is not map-style data")
     if not isinstance(sampler, Sampler):
         raise DataStateError(
             f"reshard.data.restore: {type(loader_or_sampler).__name__} is neither a DataLoader nor a Sampler"
