@@ -216,7 +216,7 @@ def test_an_iterable_dataset_is_named_and_refused() -> None:
         def __iter__(self) -> Any:
             return iter(range(5))
 
-    with pytest.raises(DataStateError, match="is a Stream, not a reshard.data.ShardedIterable"):
+    with pytest.raises(DataStateError, match=r"is a Stream, not a reshard\.data\.ShardedIterable"):
         capture(StatefulDataLoader(Stream(), batch_size=2))
 
 
