@@ -56,10 +56,8 @@ def expected_positions(generation: int, world: int) -> set[int]:
 
 
 def records(generation: int, rank: int) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
-    if generation == 1:
-        ids = list(range(5)) if rank == 0 else []
-    else:
-        ids = [100 + 10 * rank + i for i in range(rank + 1)]
+    first = list(range(5)) if rank == 0 else []
+    ids = first if generation == 1 else [100 + 10 * rank + i for i in range(rank + 1)]
     return [{"tokens": torch.arange(i % 7 + 1, dtype=torch.int32) + i} for i in ids], ids
 
 
