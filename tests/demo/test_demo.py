@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import reshard
+import reshard.data
 from reshard.demo.run import DemoOptions, state_digest
 from reshard.demo.training import Trainer, TrainingConfig
 from reshard.models.config import ModelConfig
@@ -258,6 +259,7 @@ def test_rng_states_resume_for_existing_ranks_and_are_seeded_for_new_ones(pool8:
         if coords in saved:
             assert entry["rng"] == saved[coords]
         else:
-            torch.manual_seed(ModelConfig().seed + 7919 * 1 + entry["rank"])  # step 1, documented rule
+            # step 1, the documented rule: reshard.data.derive_seed of the model's seed, the step and the coordinates
+            torch.manual_seed(reshard.data.derive_seed(ModelConfig().seed, 1, coords, "torch") % 2**64)
             assert entry["rng"] == _rng_digest()
     assert sum(tuple(e["coords"]) in saved for e in loaded) == 2

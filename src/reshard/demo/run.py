@@ -95,6 +95,13 @@ class PhaseResult:
     """Phase A: the saved state's loss on the next step's batch (forward only); phase B's first step
     computes the same loss from the resumed state."""
     digest_loaded: str = ""
+    consumed_samples: int = 0
+    """Phase A: samples consumed when it saved; phase B: when it resumed (restored)."""
+    data_position: str = ""
+    """Where the data stream stands at that point: the epoch and the samples of it consumed."""
+    first_batch_as_uninterrupted: bool | None = None
+    """Phase B: whether every rank's first step read exactly the samples (indices, in order) that torch's own
+    DistributedSampler gives that rank at that step in an uninterrupted run on layout B."""
 
 
 def state_digest(full: dict[str, torch.Tensor]) -> str:
@@ -153,8 +160,16 @@ def _phase(rank: int, world: int, port: int, task: dict[str, Any], results: Any)
             out["bytes_read"], out["bytes_needed"] = stats.bytes_read, stats.bytes_needed
             out["digest_loaded"] = state_digest(trainer.full_state())
         out["first_step"] = trainer.step
-        out["losses"] = [trainer.train_step() for _ in range(task["steps"])]
+        out["consumed_samples"] = trainer.consumed_samples
+        out["data_position"] = trainer.data.position()
+        out["losses"] = []
+        for _ in range(task["steps"]):
+            out["losses"].append(trainer.train_step())
+            if len(out["losses"]) == 1 and task.get("resume_from"):
+                out["first_batch_as_uninterrupted"] = trainer.last_indices == uninterrupted_indices(trainer)
         if task.get("save_to"):
+            out["consumed_samples"] = trainer.consumed_samples
+            out["data_position"] = trainer.data.position()
             out["loss_after"] = trainer.loss(trainer.step)
             out["digest_saved"] = state_digest(trainer.full_state())
             save = trainer.save_adapter if lora else trainer.save
@@ -208,6 +223,13 @@ def run_phase(task: dict[str, Any], world: int, timeout_s: float) -> PhaseResult
         digest_saved=first.get("digest_saved", ""),
         digest_loaded=first.get("digest_loaded", ""),
         loss_after=first.get("loss_after"),
+        consumed_samples=first.get("consumed_samples", 0),
+        data_position=first.get("data_position", ""),
+        first_batch_as_uninterrupted=(
+            all(r["first_batch_as_uninterrupted"] for r in reports.values())
+            if "first_batch_as_uninterrupted" in first
+            else None
+        ),
     )
 
 
@@ -260,6 +282,16 @@ def _table(options: DemoOptions, a: PhaseResult, b: PhaseResult) -> str:
             f"{a.loss_after:.6f} (forward only)" if a.loss_after is not None else "-",
             _resumed_loss(a, b),
         ),
+        (
+            "samples consumed (saved / resumed)",
+            f"{a.consumed_samples} ({a.data_position})",
+            f"{b.consumed_samples} ({b.data_position})",
+        ),
+        (
+            "first batch == an uninterrupted run on B",
+            "",
+            _yes_no(b.first_batch_as_uninterrupted, "yes (sample ids, every rank)"),
+        ),
         ("checkpoint bytes" + (" (adapters)" if options.lora_rank else ""), f"{a.checkpoint_bytes:,}", ""),
         ("save / load seconds", f"{a.seconds_save:.3f}", f"{b.seconds_load:.3f}"),
         ("bytes read per rank", "", ", ".join(f"{n:,}" for n in b.bytes_read)),
@@ -270,6 +302,27 @@ def _table(options: DemoOptions, a: PhaseResult, b: PhaseResult) -> str:
     lines = [f"reshard demo: checkpoint at {options.out}"]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def _yes_no(flag: bool | None, yes: str) -> str:
+    return "-" if flag is None else yes if flag else "NO"
+
+
+def uninterrupted_indices(trainer: Any) -> list[int]:
+    """The sample indices torch's own ``DistributedSampler`` gives this rank at the trainer's last step in a run
+    that never stopped on the trainer's layout (a data-parallel size of ``dp``, nothing consumed yet at the
+    start): the reference a resumed run's first step must equal."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    training, dp = trainer.training, trainer.groups.config.dp
+    epoch, within = divmod((trainer.step - 1) * training.global_batch, training.epoch_samples)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        trainer.data.dataset, num_replicas=dp, rank=trainer.groups.coords.dp, seed=training.data_seed, drop_last=True
+    )
+    sampler.set_epoch(epoch)
+    per_rank = training.global_batch // dp
+    start = within // dp
+    return list(sampler)[start : start + per_rank]
 
 
 def _resumed_loss(a: PhaseResult, b: PhaseResult) -> str:
@@ -395,7 +448,7 @@ def main(args: argparse.Namespace) -> int:
     if options.plot:
         written = _plot(options.plot, a, b)
         sys.stdout.write(f"loss curve: {written}\n" if written else "loss curve skipped: matplotlib is not installed\n")
-    ok = a.digest_saved == b.digest_loaded
+    ok = a.digest_saved == b.digest_loaded and b.first_batch_as_uninterrupted is not False
     return 0 if ok else 1
 
 

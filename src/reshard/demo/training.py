@@ -1,14 +1,17 @@
 """Training the demo GPT on one layout, checkpointing it with reshard, and resuming on another.
 
 Everything a rank needs lives in a :class:`Trainer`: the model stage, Adam, the learning-rate schedule,
-the step counter and the parallel groups. The data is synthetic and deterministic: the global batch of
-step ``s`` depends only on the seed and ``s``, and each data-parallel rank takes its slice of it, so every
-layout trains on the same tokens.
+the step counter, the parallel groups and the rank's data stream. The data is a synthetic, deterministic
+dataset read in epochs (:mod:`reshard.demo.data`): step ``s`` of an uninterrupted run trains on the same
+samples on every layout, each data-parallel rank reading its share through a ``reshard.data.ElasticSampler``.
 
-Resume semantics: parameters, Adam's state, the step, the consumed samples and the schedule continue.
-RNG states are saved per rank, at coordinates (pp, dp, cp, tp); on resume, a rank whose coordinates
-exist in the saved layout gets its saved RNG state back, and a rank that is new (the saved layout had
-fewer ranks along some axis) is seeded with ``seed + 7919 * step + rank`` (deterministic).
+Resume semantics: parameters, Adam's state, the step, the consumed samples, the data order (the epoch and
+which of its samples were consumed, captured in global terms with ``reshard.data.capture``: a resume on
+another data-parallel size reads exactly what an uninterrupted run on it would) and the schedule continue.
+RNG states are saved per rank with ``reshard.data.rng_state``, at coordinates (pp, dp, cp, tp); on resume
+(``restore_rng`` with the policy ``"same_coordinate"``), a rank whose coordinates exist in the saved layout
+continues its saved streams exactly, and a rank that is new (the saved layout had fewer ranks along some
+axis) is seeded from the model's seed, the step and its coordinates (``reshard.data.derive_seed``).
 
 LoRA fine-tuning (``Trainer(..., lora=LoraConfig())``) freezes the base and trains the adapters. Its
 checkpoints are adapter-only (:meth:`Trainer.save_adapter`): adapters, their Adam state, RNG and trainer
@@ -29,12 +32,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import reshard
+from reshard.data import restore_rng, rng_state, rng_template
+from reshard.data import template as data_template
+from reshard.demo.data import DataStream, global_batch
 from reshard.demo.optimizer import Adam, AdamConfig, LRSchedule
 from reshard.models.config import LoraConfig, ModelConfig, is_adapter_key
 from reshard.models.gpt import GPTStage
 from reshard.models.parallel import ParallelGroups
 from reshard.net.comm import Communicator
-from reshard.state.sharding import ShardedObject, ShardedTensor
+from reshard.state.sharding import ShardedTensor
 
 __all__ = ["Trainer", "TrainingConfig", "global_batch"]
 
@@ -49,17 +55,10 @@ class TrainingConfig:
     global_batch: int = 8
     micro_batch: int = 2
     data_seed: int = 7
+    epoch_samples: int = 48
+    """Samples of the dataset, read once per epoch (a multiple of ``global_batch``)."""
     schedule: LRSchedule = field(default_factory=LRSchedule)
     adam: AdamConfig = field(default_factory=AdamConfig)
-
-
-def global_batch(step: int, model: ModelConfig, training: TrainingConfig) -> torch.Tensor:
-    """The token sequences of step ``step`` (``[global_batch, seq_len + 1]``): arithmetic progressions
-    modulo the vocabulary with a random start and stride, which a small model can learn."""
-    generator = torch.Generator().manual_seed(training.data_seed * 1_000_003 + step)
-    start = torch.randint(0, model.vocab_size, (training.global_batch, 1), generator=generator)
-    stride = torch.randint(1, 5, (training.global_batch, 1), generator=generator)
-    return (start + stride * torch.arange(model.seq_len + 1)) % model.vocab_size
 
 
 class Trainer:
@@ -74,6 +73,10 @@ class Trainer:
                 f"global_batch={training.global_batch} is not divisible by dp*micro_batch="
                 f"{parallel.dp * training.micro_batch}"
             )
+        if training.epoch_samples % training.global_batch:
+            raise ValueError(
+                f"epoch_samples={training.epoch_samples} is not a multiple of global_batch={training.global_batch}"
+            )
         self.model_config = model
         self.training = training
         self.groups = groups
@@ -82,6 +85,9 @@ class Trainer:
         self.optimizer = Adam(self.stage, training.adam, zero=parallel.zero)
         self.step = 0
         self.consumed_samples = 0
+        self.data = DataStream(model, training, dp=parallel.dp, dp_rank=groups.coords.dp)
+        self.last_indices: list[int] = []
+        """The sample indices of this rank's last step."""
         torch.manual_seed(model.seed + groups.rank)
 
     # ---- one training step -----------------------------------------------------------------------
@@ -91,9 +97,7 @@ class Trainer:
         per micro-batch), gradient reduction, Adam. Returns the global mean loss (on every rank)."""
         g = self.groups
         parallel = g.config
-        batch = global_batch(self.step, self.model_config, self.training)
-        per_rank = self.training.global_batch // parallel.dp
-        mine = batch[g.coords.dp * per_rank : (g.coords.dp + 1) * per_rank]
+        self.last_indices, mine = self.data.next_batch()
         micro = torch.split(mine, self.training.micro_batch)
         total = torch.zeros(())
         for tokens in micro:
@@ -220,8 +224,11 @@ class Trainer:
         return {
             "model": model,
             "optimizer": self.optimizer.sharded_state_dict(),
-            "rng": ShardedObject(
-                "rng_state", {"torch": torch.get_rng_state()}, (p.pp, p.dp, p.cp, p.tp), (c.pp, c.dp, c.cp, c.tp)
+            "rng": rng_state(
+                "rng_state",
+                coordinate=(c.pp, c.dp, c.cp, c.tp),
+                grid=(p.pp, p.dp, p.cp, p.tp),
+                seed=self.model_config.seed,
             ),
             "trainer": self.trainer_state(),
         }
@@ -251,9 +258,9 @@ class Trainer:
 
     def save_adapter(self, path: str, *, overwrite: bool = False) -> reshard.SaveResult:
         """Save an adapter-only checkpoint (collective over the layout)."""
-        return reshard.save(
-            self.adapter_sharded_state_dict(), path, group=self.groups.layout.process_group, overwrite=overwrite
-        )
+        group = self.groups.layout.process_group
+        state = {**self.adapter_sharded_state_dict(), "data": self.data.captured(group)}
+        return reshard.save(state, path, group=group, overwrite=overwrite)
 
     def load_adapter(self, path: str, *, missing_ok: bool = False, stats: reshard.LoadStats | None = None) -> bool:
         """Resume LoRA training from an adapter checkpoint saved on any layout (collective over the layout).
@@ -319,10 +326,10 @@ class Trainer:
         return found
 
     def save(self, path: str, *, overwrite: bool = False) -> reshard.SaveResult:
-        """Save the training state (collective over the layout)."""
-        return reshard.save(
-            self.sharded_state_dict(), path, group=self.groups.layout.process_group, overwrite=overwrite
-        )
+        """Save the training state and the data position (collective over the layout)."""
+        group = self.groups.layout.process_group
+        state = {**self.sharded_state_dict(), "data": self.data.captured(group)}
+        return reshard.save(state, path, group=group, overwrite=overwrite)
 
     def load_hf(self, hf_dir: str, *, stats: reshard.LoadStats | None = None) -> None:
         """Initialise the model's weights (not LoRA adapters) straight from a Hugging Face safetensors
@@ -348,27 +355,34 @@ class Trainer:
         template = self.trainer_state()
         del template["lora"]  # checked below, and absent from checkpoints of trainers without LoRA
         saved = reshard.load({"trainer": template}, path, group=group)["trainer"]
-        saved_parallel = saved["parallel"]
         if ModelConfig.from_dict(saved["model_config"]) != self.model_config:
             raise reshard.MismatchError(f"the checkpoint holds another model: {saved['model_config']}")
         state = self.sharded_state_dict() if state is None else state
-        c = self.groups.coords
-        saved_grid = (saved_parallel["pp"], saved_parallel["dp"], saved_parallel["cp"], saved_parallel["tp"])
-        mine = (c.pp, c.dp, c.cp, c.tp)
-        has_rng = all(i < n for i, n in zip(mine, saved_grid, strict=True))
-        if has_rng:
-            state["rng"] = ShardedObject("rng_state", None, saved_grid, mine)
-        else:
-            del state["rng"]
-        loaded = reshard.load(state, path, group=group, stats=stats)
+        c, p = self.groups.coords, self.groups.config
+        mine, grid = (c.pp, c.dp, c.cp, c.tp), (p.pp, p.dp, p.cp, p.tp)
+        state["rng"] = rng_template("rng_state", coordinate=mine, grid=grid)
+        has_data = "data" in reshard.read_metadata(path).objects  # saved by save(), not by sharded_state_dict()
+        if has_data:
+            state["data"] = data_template("data")
+        options = reshard.LoadOptions(object_grid="same_coordinate")
+        loaded = reshard.load(state, path, group=group, stats=stats, options=options)
         trainer = loaded["trainer"]
         self.step = trainer["step"]
         self.consumed_samples = trainer["consumed_samples"]
         self.optimizer.step = trainer["optimizer_step"]
-        if has_rng:
-            torch.set_rng_state(loaded["rng"]["torch"])
-        else:
-            torch.manual_seed(self.model_config.seed + 7919 * self.step + self.groups.rank)
+        if has_data:
+            self.data.restore(loaded["data"])
+        else:  # every step reads the next global batch of the epoch's order: the position is a prefix
+            self.data.skip_to(self.consumed_samples)
+        restore_rng(
+            loaded["rng"],
+            key="rng_state",
+            coordinate=mine,
+            grid=grid,
+            policy="same_coordinate",
+            seed=self.model_config.seed,
+            step=self.step,
+        )
 
     def set_full_state(self, full: dict[str, torch.Tensor], trainer_state: dict[str, Any]) -> None:
         """Take the model and Adam's state from full (logical) tensors, and the counters from
@@ -385,6 +399,7 @@ class Trainer:
         self.step = trainer_state["step"]
         self.consumed_samples = trainer_state["consumed_samples"]
         self.optimizer.step = trainer_state["optimizer_step"]
+        self.data.skip_to(self.consumed_samples)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter and Adam state gathered into full (logical) tensors, on every rank of the
