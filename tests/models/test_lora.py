@@ -160,10 +160,12 @@ def test_adapter_checkpoint_resumes_bit_exactly_on_other_layouts(pool8: RankPool
     unique_bytes = sum(t.numel() * 4 for t in adapters.values())
     stored = sum(box.byte_length for t in metadata.tensors.values() for box in t.boxes)
     assert stored == unique_bytes
-    # On disk: those bytes, the RNG states (one per saving rank) and at most 63 bytes of alignment each.
+    # On disk: those bytes, the RNG states (one per saving rank), the data position (one cell) and at most 63
+    # bytes of alignment each.
     entries = [e for o in metadata.objects.values() for e in o.entries]
     boxes = [box for t in metadata.tensors.values() for box in t.boxes]
-    assert len(entries) == 8
+    assert len(metadata.objects["rng_state"].entries) == 8 and len(metadata.objects["data"].entries) == 1
+    assert len(entries) == 9
     payload = unique_bytes + sum(e.byte_length for e in entries)
     on_disk = sum(f.stat().st_size for f in (Path(path) / "data").iterdir())
     assert payload <= on_disk < payload + 64 * (len(boxes) + len(entries))
