@@ -245,7 +245,7 @@ def test_a_hostile_index_is_refused_on_every_rank(
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"rows": [1000, 0, 0, 0]}, "lengths add up to"),
+        ({"rows": [1000, 0, 0, 0]}, "is saved of the shape"),  # refused from the metadata, before a read
         ({"records": 8}, "does not match its index"),
         ({"version": 2}, "description version 2"),
         ({"schema": [["tokens", "float32", [None]]]}, "does not match its index"),
@@ -354,3 +354,134 @@ def test_saved_on_four_processes_loaded_on_two(pool4: RankPool, tmp_path: Path) 
     ids = [i for result in results[:2] for i in result[0]]
     assert ids == [i for b in job_buffers(COUNTS) for i in b.ids.tolist()]
     assert [len(result[0]) for result in results[:2]] == [6, 5] and all(r[1] == [1] for r in results[:2])
+
+
+# ---- hostile checkpoints written with plain reshard.save, and bad arguments (issue 34, second attack) -------------
+
+
+def _craft(path: Path, meta: dict[str, Any], index: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
+    """A record buffer ``rb`` written field by field with reshard.save (valid checksums): what a hostile writer
+    produces without going through records_state."""
+    state = {
+        "meta": reshard.ShardedObject("rb.meta", meta, (1,), (0,)),
+        "index": reshard.ShardedTensor("rb.index", index, tuple(index.shape), (0,) * index.dim()),
+        "fields": {
+            name: reshard.ShardedTensor(f"rb.fields.{name}", value, tuple(value.shape), (0,) * value.dim())
+            for name, value in fields.items()
+        },
+    }
+    reshard.save({"rb": state}, path)
+
+
+def _good_meta(**change: Any) -> dict[str, Any]:
+    meta = {"format": "reshard.records", "version": 1, "schema": [["x", "float32", [None]]], "records": 4, "rows": [6]}
+    return {**meta, **change}
+
+
+def _refused_on(path: Path, world: int, error: type[Exception], message: str) -> None:
+    errors = every_rank_raises(world, lambda r, g: load_records(path, "rb", rank=r, world=world, group=g.member(r)))
+    assert {type(e) for e in errors} == {error}, errors
+    assert all(message in str(e) for e in errors), errors
+
+
+@pytest.mark.unit
+def test_lengths_whose_int64_sum_wraps_to_the_rows_are_refused_never_wrong_rows(tmp_path: Path) -> None:
+    big = 2**62  # 4 lengths adding up to 2**64 + 6: 6 in int64, the field's rows
+    index = torch.tensor([[10, big], [11, big], [12, big], [13, big + 6]])
+    _craft(tmp_path / "c", _good_meta(), index, {"x": torch.arange(6.0)})
+    for world in (1, 2, 3):
+        _refused_on(tmp_path / "c", world, CorruptCheckpointError, "lengths add up to more rows")
+
+
+@pytest.mark.unit
+def test_the_largest_int64_id_in_an_index_is_a_corrupt_checkpoint(tmp_path: Path) -> None:
+    index = torch.tensor([[10, 1], [11, 2], [2**63 - 1, 3], [12, 0]])
+    _craft(tmp_path / "c", _good_meta(), index, {"x": torch.arange(6.0)})
+    for world in (1, 2):
+        _refused_on(tmp_path / "c", world, CorruptCheckpointError, "2**63 - 1")
+
+
+@pytest.mark.unit
+def test_a_huge_trailing_shape_is_refused_before_any_allocation(tmp_path: Path) -> None:
+    """The description says rows of 2**40 elements, the saved tensor [6]: refused from the checkpoint's
+    metadata, not by the allocator (a 24 TB torch.empty)."""
+    index = torch.tensor([[10, 1], [11, 2], [12, 3], [13, 0]])
+    _craft(tmp_path / "c", _good_meta(schema=[["x", "float32", [None, 2**40]]]), index, {"x": torch.arange(6.0)})
+    for world in (1, 2):
+        _refused_on(tmp_path / "c", world, CorruptCheckpointError, "[6, 1099511627776]")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("saved", [{"x", "y"}, set()], ids=["a field more", "a field less"])
+def test_a_description_listing_other_fields_than_were_saved_is_refused(tmp_path: Path, saved: set[str]) -> None:
+    index = torch.tensor([[10, 1], [11, 2], [12, 3], [13, 0]])
+    _craft(tmp_path / "c", _good_meta(), index, {name: torch.arange(6.0) for name in saved})
+    _refused_on(tmp_path / "c", 2, CorruptCheckpointError, "fields")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("change", "message"), [({"version": True}, "description version True"), ({"records": 4.0}, "4.0 records")]
+)
+def test_description_values_of_another_type_are_refused(tmp_path: Path, change: dict[str, Any], message: str) -> None:
+    index = torch.tensor([[10, 1], [11, 2], [12, 3], [13, 0]])
+    _craft(tmp_path / "c", _good_meta(**change), index, {"x": torch.arange(6.0)})
+    _refused_on(tmp_path / "c", 1, CorruptCheckpointError, message)
+
+
+@pytest.mark.unit
+def test_field_names_and_buffer_keys_must_be_plain_names(tmp_path: Path) -> None:
+    """Buffer 'a' field 'b.index' and buffer 'a.fields.b' would both write checkpoint key 'a.fields.b.index'."""
+    ids = [0, 1]
+    with pytest.raises(DataStateError, match="plain name"):
+        RecordBuffer.from_records([{"b.index": torch.ones(2)} for _ in ids], ids)
+    with pytest.raises(DataStateError, match="plain name"):
+        RecordBuffer.empty({"a b": FieldSpec(torch.float32, ())})
+    for keys in (["a.fields.b", "a.fields.b"], ["", ""], ["a", ""]):
+        errors = every_rank_raises(
+            2, lambda r, g, k=keys: records_state(k[r], job_buffers([1, 1])[r], group=g.member(r))
+        )
+        assert {type(e) for e in errors} == {DataStateError}, (keys, errors)
+    save_buffers(tmp_path / "c", job_buffers([1, 1]))
+    errors = every_rank_raises(
+        2, lambda r, g: load_records(tmp_path / "c", "rollouts.x", rank=r, world=2, group=g.member(r))
+    )
+    assert {type(e) for e in errors} == {DataStateError} and all("plain name" in str(e) for e in errors), errors
+
+
+@pytest.mark.unit
+def test_ranks_passing_different_keys_get_a_data_state_error(tmp_path: Path) -> None:
+    errors = every_rank_raises(2, lambda r, g: records_state(["a", "b"][r], job_buffers([1, 1])[r], group=g.member(r)))
+    assert {type(e) for e in errors} == {DataStateError} and all("different keys" in str(e) for e in errors)
+    save_buffers(tmp_path / "c", job_buffers([1, 1]))
+    errors = every_rank_raises(
+        2, lambda r, g: load_records(tmp_path / "c", ["rollouts", "other"][r], rank=r, world=2, group=g.member(r))
+    )
+    assert {type(e) for e in errors} == {DataStateError} and all("different keys" in str(e) for e in errors)
+
+
+@pytest.mark.unit
+def test_a_world_larger_than_the_group_is_refused_before_any_work(tmp_path: Path) -> None:
+    """Every data rank must be loaded by a rank of the group: a world of 10**6 (10**12 never returned) is
+    refused from the group's size."""
+    save_buffers(tmp_path / "c", job_buffers([1]))
+    errors = every_rank_raises(
+        2, lambda r, g: load_records(tmp_path / "c", "rollouts", rank=r, world=10**6, group=g.member(r))
+    )
+    assert {type(e) for e in errors} == {DataStateError}
+    assert all("world 1000000 has more data ranks than the group's 2 ranks" in str(e) for e in errors), errors
+
+
+@pytest.mark.unit
+def test_from_records_refuses_bad_ids_and_tensors_with_its_own_errors() -> None:
+    record = {"x": torch.ones(2)}
+    with pytest.raises(DataStateError, match="int64"):
+        RecordBuffer.from_records([record], [2**63])
+    with pytest.raises(DataStateError, match="reserved"):
+        RecordBuffer.from_records([record], [2**63 - 1])
+    with pytest.raises(DataStateError, match="a sequence"):
+        RecordBuffer.from_records([record], None)  # type: ignore[arg-type]
+    with pytest.raises(DataStateError, match="1-D"):
+        RecordBuffer.from_records([record, record], torch.tensor([[1, 2]]))
+    with pytest.raises(StateDictError, match="meta"):
+        RecordBuffer.from_records([{"x": torch.ones(2, device="meta")}], [0])

@@ -291,7 +291,7 @@ HOSTILE = {  # a change of the saved value, and what the refusal says
     ),
     "python state out of range": (
         _set(("generators", "python", "internal"), np.full(625, -1, dtype=np.int64)),
-        "'python': not a valid state",
+        "'python': the words of the state must be uint32",
     ),
     "python state of wrong type": (
         _set(("generators", "python", "internal"), list(range(625))),
@@ -315,6 +315,35 @@ HOSTILE = {  # a change of the saved value, and what the refusal says
     ),
     "missing generator": (_set(("generators", "drop"), KeyError), "'drop': the loaded value has no such generator"),
     "missing python": (_set(("generators", "python"), KeyError), "'python': the loaded value has no such generator"),
+    # numpy's legacy MT19937 and Python's random take these without a complaint and then draw garbage (pos out of
+    # the 624-word key: reads past it), a stream of zeros (an all-zero key) or another state (words truncated)
+    **{
+        f"numpy pos {pos}": (_set(("generators", "numpy", "state", "state", "pos"), pos), "'numpy': pos must be")
+        for pos in (625, -3, 100_000, 10**8)
+    },
+    "numpy pos not an int": (_set(("generators", "numpy", "state", "state", "pos"), True), "'numpy': pos must be"),
+    "numpy key all zero": (
+        _set(("generators", "numpy", "state", "state", "key", "bits"), np.zeros(624, dtype=np.int64)),
+        "'numpy': an MT19937 key of all zero words",
+    ),
+    "numpy key of uint64 words": (
+        _set(("generators", "numpy", "state", "state", "key", "numpy_dtype"), "uint64"),
+        r"'numpy': an MT19937 state needs a key of 624 words \(uint32\)",
+    ),
+    "numpy has_gauss not 0 or 1": (_set(("generators", "numpy", "state", "has_gauss"), 7), "'numpy': has_gauss"),
+    "python words of 33 bits": (
+        lambda v: v["generators"]["python"]["internal"].__setitem__(slice(0, 624), 2**33 + 5),
+        "'python': the words of the state must be uint32",
+    ),
+    "python words all zero": (
+        lambda v: v["generators"]["python"]["internal"].__setitem__(slice(0, 624), 0),
+        "'python': all zero words",
+    ),
+    "python index past the state": (
+        lambda v: v["generators"]["python"]["internal"].__setitem__(624, 625),
+        r"'python': the index must be in \[0, 624\]",
+    ),
+    "python version 2": (_set(("generators", "python", "version"), 2), "'python': version must be 3"),
     "CUDA states where CUDA is absent": (
         _set(("generators", "cuda"), {"kind": "cuda", "states": [torch.zeros(16, dtype=torch.uint8)]}),
         "'cuda': saved with 1 CUDA devices, restored where CUDA is absent",
@@ -333,6 +362,27 @@ def test_a_hostile_value_is_refused_and_sets_nothing(tmp_path: Path, case: str) 
     with pytest.raises(DataStateError, match=f"RNG state 'rng'.*{match}"):
         restore_rng(value, coordinate=(0,), grid=(1,), generators={"drop": drop})
     assert _globals() == before[0] and torch.equal(drop.get_state(), before[1])
+
+
+@pytest.mark.parametrize(
+    ("bit_generator", "pos"),
+    [(np.random.MT19937, 625), (np.random.MT19937, -1), (np.random.MT19937, 10**8), (np.random.Philox, -5)],
+)
+def test_a_named_generator_with_a_position_out_of_its_buffer_is_refused(
+    tmp_path: Path, bit_generator: Any, pos: int
+) -> None:
+    saved = {"aug": np.random.Generator(bit_generator(1))}
+    reshard.save({"rng": rng_state(coordinate=(0,), grid=(1,), generators=saved, include=())}, tmp_path / "ckpt")
+    value = reshard.load({"rng": rng_template(coordinate=(0,), grid=(1,))}, tmp_path / "ckpt")["rng"]
+    if bit_generator is np.random.Philox:
+        value["generators"]["aug"]["state"]["buffer_pos"] = pos
+    else:
+        value["generators"]["aug"]["state"]["state"]["pos"] = pos
+    target = np.random.Generator(bit_generator(2))
+    before = repr(target.bit_generator.state)
+    with pytest.raises(DataStateError, match=r"'aug': (buffer_)?pos must be"):
+        restore_rng(value, coordinate=(0,), grid=(1,), generators={"aug": target}, include=())
+    assert repr(target.bit_generator.state) == before
 
 
 def test_a_numpy_generator_of_another_bit_generator_is_refused(tmp_path: Path) -> None:
@@ -362,6 +412,53 @@ def test_bad_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
     arguments: dict[str, Any] = {"coordinate": (0,), "grid": (2,), **kwargs}
     with pytest.raises(DataStateError, match=match):
         restore_rng(None, **arguments)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"generators": [torch.Generator()]}, "generators must be a mapping"),
+        ({"generators": {"cuda:0": torch.Generator()}}, "other than"),
+        ({"key": ""}, "key must be a non-empty string"),
+        ({"key": 5}, "key must be a non-empty string"),
+    ],
+)
+def test_bad_arguments_are_refused_by_rng_state_and_restore_rng(kwargs: dict[str, Any], match: str) -> None:
+    arguments: dict[str, Any] = {"coordinate": (0,), "grid": (2,), **kwargs}
+    with pytest.raises(DataStateError, match=match):
+        restore_rng(None, policy="derive", seed=1, step=2, **arguments)
+    with pytest.raises(DataStateError, match=match):
+        rng_state(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: rng_state(coordinate=(0,), grid=(1,), replica_id=-1), "replica_id must be a non-negative int"),
+        (lambda: rng_state(coordinate=(0,), grid=(1,), replica_id=True), "replica_id must be a non-negative int"),
+        (lambda: rng_template("", coordinate=(0,), grid=(1,)), "key must be a non-empty string"),
+        (lambda: sample_generator(1, 0, 1, device="nope"), "device 'nope'"),
+        (lambda: sample_generator(1, 0, 1, device=3.5), "device 3.5"),  # type: ignore[arg-type]
+    ],
+)
+def test_bad_arguments_of_the_other_functions_are_refused(call: Any, match: str) -> None:
+    with pytest.raises(DataStateError, match=match):
+        call()
+
+
+def test_a_named_generator_may_not_take_the_derivation_name_of_a_cuda_device() -> None:
+    """'cuda:0' is the name CUDA device 0's generator is derived under: a named generator so called would get
+    the same stream."""
+    with pytest.raises(DataStateError, match="'cuda:0'"):
+        restore_rng(
+            None, coordinate=(0,), grid=(2,), policy="derive", seed=1, step=2, generators={"cuda:0": torch.Generator()}
+        )
+    assert (
+        restore_rng(
+            None, coordinate=(0,), grid=(2,), policy="derive", seed=1, step=2, generators={"cuda0": torch.Generator()}
+        ).mode
+        == "derived"
+    )
 
 
 def test_cuda_absent_is_recorded_as_absent_and_a_saved_absence_restores_here() -> None:

@@ -14,6 +14,7 @@ writes (:func:`reshard.data.records_state`), and what a load fills in one read p
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,24 @@ import torch
 from reshard.errors import DataStateError, StateDictError
 from reshard.state.dtypes import DTYPE_BY_NAME, dtype_name
 
-__all__ = ["FieldSpec", "RecordBuffer", "Schema", "schema_from_json", "schema_to_json"]
+__all__ = ["MAX_ID", "FieldSpec", "RecordBuffer", "Schema", "check_plain_name", "schema_from_json", "schema_to_json"]
+
+MAX_ID = 2**63 - 2
+"""The largest record id: ids are int64 in ``[0, 2**63 - 2]`` (2**63 - 1 is reserved: a run of ids ends one
+past its last id, in int64)."""
+
+_PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
+
+
+def check_plain_name(what: str, name: object, error: type[Exception] = DataStateError) -> str:
+    """``name`` if it is a plain name (letters, digits, ``_`` and ``-``, not starting with ``-``), else ``error``.
+
+    Buffer keys and field names make the checkpoint keys ``KEY.meta``, ``KEY.index`` and ``KEY.fields.NAME``: with
+    a ``.`` in them two buffers' keys could be the same (buffer ``a`` field ``b.index`` and buffer ``a.fields.b``).
+    """
+    if not isinstance(name, str) or not _PLAIN.fullmatch(name):
+        raise error(f"{what} {name!r} is not a plain name (letters, digits, '_' and '-', no '.')")
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +97,7 @@ def _schema(given: Mapping[str, FieldSpec]) -> Schema:
     for name, spec in given.items():
         if not isinstance(name, str) or not name:
             raise StateDictError(f"a record field name must be a non-empty string, got {name!r}")
+        check_plain_name("record field name", name)
         if not isinstance(spec, FieldSpec):
             raise StateDictError(f"record field {name!r}: a FieldSpec, got {type(spec).__name__}")
     return tuple(sorted(given.items()))
@@ -99,6 +118,7 @@ def schema_from_json(value: object, *, error: type[Exception] = DataStateError) 
         ok = isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[0]
         if not ok or not isinstance(entry[1], str) or entry[1] not in DTYPE_BY_NAME or not isinstance(entry[2], list):
             raise error(f"malformed record schema entry {entry!r}")
+        check_plain_name("record field name", entry[0], error)
         try:
             out.append((entry[0], FieldSpec(DTYPE_BY_NAME[entry[1]], tuple(entry[2]))))
         except DataStateError as exc:
@@ -242,16 +262,20 @@ class RecordBuffer:
 
 def _ids_tensor(ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     if isinstance(ids, torch.Tensor):
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise DataStateError(f"record ids must be integers, got {ids.dtype}")
-        return ids.detach().to("cpu", torch.int64).reshape(-1)
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool or ids.is_meta:
+            raise DataStateError(f"record ids must be integers with data, got {ids.dtype} on {ids.device}")
+        if ids.ndim != 1:
+            raise DataStateError(f"record ids must be a 1-D tensor, got the shape {list(ids.shape)}")
+        return ids.detach().to("cpu", torch.int64)
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
+        raise DataStateError(f"record ids must be a sequence of ints or a 1-D tensor, got {type(ids).__name__}")
     values = list(ids)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise DataStateError("record ids must be ints")
-    try:
-        return torch.tensor(values, dtype=torch.int64).reshape(-1)
-    except RuntimeError as exc:  # out of int64's range
-        raise DataStateError(f"record ids must fit in int64: {exc}") from None
+    bad = next((v for v in values if not 0 <= v <= torch.iinfo(torch.int64).max), None)
+    if bad is not None:
+        raise DataStateError(f"record id {bad} is not a non-negative int64")
+    return torch.tensor(values, dtype=torch.int64).reshape(-1)
 
 
 def _check_ids(ids: torch.Tensor) -> int:
@@ -260,8 +284,8 @@ def _check_ids(ids: torch.Tensor) -> int:
     n = int(ids.shape[0])
     if n and int(ids.min()) < 0:
         raise DataStateError(f"record id {int(ids.min())} is negative; ids are non-negative int64")
-    if n and int(ids.max()) == torch.iinfo(torch.int64).max:
-        raise DataStateError("record id 2**63 - 1 is reserved")
+    if n and int(ids.max()) > MAX_ID:
+        raise DataStateError("record id 2**63 - 1 is reserved (ids are int64 in [0, 2**63 - 2])")
     unique, counts = torch.unique(ids, return_counts=True)
     if len(unique) != n:
         raise DataStateError(f"record id {int(unique[counts > 1][0])} appears {int(counts.max())} times in a buffer")
@@ -274,6 +298,8 @@ def _check_record(i: int, record: object, schema: Schema | None = None) -> None:
     for name, value in record.items():
         if not isinstance(value, torch.Tensor):
             raise StateDictError(f"record {i}, field {name!r}: a torch.Tensor, got {type(value).__name__}")
+        if value.is_meta:
+            raise StateDictError(f"record {i}, field {name!r}: a tensor on the meta device has no data to store")
     if schema is None:
         return
     names = sorted(record)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from reshard.data.record_ids import first_duplicate, frame, id_runs, runs_from_payload, unframe
-from reshard.data.records import RecordBuffer, Schema, schema_from_json, schema_to_json
+from reshard.data.records import RecordBuffer, Schema, check_plain_name, schema_from_json, schema_to_json
 from reshard.errors import DataStateError, StateDictError
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
@@ -64,6 +64,7 @@ def records_state(
     comm = Communicator(group, timeout=timeout)
 
     def local() -> bytes:
+        check_plain_name("records_state: the buffer key", key)
         if not isinstance(buffer, RecordBuffer):
             raise StateDictError(f"records_state({key!r}): a RecordBuffer, got {type(buffer).__name__}")
         kind, ids = id_runs(buffer.ids)
@@ -72,7 +73,8 @@ def records_state(
         header = {"key": key, "version": VERSION, "schema": schema, "count": len(buffer), "rows": rows, "ids": kind}
         return frame(header, ids)
 
-    meta, reply = comm.step_scatter(f"records_state {key}", local, _combine)
+    # the step's name holds no key: ranks passing different keys meet in one step, refused by _combine
+    meta, reply = comm.step_scatter("records_state", local, _combine)
     _, offsets = unframe(reply)
     assert isinstance(buffer, RecordBuffer)  # local() raised on every rank otherwise
     return _entries(key, buffer, meta, offsets, comm.rank)

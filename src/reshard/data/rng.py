@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from reshard.errors import DataStateError
@@ -129,7 +130,10 @@ def sample_generator(seed: int, epoch: int, sample_id: int, device: str | torch.
     for name, value in (("seed", seed), ("epoch", epoch), ("sample_id", sample_id)):
         _check_int(name, value)
     fields = {"epoch": epoch, "purpose": "reshard.data.sample", "sample": sample_id, "seed": seed}
-    generator = torch.Generator(device=device)
+    try:
+        generator = torch.Generator(device=device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise DataStateError(f"sample_generator: device {device!r} cannot hold a torch generator ({exc})") from exc
     generator.manual_seed(_digest(fields) >> 64)
     return generator
 
@@ -140,6 +144,17 @@ def sample_generator(seed: int, epoch: int, sample_id: int, device: str | torch.
 def _check_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise DataStateError(f"{name} must be a non-negative int, not {value!r}")
+
+
+def _check_key(key: object) -> None:
+    if not isinstance(key, str) or not key:
+        raise DataStateError(f"RNG state: the key must be a non-empty string, not {key!r}")
+
+
+def _is_cuda_name(name: str) -> bool:
+    """Whether ``name`` is the derivation name of a CUDA device's generator (``"cuda:<n>"``, see
+    :func:`_seed_one`): a named generator so called would be derived the same stream."""
+    return name.startswith("cuda:") and name[5:].isdigit()
 
 
 def _int_list(name: str, values: object) -> list[int]:
@@ -166,11 +181,15 @@ def _targets(
     if isinstance(include, str) or unknown:
         raise DataStateError(f"RNG state {key!r}: include takes names of {list(PROCESS_GENERATORS)}, not {include!r}")
     out: dict[str, UserGenerator | None] = {name: None for name in PROCESS_GENERATORS if name in include}
+    if generators is not None and not isinstance(generators, Mapping):
+        raise DataStateError(
+            f"RNG state {key!r}: generators must be a mapping of names to generators, not {type(generators).__name__}"
+        )
     for name, gen in (generators or {}).items():
-        if not isinstance(name, str) or not name or name in PROCESS_GENERATORS:
+        if not isinstance(name, str) or not name or name in PROCESS_GENERATORS or _is_cuda_name(name):
             raise DataStateError(
-                f"RNG state {key!r}: a named generator needs a non-empty name other than {list(PROCESS_GENERATORS)}, "
-                f"not {name!r}"
+                f"RNG state {key!r}: a named generator needs a non-empty name other than {list(PROCESS_GENERATORS)} "
+                f"and 'cuda:<n>' (the names the process generators are derived under), not {name!r}"
             )
         if not isinstance(gen, torch.Generator | np.random.Generator):
             raise DataStateError(
@@ -251,7 +270,9 @@ def rng_state(
 
     Local to this rank: no collective. Raises DataStateError for a bad argument.
     """
+    _check_key(key)
     coord, shape = _layout(key, coordinate, grid)
+    _check_int("replica_id", replica_id)
     if seed is not None:
         _check_int("seed", seed)
     targets = _targets(key, include, generators)
@@ -269,6 +290,7 @@ def rng_state(
 def rng_template(key: str = "rng", *, coordinate: Sequence[int], grid: Sequence[int]) -> ShardedObject:
     """The load template of this rank's cell: ``reshard.load`` replaces its ``None`` with the saved value
     (or leaves ``None`` for a rank a changed grid adds, under ``LoadOptions(object_grid=...)``)."""
+    _check_key(key)
     coord, shape = _layout(key, coordinate, grid)
     return ShardedObject(key, None, shape, coord)
 
@@ -354,15 +376,51 @@ def _numpy_setter(what: str, entry: Mapping[str, Any], target: np.random.Generat
     if found != wanted:
         raise DataStateError(f"{what}: a numpy state of bit generator {found!r}, restored into a {wanted}")
     assert isinstance(state, dict)
+    if wanted == "MT19937":
+        _check_mt19937(what, state, legacy=target is None)
+    if wanted == "Philox" and not _is_uint(state.get("buffer_pos"), 0, 4):  # numpy reads buffer[buffer_pos]
+        raise DataStateError(f"{what}: buffer_pos must be an int in [0, 4], not {state.get('buffer_pos')!r}")
     if target is None:
-        key = state["state"].get("key") if isinstance(state.get("state"), dict) else None
-        if not isinstance(key, np.ndarray) or key.shape != (_MT_WORDS,):
-            raise DataStateError(f"{what}: an MT19937 state needs a key of {_MT_WORDS} words")
         _trial(what, lambda: np.random.RandomState().set_state(state))
         return lambda: np.random.set_state(state)
     bit_generator = type(target.bit_generator)
     _trial(what, lambda: setattr(bit_generator(), "state", state))
     return lambda: setattr(target.bit_generator, "state", state)
+
+
+def _is_uint(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _check_mt19937(what: str, state: Mapping[str, Any], *, legacy: bool) -> None:
+    """What numpy's MT19937 takes without a complaint but then draws wrong: a ``pos`` outside the key (it reads
+    past it: garbage or a crash), a key that is not 624 uint32 words or is all zero (a stream of zeros; torch
+    refuses it); for the legacy ``RandomState`` a ``has_gauss`` other than 0 or 1."""
+    inner = state.get("state")
+    key = inner.get("key") if isinstance(inner, dict) else None
+    if not isinstance(key, np.ndarray) or key.dtype != np.uint32 or key.shape != (_MT_WORDS,):
+        raise DataStateError(f"{what}: an MT19937 state needs a key of {_MT_WORDS} words (uint32)")
+    assert isinstance(inner, dict)
+    if not _is_uint(inner.get("pos"), 0, _MT_WORDS):
+        raise DataStateError(f"{what}: pos must be an int in [0, {_MT_WORDS}], not {inner.get('pos')!r}")
+    if not key.any():
+        raise DataStateError(f"{what}: an MT19937 key of all zero words (it draws only zeros)")
+    if legacy and not _is_uint(state.get("has_gauss"), 0, 1):
+        raise DataStateError(f"{what}: has_gauss must be 0 or 1, not {state.get('has_gauss')!r}")
+
+
+def _check_python(what: str, version: object, internal: npt.NDArray[np.int64]) -> None:
+    """What ``random.setstate`` takes but changes or draws wrong: version 2 (converted), words of more than 32
+    bits (truncated), all zero words (a stream of zeros); the index must be in [0, 624]."""
+    if version != 3 or isinstance(version, bool):
+        raise DataStateError(f"{what}: version must be 3 (what random.getstate gives), not {version!r}")
+    words = internal[:_MT_WORDS]
+    if bool((words < 0).any()) or bool((words > 0xFFFFFFFF).any()):
+        raise DataStateError(f"{what}: the words of the state must be uint32")
+    if not words.any():
+        raise DataStateError(f"{what}: all zero words (it draws only zeros)")
+    if not 0 <= int(internal[_MT_WORDS]) <= _MT_WORDS:
+        raise DataStateError(f"{what}: the index must be in [0, {_MT_WORDS}], not {int(internal[_MT_WORDS])}")
 
 
 def _python_setter(what: str, entry: Mapping[str, Any]) -> Setter:
@@ -372,6 +430,7 @@ def _python_setter(what: str, entry: Mapping[str, Any]) -> Setter:
         raise DataStateError(f"{what}: the internal state must be {_MT_WORDS + 1} int64 values")
     if gauss_next is not None and not isinstance(gauss_next, float):
         raise DataStateError(f"{what}: gauss_next must be a float or None")
+    _check_python(what, entry["version"], internal)
     state = (entry["version"], tuple(int(v) for v in internal), gauss_next)
     _trial(what, lambda: random.Random().setstate(state))
     return lambda: random.setstate(state)
@@ -488,6 +547,7 @@ def restore_rng(
     A generator asked for that the value lacks, or a state that does not fit its generator, raises
     DataStateError before any generator is set. Local to this rank: no collective.
     """
+    _check_key(key)
     coord, shape = _layout(key, coordinate, grid)
     if policy is not None and policy not in RNG_POLICIES:
         raise DataStateError(f"RNG state {key!r}: policy must be one of {list(RNG_POLICIES)} or None, not {policy!r}")
