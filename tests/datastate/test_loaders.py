@@ -347,3 +347,61 @@ def test_a_capture_right_after_a_restore_keeps_the_restored_position(tmp_path: P
     again = on_threads(2, rank, group=group)[0]
     assert saved["consumed"].numel() > 0
     assert again["consumed"].tolist() == saved["consumed"].tolist()
+
+
+def _after_the_last_batch(loader: DataLoader[Any], batches: int) -> list[int]:
+    """The sample ids of the first ``batches`` batches, the iterator kept alive (still inside the loop)."""
+    it = iter(loader)
+    loader._kept = it  # type: ignore[attr-defined]
+    return [int(i) for _ in range(batches) for i in next(it)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("sampler", [ElasticSampler, DistributedSampler])
+def test_a_capture_right_after_the_last_short_batch_counts_the_rank_share(sampler: Any) -> None:
+    """A share of 5, batches of 2: after [0,1],[2,3],[4] (inside the loop) the loader yielded 3 batches of
+    at most 2 but 5 samples; the value is the whole share, not a refused 'consumed=6'."""
+    loader = StatefulDataLoader(Ids(5), batch_size=2, sampler=sampler(Ids(5), 1, 0, shuffle=False))
+    assert _after_the_last_batch(loader, 3) == [0, 1, 2, 3, 4]
+    assert capture(loader).value["consumed"].tolist() == [[0, 5]]
+
+
+@pytest.mark.unit
+def test_a_capture_after_the_last_short_batch_on_4_padded_ranks() -> None:
+    """10 samples on 4 ranks: shares of 3 (padded to 12), batches of 2 then 1; every rank captured right
+    after its short batch: the epoch is consumed."""
+    group = ThreadGroup(4, timeout=30.0)
+
+    def rank(r: int) -> Any:
+        loader = StatefulDataLoader(Ids(10), batch_size=2, sampler=ElasticSampler(Ids(10), 4, r, seed=1))
+        assert len(_after_the_last_batch(loader, 2)) == 3
+        return capture(loader, group=group.member(r)).value
+
+    assert on_threads(4, rank, group=group)[0]["consumed"].tolist() == [[0, 10]]
+
+
+@pytest.mark.unit
+def test_with_drop_last_batches_no_short_batch_is_counted() -> None:
+    """drop_last=True: batches [0,1],[2,3] of a share of 5, the 5th sample never yielded: 4 consumed; a
+    state claiming one batch more than the share holds is still refused."""
+    loader = StatefulDataLoader(
+        Ids(5), batch_size=2, drop_last=True, sampler=ElasticSampler(Ids(5), 1, 0, shuffle=False)
+    )
+    assert _after_the_last_batch(loader, 2) == [0, 1, 2, 3]
+    assert capture(loader).value["consumed"].tolist() == [[0, 4]]
+    with pytest.raises(DataStateError, match="consumed=6"):
+        capture(loader, consumed=6)
+
+
+@pytest.mark.dist
+def test_with_workers_a_capture_after_the_last_short_batch_counts_the_rank_share() -> None:
+    """The same with 2 worker processes (the count comes from the loader's snapshot)."""
+    sampler = ElasticSampler(Ids(5), 1, 0, shuffle=False)
+    loader = StatefulDataLoader(
+        Ids(5), batch_size=2, sampler=sampler, num_workers=2, multiprocessing_context=forkserver_context()
+    )
+    got = _after_the_last_batch(loader, 3)
+    value = capture(loader).value
+    del loader._kept  # type: ignore[attr-defined]
+    assert got == [0, 1, 2, 3, 4]
+    assert value["consumed"].tolist() == [[0, 5]]

@@ -169,7 +169,7 @@ def _loader_taken(
         if loader.num_workers > 0 and problem is not None:
             return None, False
         yielded, finished = stateful_yielded(loader)
-        return yielded * _per_yield(loader), finished
+        return _samples_yielded(loader, sampler, yielded), finished
     if isinstance(sampler, ElasticSampler):
         return sampler.drawn, False  # no workers: what the sampler drew is what the loop got
     if problem is not None:
@@ -178,6 +178,20 @@ def _loader_taken(
         f"reshard.data.capture: a plain DataLoader with a {type(sampler).__name__} does not tell what it "
         "yielded; pass consumed=, or use ElasticSampler or torchdata's StatefulDataLoader"
     )
+
+
+def _samples_yielded(loader: DataLoader[Any], sampler: object, batches: int) -> int:
+    """The samples in the first ``batches`` items the loader yielded: ``batches x batch_size``, except that
+    the last batch of the rank's share is short when the batches keep the tail (``drop_last=False``), so a
+    count of exactly the share's batches is the share (``min(batches x batch_size, share)``, exact because
+    only the last batch is short). A count beyond that is left as it is, for the capture to refuse."""
+    per_yield = _per_yield(loader)
+    taken = batches * per_yield
+    if per_yield > 1 and not loader.drop_last and hasattr(sampler, "__len__"):
+        share = len(sampler)
+        if (batches - 1) * per_yield < share < taken:
+            return share
+    return taken
 
 
 def stateful_yielded(loader: StatefulDataLoader) -> tuple[int, bool]:
