@@ -274,6 +274,10 @@ HOSTILE: dict[str, Any] = {
     "size a string": {"size": "10"},
     "epoch a bool": {"epoch": True},
     "negative epoch": {"epoch": -1},
+    "epoch beyond int64": {"epoch": 2**80},
+    "epoch 2**63": {"epoch": 2**63},
+    "size beyond int64": {"size": 2**70},
+    "consumed_samples beyond int64": {"consumed_samples": 2**70},
     "no seed": {"seed": None},
     "other format": {"format": "x"},
     "unknown kind": {"kind": "maybe"},
@@ -405,3 +409,39 @@ def test_with_workers_a_capture_after_the_last_short_batch_counts_the_rank_share
     del loader._kept  # type: ignore[attr-defined]
     assert got == [0, 1, 2, 3, 4]
     assert value["consumed"].tolist() == [[0, 5]]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("seed", "epoch"), [(2, 2**80), (2**64 - 1, 1), (-(2**63), 0)])
+def test_an_epoch_the_order_generator_cannot_take_is_refused_at_restore(seed: int, epoch: int) -> None:
+    """seed + epoch seeds the epoch's order: a value torch's generator cannot take fails the restore (a
+    DataStateError, the sampler unchanged), not the first iteration (a ValueError); the edges are taken."""
+    value = dict(capture(ElasticSampler(Ids(10), 1, 0, seed=seed), consumed=4).value)
+    value["epoch"] = epoch
+    target = ElasticSampler(Ids(10), 2, 1, seed=seed)
+    if epoch == 0:
+        restore(value, target)
+        assert len(list(target)) == 3
+        return
+    with pytest.raises(DataStateError, match="epoch"):
+        restore(value, target)
+    assert (target.epoch, target.consumed_positions) == (0, Positions())
+    assert len(list(target)) == 5
+
+
+@pytest.mark.unit
+def test_skip_count_refuses_a_count_beyond_one_epoch() -> None:
+    """skip_count takes consumed_samples as positions of one epoch: a count beyond the dataset's size (each
+    rank's sampler drew from the whole dataset, or a crafted value) is refused, not clamped; the size is taken."""
+    value = dict(capture(StatefulDataLoader(Ids(40), sampler=RandomSampler(Ids(40)))).value)
+    assert value["kind"] == "opaque"
+    for count, left in ((40, 0), (41, None), (10**6, None)):
+        value["consumed_samples"] = count
+        target = ElasticSampler(Ids(40), 4, 0, seed=2)
+        if left is None:
+            with pytest.raises(DataStateError, match=f"consumed_samples {count}"):
+                restore(value, target, approximate="skip_count")
+            assert target.consumed_positions == Positions()
+        else:
+            restore(value, target, approximate="skip_count")
+            assert len(list(target)) == left

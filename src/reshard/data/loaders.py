@@ -19,7 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 from reshard.data.iterable import ShardedIterable
 from reshard.data.iterable_state import KIND as ITERABLE_KIND
 from reshard.data.iterable_state import capture_iterable, restore_iterable
-from reshard.data.order import Positions
+from reshard.data.order import Positions, generator_seed
 from reshard.data.progress import DataProgress, RankReport, combine_reports, digest
 from reshard.data.sampler import ElasticSampler, rank_positions
 from reshard.errors import DataStateError
@@ -37,7 +37,9 @@ APPROXIMATIONS = ("restart_epoch", "skip_count")
 """What :func:`restore` may do with an opaque value on another layout, when the caller opts in:
 ``restart_epoch`` starts the saved epoch over (samples consumed before the save are consumed again);
 ``skip_count`` gives an ``ElasticSampler`` the first ``consumed_samples`` positions of the epoch as consumed
-(exact only if the saved job's order was that epoch's global order and its ranks consumed a prefix)."""
+(exact only if the saved job's order was that epoch's global order and its ranks consumed a prefix; a count
+beyond the dataset's size is no epoch's positions, as when each rank's sampler drew from the whole dataset,
+and is refused)."""
 
 
 @dataclass(frozen=True)
@@ -335,6 +337,8 @@ def _restore_opaque(progress: DataProgress, sampler: Sampler[Any], approximate: 
             f"(an ElasticSampler skips the first {progress.consumed_samples} positions: exact only if the orders agree)"
         )
     epoch = progress.epoch if progress.epoch is not None else getattr(sampler, "epoch", None)
+    if isinstance(sampler, DistributedSampler) and epoch is not None:
+        generator_seed(sampler.seed, epoch, where="reshard.data.restore")
     if approximate == "restart_epoch":
         if isinstance(sampler, ElasticSampler) and epoch is not None:
             sampler.resume(epoch, Positions())
@@ -348,6 +352,12 @@ def _restore_opaque(progress: DataProgress, sampler: Sampler[Any], approximate: 
         )
     if progress.size is not None and progress.size != sampler.size:
         raise DataStateError(f"reshard.data.restore: dataset size {progress.size} saved, {sampler.size} here")
-    count = min(progress.consumed_samples, sampler.size)
+    count = progress.consumed_samples
+    if count > sampler.size:
+        raise DataStateError(
+            f"reshard.data.restore: approximate='skip_count' with consumed_samples {count} beyond the epoch's "
+            f"{sampler.size} positions: the count is not of one epoch's global order (each rank's sampler drew "
+            "from the whole dataset?); use approximate='restart_epoch'"
+        )
     sampler.resume(epoch, Positions.prefix(count))
     return RestoredData(epoch, count, approximate)
