@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from reshard.data.capture_step import agreed_capture
 from reshard.data.iterable import Plan, ShardedIterable, StreamState, parse_stream
 from reshard.data.order import generator_seed
 from reshard.errors import DataStateError
@@ -216,14 +217,34 @@ def capture_iterable(
     """The position of every rank's :class:`ShardedIterable` (or torchdata ``StatefulDataLoader`` over one) as
     one layout-independent :class:`~reshard.ShardedObject` to put in the state dict of a save. Collective:
     every rank of ``group`` calls it (replicas of a data rank too: they must agree); every rank raises the same
-    :class:`DataStateError` when the parts disagree or cannot be interpreted."""
+    :class:`DataStateError` when the parts disagree or cannot be interpreted. It is the step of
+    :func:`reshard.data.capture` too: a rank that captures a sampler meanwhile, another ``key`` or a ``key``
+    that is no non-empty str fail every rank alike."""
+    return iterable_capture(loader_or_dataset, key=key, group=group, timeout=timeout, consumed=None)
+
+
+def iterable_capture(
+    loader_or_dataset: object,
+    *,
+    key: str,
+    group: Group,
+    timeout: datetime.timedelta | float | None,
+    consumed: int | None,
+) -> ShardedObject:
+    """:func:`capture_iterable`, with the ``consumed`` that :func:`reshard.data.capture` was given: refused
+    (streams count themselves) inside the rank's part, so that every rank raises it. Collective."""
     communicator = Communicator(group, timeout=timeout)
+
+    def local() -> dict[str, Any]:
+        if consumed is not None:
+            raise DataStateError("reshard.data.capture: consumed= does not apply to an iterable dataset")
+        return local_part(loader_or_dataset)
 
     def combined(values: list[dict[str, Any]]) -> dict[str, Any]:
         # the coordinator's own shard lengths (its local part succeeded, and every digest agrees)
         return combine(values, dataset_of(loader_or_dataset)[0].lengths)
 
-    value = communicator.step("capture_iterable", lambda: local_part(loader_or_dataset), combined)
+    value = agreed_capture(communicator, kind="iterable", key=key, local=local, combine=combined)
     stored = dict(value)
     stored["cursors"] = torch.tensor(value["cursors"], dtype=torch.int64)
     stored["owners"] = torch.tensor(value["owners"], dtype=torch.int64)

@@ -16,9 +16,10 @@ from typing import Any
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from reshard.data.capture_step import agreed_capture
 from reshard.data.iterable import ShardedIterable
 from reshard.data.iterable_state import KIND as ITERABLE_KIND
-from reshard.data.iterable_state import capture_iterable, restore_iterable
+from reshard.data.iterable_state import iterable_capture, restore_iterable
 from reshard.data.order import Positions, generator_seed
 from reshard.data.progress import DataProgress, RankReport, combine_reports, digest
 from reshard.data.sampler import ElasticSampler, rank_positions
@@ -75,18 +76,20 @@ def capture(
 
     A :class:`~reshard.data.ShardedIterable` (or a loader over an iterable dataset) is captured by
     :func:`~reshard.data.capture_iterable` (``consumed`` does not apply to it: its streams count themselves).
+    Both are one agreed step: ranks that pass different kinds of data or different keys, or a key that is no
+    non-empty str, raise the same DataStateError on every rank.
     """
     if _iterable(loader_or_sampler):
-        if consumed is not None:
-            raise DataStateError("reshard.data.capture: consumed= does not apply to an iterable dataset")
-        return capture_iterable(loader_or_sampler, key=key, group=group, timeout=timeout)
+        return iterable_capture(loader_or_sampler, key=key, group=group, timeout=timeout, consumed=consumed)
     comm = Communicator(group, timeout=timeout)
     base = _base(loader_or_sampler)
 
     def local() -> dict[str, Any]:
         return report(loader_or_sampler, consumed).to_json()
 
-    combined = comm.step("data.capture", local, lambda reports: combine_reports(reports, base))
+    combined = agreed_capture(
+        comm, kind="sampler", key=key, local=local, combine=lambda reports: combine_reports(reports, base)
+    )
     value = DataProgress.from_json(combined).to_value()
     return ShardedObject(key, value, (1,), (0,), replica_id=comm.rank)
 
