@@ -445,3 +445,16 @@ def test_skip_count_refuses_a_count_beyond_one_epoch() -> None:
         else:
             restore(value, target, approximate="skip_count")
             assert len(list(target)) == left
+
+
+@pytest.mark.unit
+def test_a_restore_into_a_custom_batch_sampler_names_it() -> None:
+    """A DataLoader built with batch_sampler= has torch's placeholder SequentialSampler as .sampler: the
+    refusal names the batch_sampler and its sampler, not the placeholder; the sampler is not touched."""
+    value = capture(ElasticSampler(Ids(12), 1, 0), consumed=3).value
+    inner = ElasticSampler(Ids(12), 3, 0)
+    loader = DataLoader(Ids(12), batch_sampler=BatchSampler(inner, 2, False))
+    with pytest.raises(DataStateError, match=r"batch_sampler \(BatchSampler over ElasticSampler\)") as caught:
+        restore(value, loader)
+    assert "SequentialSampler" not in str(caught.value)
+    assert inner.consumed_positions == Positions()

@@ -151,6 +151,13 @@ def _loader_problem(loader: DataLoader[Any]) -> str | None:
     return None
 
 
+def _custom_batches(loader: DataLoader[Any]) -> bool:
+    """Whether the loader's batches come from a batch_sampler of its own (``batch_sampler=``: then its
+    ``.sampler`` is torch's placeholder, not what draws the samples)."""
+    batches = loader.batch_sampler
+    return batches is not None and getattr(batches, "sampler", None) is not loader.sampler
+
+
 def _per_yield(loader: DataLoader[Any]) -> int:
     """Samples per item the loader yields (its batch size, or 1 without batching)."""
     batches = loader.batch_sampler
@@ -288,6 +295,14 @@ def restore(value: object, loader_or_sampler: object, *, approximate: str | None
     progress = DataProgress.from_value(raw)
     loader = loader_or_sampler if isinstance(loader_or_sampler, DataLoader) else None
     sampler = loader.sampler if loader is not None else loader_or_sampler
+    if loader is not None and _custom_batches(loader):
+        batches = loader.batch_sampler
+        inner = type(getattr(batches, "sampler", None)).__name__
+        raise DataStateError(
+            f"reshard.data.restore: a {type(loader).__name__} with a custom batch_sampler ({type(batches).__name__} "
+            f"over {inner}) cannot take a saved position: reshard cannot know its order; build the loader with "
+            "sampler=reshard.data.ElasticSampler(...) and batch_size="
+        )
     if not isinstance(sampler, Sampler):
         raise DataStateError(
             f"reshard.data.restore: {type(loader_or_sampler).__name__} is neither a DataLoader nor a Sampler"
