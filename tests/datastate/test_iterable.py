@@ -264,7 +264,14 @@ def captured(ranks: list[Rank]) -> dict[str, Any]:
     [
         ({"cursors": 2, "at": 20}, "the cursor of shard 2 is 20, outside"),
         ({"cursors": 2, "at": -1}, "the cursor of shard 2 is -1, outside"),
-        ({"cursors": "x"}, "cursors is not a list of ints"),
+        ({"cursors": "x"}, "cursors is a str, not a 1-d int64 tensor"),
+        ({"cursors": [0] * len(LENGTHS)}, "cursors is a list, not a 1-d int64 tensor"),
+        ({"owners": 2, "at": -1}, "shard 2 has 11 samples left but no stream owns it"),
+        ({"epoch": 2**63}, "epoch is 9223372036854775808"),
+        ({"num_workers": 0}, "num_workers is 0"),
+        ({"num_replicas": -1}, "num_replicas is -1"),
+        ({"num_replicas": 3}, "3 replicas of 1 workers are not its 4 streams"),
+        ({"num_shards": 14}, "num_shards is 14 for the 13 shards"),
         ({"cursors": torch.zeros(len(LENGTHS))}, "torch.float32 tensor"),
         ({"cursors": torch.zeros(3, dtype=torch.int64)}, "has 3 entries for 13 shards"),
         ({"owners": 0, "at": 9}, "owned by stream 9 of 4"),
@@ -299,6 +306,7 @@ def test_hostile_values_are_refused(change: dict[str, Any], message: str) -> Non
         ({"shards": [13]}, "shard id is 13"),
         ({"shards": ["0"]}, "shard id is '0'"),
         ({"stream": 4}, "stream is 4"),
+        ({"epoch": 2**80}, "epoch is 1208925819614629174706176"),
         ({"format": "x"}, "not the state of a reshard.data.ShardedIterable stream"),
         ({"digest": "x"}, "saved for another shard list"),
     ],
@@ -366,3 +374,30 @@ def test_workers_positions_are_those_yielded_not_prefetched(
     for rank in new:
         consumed += rank.rest()
     assert_once(consumed)
+
+
+@pytest.mark.unit
+def test_a_shard_without_owner_is_accepted_only_when_consumed(tmp_path: Path) -> None:
+    """Owner -1 means a shard no stream reads (consumed before the streams' plan): with its cursor at its end
+    the value restores at the same layout and every other sample is yielded once."""
+    ranks = [Rank(r, 4) for r in range(4)]
+    consumed = [i for rank, n in zip(ranks, UNEVEN, strict=True) for i in rank.take(n)]
+    value = captured(ranks)
+    shard = int(value["owners"][2])
+    value["cursors"], value["owners"] = value["cursors"].clone(), value["owners"].clone()
+    value["cursors"][2], value["owners"][2] = LENGTHS[2], -1
+    assert shard >= 0
+    again = [Rank(r, 4) for r in range(4)]
+    for rank in again:
+        restore_iterable(value, rank.loader)
+    rest = [i for rank in again for i in rank.rest()]
+    skipped = {(2, o) for o in range(LENGTHS[2])} - set(consumed)
+    assert_once(consumed + rest + sorted(skipped))
+
+
+@pytest.mark.unit
+def test_epochs_the_shard_order_generator_cannot_take_are_refused() -> None:
+    with pytest.raises(DataStateError, match="epoch"):
+        dataset(0, 1).set_epoch(2**63)
+    with pytest.raises(DataStateError, match="seed"):
+        dataset(0, 1, seed=2**64)

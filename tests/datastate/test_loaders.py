@@ -274,6 +274,10 @@ HOSTILE: dict[str, Any] = {
     "size a string": {"size": "10"},
     "epoch a bool": {"epoch": True},
     "negative epoch": {"epoch": -1},
+    "epoch beyond int64": {"epoch": 2**80},
+    "epoch 2**63": {"epoch": 2**63},
+    "size beyond int64": {"size": 2**70},
+    "consumed_samples beyond int64": {"consumed_samples": 2**70},
     "no seed": {"seed": None},
     "other format": {"format": "x"},
     "unknown kind": {"kind": "maybe"},
@@ -347,3 +351,110 @@ def test_a_capture_right_after_a_restore_keeps_the_restored_position(tmp_path: P
     again = on_threads(2, rank, group=group)[0]
     assert saved["consumed"].numel() > 0
     assert again["consumed"].tolist() == saved["consumed"].tolist()
+
+
+def _after_the_last_batch(loader: DataLoader[Any], batches: int) -> list[int]:
+    """The sample ids of the first ``batches`` batches, the iterator kept alive (still inside the loop)."""
+    it = iter(loader)
+    loader._kept = it  # type: ignore[attr-defined]
+    return [int(i) for _ in range(batches) for i in next(it)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("sampler", [ElasticSampler, DistributedSampler])
+def test_a_capture_right_after_the_last_short_batch_counts_the_rank_share(sampler: Any) -> None:
+    """A share of 5, batches of 2: after [0,1],[2,3],[4] (inside the loop) the loader yielded 3 batches of
+    at most 2 but 5 samples; the value is the whole share, not a refused 'consumed=6'."""
+    loader = StatefulDataLoader(Ids(5), batch_size=2, sampler=sampler(Ids(5), 1, 0, shuffle=False))
+    assert _after_the_last_batch(loader, 3) == [0, 1, 2, 3, 4]
+    assert capture(loader).value["consumed"].tolist() == [[0, 5]]
+
+
+@pytest.mark.unit
+def test_a_capture_after_the_last_short_batch_on_4_padded_ranks() -> None:
+    """10 samples on 4 ranks: shares of 3 (padded to 12), batches of 2 then 1; every rank captured right
+    after its short batch: the epoch is consumed."""
+    group = ThreadGroup(4, timeout=30.0)
+
+    def rank(r: int) -> Any:
+        loader = StatefulDataLoader(Ids(10), batch_size=2, sampler=ElasticSampler(Ids(10), 4, r, seed=1))
+        assert len(_after_the_last_batch(loader, 2)) == 3
+        return capture(loader, group=group.member(r)).value
+
+    assert on_threads(4, rank, group=group)[0]["consumed"].tolist() == [[0, 10]]
+
+
+@pytest.mark.unit
+def test_with_drop_last_batches_no_short_batch_is_counted() -> None:
+    """drop_last=True: batches [0,1],[2,3] of a share of 5, the 5th sample never yielded: 4 consumed; a
+    state claiming one batch more than the share holds is still refused."""
+    loader = StatefulDataLoader(
+        Ids(5), batch_size=2, drop_last=True, sampler=ElasticSampler(Ids(5), 1, 0, shuffle=False)
+    )
+    assert _after_the_last_batch(loader, 2) == [0, 1, 2, 3]
+    assert capture(loader).value["consumed"].tolist() == [[0, 4]]
+    with pytest.raises(DataStateError, match="consumed=6"):
+        capture(loader, consumed=6)
+
+
+@pytest.mark.dist
+def test_with_workers_a_capture_after_the_last_short_batch_counts_the_rank_share() -> None:
+    """The same with 2 worker processes (the count comes from the loader's snapshot)."""
+    sampler = ElasticSampler(Ids(5), 1, 0, shuffle=False)
+    loader = StatefulDataLoader(
+        Ids(5), batch_size=2, sampler=sampler, num_workers=2, multiprocessing_context=forkserver_context()
+    )
+    got = _after_the_last_batch(loader, 3)
+    value = capture(loader).value
+    del loader._kept  # type: ignore[attr-defined]
+    assert got == [0, 1, 2, 3, 4]
+    assert value["consumed"].tolist() == [[0, 5]]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("seed", "epoch"), [(2, 2**80), (2**64 - 1, 1), (-(2**63), 0)])
+def test_an_epoch_the_order_generator_cannot_take_is_refused_at_restore(seed: int, epoch: int) -> None:
+    """seed + epoch seeds the epoch's order: a value torch's generator cannot take fails the restore (a
+    DataStateError, the sampler unchanged), not the first iteration (a ValueError); the edges are taken."""
+    value = dict(capture(ElasticSampler(Ids(10), 1, 0, seed=seed), consumed=4).value)
+    value["epoch"] = epoch
+    target = ElasticSampler(Ids(10), 2, 1, seed=seed)
+    if epoch == 0:
+        restore(value, target)
+        assert len(list(target)) == 3
+        return
+    with pytest.raises(DataStateError, match="epoch"):
+        restore(value, target)
+    assert (target.epoch, target.consumed_positions) == (0, Positions())
+    assert len(list(target)) == 5
+
+
+@pytest.mark.unit
+def test_skip_count_refuses_a_count_beyond_one_epoch() -> None:
+    """skip_count takes consumed_samples as positions of one epoch: a count beyond the dataset's size (each
+    rank's sampler drew from the whole dataset, or a crafted value) is refused, not clamped; the size is taken."""
+    value = dict(capture(StatefulDataLoader(Ids(40), sampler=RandomSampler(Ids(40)))).value)
+    assert value["kind"] == "opaque"
+    for count, left in ((40, 0), (41, None), (10**6, None)):
+        value["consumed_samples"] = count
+        target = ElasticSampler(Ids(40), 4, 0, seed=2)
+        if left is None:
+            with pytest.raises(DataStateError, match=f"consumed_samples {count}"):
+                restore(value, target, approximate="skip_count")
+            assert target.consumed_positions == Positions()
+        else:
+            restore(value, target, approximate="skip_count")
+            assert len(list(target)) == left
+
+
+@pytest.mark.unit
+def test_a_restore_into_a_custom_batch_sampler_names_it() -> None:
+    """A DataLoader built with batch_sampler= has torch's placeholder SequentialSampler as .sampler: the
+    refusal names the batch_sampler and its sampler, not the placeholder; the sampler is not touched."""
+    value = capture(ElasticSampler(Ids(12), 1, 0), consumed=3).value
+    inner = ElasticSampler(Ids(12), 3, 0)
+    loader = DataLoader(Ids(12), batch_sampler=BatchSampler(inner, 2, False))
+    with pytest.raises(DataStateError, match=r"batch_sampler \(BatchSampler over ElasticSampler\)") as caught:
+        restore(value, loader)
+    assert "SequentialSampler" not in str(caught.value)
+    assert inner.consumed_positions == Positions()

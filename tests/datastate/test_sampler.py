@@ -131,6 +131,8 @@ def test_stateful_dataloader_resumes_an_elastic_sampler_on_the_same_layout(resto
         {"epoch": 0, "consumed": [["a", "b"]], "yielded": 0},
         {"epoch": 0, "consumed": [], "yielded": -1},
         {"epoch": 0, "consumed": [], "yielded": 50},
+        {"epoch": 2**80, "consumed": [], "yielded": 0},
+        {"epoch": 2**63, "consumed": [], "yielded": 0},
     ],
 )
 def test_load_state_dict_refuses_a_malformed_state(state: dict[str, object]) -> None:

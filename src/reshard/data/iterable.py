@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
+from reshard.data.order import SEED_RANGE, generator_seed
 from reshard.errors import DataStateError
 
 __all__ = ["STREAM_FORMAT", "Plan", "ShardedIterable", "StreamState", "epoch_order", "stream_shards"]
@@ -129,6 +130,7 @@ def parse_stream(state: object, *, lengths: Sequence[int], seed: int, digest: st
     streams = _int(f"{name}: streams", state.get("streams"), 1)
     stream = _int(f"{name}: stream", state.get("stream"), 0, streams - 1)
     epoch = _int(f"{name}: epoch", state.get("epoch"), 0)
+    generator_seed(seed, epoch, where=name)
     shards = [_int(f"{name}: shard id", s, 0, len(lengths) - 1) for s in _int_list(f"{name}: shards", state["shards"])]
     raw = _int_list(f"{name}: cursors", state.get("cursors"))
     if len(raw) != len(shards):
@@ -210,7 +212,7 @@ class ShardedIterable(IterableDataset[T], Generic[T]):
             _int("ShardedIterable: rank", rank, 0, num_replicas - 1)
         self.names = tuple(names) if names is not None else None
         self.rank, self.num_replicas = rank, num_replicas
-        self.seed = _int("ShardedIterable: seed", seed, 0)
+        self.seed = _int("ShardedIterable: seed", seed, 0, SEED_RANGE[1])
         self.shuffle_shards = bool(shuffle_shards)
         self.with_ids = bool(with_ids)
         self.digest = fingerprint(self.lengths, self.names)
@@ -225,7 +227,7 @@ class ShardedIterable(IterableDataset[T], Generic[T]):
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` with every shard unread; no-op when it is the current epoch (so that a loop
         that calls it at the top of every epoch does not undo a restore in the middle of one)."""
-        _int("ShardedIterable.set_epoch: epoch", epoch, 0)
+        generator_seed(self.seed, _int("ShardedIterable.set_epoch: epoch", epoch, 0), where="ShardedIterable.set_epoch")
         if epoch != self.plan.epoch:
             self.set_plan(Plan(epoch, (0,) * len(self.lengths)))
 

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from reshard.data.capture_step import agreed_capture
 from reshard.data.iterable import Plan, ShardedIterable, StreamState, parse_stream
+from reshard.data.order import generator_seed
 from reshard.errors import DataStateError
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
@@ -215,14 +217,34 @@ def capture_iterable(
     """The position of every rank's :class:`ShardedIterable` (or torchdata ``StatefulDataLoader`` over one) as
     one layout-independent :class:`~reshard.ShardedObject` to put in the state dict of a save. Collective:
     every rank of ``group`` calls it (replicas of a data rank too: they must agree); every rank raises the same
-    :class:`DataStateError` when the parts disagree or cannot be interpreted."""
+    :class:`DataStateError` when the parts disagree or cannot be interpreted. It is the step of
+    :func:`reshard.data.capture` too: a rank that captures a sampler meanwhile, another ``key`` or a ``key``
+    that is no non-empty str fail every rank alike."""
+    return iterable_capture(loader_or_dataset, key=key, group=group, timeout=timeout, consumed=None)
+
+
+def iterable_capture(
+    loader_or_dataset: object,
+    *,
+    key: str,
+    group: Group,
+    timeout: datetime.timedelta | float | None,
+    consumed: int | None,
+) -> ShardedObject:
+    """:func:`capture_iterable`, with the ``consumed`` that :func:`reshard.data.capture` was given: refused
+    (streams count themselves) inside the rank's part, so that every rank raises it. Collective."""
     communicator = Communicator(group, timeout=timeout)
+
+    def local() -> dict[str, Any]:
+        if consumed is not None:
+            raise DataStateError("reshard.data.capture: consumed= does not apply to an iterable dataset")
+        return local_part(loader_or_dataset)
 
     def combined(values: list[dict[str, Any]]) -> dict[str, Any]:
         # the coordinator's own shard lengths (its local part succeeded, and every digest agrees)
         return combine(values, dataset_of(loader_or_dataset)[0].lengths)
 
-    value = communicator.step("capture_iterable", lambda: local_part(loader_or_dataset), combined)
+    value = agreed_capture(communicator, kind="iterable", key=key, local=local, combine=combined)
     stored = dict(value)
     stored["cursors"] = torch.tensor(value["cursors"], dtype=torch.int64)
     stored["owners"] = torch.tensor(value["owners"], dtype=torch.int64)
@@ -230,20 +252,46 @@ def capture_iterable(
 
 
 def _ints(what: str, value: object, count: int) -> list[int]:
-    if isinstance(value, torch.Tensor):
-        if value.dtype != torch.int64 or value.dim() != 1:
-            raise DataStateError(f"{what} is a {value.dtype} tensor of shape {tuple(value.shape)}, not 1-d int64")
-        value = value.tolist()
-    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
-        raise DataStateError(f"{what} is not a list of ints")
-    if len(value) != count:
-        raise DataStateError(f"{what} has {len(value)} entries for {count} shards")
-    return value
+    """A stored per-shard column: a 1-d int64 tensor of ``count`` entries (what :func:`capture_iterable`
+    stores), as a list."""
+    if not isinstance(value, torch.Tensor):
+        raise DataStateError(f"{what} is a {type(value).__name__}, not a 1-d int64 tensor")
+    if value.dtype != torch.int64 or value.dim() != 1:
+        raise DataStateError(f"{what} is a {value.dtype} tensor of shape {tuple(value.shape)}, not 1-d int64")
+    if value.numel() != count:
+        raise DataStateError(f"{what} has {value.numel()} entries for {count} shards")
+    return [int(v) for v in value.tolist()]
+
+
+def _count(what: str, number: object, low: int) -> int:
+    if isinstance(number, bool) or not isinstance(number, int) or number < low:
+        raise DataStateError(f"restore_iterable: {what} is {number!r}")
+    return number
+
+
+def _layout(value: dict[str, Any], dataset: ShardedIterable[Any]) -> tuple[int, int]:
+    """(epoch, streams) of a value, checked against its own metadata: the epoch one the shard order's
+    generator takes, ``num_replicas x num_workers`` streams, ``num_shards`` the dataset's."""
+    epoch = _count("epoch", value.get("epoch"), 0)
+    generator_seed(dataset.seed, epoch, where="restore_iterable")
+    streams = _count("streams", value.get("streams"), 1)
+    replicas = _count("num_replicas", value.get("num_replicas"), 1)
+    workers = _count("num_workers", value.get("num_workers"), 1)
+    if replicas * workers != streams:
+        raise DataStateError(
+            f"restore_iterable: the value's {replicas} replicas of {workers} workers are not its {streams} streams"
+        )
+    shards = value.get("num_shards")
+    if shards != len(dataset.lengths) or isinstance(shards, bool):
+        raise DataStateError(f"restore_iterable: num_shards is {shards!r} for the {len(dataset.lengths)} shards")
+    return epoch, streams
 
 
 def apply(value: object, dataset: ShardedIterable[Any]) -> Plan:
     """The plan of ``dataset`` from a captured value, checked: the same shard list (fingerprint), seed and
-    shard shuffling; epoch, cursors (within each shard) and owners of the right types. Local."""
+    shard shuffling; a consistent layout (:func:`_layout`); cursors within each shard; owners streams of the
+    value, or -1 (no stream: the shard was consumed before the streams' plan) only for a consumed shard, so
+    that no shard with samples left goes unread. Local."""
     if isinstance(value, ShardedObject):
         value = value.value
     if not isinstance(value, dict) or value.get("kind") != KIND:
@@ -260,12 +308,7 @@ def apply(value: object, dataset: ShardedIterable[Any]) -> Plan:
             raise DataStateError(
                 f"restore_iterable: captured with {field} {value.get(field)!r}, the dataset has {own!r}"
             )
-    epoch, streams = value.get("epoch"), value.get("streams")
-    for what, number in (("epoch", epoch), ("streams", streams)):
-        if isinstance(number, bool) or not isinstance(number, int) or number < (what == "streams"):
-            raise DataStateError(f"restore_iterable: {what} is {number!r}")
-    assert isinstance(epoch, int)
-    assert isinstance(streams, int)
+    epoch, streams = _layout(value, dataset)
     cursors = _ints("restore_iterable: cursors", value.get("cursors"), len(dataset.lengths))
     owners = _ints("restore_iterable: owners", value.get("owners"), len(dataset.lengths))
     for shard, (cursor, owner) in enumerate(zip(cursors, owners, strict=True)):
@@ -275,6 +318,11 @@ def apply(value: object, dataset: ShardedIterable[Any]) -> Plan:
             )
         if not -1 <= owner < streams:
             raise DataStateError(f"restore_iterable: shard {shard} is owned by stream {owner} of {streams}")
+        if owner == -1 and cursor < dataset.lengths[shard]:
+            raise DataStateError(
+                f"restore_iterable: shard {shard} has {dataset.lengths[shard] - cursor} samples left but no stream "
+                "owns it (owner -1 is for a consumed shard): the value is inconsistent"
+            )
     return Plan(epoch, tuple(cursors), tuple(owners), streams)
 
 

@@ -16,10 +16,11 @@ from typing import Any
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from reshard.data.capture_step import agreed_capture
 from reshard.data.iterable import ShardedIterable
 from reshard.data.iterable_state import KIND as ITERABLE_KIND
-from reshard.data.iterable_state import capture_iterable, restore_iterable
-from reshard.data.order import Positions
+from reshard.data.iterable_state import iterable_capture, restore_iterable
+from reshard.data.order import Positions, generator_seed
 from reshard.data.progress import DataProgress, RankReport, combine_reports, digest
 from reshard.data.sampler import ElasticSampler, rank_positions
 from reshard.errors import DataStateError
@@ -37,7 +38,9 @@ APPROXIMATIONS = ("restart_epoch", "skip_count")
 """What :func:`restore` may do with an opaque value on another layout, when the caller opts in:
 ``restart_epoch`` starts the saved epoch over (samples consumed before the save are consumed again);
 ``skip_count`` gives an ``ElasticSampler`` the first ``consumed_samples`` positions of the epoch as consumed
-(exact only if the saved job's order was that epoch's global order and its ranks consumed a prefix)."""
+(exact only if the saved job's order was that epoch's global order and its ranks consumed a prefix; a count
+beyond the dataset's size is no epoch's positions, as when each rank's sampler drew from the whole dataset,
+and is refused)."""
 
 
 @dataclass(frozen=True)
@@ -73,18 +76,20 @@ def capture(
 
     A :class:`~reshard.data.ShardedIterable` (or a loader over an iterable dataset) is captured by
     :func:`~reshard.data.capture_iterable` (``consumed`` does not apply to it: its streams count themselves).
+    Both are one agreed step: ranks that pass different kinds of data or different keys, or a key that is no
+    non-empty str, raise the same DataStateError on every rank.
     """
     if _iterable(loader_or_sampler):
-        if consumed is not None:
-            raise DataStateError("reshard.data.capture: consumed= does not apply to an iterable dataset")
-        return capture_iterable(loader_or_sampler, key=key, group=group, timeout=timeout)
+        return iterable_capture(loader_or_sampler, key=key, group=group, timeout=timeout, consumed=consumed)
     comm = Communicator(group, timeout=timeout)
     base = _base(loader_or_sampler)
 
     def local() -> dict[str, Any]:
         return report(loader_or_sampler, consumed).to_json()
 
-    combined = comm.step("data.capture", local, lambda reports: combine_reports(reports, base))
+    combined = agreed_capture(
+        comm, kind="sampler", key=key, local=local, combine=lambda reports: combine_reports(reports, base)
+    )
     value = DataProgress.from_json(combined).to_value()
     return ShardedObject(key, value, (1,), (0,), replica_id=comm.rank)
 
@@ -146,6 +151,13 @@ def _loader_problem(loader: DataLoader[Any]) -> str | None:
     return None
 
 
+def _custom_batches(loader: DataLoader[Any]) -> bool:
+    """Whether the loader's batches come from a batch_sampler of its own (``batch_sampler=``: then its
+    ``.sampler`` is torch's placeholder, not what draws the samples)."""
+    batches = loader.batch_sampler
+    return batches is not None and getattr(batches, "sampler", None) is not loader.sampler
+
+
 def _per_yield(loader: DataLoader[Any]) -> int:
     """Samples per item the loader yields (its batch size, or 1 without batching)."""
     batches = loader.batch_sampler
@@ -169,7 +181,7 @@ def _loader_taken(
         if loader.num_workers > 0 and problem is not None:
             return None, False
         yielded, finished = stateful_yielded(loader)
-        return yielded * _per_yield(loader), finished
+        return _samples_yielded(loader, sampler, yielded), finished
     if isinstance(sampler, ElasticSampler):
         return sampler.drawn, False  # no workers: what the sampler drew is what the loop got
     if problem is not None:
@@ -178,6 +190,20 @@ def _loader_taken(
         f"reshard.data.capture: a plain DataLoader with a {type(sampler).__name__} does not tell what it "
         "yielded; pass consumed=, or use ElasticSampler or torchdata's StatefulDataLoader"
     )
+
+
+def _samples_yielded(loader: DataLoader[Any], sampler: object, batches: int) -> int:
+    """The samples in the first ``batches`` items the loader yielded: ``batches x batch_size``, except that
+    the last batch of the rank's share is short when the batches keep the tail (``drop_last=False``), so a
+    count of exactly the share's batches is the share (``min(batches x batch_size, share)``, exact because
+    only the last batch is short). A count beyond that is left as it is, for the capture to refuse."""
+    per_yield = _per_yield(loader)
+    taken = batches * per_yield
+    if per_yield > 1 and not loader.drop_last and hasattr(sampler, "__len__"):
+        share = len(sampler)
+        if (batches - 1) * per_yield < share < taken:
+            return share
+    return taken
 
 
 def stateful_yielded(loader: StatefulDataLoader) -> tuple[int, bool]:
@@ -269,6 +295,14 @@ def restore(value: object, loader_or_sampler: object, *, approximate: str | None
     progress = DataProgress.from_value(raw)
     loader = loader_or_sampler if isinstance(loader_or_sampler, DataLoader) else None
     sampler = loader.sampler if loader is not None else loader_or_sampler
+    if loader is not None and _custom_batches(loader):
+        batches = loader.batch_sampler
+        inner = type(getattr(batches, "sampler", None)).__name__
+        raise DataStateError(
+            f"reshard.data.restore: a {type(loader).__name__} with a custom batch_sampler ({type(batches).__name__} "
+            f"over {inner}) cannot take a saved position: reshard cannot know its order; build the loader with "
+            "sampler=reshard.data.ElasticSampler(...) and batch_size="
+        )
     if not isinstance(sampler, Sampler):
         raise DataStateError(
             f"reshard.data.restore: {type(loader_or_sampler).__name__} is neither a DataLoader nor a Sampler"
@@ -321,6 +355,8 @@ def _restore_opaque(progress: DataProgress, sampler: Sampler[Any], approximate: 
             f"(an ElasticSampler skips the first {progress.consumed_samples} positions: exact only if the orders agree)"
         )
     epoch = progress.epoch if progress.epoch is not None else getattr(sampler, "epoch", None)
+    if isinstance(sampler, DistributedSampler) and epoch is not None:
+        generator_seed(sampler.seed, epoch, where="reshard.data.restore")
     if approximate == "restart_epoch":
         if isinstance(sampler, ElasticSampler) and epoch is not None:
             sampler.resume(epoch, Positions())
@@ -334,6 +370,12 @@ def _restore_opaque(progress: DataProgress, sampler: Sampler[Any], approximate: 
         )
     if progress.size is not None and progress.size != sampler.size:
         raise DataStateError(f"reshard.data.restore: dataset size {progress.size} saved, {sampler.size} here")
-    count = min(progress.consumed_samples, sampler.size)
+    count = progress.consumed_samples
+    if count > sampler.size:
+        raise DataStateError(
+            f"reshard.data.restore: approximate='skip_count' with consumed_samples {count} beyond the epoch's "
+            f"{sampler.size} positions: the count is not of one epoch's global order (each rank's sampler drew "
+            "from the whole dataset?); use approximate='restart_epoch'"
+        )
     sampler.resume(epoch, Positions.prefix(count))
     return RestoredData(epoch, count, approximate)

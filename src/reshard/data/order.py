@@ -17,6 +17,26 @@ import torch
 
 from reshard.errors import DataStateError
 
+MAX_EPOCH = 2**63 - 1
+"""The largest epoch a saved value may hold (an int64, as torch and the stored values keep it)."""
+
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""The seeds ``torch.Generator.manual_seed`` takes: an epoch's order is drawn with ``seed + epoch``."""
+
+
+def generator_seed(seed: int, epoch: int, *, where: str) -> int:
+    """``seed + epoch``, the seed of an epoch's order, checked so that torch's generator takes it: the epoch
+    in ``[0, MAX_EPOCH]`` and the sum in :data:`SEED_RANGE`; DataStateError naming ``where`` otherwise (a
+    restore checks this so that a hostile value fails there, not at the first iteration with a ValueError)."""
+    if not 0 <= epoch <= MAX_EPOCH:
+        raise DataStateError(f"{where}: epoch is {epoch}, outside [0, 2**63 - 1]")
+    low, high = SEED_RANGE
+    if not low <= seed + epoch <= high:
+        raise DataStateError(
+            f"{where}: seed {seed} + epoch {epoch} is outside [-2**63, 2**64 - 1], the seeds torch's generator takes"
+        )
+    return seed + epoch
+
 
 def epoch_order(size: int, *, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
     """The dataset indices of an epoch in torch's ``DistributedSampler`` order (int64, length ``size``)."""

@@ -16,12 +16,15 @@ from typing import Any
 
 import torch
 
-from reshard.data.order import Positions
+from reshard.data.order import MAX_EPOCH, SEED_RANGE, Positions, generator_seed
 from reshard.data.sampler import dealt_positions
 from reshard.errors import DataStateError
 
 FORMAT = "reshard.data.sampler/1"
 """The ``format`` entry of the stored value."""
+
+MAX_INT = 2**63 - 1
+"""The largest size or count a stored value may hold (an int64)."""
 
 EXACT_FIELDS = ("size", "seed", "shuffle", "drop_last", "epoch", "dp_size", "base")
 """What every rank of a capture must agree on."""
@@ -96,12 +99,16 @@ class DataProgress:
         consumed = Positions.from_tensor(
             value.get("consumed"), size if size is not None else 0, where="reshard.data value"
         )
+        seed = _field(value, "seed", int, required=exact, low=SEED_RANGE[0], high=SEED_RANGE[1])
+        epoch = _field(value, "epoch", int, required=exact, low=0, high=MAX_EPOCH)
+        if seed is not None and epoch is not None:
+            generator_seed(seed, epoch, where="reshard.data value")
         return DataProgress(
             size=size,
-            seed=_field(value, "seed", int, required=exact),
+            seed=seed,
             shuffle=_field(value, "shuffle", bool, required=exact),
             drop_last=_field(value, "drop_last", bool, required=exact),
-            epoch=_field(value, "epoch", int, required=exact, low=0),
+            epoch=epoch,
             dp_size=_field(value, "saved_dp_size", int, required=exact, low=1),
             consumed=consumed,
             opaque=tuple(clients),
@@ -109,15 +116,19 @@ class DataProgress:
         )
 
 
-def _field(value: dict[str, Any], name: str, kind: type[Any], *, required: bool, low: int | None = None) -> Any:
-    """``value[name]``, of exactly type ``kind`` (bool is not an int here), at least ``low``; None allowed
-    when not ``required``."""
+def _field(
+    value: dict[str, Any], name: str, kind: type[Any], *, required: bool, low: int | None = None, high: int = MAX_INT
+) -> Any:
+    """``value[name]``, of exactly type ``kind`` (bool is not an int here), an int within ``[low, high]``
+    (an int64 by default: sizes and counts beyond it are no dataset's); None allowed when not ``required``."""
     item: Any = value.get(name)
     if item is None and not required:
         return None
-    if type(item) is not kind or (low is not None and item < low):
-        bound = f" >= {low}" if low is not None else ""
-        raise DataStateError(f"reshard.data value: {name} is {_short(item)}, not a {kind.__name__}{bound}")
+    if type(item) is not kind or (kind is int and (item > high or (low is not None and item < low))):
+        bound = f" in [{low}, {high}]" if low is not None else f" <= {high}" if kind is int else ""
+        raise DataStateError(
+            f"reshard.data value: {name} is {_short(item)}, not {'an' if kind is int else 'a'} {kind.__name__}{bound}"
+        )
     return item
 
 

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from reshard.data.order import Positions, epoch_order
+from reshard.data.order import Positions, epoch_order, generator_seed
 from reshard.errors import DataStateError
 
 
@@ -105,6 +105,7 @@ class ElasticSampler(DistributedSampler[int]):
         """Start ``epoch`` with ``consumed`` taken: the next iteration yields this rank's share of the rest."""
         if consumed.intervals and consumed.intervals[-1][1] > self.size:
             raise DataStateError(f"consumed positions beyond the dataset's {self.size} samples")
+        generator_seed(self.seed, epoch, where="ElasticSampler")  # before anything changes
         self.epoch = epoch
         self._consumed = consumed
         self._skip = 0
