@@ -34,6 +34,7 @@ PLAN: dict[tuple[str, int], tuple[int | None, int]] = {
     ("quantize", 2): (8, 1),
     ("peer", 3): (10, 1),
     ("tiered", 3): (12, 2),
+    ("data", 3): (10, 1),
     ("megatron", 2): (10, 1),
     ("convert", 1): (8, 1),
     ("import_dcp", 1): (8, 1),
