@@ -8,6 +8,8 @@ ShardingError naming the key, the box and both paths; everything else that repea
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -151,3 +153,12 @@ def test_a_load_template_keeps_every_leaf_of_a_repeated_box() -> None:
     """A load fills every leaf (each gets the checkpoint's bytes): a repeated box there is no conflict."""
     flat = flatten_state_dict({"p": _st(torch.zeros(4)), "q": _st(torch.ones(4))}, rank=0, dedup=False)
     assert len(flat.tensors) == 2
+
+
+def test_a_load_fills_every_leaf_of_one_key_whose_boxes_overlap(tmp_path: Path) -> None:
+    """Through reshard.load: the whole of ``k`` and an overlapping box of it, in one template, both get the bytes."""
+    reshard.save({"k": torch.arange(8.0)}, tmp_path / "ckpt")
+    whole, middle = torch.zeros(8), torch.zeros(4)
+    template = {"a": _st(whole), "b": reshard.ShardedTensor("k", middle, (8,), (2,))}
+    reshard.load(template, tmp_path / "ckpt")
+    assert torch.equal(whole, torch.arange(8.0)) and torch.equal(middle, torch.arange(2.0, 6.0))
