@@ -185,3 +185,20 @@ def test_crash_during_background_write_leaves_previous_checkpoint_intact(tmp_pat
     with pytest.raises((reshard.IncompleteCheckpointError, reshard.CheckpointNotFoundError)):
         reshard.load({"w": torch.zeros(64_000_000)}, tmp_path / "new")
     assert os.path.isdir(tmp_path / "previous")
+
+
+@pytest.mark.unit
+def test_a_tied_weight_snapshotted_twice_is_saved_once_and_two_different_tensors_are_refused(tmp_path: Path) -> None:
+    """Issue 34: the snapshot copies a tied weight once per path (two buffers, equal bytes): still one box, saved
+    once. Two different tensors as one box of a key are refused with ShardingError naming both paths."""
+    w = torch.arange(8.0)
+    shared = reshard.ShardedTensor.from_rank_offsets("k", w)
+    checkpointer = reshard.AsyncCheckpointer()
+    result = checkpointer.save({"embed": shared, "head": shared}, tmp_path / "tied").wait()
+    assert result.total_bytes == 32
+    assert torch.equal(reshard.load({"k": torch.zeros(8)}, tmp_path / "tied")["k"], w)
+    other = reshard.ShardedTensor.from_rank_offsets("k", -w)
+    handle = checkpointer.save({"embed": shared, "head": other}, tmp_path / "untied")
+    with pytest.raises(reshard.ShardingError, match="'embed' and 'head'"):
+        handle.wait()
+    assert not (tmp_path / "untied" / "metadata.json").exists()

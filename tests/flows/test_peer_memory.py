@@ -313,3 +313,23 @@ def test_bad_peer_memory_arguments_are_a_value_error_naming_them(
         monkeypatch.setenv("LOCAL_WORLD_SIZE", environment)
     with pytest.raises(ValueError, match=named):
         reshard.PeerMemoryCheckpoint(**arguments)
+
+
+@pytest.mark.unit
+def test_two_different_tensors_of_one_box_on_one_rank_fail_a_peer_save_on_every_rank() -> None:
+    """Issue 34: rank 1 holds two different tensors as its box of ``w``: every rank raises the same ShardingError
+    naming the key and both paths, and the generation saved before still restores."""
+    tiers = [reshard.PeerMemoryCheckpoint(replicas=1, node_size=1) for _ in range(2)]
+
+    def shard(r: int, value: float) -> reshard.ShardedTensor:
+        return reshard.ShardedTensor.from_rank_offsets("w", torch.full((2,), value), (0, r, 2))
+
+    _thread_errors(2, lambda r, member: tiers[r].save({"a": shard(r, r)}, group=member))
+    errors = _thread_errors(
+        2, lambda r, member: tiers[r].save({"a": shard(r, 3.0), "b": shard(r, 3.0 + r)}, group=member)
+    )
+    assert errors[0] == errors[1] and errors[0].startswith("ShardingError"), errors
+    assert all(word in errors[0] for word in ("'w'", "'a'", "'b'")), errors[0]
+    group = ThreadGroup(2)
+    restored = on_threads(2, lambda r: tiers[r].restore({"w": torch.zeros(4)}, group=group.member(r)))
+    assert torch.equal(restored[0]["w"], torch.tensor([0.0, 0.0, 1.0, 1.0]))

@@ -12,6 +12,8 @@ import torch
 
 import reshard
 from reshard.flows.stats import SaveStats
+from reshard.net.transports import ThreadGroup
+from tests.threads import on_threads
 
 pytestmark = pytest.mark.unit
 
@@ -68,3 +70,30 @@ def test_an_incremental_save_that_references_every_box_records_their_fingerprint
     assert again.tensors["w"].fingerprint == base.tensors["w"].fingerprint is not None
     loaded = reshard.load({"w": torch.empty(6)}, tmp_path / "b", options=reshard.LoadOptions(verify=True))
     assert torch.equal(loaded["w"], state()["w"])
+
+
+def test_two_different_tensors_of_one_box_on_one_rank_fail_every_rank_and_keep_the_old_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Issue 34 (found attacking record buffers): rank 1's state dict holds two different tensors under one key
+    and box (``p`` and ``q``). The save kept one of them silently; now every rank raises the same ShardingError
+    naming the key, the box and both paths, and the committed checkpoint it would overwrite still loads."""
+    path = tmp_path / "ckpt"
+    group = ThreadGroup(2)
+
+    def save(r: int, state: dict[str, object]) -> str:
+        try:
+            reshard.save(state, path, group=group.member(r), overwrite=True)
+        except reshard.CheckpointError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+    def shard(r: int, value: float) -> reshard.ShardedTensor:
+        return reshard.ShardedTensor.from_rank_offsets("k", torch.full((2,), value), (0, r, 2))
+
+    assert on_threads(2, lambda r: save(r, {"p": shard(r, r)})) == ["ok", "ok"]
+    outcomes = on_threads(2, lambda r: save(r, {"p": shard(r, 5.0), "q": shard(r, 5.0 + r)}))
+    assert outcomes[0] == outcomes[1] and outcomes[0].startswith("ShardingError"), outcomes
+    for word in ("'k'", "offset [2] shape [2]", "'p'", "'q'", "rank 1"):
+        assert word in outcomes[0], outcomes[0]
+    assert torch.equal(reshard.load({"k": torch.zeros(4)}, path)["k"], torch.tensor([0.0, 0.0, 1.0, 1.0]))

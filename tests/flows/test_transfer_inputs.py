@@ -272,3 +272,21 @@ def test_a_key_map_dict_changed_between_syncs_is_used_on_the_next() -> None:
         key_map["lm_head"] = "out"  # the engine unties its output layer
     sync()
     assert torch.equal(head, -W)
+
+
+@pytest.mark.unit
+def test_two_different_sources_of_one_box_on_one_rank_are_refused_on_every_rank() -> None:
+    """Issue 34: rank 0 holds two different tensors as the same box of ``w`` (paths ``embed`` and ``head``):
+    which one a target got was undefined. Every rank raises the same ShardingError naming the key and both
+    paths, and the target keeps its bytes."""
+    target = torch.full((4, 4), GARBAGE)
+
+    def run(r: int, member: Any) -> None:
+        source = {
+            "embed": reshard.ShardedTensor.from_rank_offsets("w", W),
+            "head": reshard.ShardedTensor.from_rank_offsets("w", -W),
+        }
+        _one_off(source if r == 0 else {}, {"w": target} if r else {}, member)
+
+    _same_error(_outcomes(2, run), reshard.ShardingError, "'w'", "'embed'", "'head'")
+    assert torch.equal(target, torch.full((4, 4), GARBAGE))

@@ -21,6 +21,7 @@ from reshard.errors import StateDictError
 from reshard.geometry.boxes import strides_overlap
 from reshard.state.dtensor import dtensor_to_sharded, is_dtensor
 from reshard.state.dtypes import BYTE_VIEW_DTYPES
+from reshard.state.duplicates import check_same_content, storage_holds
 from reshard.state.scaled import ScaledRecord, ScaledTensor
 from reshard.state.sharding import ShardedObject, ShardedTensor
 
@@ -129,32 +130,43 @@ def flatten_state_dict(state_dict: object, *, rank: int, dedup: bool = True) -> 
 
     Raises:
         StateDictError: two leaves share a path.
+        ShardingError: with ``dedup``, two leaves describe the same box of a key with different bytes (see
+            :func:`_dedup`), naming the key, the box and both paths.
     """
     flat = FlatStateDict()
     seen_paths: set[str] = set()
     scaled_parts: list[ShardedTensor] = []
+    tensor_paths: list[str] = []  # the path of each entry of flat.tensors, then of scaled_parts
+    scaled_paths: list[str] = []
+    object_paths: list[str] = []
 
     def visit(path: str, leaf: Leaf) -> Leaf:
         if path in seen_paths:
             raise StateDictError(f"two entries of the state dict flatten to the same path {path!r}")
         seen_paths.add(path)
         if isinstance(leaf, ScaledTensor):
-            scaled_parts.extend(_add_scaled(flat, leaf))
+            parts = _add_scaled(flat, leaf)
+            scaled_parts.extend(parts)
+            scaled_paths.extend([path] * len(parts))
         elif isinstance(leaf, ShardedTensor):
             flat.tensors.append(leaf)
+            tensor_paths.append(path)
         elif isinstance(leaf, ShardedObject):
             flat.objects.append(leaf)
+            object_paths.append(path)
         elif is_dtensor(leaf):
             if not path:
                 raise StateDictError("a DTensor needs a key: put it in a dict")
             described = dtensor_to_sharded(path, leaf)
             if described is not None:  # None: this rank is not in the DTensor's mesh and holds none of it
                 flat.tensors.append(described)
+                tensor_paths.append(path)
         elif isinstance(leaf, torch.Tensor):
             if not path:
                 raise StateDictError("a plain tensor needs a key: put it in a dict")
             _refuse_quantized_subclass(path, leaf)
             flat.tensors.append(ShardedTensor(path, leaf, tuple(leaf.shape), (0,) * leaf.ndim, replica_id=rank))
+            tensor_paths.append(path)
         else:
             if not path:
                 raise StateDictError("the state dict must be a dict or list, not a single value")
@@ -165,8 +177,8 @@ def flatten_state_dict(state_dict: object, *, rank: int, dedup: bool = True) -> 
     _check_scaled_keys(flat)
     flat.tensors.extend(scaled_parts)
     if dedup:
-        flat.tensors = _dedup(flat.tensors)
-        flat.objects = _dedup(flat.objects)
+        flat.tensors = _dedup(flat.tensors, [*tensor_paths, *scaled_paths])
+        flat.objects = _dedup(flat.objects, object_paths)
     return flat
 
 
@@ -240,22 +252,37 @@ def _layout_signature(item: ShardedTensor | ShardedObject) -> tuple[object, ...]
     )
 
 
-def _dedup(items: list[Any]) -> list[Any]:
-    """Keep one of several leaves that describe exactly the same part of the same key (tied weights).
+def _dedup(items: list[Any], paths: list[str]) -> list[Any]:
+    """Keep one of several leaves that describe exactly the same part of the same key (tied weights); ``paths``
+    are the leaves' state-dict paths, in the same order.
 
     Leaves that share a key but describe different parts (several experts or layer chunks of a stacked
-    tensor on one rank) are all kept; the save planner checks that they do not overlap.
+    tensor on one rank) are all kept; the save planner checks that they do not overlap. Of leaves that describe
+    the same part, the primary copy is kept whatever their order; the leaves it could have been (the other
+    primaries, or every leaf where none is primary: a rank holding only replicas may be elected to write the box)
+    must hold the same bytes (:func:`reshard.state.duplicates.check_same_content`), else which one is saved
+    would be undefined: silent wrong bytes.
+
+    Raises:
+        ShardingError: two such leaves hold different bytes, naming the key, the box and both paths.
     """
     kept: dict[tuple[object, ...], int] = {}
     out: list[Any] = []
-    for item in items:
+    groups: list[list[int]] = []
+    for position, item in enumerate(items):
         signature = _layout_signature(item)
         index = kept.get(signature)
         if index is None:
             kept[signature] = len(out)
             out.append(item)
-        elif item.is_main_replica and not out[index].is_main_replica:
+            groups.append([position])
+            continue
+        groups[index].append(position)
+        if item.is_main_replica and not out[index].is_main_replica:
             out[index] = item  # the primary copy wins, whatever the order of the leaves
+    for members in groups:
+        if len(members) > 1:
+            check_same_content([(paths[m], items[m]) for m in members])
     return out
 
 
@@ -274,7 +301,7 @@ def check_tensors(tensors: Sequence[ShardedTensor], *, what: str, fill: bool) ->
         (meta, "are on the meta device, which holds no data", "materialise them first (module.to_empty(device=...))"),
         (other, "are not dense tensors (sparse, nested...)", "pass their dense form"),
         (
-            [t for t in dense if not _storage_holds(t.data)],
+            [t for t in dense if not storage_holds(t.data)],
             "have less storage than their elements span",
             "a freed storage (resized to 0) must be allocated again first",
         ),
@@ -294,11 +321,3 @@ def check_tensors(tensors: Sequence[ShardedTensor], *, what: str, fill: bool) ->
     ]
     if problems:
         raise StateDictError(f"{what}: {'; '.join(problems)}")
-
-
-def _storage_holds(data: torch.Tensor) -> bool:
-    """Whether ``data``'s storage holds every element its offset, shape and strides reach."""
-    if data.numel() == 0:
-        return True
-    reach = data.storage_offset() + sum((n - 1) * s for n, s in zip(data.shape, data.stride(), strict=True))
-    return (reach + 1) * data.element_size() <= data.untyped_storage().nbytes()
