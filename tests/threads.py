@@ -35,3 +35,22 @@ def on_threads(ranks: int, run: Callable[[int], T], *, group: ThreadGroup | None
     if errors:
         raise errors[0]
     return results
+
+
+def outcomes_on_threads(ranks: int, run: Callable[[int], T]) -> list[T | BaseException]:
+    """``run(rank)`` on one thread per rank; each rank's result or the exception it raised, in rank order (for
+    tests that compare how the ranks ended)."""
+    outcomes: list[Any] = [None] * ranks
+
+    def rank(r: int) -> None:
+        try:
+            outcomes[r] = run(r)
+        except BaseException as exc:  # returned to the test, which compares the ranks
+            outcomes[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes

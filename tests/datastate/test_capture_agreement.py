@@ -4,7 +4,6 @@ the same DataStateError on every rank (and no rank returns while another raises)
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +15,7 @@ from reshard.data import ElasticSampler, ShardedIterable, capture, capture_itera
 from reshard.errors import DataStateError
 from reshard.net.transports import ThreadGroup
 from tests.datastate.loaderjobs import Ids
+from tests.threads import outcomes_on_threads
 
 pytestmark = pytest.mark.unit
 
@@ -23,20 +23,7 @@ pytestmark = pytest.mark.unit
 def per_rank(size: int, run: Callable[[int, Any], object]) -> list[object]:
     """``run(rank, member)`` on a thread per rank of one ThreadGroup; what each returned or raised."""
     group = ThreadGroup(size, timeout=30)
-    out: list[object] = [None] * size
-
-    def one(r: int) -> None:
-        try:
-            out[r] = run(r, group.member(r))
-        except BaseException as exc:  # compared across ranks by the test
-            out[r] = exc
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
+    return list(outcomes_on_threads(size, lambda r: run(r, group.member(r))))
 
 
 def sampler(r: int) -> ElasticSampler:

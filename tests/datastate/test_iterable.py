@@ -8,7 +8,6 @@ ThreadGroup (tests/threads.py).
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from reshard.data import ShardedIterable, capture_iterable, restore_iterable
 from reshard.data.iterable_state import KIND
 from reshard.errors import DataStateError
 from reshard.net.transports import ThreadGroup
-from tests.threads import on_threads
+from tests.threads import on_threads, outcomes_on_threads
 
 LENGTHS = [7, 3, 11, 5, 9, 2, 13, 6, 4, 8, 10, 1, 12]  # 13 shards of uneven length, 91 samples
 SHARDS = [[s * 1000 + o for o in range(n)] for s, n in enumerate(LENGTHS)]
@@ -204,20 +203,7 @@ def test_epochs_start_over_with_a_seeded_shard_order() -> None:
 
 def rank_errors(size: int, run: Callable[[int], object]) -> list[BaseException | None]:
     """``run(rank)`` on a thread per rank; what each raised (None when it returned)."""
-    errors: list[BaseException | None] = [None] * size
-
-    def one(r: int) -> None:
-        try:
-            run(r)
-        except BaseException as exc:
-            errors[r] = exc
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
+    return [o if isinstance(o, BaseException) else None for o in outcomes_on_threads(size, run)]
 
 
 @pytest.mark.unit

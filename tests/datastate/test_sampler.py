@@ -5,27 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from reshard.data import ElasticSampler, Positions, epoch_order
 from reshard.errors import DataStateError
+from tests.datastate.loaderjobs import Ids
 
 pytestmark = pytest.mark.unit
-
-
-class Ids(Dataset[int]):
-    """A map-style dataset whose sample is its own index (the sample id the tests count)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> int:
-        return index
 
 
 @pytest.mark.parametrize("size", [1, 7, 16, 33])
