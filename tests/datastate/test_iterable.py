@@ -267,6 +267,8 @@ def captured(ranks: list[Rank]) -> dict[str, Any]:
         ({"seed": 1}, "captured with seed 1"),
         ({"kind": "other"}, "not a captured ShardedIterable position"),
         ({"digest": "0" * 64}, "captured for another shard list"),
+        ({"shuffle_shards": 0}, "captured with shuffle_shards 0"),
+        ({"cursors": torch.zeros(len(LENGTHS), dtype=torch.int64, device="meta")}, "on meta, not the CPU"),
     ],
 )
 def test_hostile_values_are_refused(change: dict[str, Any], message: str) -> None:

@@ -271,6 +271,7 @@ HOSTILE: dict[str, Any] = {
     "float positions": {"consumed": torch.tensor([[0.0, 2.0]])},
     "a list": {"consumed": [[0, 2]]},
     "three columns": {"consumed": torch.tensor([[0, 2, 4]])},
+    "on the meta device": {"consumed": torch.tensor([[0, 2]], device="meta")},
     "size a string": {"size": "10"},
     "epoch a bool": {"epoch": True},
     "negative epoch": {"epoch": -1},

@@ -258,6 +258,8 @@ def _ints(what: str, value: object, count: int) -> list[int]:
         raise DataStateError(f"{what} is a {type(value).__name__}, not a 1-d int64 tensor")
     if value.dtype != torch.int64 or value.dim() != 1:
         raise DataStateError(f"{what} is a {value.dtype} tensor of shape {tuple(value.shape)}, not 1-d int64")
+    if value.device.type != "cpu":
+        raise DataStateError(f"{what} is a tensor on {value.device}, not the CPU (as a load returns it)")
     if value.numel() != count:
         raise DataStateError(f"{what} has {value.numel()} entries for {count} shards")
     return [int(v) for v in value.tolist()]
@@ -304,7 +306,7 @@ def apply(value: object, dataset: ShardedIterable[Any]) -> Plan:
             f"shards of {sum(dataset.lengths)} samples (fingerprint {dataset.digest[:12]})"
         )
     for field, own in (("seed", dataset.seed), ("shuffle_shards", dataset.shuffle_shards)):
-        if value.get(field) != own:
+        if type(value.get(field)) is not type(own) or value.get(field) != own:  # 0 is not False
             raise DataStateError(
                 f"restore_iterable: captured with {field} {value.get(field)!r}, the dataset has {own!r}"
             )

@@ -119,6 +119,8 @@ class Positions:
             raise DataStateError(f"{where}: the consumed positions must be a (k, 2) int64 tensor, not {_kind(value)}")
         if value.shape[1] != 2:
             raise DataStateError(f"{where}: the consumed positions have shape {tuple(value.shape)}, not (k, 2)")
+        if value.device.type != "cpu":
+            raise DataStateError(f"{where}: the consumed positions are on {value.device}, not the CPU")
         pairs = [(int(a), int(b)) for a, b in value.tolist()]
         previous = -1
         for start, stop in pairs:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import struct
 import traceback
@@ -142,6 +143,24 @@ def _failure_error(phase: str, failures: dict[int, StepFailure]) -> CheckpointEr
     return cls(message, failures={r: f.message for r, f in failures.items()})
 
 
+def parse_timeout(timeout: object) -> tuple[datetime.timedelta, str | None]:
+    """The timeout to wait with, and what is wrong with the one given (None: nothing). A value that is no
+    positive, finite number of seconds (or timedelta) waits :data:`DEFAULT_TIMEOUT` and is refused in the
+    first step (:meth:`Communicator.step`), so that every rank raises the same error instead of the one that
+    passed it failing alone while the others wait."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT, None
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, int | float) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        return DEFAULT_TIMEOUT, f"timeout={timeout!r} is not a number of seconds or a datetime.timedelta"
+    if not math.isfinite(seconds) or seconds <= 0:
+        return DEFAULT_TIMEOUT, f"timeout={timeout!r} is not a positive, finite number of seconds"
+    return datetime.timedelta(seconds=seconds), None
+
+
 def _check_not_launched_alone() -> None:
     """Raise when a launcher (torchrun, ``torch.distributed.run``) started several ranks but this one has not
     initialised torch.distributed: each would otherwise save or load alone, as rank 0 of a group of one."""
@@ -174,10 +193,7 @@ class Communicator:
         *,
         timeout: datetime.timedelta | float | None = None,
     ) -> None:
-        if timeout is None:
-            timeout = DEFAULT_TIMEOUT
-        elif not isinstance(timeout, datetime.timedelta):
-            timeout = datetime.timedelta(seconds=float(timeout))
+        timeout, self.timeout_problem = parse_timeout(timeout)
         self.timeout = timeout
         distributed = dist.is_available() and dist.is_initialized()
         self.transport: Transport
@@ -253,6 +269,7 @@ class Communicator:
         and their messages (the original exception is chained on a failing rank). If ``combine`` raised
         (a global check, such as a layout validation), every rank raises that error as it is.
         """
+        local = self._refusing_a_bad_timeout(local)
         if self.size == 1:
             return self._step_alone(local, combine)
         own_error: BaseException | None = None
@@ -267,6 +284,18 @@ class Communicator:
         if gathered is not None:
             decision = self._decide(phase, gathered, combine)
         return self._agreed(phase, _decoded_decision(self.broadcast_bytes(decision)), own_error)
+
+    def _refusing_a_bad_timeout(self, local: Callable[[], T]) -> Callable[[], T]:
+        """``local``, or, when this rank was given a timeout it cannot use, a part that raises that problem:
+        every rank then raises the same error, in the step."""
+        problem = self.timeout_problem
+        if problem is None:
+            return local
+
+        def refused() -> T:
+            raise CheckpointError(problem)
+
+        return refused
 
     @staticmethod
     def _agreed(phase: str, result: dict[str, Any], own_error: BaseException | None) -> Any:
@@ -296,6 +325,7 @@ class Communicator:
         Failures are agreed on as in :meth:`step`: if ``local`` raised anywhere, or ``combine`` raised,
         every rank raises the same error and no reply is sent.
         """
+        local = self._refusing_a_bad_timeout(local)
         if self.size == 1:
             alone, alone_replies = self._step_alone(local, combine)
             return alone, alone_replies[0]
