@@ -143,6 +143,9 @@ def test_reshard_data_capture_and_restore_take_iterable_datasets_too(tmp_path: P
     new = [Rank(r, 2) for r in range(2)]
     load_positions(new, tmp_path / "ckpt", reshard.data.restore)
     assert_once(before + [i for rank in new for i in rank.rest()])
+    value = reshard.load({"data": reshard.data.template()}, tmp_path / "ckpt")["data"]
+    done = reshard.data.restore(value, Rank(0, 2).loader)  # says what it restored
+    assert (done.epoch, done.consumed, done.approximation) == (0, len(before), None)
     with pytest.raises(DataStateError, match="consumed= does not apply"):
         reshard.data.capture(new[0].loader, consumed=3)
 

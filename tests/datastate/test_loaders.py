@@ -198,6 +198,24 @@ def test_an_opaque_loader_is_refused_unless_an_approximation_is_opted_in(tmp_pat
 
 
 @pytest.mark.unit
+def test_an_opaque_job_counts_each_rank_once_whether_or_not_it_has_a_data_parallel_rank() -> None:
+    """Rank 0 reads through a RandomSampler (no data-parallel rank), rank 1 is data-parallel rank 0 of an
+    ElasticSampler: the opaque value counts both ranks' samples (rank 0's count was keyed 0 like data-parallel
+    rank 0 and one of the two was dropped)."""
+    group = ThreadGroup(2, timeout=30.0)
+
+    def rank(r: int) -> object:
+        if r == 0:
+            loader = StatefulDataLoader(Ids(40), batch_size=3, sampler=RandomSampler(Ids(40)))
+            next(iter(loader))
+            return capture(loader, group=group.member(r)).value
+        return capture(ElasticSampler(Ids(40), 2, 0), consumed=2, group=group.member(r)).value
+
+    values = on_threads(2, rank, group=group)
+    assert values[0]["kind"] == "opaque" and values[0]["consumed_samples"] == 5
+
+
+@pytest.mark.unit
 def test_a_custom_batch_sampler_is_opaque() -> None:
     class Reversed(BatchSampler):
         pass

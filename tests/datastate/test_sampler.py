@@ -128,6 +128,24 @@ def test_load_state_dict_refuses_a_malformed_state(state: dict[str, object]) -> 
         sampler.load_state_dict(state)
 
 
+def test_a_refused_state_changes_nothing() -> None:
+    """More indices yielded than the rank's share of the state's epoch: refused before the epoch or the consumed
+    positions change (it set both, then refused)."""
+    sampler = ElasticSampler(Ids(10), 2, 0)
+    with pytest.raises(DataStateError, match="6 yielded of 5"):
+        sampler.load_state_dict({"epoch": 9, "consumed": [], "yielded": 6})
+    assert (sampler.epoch, sampler.consumed_positions) == (0, Positions())
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_len_is_the_count_of_the_positions_a_rank_takes(drop_last: bool) -> None:
+    for size, world, consumed in ((10, 3, []), (10, 3, [0, 4, 5]), (7, 4, [6]), (5, 8, [0, 1]), (9, 2, list(range(9)))):
+        for rank in range(world):
+            sampler = ElasticSampler(Ids(size), world, rank, drop_last=drop_last)
+            sampler.resume(0, Positions.of(consumed))
+            assert len(sampler) == sampler.positions().numel() == len(list(sampler))
+
+
 def test_positions_are_sorted_disjoint_intervals() -> None:
     assert Positions.of([5, 1, 2, 3, 9, 2]).intervals == ((1, 4), (5, 6), (9, 10))
     assert Positions.prefix(4).union(Positions.of([4, 6])).intervals == ((0, 5), (6, 7))

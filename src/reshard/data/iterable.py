@@ -25,24 +25,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from reshard.data.order import SEED_RANGE, generator_seed
+from reshard.data.order import SEED_RANGE, epoch_order, generator_seed
 from reshard.errors import DataStateError
 
-__all__ = ["STREAM_FORMAT", "Plan", "ShardedIterable", "StreamState", "epoch_order", "stream_shards"]
+__all__ = ["STREAM_FORMAT", "Plan", "ShardedIterable", "StreamState", "stream_shards"]
 
 T = TypeVar("T")
 
 STREAM_FORMAT = "reshard.data.ShardedIterable/stream/1"
 """The ``format`` of a stream's :meth:`ShardedIterable.state_dict`."""
-
-
-def epoch_order(num_shards: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    """The order of the shards in ``epoch``: ``0..n-1``, or a permutation drawn from a torch generator seeded
-    with ``seed + epoch`` (the same on every rank, platform and torch build)."""
-    if not shuffle:
-        return list(range(num_shards))
-    generator = torch.Generator().manual_seed(seed + epoch)
-    return [int(i) for i in torch.randperm(num_shards, generator=generator)]
 
 
 @dataclass(frozen=True)
@@ -254,7 +245,9 @@ class ShardedIterable(IterableDataset[T], Generic[T]):
         rank, replicas, worker, workers = self.layout()
         stream, streams = rank * workers + worker, replicas * workers
         if self._stream is None:
-            order = epoch_order(len(self.lengths), seed=self.seed, epoch=self.plan.epoch, shuffle=self.shuffle_shards)
+            order = epoch_order(
+                len(self.lengths), seed=self.seed, epoch=self.plan.epoch, shuffle=self.shuffle_shards
+            ).tolist()
             shards = stream_shards(self.plan, self.lengths, order, stream, streams)
             self._stream = StreamState(self.plan.epoch, stream, streams, tuple(shards), ())
             self._cursors = [self.plan.cursors[i] for i in shards]

@@ -328,14 +328,17 @@ def apply(value: object, dataset: ShardedIterable[Any]) -> Plan:
     return Plan(epoch, tuple(cursors), tuple(owners), streams)
 
 
-def restore_iterable(value: object, loader_or_dataset: object) -> None:
+def restore_iterable(value: object, loader_or_dataset: object) -> Plan:
     """Set the dataset's position from a captured value (a loaded :class:`~reshard.ShardedObject` or its
-    value), for whatever layout this run has. Local: no collective. A loader's own pending state is dropped,
-    so its next iterator (and its workers) start from this position."""
+    value), for whatever layout this run has, and return it (the epoch and every shard's cursor). Local: no
+    collective. A loader's own pending state is dropped, so its next iterator (and its workers) start from
+    this position."""
     dataset, loader = dataset_of(loader_or_dataset)
-    dataset.set_plan(apply(value, dataset))
+    plan = apply(value, dataset)
+    dataset.set_plan(plan)
     load = getattr(loader, "load_state_dict", None)
     if loader is not None and callable(load):
         load({})
         if getattr(loader, "next_iter_state", None) is not None:
             loader.next_iter_state = None  # torchdata keeps a pending state across an empty load_state_dict
+    return plan

@@ -22,7 +22,7 @@ from reshard.data.iterable_state import KIND as ITERABLE_KIND
 from reshard.data.iterable_state import iterable_capture, restore_iterable
 from reshard.data.order import Positions, generator_seed
 from reshard.data.progress import DataProgress, RankReport, combine_reports, digest
-from reshard.data.sampler import ElasticSampler, rank_positions
+from reshard.data.sampler import ElasticSampler, share
 from reshard.errors import DataStateError
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
@@ -139,10 +139,7 @@ def report(target: object, consumed: int | None) -> RankReport:
 def _loader_problem(loader: DataLoader[Any]) -> str | None:
     """Why a loader's draws cannot be mapped to positions (None when they can)."""
     batches = loader.batch_sampler
-    if batches is not None and (
-        type(batches) not in (BatchSampler, StatefulBatchSampler)
-        or getattr(batches, "sampler", None) is not loader.sampler
-    ):
+    if batches is not None and (type(batches) not in (BatchSampler, StatefulBatchSampler) or _custom_batches(loader)):
         return f"a custom batch_sampler ({type(batches).__name__})"
     if loader.num_workers > 0 and not getattr(loader, "in_order", True):
         return "in_order=False with workers"
@@ -200,9 +197,9 @@ def _samples_yielded(loader: DataLoader[Any], sampler: object, batches: int) -> 
     per_yield = _per_yield(loader)
     taken = batches * per_yield
     if per_yield > 1 and not loader.drop_last and hasattr(sampler, "__len__"):
-        share = len(sampler)
-        if (batches - 1) * per_yield < share < taken:
-            return share
+        rank_share = len(sampler)
+        if (batches - 1) * per_yield < rank_share < taken:
+            return rank_share
     return taken
 
 
@@ -251,7 +248,7 @@ def _sampler_report(sampler: object, client: str, taken: int | None, finished: b
     base = _base(sampler)
     if taken is None:
         raise DataStateError(f"reshard.data.capture: {client}: the samples consumed are unknown; pass consumed=")
-    own = rank_positions(size, sampler.num_replicas, sampler.rank, base, sampler.drop_last).numel()
+    own = share(size, sampler.num_replicas, base, sampler.drop_last)
     if taken > own:
         raise DataStateError(f"reshard.data.capture: {client}: consumed={taken} of the rank's {own} samples")
     return RankReport(
@@ -288,8 +285,8 @@ def restore(value: object, loader_or_sampler: object, *, approximate: str | None
     if _iterable(loader_or_sampler) or (isinstance(raw, dict) and raw.get("kind") == ITERABLE_KIND):
         if approximate is not None:
             raise DataStateError("reshard.data.restore: approximate= does not apply to an iterable dataset")
-        restore_iterable(raw, loader_or_sampler)
-        return RestoredData(epoch=None, consumed=0)
+        plan = restore_iterable(raw, loader_or_sampler)
+        return RestoredData(epoch=plan.epoch, consumed=sum(plan.cursors))
     if approximate is not None and approximate not in APPROXIMATIONS:
         raise DataStateError(f"reshard.data.restore: approximate={approximate!r} is none of {APPROXIMATIONS}")
     progress = DataProgress.from_value(raw)

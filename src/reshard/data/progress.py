@@ -221,9 +221,9 @@ def _combine_opaque(reports: list[dict[str, Any]], clients: list[str]) -> DataPr
         values = {repr(r[name]): r[name] for r in reports}
         return next(iter(values.values())) if len(values) == 1 else None
 
-    per_dp: dict[object, int | None] = {}
+    per_dp: dict[tuple[str, int], int | None] = {}  # a rank without a data-parallel rank counts by its own
     for rank, report in enumerate(reports):
-        per_dp[report["dp_rank"] if report["dp_rank"] is not None else rank] = report["taken"]
+        per_dp[("dp", report["dp_rank"]) if report["dp_rank"] is not None else ("rank", rank)] = report["taken"]
     taken = list(per_dp.values())
     total = sum(t for t in taken if t is not None) if all(t is not None for t in taken) else None
     return DataProgress(

@@ -36,6 +36,13 @@ def dealt_positions(size: int, world: int, consumed: Positions, drop_last: bool)
     return torch.cat([remaining, torch.arange(padding, dtype=torch.int64) % max(size, 1)])
 
 
+def share(size: int, world: int, consumed: Positions, drop_last: bool) -> int:
+    """How many positions each of ``world`` ranks takes (see :func:`dealt_positions`), by arithmetic: the same
+    for every rank, as the tail rule makes the dealt positions a multiple of ``world``."""
+    left = size - consumed.count
+    return left // world if drop_last else -(-left // world)
+
+
 def rank_positions(size: int, world: int, rank: int, consumed: Positions, drop_last: bool) -> torch.Tensor:
     """The positions rank ``rank`` of ``world`` takes, in order (see :func:`dealt_positions`)."""
     return dealt_positions(size, world, consumed, drop_last)[rank::world]
@@ -126,7 +133,7 @@ class ElasticSampler(DistributedSampler[int]):
             yield index
 
     def __len__(self) -> int:
-        return int(self.positions().numel())
+        return share(self.size, self.num_replicas, self._consumed, self.drop_last)
 
     def state_dict(self) -> dict[str, Any]:
         """torchdata's ``Stateful``: the epoch, its consumed positions (``[[start, stop], ...]``) and how
@@ -150,9 +157,10 @@ class ElasticSampler(DistributedSampler[int]):
         except (TypeError, ValueError, RuntimeError) as exc:
             raise DataStateError(f"ElasticSampler.load_state_dict: consumed is not a list of pairs: {exc}") from exc
         consumed = Positions.from_tensor(table, self.size, where="ElasticSampler.load_state_dict")
+        mine = share(self.size, self.num_replicas, consumed, self.drop_last)
+        if yielded > mine:  # checked before anything changes
+            raise DataStateError(f"ElasticSampler.load_state_dict: {yielded} yielded of {mine} positions")
         self.resume(epoch, consumed)
-        if yielded > len(self):
-            raise DataStateError(f"ElasticSampler.load_state_dict: {yielded} yielded of {len(self)} positions")
         self._skip = yielded
         self._drawn = yielded
         self._iter_epoch = epoch

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset
 
-from reshard.data import ElasticSampler, capture, restore
+from reshard.data import ElasticSampler, capture, epoch_order, restore
 from reshard.state.sharding import ShardedObject
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from reshard.models.config import ModelConfig
     from reshard.net.transports import Group
 
-__all__ = ["DataStream", "DemoDataset", "epoch_order", "global_batch"]
+__all__ = ["DataStream", "DemoDataset", "global_batch"]
 
 
 class DemoDataset(Dataset[torch.Tensor]):
@@ -54,13 +54,6 @@ class DemoDataset(Dataset[torch.Tensor]):
         return torch.stack([self[i] for i in indices])
 
 
-def epoch_order(dataset: DemoDataset, epoch: int) -> list[int]:
-    """The dataset's indices in the order of epoch ``epoch``: a data-parallel size of one's sampler."""
-    sampler = ElasticSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=dataset.seed, drop_last=True)
-    sampler.set_epoch(epoch)
-    return list(sampler)
-
-
 def global_batch(step: int, model: ModelConfig, training: TrainingConfig) -> torch.Tensor:
     """The token sequences step ``step`` of an uninterrupted run trains on (``[global_batch, seq_len + 1]``,
     in the epoch's order), on any layout."""
@@ -68,7 +61,8 @@ def global_batch(step: int, model: ModelConfig, training: TrainingConfig) -> tor
     steps_per_epoch = training.epoch_samples // training.global_batch
     epoch, within = divmod(step, steps_per_epoch)
     start = within * training.global_batch
-    return dataset.batch(epoch_order(dataset, epoch)[start : start + training.global_batch])
+    order = epoch_order(len(dataset), seed=dataset.seed, epoch=epoch, shuffle=True).tolist()
+    return dataset.batch(order[start : start + training.global_batch])
 
 
 class DataStream:
@@ -83,8 +77,12 @@ class DataStream:
         self.sampler = ElasticSampler(
             self.dataset, num_replicas=dp, rank=dp_rank, shuffle=True, seed=training.data_seed, drop_last=True
         )
-        self.epoch = 0
         self._start_reading()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being read (the sampler's)."""
+        return self.sampler.epoch
 
     def _start_reading(self) -> None:
         self.order = list(self.sampler)
@@ -93,8 +91,7 @@ class DataStream:
     def next_indices(self) -> list[int]:
         """The sample indices of this rank's next step (the next epoch's first when this one is read)."""
         if self.taken + self.per_rank > len(self.order):
-            self.epoch += 1
-            self.sampler.set_epoch(self.epoch)
+            self.sampler.set_epoch(self.epoch + 1)
             self._start_reading()
         indices = self.order[self.taken : self.taken + self.per_rank]
         self.taken += self.per_rank
@@ -109,8 +106,8 @@ class DataStream:
         """Stand where an uninterrupted run stands after ``consumed_samples`` samples (a multiple of the global
         batch): its epoch, and this rank's share of the epoch's first ``consumed_samples % epoch_samples``
         positions read. For a fresh stream (nothing restored)."""
-        self.epoch, within = divmod(consumed_samples, len(self.dataset))
-        self.sampler.set_epoch(self.epoch)
+        epoch, within = divmod(consumed_samples, len(self.dataset))
+        self.sampler.set_epoch(epoch)
         self._start_reading()
         self.taken = within // self.sampler.num_replicas
 
@@ -128,5 +125,4 @@ class DataStream:
         """Continue from a captured position (saved on any layout): this rank reads its share of what is left
         of the saved epoch, then the next epochs."""
         restore(value, self.sampler)
-        self.epoch = self.sampler.epoch
         self._start_reading()

@@ -361,7 +361,9 @@ class Trainer:
         c, p = self.groups.coords, self.groups.config
         mine, grid = (c.pp, c.dp, c.cp, c.tp), (p.pp, p.dp, p.cp, p.tp)
         state["rng"] = rng_template("rng_state", coordinate=mine, grid=grid)
-        has_data = "data" in reshard.read_metadata(path).objects  # saved by save(), not by sharded_state_dict()
+        has_data: bool = Communicator(group).step(  # save() adds the data position, sharded_state_dict() does not
+            "demo: a data position saved?", lambda: None, lambda _: "data" in reshard.read_metadata(path).objects
+        )
         if has_data:
             state["data"] = data_template("data")
         options = reshard.LoadOptions(object_grid="same_coordinate")

@@ -146,8 +146,9 @@ def _failure_error(phase: str, failures: dict[int, StepFailure]) -> CheckpointEr
 def parse_timeout(timeout: object) -> tuple[datetime.timedelta, str | None]:
     """The timeout to wait with, and what is wrong with the one given (None: nothing). A value that is no
     positive, finite number of seconds (or timedelta) waits :data:`DEFAULT_TIMEOUT` and is refused in the
-    first step (:meth:`Communicator.step`), so that every rank raises the same error instead of the one that
-    passed it failing alone while the others wait."""
+    first step (:meth:`Communicator.step` or :meth:`Communicator.step_scatter`), so that every rank raises the
+    same error instead of the one that passed it failing alone while the others wait. Every operation's first
+    collective is such a step; one that began with a raw gather or broadcast would wait the default there."""
     if timeout is None:
         return DEFAULT_TIMEOUT, None
     if isinstance(timeout, datetime.timedelta):
