@@ -20,8 +20,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 CHILD = textwrap.dedent(
     """
-    import os, sys
+    import os, signal, sys
     from benchmarks.scratch import scratch_dir
+
+    # Ctrl-C as a terminal delivers it: a test run started in the background (nohup, &) hands its children
+    # SIGINT ignored, and Python keeps an ignored SIGINT ignored (no KeyboardInterrupt at all).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     with scratch_dir(".reshard-bench-", sys.argv[1]) as work:
         (work / "data.bin").write_bytes(os.urandom(1 << 20))
