@@ -42,12 +42,15 @@ import torch.multiprocessing as mp
 
 try:
     from benchmarks.scratch import free_port, scratch_dir
+
+    from benchmarks import tc_system
 except ImportError:  # run as a script: benchmarks/ is the first entry of sys.path
+    import tc_system  # type: ignore[no-redef]
     from scratch import free_port, scratch_dir  # type: ignore[no-redef]
 
 MiB = 1 << 20
 GiB = 1 << 30
-ALL_SYSTEMS = ("limits", "reshard", "dcp", "megatron", "torch")
+ALL_SYSTEMS = ("limits", "reshard", "dcp", "megatron", "torch", "tc")
 LIMIT_CHUNK = 16 * MiB
 DEFAULT_BUILD = {"main": ("state", "same", "axis", "limits"), "dp": ("state", "limits"), "world": ("world",)}
 """What a warm pool of each scenario builds before anything is measured."""
@@ -243,6 +246,8 @@ class GcTimer:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.collections = 0
+        self.full = 0  # generation-2 collections: each walks every object of the process
+        self.full_seconds = 0.0
         self._started = 0.0
         gc.callbacks.append(self._callback)
 
@@ -250,8 +255,12 @@ class GcTimer:
         if phase == "start":
             self._started = time.perf_counter()
         else:
-            self.seconds += time.perf_counter() - self._started
+            spent = time.perf_counter() - self._started
+            self.seconds += spent
             self.collections += 1
+            if info.get("generation") == 2:
+                self.full += 1
+                self.full_seconds += spent
 
     def stop(self) -> None:
         with contextlib.suppress(ValueError):
@@ -322,8 +331,16 @@ class Worker:
         self.mesh = None
         self.dcp_dims = 1
         if "reshard" in self.systems:
-            import reshard  # noqa: F401
-        if "dcp" in self.systems:
+            import reshard
+
+            # reshard's public names import their modules on first use (PEP 562); resolved here, they are
+            # imported before the clock, as `import torch.distributed.checkpoint` imports DCP's save and load.
+            for name in ("save", "load", "AsyncCheckpointer", "ShardedTensor", "LoadStats"):
+                getattr(reshard, name)
+        if "tc" in self.systems:
+            importlib.import_module("torch_checkpointing")
+            importlib.import_module("torch_checkpointing.default_resharder")
+        if self.systems & {"dcp", "tc"}:
             importlib.import_module("torch.distributed.checkpoint")
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -361,6 +378,9 @@ class Worker:
         self.full: dict[str, torch.Tensor] | None = None
         self.ckpt_group = dist.new_group(backend="gloo")
         self.async_checkpointer = None
+        self.tc_managers: dict[bool, Any] = {}
+        if "tc" in self.systems:  # made at start-up, as a job makes its checkpointer (untimed)
+            self.tc_managers[False] = tc_system.make_manager(rank, asynchronous=False)
 
     # --- state and templates -----------------------------------------------------------------------------------
 
@@ -436,6 +456,22 @@ class Worker:
         for t in self.tensors[name].values():
             t.zero_()
 
+    def _targets(self, name: str, verify: bool) -> None:
+        """Before a load (untimed): ``--targets touched`` zeroes the existing targets when the load is checked;
+        ``untouched`` replaces them by new ``torch.empty`` tensors whose pages were never touched, as
+        ``Module.to_empty`` leaves a model built on the meta device (the rank processes allocate large blocks with
+        mmap, so the memory is fresh; it reads as zeros)."""
+        if self.cfg.get("targets") != "untouched":
+            if verify:
+                self._zero(name)
+            return
+        layout = self.layouts[name]
+        self.tensors[name] = {}  # the old targets freed (by reference counting: no collection runs here)
+        _malloc_trim()
+        for spec in self.specs:
+            _, _, shape = layout.box(spec)
+            self.tensors[name][spec.key] = torch.empty(shape, dtype=spec.torch_dtype)
+
     # --- measurement -------------------------------------------------------------------------------------------
 
     def _measure(self, fn, *, profile: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -450,7 +486,8 @@ class Worker:
         # (warm), or the generation-2 collection a fresh process owes for what its start-up created (cold: about
         # 80 ms here, whatever runs next pays it, and which system's start-up leaves it due depends only on what
         # that system imported; benchmarks/README.md). The GC column shows what the operation itself triggers.
-        gc.collect()
+        if self.cfg.get("gc", "collect") == "collect":
+            gc.collect()
         _malloc_trim()
         collector = GcTimer()
         dist.barrier()
@@ -481,6 +518,8 @@ class Worker:
             "bytes_read": _rchar() - read_before,
             "gc_seconds": collector.seconds,
             "gc_collections": collector.collections,
+            "gc_full_collections": collector.full,
+            "gc_full_seconds": collector.full_seconds,
             **extra,
         }
         if isinstance(returned, dict):
@@ -604,6 +643,11 @@ class Worker:
             sd = self._dcp_dict("state")
             self._fresh(path)
             return self._measure(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, sync_files=True)))
+        if system == "tc":
+            manager = self.tc_managers[False]
+            sd = self._dcp_dict("state")
+            self._fresh(path)
+            return self._measure(lambda: manager.save(str(path), {"model": sd}))
         if system == "megatron":
             sd = self._megatron_dict("state")
             self._fresh(path, mkdir=True)
@@ -612,8 +656,7 @@ class Worker:
 
     def op_load(self, system: str, name: str, verify: bool) -> dict[str, Any]:
         path = self._path(system)
-        if verify:
-            self._zero(name)
+        self._targets(name, verify)
         needed = self._needed(name)
         if system == "reshard":
             import reshard
@@ -647,6 +690,11 @@ class Worker:
 
             sd = self._dcp_dict(name)
             record = self._measure(lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(path)), bytes_needed=needed)
+            loaded = self.tensors[name]
+        elif system == "tc":
+            manager = self.tc_managers[False]
+            sd = self._dcp_dict(name)
+            record = self._measure(lambda: manager.load(str(path), into={"model": sd}) and None, bytes_needed=needed)
             loaded = self.tensors[name]
         elif system == "megatron":
             sd = self._megatron_dict(name)
@@ -684,6 +732,42 @@ class Worker:
             return {"block_seconds": blocked, "snapshot_seconds": handle.snapshot_seconds, "first": first}
 
         return self._measure(run)
+
+    def op_tc_async(self, first: bool) -> dict[str, Any]:
+        """One save by torch_checkpointing's asynchronous saver: ``save()`` returns once its staging has started
+        (a thread copies the state into shared memory; the caller must hold ``manager.lock()`` around updates of
+        the state until then), a writer subprocess writes. ``first``: a new manager, its staging pool pre-allocated
+        with ``prewarm_staging`` and its subprocess started before the clock (as ``warmup()`` for reshard)."""
+        sd = self._dcp_dict("state")
+        if first or True not in self.tc_managers:
+            if True in self.tc_managers:
+                self.tc_managers.pop(True).close()
+            manager = tc_system.make_manager(self.rank, asynchronous=True)
+            self.tc_managers[True] = manager
+            tc_system.wait_for_writer(manager)
+            manager.prewarm_staging({"model": sd})
+        manager = self.tc_managers[True]
+        path = self._path("tc-async")
+        self._fresh(path)
+
+        def run() -> dict[str, Any]:
+            started = time.perf_counter()
+            future = manager.save(str(path), {"model": sd})
+            blocked = time.perf_counter() - started
+            staging = manager._staging_future  # when the state may be changed again
+            if staging is not None:
+                staging.result()
+            staged = time.perf_counter() - started
+            future.result()
+            return {"block_seconds": blocked, "snapshot_seconds": staged, "first": first}
+
+        return self._measure(run)
+
+    def op_close(self) -> None:
+        for manager in self.tc_managers.values():
+            with contextlib.suppress(Exception):
+                manager.close()
+        self.tc_managers.clear()
 
     def op_torch_save(self) -> dict[str, Any]:
         """torch.save of the gathered (whole) state by rank 0, flushed and fsynced."""
@@ -778,6 +862,8 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], tasks: Any
                 results.put((rank, "error", traceback.format_exc()))
     finally:
         with contextlib.suppress(Exception):
+            worker.op_close()
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
 
@@ -806,7 +892,9 @@ class Pool:
                 target=_rank_main,
                 args=(rank, world, port, cfg, self.tasks[rank], self.results),
                 name=f"{name}-rank{rank}",
-                daemon=True,
+                # torch_checkpointing's async saver starts a writer process of its own, which a daemonic process
+                # may not; those pools are stopped by close() (also on an error or a signal: benchmarks/scratch.py).
+                daemon="tc" not in cfg["systems"],
             )
             for rank in range(world)
         ]
@@ -885,9 +973,16 @@ def _phase_summary(reps: list[list[dict[str, Any]]], nbytes: int) -> dict[str, A
         blocks = [max(r["block_seconds"] for r in rep) for rep in reps]
         summary["block_seconds_median"] = statistics.median(blocks)
         summary["block_seconds_all"] = blocks
+    if "snapshot_seconds" in reps[0][0]:  # async: until the state may be changed again (tc: its staging done)
+        summary["snapshot_seconds_median"] = statistics.median(
+            max(r["snapshot_seconds"] or 0.0 for r in rep) for rep in reps
+        )
     if "in_place" in reps[0][0]:
         summary["in_place"] = all(r["in_place"] for rep in reps for r in rep)
     summary["gc_seconds_median"] = statistics.median(max(r.get("gc_seconds", 0.0) for r in rep) for rep in reps)
+    # Generation-2 collections that started inside the clock, over every rank and repetition, and their seconds.
+    summary["gc_full_collections"] = sum(r.get("gc_full_collections", 0) for rep in reps for r in rep)
+    summary["gc_full_seconds_all"] = [max(r.get("gc_full_seconds", 0.0) for r in rep) for rep in reps]
     if "reshard_phases" in reps[0][0]:
         # reshard's own clock (SaveStats / LoadStats): per phase, the slowest rank's seconds, median over reps.
         names = list(reps[0][0]["reshard_phases"])
@@ -1083,7 +1178,61 @@ def _ratio_rows(
     )
     add("DP=2 save: reshard GB/s / fsync'ed write GB/s", gbps("dp.reshard.save"), gbps("dp.limit.write"), ">=", None)
     add("checksum: CRC-32C GB/s / page-cache read GB/s", gbps("limit.crc32c"), gbps("limit.read"), ">=", None)
+    _best_peer_rows(add, seconds, phases)
     return rows
+
+
+PEERS = {"dcp": "DCP", "megatron": "Megatron", "tc": "torch_checkpointing", "torch": "torch.save/load"}
+
+
+def _best_peer_rows(add, seconds, phases: dict[str, Any]) -> None:
+    """reshard against torch_checkpointing, and against the fastest peer of each row (issue 35's targets)."""
+    for phase, label in (("save", "save"), ("load_same", "load same"), ("load_axis", "load split axis flipped")):
+        add(
+            f"{label}: reshard time / torch_checkpointing time",
+            seconds(f"reshard.{phase}"),
+            seconds(f"tc.{phase}"),
+            "<=",
+            None,
+        )
+    add(
+        "load world size changed: reshard time / torch_checkpointing time",
+        seconds("reshard.load_world"),
+        seconds("tc.load_world"),
+        "<=",
+        None,
+    )
+    targets = {"save": 0.7, "load_same": 0.5, "load_axis": 0.4, "load_world": 0.4}
+    for phase, target in targets.items():
+        names = {"torch": "torch.save" if phase == "save" else "torch.load"} if phase in ("save", "load_same") else {}
+        peers = {
+            system: seconds(names.get(system, f"{system}.{phase}"))
+            for system in PEERS
+            if seconds(names.get(system, f"{system}.{phase}")) is not None
+        }
+        if peers:
+            best = min(peers, key=lambda k: peers[k])
+            add(
+                f"{phase}: reshard time / best peer's time ({PEERS[best]})",
+                seconds(f"reshard.{phase}"),
+                peers[best],
+                "<=",
+                target,
+            )
+    add(
+        "async: blocking time, reshard / torch_checkpointing (save() returned)",
+        _get(phases, "reshard.async", "block_seconds_median"),
+        _get(phases, "tc.async", "block_seconds_median"),
+        "<=",
+        None,
+    )
+    add(
+        "async: total time, reshard / torch_checkpointing",
+        _get(phases, "reshard.async", "seconds_median"),
+        _get(phases, "tc.async", "seconds_median"),
+        "<=",
+        None,
+    )
 
 
 def _get(phases: dict[str, Any], name: str, field: str) -> float | None:
@@ -1135,6 +1284,17 @@ def _print_report(report: dict[str, Any], out) -> None:
         print("reshard's own phases (SaveStats / LoadStats; slowest rank per phase, median s):", file=out)
         for name, parts in breakdown.items():
             print(f"  {name:<26}" + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()), file=out)
+    full = {k: p for k, p in report["phases"].items() if p.get("gc_full_collections")}
+    if full:
+        print(
+            "generation-2 collections inside the clock (all ranks and repetitions; slowest rank's seconds per "
+            "repetition): "
+            + "; ".join(
+                f"{k} {p['gc_full_collections']} ({', '.join(f'{v:.3f}' for v in p['gc_full_seconds_all'])})"
+                for k, p in full.items()
+            ),
+            file=out,
+        )
     if report.get("imports_seconds_median"):
         imports = ", ".join(f"{k} {v:.2f} s" for k, v in report["imports_seconds_median"].items())
         print(f"cold start: import before the clock (median, slowest rank): {imports}", file=out)
@@ -1274,6 +1434,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run every reshard save and load under cProfile; per-rank statistics go to DIR (read them with "
         "python -m pstats)",
     )
+    p.add_argument(
+        "--gc",
+        choices=("collect", "none"),
+        default="collect",
+        help="collect (default): gc.collect() before every clock, so no collection is due when a call starts; none: "
+        "no collection, the state dict built right before the clock (the first checkpoint after a restart: whatever "
+        "collection the caller's objects made due is there when the call starts)",
+    )
+    p.add_argument(
+        "--targets",
+        choices=("touched", "untouched"),
+        default="touched",
+        help="touched (default): loads fill targets allocated and touched at start-up; untouched: new torch.empty "
+        "targets before each load, never touched (as Module.to_empty leaves them), so the load pays their page faults",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip checking the loaded values (first repetition)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cpus // ranks, >= 1)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds any one operation may take (default 1800)")
@@ -1344,7 +1519,7 @@ def _run_warm(
         main = Pool("main", args.ranks, cfg, args.timeout)
         pools.append(main)
         world_pool = None
-        world_systems = [s for s in systems if s in ("reshard", "dcp", "megatron")]
+        world_systems = [s for s in systems if s in ("reshard", "dcp", "megatron", "tc")]
         if world_systems:
             wcfg = {
                 **base_cfg,
@@ -1404,6 +1579,10 @@ def _run_warm(
                     if rep == 0:
                         rec.record("reshard.async_first", main.call("async", first=True), total)
                     rec.record("reshard.async", main.call("async", first=False), total)
+                if system == "tc":
+                    if rep == 0:
+                        rec.record("tc.async_first", main.call("tc_async", first=True), total)
+                    rec.record("tc.async", main.call("tc_async", first=False), total)
         if "reshard" in systems:
             accounting["load_axis"] = _sum_accounting(main.call("accounting", name="axis"))
             if world_pool is not None:
@@ -1436,7 +1615,7 @@ def _cold_call(
     pool = Pool(pool_name, world, cfg, timeout)
     try:
         pool.wait_ready()
-        for system in set(cfg["systems"]) & {"reshard", "dcp", "megatron"}:
+        for system in set(cfg["systems"]) & {"reshard", "dcp", "megatron", "tc"}:
             rec.imports.setdefault(system, []).append(max(float(i["import_seconds"]) for i in pool.info))
         results = pool.call(op, **kwargs)
         pool.close()
@@ -1505,6 +1684,11 @@ def _run_cold(
                     verify=check,
                 )
                 rec.record(f"cold.{system}.load_{name}", res, _needed_total(res))
+            if system == "tc":
+                res = _cold_call(
+                    "cold-tc-async", args.ranks, main_cfg(system, ("state",)), args.timeout, rec, "tc_async", first=True
+                )
+                rec.record("cold.tc.async_warmup", res, total)
             if system == "reshard":
                 for phase, warmup in (("async_first", False), ("async_warmup", True)):
                     res = _cold_call(
@@ -1549,6 +1733,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     notes: list[str] = []
     skipped: dict[str, str] = {}
     systems = list(args.systems)
+    if "tc" in systems:
+        ok, why = tc_system.tc_available()
+        if not ok:
+            systems.remove("tc")
+            skipped["tc"] = why
+            print(f"tc: skipped: {why} (install the benchmark extra: pip install -e '.[bench]')", file=sys.stderr)
+        else:
+            notes.append(
+                f"{why} (tc): CheckpointManager with ItemSpec(resharder=DefaultResharder()) on the DTensor state; its "
+                "metadata all-gather, which puts tensors on cuda, runs with all_gather_object on the CPU group; "
+                "use_direct_io=False (O_DIRECT writes fail here); its pre_finalize_callback fsyncs each rank's files "
+                "(benchmarks/tc_system.py)"
+            )
     if "megatron" in systems:
         ok, why = _megatron_available()
         if not ok:
@@ -1578,7 +1775,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_budget_bytes": int(args.load_budget_mib * MiB) if args.load_budget_mib else None,
         "save_budget_bytes": int(args.save_budget_mib * MiB) if args.save_budget_mib else None,
         "profile_dir": str(args.profile.resolve()) if args.profile else None,
+        "gc": args.gc,
+        "targets": args.targets,
     }
+    if args.targets == "untouched":
+        # Large allocations by mmap in the rank processes (inherited at spawn): new targets are fresh pages.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(256 * 1024)
     try:
         rec = Recorder()
         accounting: dict[str, Any] = {}
@@ -1600,6 +1802,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "megatron": "Megatron's data and .metadata go through the same DCP writer (fsynced); its metadata.json and "
         "common.pt are written without fsync",
         "torch": "the torch.save reference is flushed and fsynced",
+        "tc": "torch_checkpointing's writer does not fsync (it relies on O_DIRECT, which fails here); its "
+        "pre_finalize_callback fsyncs each rank's files, the metadata and the directory",
     }
     notes.append("fsync: " + "; ".join(fsync[s] for s in systems))
     if "megatron.load_same" in phases and not phases["megatron.load_same"].get("in_place", True):
@@ -1630,6 +1834,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "threads": threads,
             "load_budget_mib": args.load_budget_mib,
             "save_budget_mib": args.save_budget_mib,
+            "gc": args.gc,
+            "targets": args.targets,
         },
         "machine": _machine(),
         "state": {"bytes": total, "tensors": len(specs), "hidden": hidden},

@@ -30,6 +30,13 @@ def _megatron_installed() -> bool:
         return False
 
 
+def _tc_installed() -> bool:
+    try:
+        return importlib.util.find_spec("torch_checkpointing") is not None
+    except ImportError:
+        return False
+
+
 def _tiny_compare(ckpt_dir: Path, out: Path, *options: str) -> list[str]:
     """benchmarks/compare.py at 4 MiB, one repetition, checkpoints in ``ckpt_dir``, the JSON report in ``out``."""
     return [
@@ -51,7 +58,12 @@ def _tiny_compare(ckpt_dir: Path, out: Path, *options: str) -> list[str]:
 def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     ckpt_dir = tmp_path / "ckpt"
-    command = _tiny_compare(ckpt_dir, out, "--ranks", "2", "--load-world", "1", "--dp-replicas", "--mode", "warm")
+    command = _tiny_compare(
+        ckpt_dir,
+        out,
+        *("--ranks", "2", "--load-world", "1", "--dp-replicas", "--mode", "warm"),
+        *("--gc", "none", "--targets", "untouched"),  # the first checkpoint after a restart, into to_empty targets
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=170, cwd=tmp_path, env=env)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
@@ -61,6 +73,7 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
     for key in ("config", "machine", "state", "phases", "accounting", "ratios", "notes", "skipped"):
         assert key in report, key
     assert report["config"]["ranks"] == 2
+    assert (report["config"]["gc"], report["config"]["targets"]) == ("none", "untouched")
     assert report["state"]["bytes"] > 0
 
     expected = [
@@ -93,6 +106,13 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
         expected += megatron
     if not _megatron_installed():
         assert "megatron" in report["skipped"]
+    tc = ["tc.save", "tc.load_same", "tc.load_axis", "tc.load_world", "tc.async_first", "tc.async"]
+    if "tc" in report["skipped"]:  # torch_checkpointing: the bench extra, skipped with the reason without it
+        assert "torch-checkpointing" in report["skipped"]["tc"]
+        assert not set(tc) & set(report["phases"])
+    else:
+        assert _tc_installed()
+        expected += tc
     phases = report["phases"]
     assert set(expected) <= set(phases), sorted(set(expected) - set(phases))
 
@@ -113,6 +133,8 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
         read, needed = phase["bytes_read_per_rank_reshard"], phase["bytes_needed_per_rank"]
         assert all(r >= n for r, n in zip(read, needed, strict=True)), name
     assert phases["reshard.async"]["block_seconds_median"] > 0
+    if "tc" not in report["skipped"]:
+        assert phases["tc.async"]["block_seconds_median"] > 0
 
     # Read accounting of the resharded loads, per kind of change; an axis-0 change reads exactly what it needs.
     assert {"load_axis", "load_world"} <= set(report["accounting"])
@@ -139,6 +161,11 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
         row = ratios[f"warm: {name}"]
         assert row["value"] is not None and math.isfinite(row["value"]) and row["value"] > 0, name
         assert row["target"] is not None and row["pass"] in (True, False), name
+    best = [row for row in report["ratios"] if "best peer's time" in row["name"]]  # issue 35's targets
+    assert {row["name"].split(":")[1].strip() for row in best} == {"save", "load_same", "load_axis", "load_world"}
+    assert all(row["pass"] in (True, False) and row["value"] > 0 for row in best)
+    if "tc" not in report["skipped"]:
+        assert ratios["warm: save: reshard time / torch_checkpointing time"]["value"] > 0
 
 
 @pytest.mark.timeout(240)

@@ -115,15 +115,17 @@ def load(
         CheckpointError: any failure, raised on every rank and naming the failing ranks.
     """
     started = time.perf_counter()
-    options = options if options is not None else LoadOptions()
-    comm = Communicator(group, timeout=timeout)
-    opened = as_source(source, storage_options)
-    try:
-        with collector_paused():
+    # Paused from the first step: a collection the caller's objects made due must not start in this call
+    # (reshard.flows.collector).
+    with collector_paused():
+        options = options if options is not None else LoadOptions()
+        comm = Communicator(group, timeout=timeout)
+        opened = as_source(source, storage_options)
+        try:
             return _load_from(opened, state_dict, comm, strict=strict, stats=stats, options=options, started=started)
-    finally:
-        if opened is not source:
-            opened.close()
+        finally:
+            if opened is not source:
+                opened.close()
 
 
 def _load_from(

@@ -201,19 +201,21 @@ def save_replacing(
         as :func:`save`.
     """
     started = time.perf_counter() if started is None else started
-    options = options if options is not None else SaveOptions()
-    comm = Communicator(group, timeout=timeout)
-    storage = storage_for(path, storage_options)
-    try:
-        base_name = None if base is None else base_name_of(storage, base, storage_options)
-        request = SaveRequest.of(
-            storage, options, overwrite=overwrite, base_name=base_name, replaces=replaces, certificate=certificate
-        )
-        with collector_paused():
+    # Paused from the first step: a collection the caller's objects made due must not start in this call
+    # (reshard.flows.collector).
+    with collector_paused():
+        options = options if options is not None else SaveOptions()
+        comm = Communicator(group, timeout=timeout)
+        storage = storage_for(path, storage_options)
+        try:
+            base_name = None if base is None else base_name_of(storage, base, storage_options)
+            request = SaveRequest.of(
+                storage, options, overwrite=overwrite, base_name=base_name, replaces=replaces, certificate=certificate
+            )
             return _save_to(request, state_dict, comm, started=started)
-    finally:
-        if storage is not path:
-            storage.close()
+        finally:
+            if storage is not path:
+                storage.close()
 
 
 def certify_facts(request: SaveRequest, described: Described, planned: Planned) -> dict[str, Any] | None:
