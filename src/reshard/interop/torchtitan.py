@@ -1,0 +1,286 @@
+"""A torchtitan checkpoint manager backed by reshard: ``ReshardCheckpointManager``.
+
+torchtitan (0.3) picks its checkpoint backend by the class of ``Trainer.Config.checkpoint``: the field is a
+``BaseCheckpointManager.Config`` and ``config.checkpoint.build(...)`` constructs the class that declares that
+``Config``. Setting ``checkpoint=ReshardCheckpointManager.Config(enable=True, ...)`` in a trainer config therefore
+makes every ``trainer.checkpointer.save`` and ``load`` go through reshard, with no other change to torchtitan.
+
+What it saves is what torchtitan's DCP manager saves (the model's state dict of FSDP2/TP DTensors, the flattened
+optimizer state, the LR schedulers' state, the dataloader's per data-parallel-rank state and the train state), as
+one reshard checkpoint per step under ``<dump_folder>/<folder>`` (``step_000000010``, ...) kept by a
+``reshard.CheckpointManager`` (``keep_latest_k`` is its ``keep_last``). Because reshard loads any layout into
+any other, a job resumes at another FSDP/TP degree (DCP does too for DTensors; the dataloader's per-rank state
+needs the same data-parallel degree, else ``MismatchError`` on every rank unless ``exclude_from_loading``
+names it), from ``s3://`` or ``gs://`` folders (``storage_options``), and with ``read_once`` (each byte read
+from storage once and exchanged between ranks).
+
+torchtitan is imported here only: ``import reshard`` never needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.components.checkpointer.base import (
+    DATALOADER,
+    LR_SCHEDULER,
+    MODEL,
+    OPTIMIZER,
+    BaseCheckpointManager,
+    ModelWrapper,
+)
+from torchtitan.config import TORCH_DTYPE_MAP
+
+from reshard.errors import CheckpointError, CheckpointNotFoundError
+from reshard.flows.load import load
+from reshard.flows.manager import CheckpointManager
+from reshard.flows.options import LoadOptions
+from reshard.state.sharding import ShardedObject
+
+__all__ = ["ReshardCheckpointManager"]
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path
+
+
+def _join(base: str, folder: str) -> str:
+    if not base or _is_remote(folder) or os.path.isabs(folder):
+        return folder
+    return base.rstrip("/") + "/" + folder
+
+
+class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
+    """torchtitan's checkpoint manager contract (``save``, ``load``, ``close``, the waits) over reshard.
+
+    Built by torchtitan's trainer from its ``Config`` with the trainer's dataloader, model parts, optimizers,
+    LR schedulers and extra states (``{"train_state": trainer}``). ``save`` and ``load`` are collective over the
+    default process group: every rank of the job calls them at the same step, as torchtitan's trainer does.
+    """
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(BaseCheckpointManager.Config):  # type: ignore[misc]
+        """torchtitan's shared checkpoint policies, plus what reshard adds."""
+
+        async_mode: str = "disabled"
+        """Only ``"disabled"``: an asynchronous save through this manager is not implemented yet, and any
+        other value raises ``CheckpointError`` when the manager is built (never ignored)."""
+
+        storage_options: dict[str, Any] | None = None
+        """Options of the object-store client for an ``s3://`` or ``gs://`` folder (``endpoint_url``, ...)."""
+
+        read_once: bool | None = None
+        """``LoadOptions(read_once=...)`` of every load: None lets reshard decide."""
+
+        timeout_s: float | None = None
+        """How long any collective of a save or load may wait for the slowest rank (None: reshard's default)."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dataloader: Any,
+        model_parts: list[torch.nn.Module],
+        optimizers: Any,
+        lr_schedulers: Any,
+        states: dict[str, Any],
+        sd_adapter: Any,
+        base_folder: str = "",
+    ) -> None:
+        self.enable = config.enable
+        if not self.enable:
+            return
+        self.save_future = None
+        _refuse_unsupported(config)
+        self.config = config
+        self.folder = _join(base_folder, config.folder)
+        self.states = states
+        self.states.update({MODEL: ModelWrapper(model_parts), OPTIMIZER: optimizers})
+        self.states.update({DATALOADER: dataloader, LR_SCHEDULER: lr_schedulers})
+        self.sd_adapter = sd_adapter
+        self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
+        self._replica: int | None = None
+        self._manager: CheckpointManager | None = CheckpointManager(
+            self.folder,
+            keep_last=config.keep_latest_k or None,
+            storage_options=config.storage_options,
+            timeout=config.timeout_s,
+        )
+
+    def __del__(self) -> None:
+        self.close()
+
+    # ---- save ------------------------------------------------------------------------------------------
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        """Save step ``curr_step`` when torchtitan's policy says so (the interval, the first step, the last
+        step). **Collective** over the default group: every rank calls it at every step."""
+        if not self._should_save(curr_step, last_step):
+            return False
+        if last_step and self.config.last_save_model_only:
+            state: dict[str, Any] = {MODEL: self._export_model()}
+        else:
+            state = self._full_state(self.states)
+        with torch.no_grad():
+            self._root().save(curr_step, state, overwrite=True)
+        return True
+
+    def _should_save(self, curr_step: int, last_step: bool) -> bool:
+        if self.config.load_only:
+            return False
+        if curr_step == 1 and self.config.enable_first_step_checkpoint:
+            return True
+        return last_step or curr_step % self.config.interval == 0
+
+    def _export_model(self) -> dict[str, Any]:
+        """The model state of a last-step, model-only checkpoint, floating tensors cast to ``export_dtype``."""
+        dtype = self.export_dtype
+        return {
+            key: value.to(dtype)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype
+            else value
+            for key, value in self.states[MODEL].state_dict().items()
+        }
+
+    def _full_state(self, states: dict[str, Any]) -> dict[str, Any]:
+        """The state dict reshard saves (and the template it loads into) for the entries of ``states``."""
+        out: dict[str, Any] = {}
+        for key, holder in states.items():
+            if holder is None:
+                continue
+            if key == DATALOADER:
+                out[key] = self._dataloader_object(holder.state_dict())
+            else:
+                out[key] = holder.state_dict()
+        return out
+
+    def _dataloader_object(self, loader_state: dict[str, Any]) -> Any:
+        """torchtitan's dataloader state (``{"dp_rank_<r>": pickled bytes, "world_size": n}``) as one cell of a
+        grid of data-parallel ranks; the ranks of one data-parallel rank (TP peers) are its replicas.
+        Stored as the bytes torchtitan made, never unpickled by reshard."""
+        if not loader_state:
+            return {}
+        ranks = [key for key in loader_state if key.startswith("dp_rank_")]
+        if len(ranks) != 1 or "world_size" not in loader_state:
+            raise CheckpointError(f"unexpected dataloader state keys {sorted(loader_state)}")
+        dp_rank, dp_world = int(ranks[0][len("dp_rank_") :]), int(loader_state["world_size"])
+        return ShardedObject(
+            "dataloader", loader_state[ranks[0]], (dp_world,), (dp_rank,), replica_id=self._replica_of(dp_rank)
+        )
+
+    def _replica_of(self, dp_rank: int) -> int:
+        """This rank's index among the ranks of its data-parallel rank (an all-gather over the default group,
+        once: every rank calls it at its first save or load)."""
+        if self._replica is None:
+            if not dist.is_initialized():
+                self._replica = 0
+            else:
+                mine = torch.tensor([dp_rank], dtype=torch.int64)
+                every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+                dist.all_gather(every, mine)
+                lower = [int(t.item()) for t in every[: dist.get_rank()]]
+                self._replica = lower.count(dp_rank)
+        return self._replica
+
+    # ---- load ------------------------------------------------------------------------------------------
+
+    def _load(self, step: int = -1) -> bool:
+        """Load step ``step`` of the folder (-1: the newest complete one), else the initial checkpoint
+        (``initial_load_path``), into the trainer's objects. **Collective** over the default group.
+        Returns False for a fresh start (nothing to load)."""
+        options = LoadOptions(read_once=self.config.read_once)
+        kwargs: dict[str, Any] = {"options": options, "strict": True}
+        steps = self._root().steps()
+        if step != -1 and step not in steps:
+            raise CheckpointNotFoundError(f"checkpoint.load_step={step}: no complete checkpoint of it in {self.folder}")
+        if steps:
+            chosen = steps[-1] if step == -1 else step
+            states = self._states_to_load(model_only=chosen == 0)
+            loaded = load(
+                self._full_state(states),
+                self._root().path_of(chosen),
+                timeout=self.config.timeout_s,
+                **kwargs,
+            )
+        elif self.config.initial_load_path:
+            states = self._states_to_load(model_only=self.config.initial_load_model_only)
+            loaded = load(
+                self._full_state(states),
+                self.config.initial_load_path,
+                storage_options=self.config.storage_options,
+                timeout=self.config.timeout_s,
+                **kwargs,
+            )
+        else:
+            return False
+        self._apply(states, loaded)
+        return True
+
+    def _states_to_load(self, model_only: bool) -> dict[str, Any]:
+        if model_only:
+            return {MODEL: self.states[MODEL]}
+        unknown = [key for key in self.config.exclude_from_loading if key not in self.states]
+        if unknown:
+            raise CheckpointError(f"checkpoint.exclude_from_loading names {unknown}, not states of this trainer")
+        return {k: v for k, v in self.states.items() if k not in self.config.exclude_from_loading}
+
+    def _apply(self, states: dict[str, Any], loaded: dict[str, Any]) -> None:
+        """Hand each loaded entry to its torchtitan object (tensors were filled in place; the objects' own
+        ``load_state_dict`` restores what is not a tensor and re-fuses hook-split parameters)."""
+        for key, holder in states.items():
+            if holder is None or key not in loaded:
+                continue
+            value = loaded[key]
+            if key == DATALOADER:
+                if isinstance(value, dict) and not value:
+                    continue
+                dp_rank = int(holder.dp_rank)
+                value = {f"dp_rank_{dp_rank}": value, "world_size": int(holder.dp_world_size)}
+            holder.load_state_dict(value)
+
+    def _root(self) -> CheckpointManager:
+        """The reshard manager of the folder (``CheckpointError`` once ``close`` released it)."""
+        if self._manager is None:
+            raise CheckpointError("the reshard checkpoint manager was closed")
+        return self._manager
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints in the folder, oldest first (not collective)."""
+        return self._root().steps()
+
+    # ---- the rest of the contract ----------------------------------------------------------------------
+
+    def _maybe_wait_for_staging(self) -> None:
+        """Saves are synchronous: nothing is ever staging."""
+
+    def _wait_for_saving(self) -> None:
+        """Saves are synchronous: ``save_future`` is never set, so torchtitan never calls this."""
+        self.save_future = None
+
+    def _close(self) -> None:
+        manager = getattr(self, "_manager", None)
+        if manager is not None:
+            manager.close()
+            self._manager = None
+
+
+def _refuse_unsupported(config: ReshardCheckpointManager.Config) -> None:
+    """An option this manager cannot honour is an error when it is built, never ignored."""
+    if config.async_mode != "disabled":
+        raise CheckpointError(
+            f"checkpoint.async_mode={config.async_mode!r}: the reshard checkpoint manager saves synchronously "
+            "only (async_mode='disabled')"
+        )
+    if config.last_save_in_hf or config.initial_load_in_hf or config.initial_load_in_hf_quantized:
+        raise CheckpointError(
+            "checkpoint.last_save_in_hf / initial_load_in_hf: Hugging Face safetensors through torchtitan's "
+            "state-dict adapters are not implemented by the reshard checkpoint manager yet; export with "
+            "`reshard export` or load with reshard.interop.HuggingFaceSource instead"
+        )
+    if config.create_seed_checkpoint:
+        raise CheckpointError("checkpoint.create_seed_checkpoint is not supported by the reshard checkpoint manager")
+

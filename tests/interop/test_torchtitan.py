@@ -1,0 +1,236 @@
+"""``reshard.interop.torchtitan.ReshardCheckpointManager``: torchtitan's debug Llama, parallelized by torchtitan's
+own ``parallelize_llama`` (FSDP2 or TP) on gloo CPU ranks, trained a few steps with torchtitan's optimizer and LR
+scheduler containers, saved through the reshard manager and resumed at another parallelism: model and optimizer
+state bit-exact against what was saved and against the same resume through torchtitan's own DCP manager.
+
+Two things torchtitan 0.3.0 needs on a CPU-only host, set in the ranks (not mocks: torchtitan's real code runs):
+``torchtitan.distributed.parallel_dims.device_type`` is chosen at import as the available accelerator or
+``"cuda"``, so ``ParallelDims.build_mesh`` fails with ``torch._C has no attribute '_cuda_setDevice'`` unless it
+says ``"cpu"``; torchtitan's FSDP sets a gradient divide factor of 1.0, which FSDP2 reduces with
+``ReduceOp.PREMUL_SUM``, which gloo refuses (``Cannot use ReduceOp.PREMUL_SUM with Gloo``), so the FSDP modules
+are told to reduce with plain sums (``set_force_sum_reduction_for_comms``; the factor is 1.0: same values).
+FlexAttention, the debug model's attention, has no backward on CPU, so its layers use torchtitan's
+``ScaledDotProductAttention`` (causal, no masks), as torchtitan's own graph-trainer tests do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+import torch
+import torch.distributed as dist
+
+from reshard.errors import CheckpointError
+from tests.rankpool import RankContext, RankPool
+
+pytestmark = pytest.mark.dist
+
+
+class TrainState:
+    """The trainer's own state as torchtitan's Trainer gives it (``{"train_state": trainer}``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.ntokens_seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": torch.tensor(self.step), "ntokens_seen": torch.tensor(self.ntokens_seen)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"].item())
+        self.ntokens_seen = int(state["ntokens_seen"].item())
+
+
+def _build(fsdp: int, tp: int, seed: int) -> tuple[Any, Any, Any]:
+    """torchtitan's debug Llama (2 of its 6 layers, for time) parallelized by its own parallelize function."""
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import default_adamw
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+
+    titan_dims.device_type = "cpu"
+    spec = model_registry("debugmodel")
+    config = spec.model
+    config.layers = config.layers[:2]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    with torch.device("meta"):
+        model = config.build()
+    world = dist.get_world_size()
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=fsdp, cp=1, tp=tp, pp=1, ep=1, world_size=world, spmd_backend="partial_dtensor"
+    )
+    dims.build_mesh()
+    parallelism = ParallelismConfig(
+        data_parallel_shard_degree=fsdp, tensor_parallel_degree=tp, spmd_backend="partial_dtensor"
+    )
+    model = spec.parallelize_fn(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(),
+        parallelism=parallelism,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder="",
+    )
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    optimizer_config = default_adamw(lr=1e-3, foreach=False)
+    optimizer_config.implementation = "for-loop"
+    optimizers = optimizer_config.build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+    return model, optimizers, schedulers
+
+
+def _train(model: Any, optimizers: Any, schedulers: Any, steps: int) -> None:
+    generator = torch.Generator().manual_seed(7)
+    positions = torch.arange(16).expand(2, 16)
+    for _ in range(steps):
+        tokens = torch.randint(0, 2048, (2, 16), generator=generator)
+        model(tokens, positions=positions).float().pow(2).mean().backward()
+        optimizers.step()
+        schedulers.step()
+        optimizers.zero_grad()
+
+
+def _digests(model: Any, optimizers: Any) -> dict[str, str]:
+    """SHA-256 of every full (gathered) tensor of the model and optimizer state, and the plain values.
+    Collective (``full_tensor``): every rank calls it."""
+    out: dict[str, str] = {}
+    for prefix, state in (("model", model.state_dict()), ("optimizer", optimizers.state_dict())):
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                full = value.full_tensor() if hasattr(value, "full_tensor") else value
+                raw = full.detach().contiguous().view(torch.uint8) if full.dim() else full.reshape(1).view(torch.uint8)
+                out[f"{prefix}.{key}"] = f"{full.dtype}:{tuple(full.shape)}:" + hashlib.sha256(raw.numpy()).hexdigest()
+            else:
+                out[f"{prefix}.{key}"] = repr(value)
+    return out
+
+
+def _managers(folder: str, model: Any, optimizers: Any, schedulers: Any, **extra: Any) -> tuple[Any, Any, Any]:
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    from reshard.interop.torchtitan import ReshardCheckpointManager
+
+    train = TrainState()
+    ours = ReshardCheckpointManager.Config(enable=True, folder="reshard", interval=1, **extra).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": train},
+        sd_adapter=None,
+        base_folder=folder,
+    )
+    theirs = CheckpointManager.Config(enable=True, folder="dcp", interval=1, keep_latest_k=0).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": train},
+        sd_adapter=None,
+        base_folder=folder,
+    )
+    return ours, theirs, train
+
+
+def rank_train_and_save(ctx: RankContext, folder: str, fsdp: int, tp: int) -> dict[str, str]:
+    """Train 3 steps at (fsdp, tp), saving every step through reshard (keep_latest_k=2) and the last one through
+    torchtitan's DCP manager too; the digests of the state at step 3."""
+    model, optimizers, schedulers = _build(fsdp, tp, seed=0)
+    ours, theirs, train = _managers(folder, model, optimizers, schedulers, keep_latest_k=2)
+    for step in (1, 2, 3):
+        _train(model, optimizers, schedulers, 1)
+        train.step, train.ntokens_seen = step, 64 * step
+        assert ours.save(step)
+    assert theirs.save(3)
+    steps = ours.steps()
+    ours.close()
+    theirs.close()
+    digests = _digests(model, optimizers)
+    digests["steps"] = repr(steps)
+    digests["lr"] = repr(schedulers.state_dict())
+    return digests
+
+
+def rank_resume(ctx: RankContext, folder: str, fsdp: int, tp: int, backend: str) -> dict[str, str]:
+    """A fresh model at (fsdp, tp), initialised with another seed and trained one step (so that every tensor
+    differs from the checkpoint), resumed at the latest step through ``backend``; the digests after it."""
+    model, optimizers, schedulers = _build(fsdp, tp, seed=1)
+    _train(model, optimizers, schedulers, 1)
+    ours, theirs, train = _managers(folder, model, optimizers, schedulers)
+    manager = ours if backend == "reshard" else theirs
+    assert manager.load()
+    ours.close()
+    theirs.close()
+    digests = _digests(model, optimizers)
+    digests["train"] = f"{train.step},{train.ntokens_seen}"
+    digests["lr"] = repr(schedulers.state_dict())
+    return digests
+
+
+@pytest.fixture(scope="module")
+def saved(pools: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
+    folder = str(tmp_path_factory.mktemp("titan"))
+    pool: RankPool = pools.get(2)
+    digests = pool.run_ok(rank_train_and_save, folder, 2, 1, timeout_s=280)
+    assert digests[0] == digests[1]
+    return folder, digests[0]
+
+
+def test_keep_latest_k_keeps_the_newest_steps(saved: tuple[str, dict[str, str]]) -> None:
+    folder, digests = saved
+    assert digests["steps"] == "[2, 3]"
+    assert sorted(p.name for p in (Path(folder) / "reshard").iterdir() if p.name.startswith("step_")) == [
+        "step_000000002",
+        "step_000000003",
+    ]
+
+
+def test_fsdp2_checkpoint_resumes_at_tp2_bit_exact_and_equal_to_torchtitans_dcp_resume(
+    pools: Any, saved: tuple[str, dict[str, str]]
+) -> None:
+    """Saved under FSDP 2, resumed under TP 2: every model and optimizer tensor (gathered) equals the saved one
+    bit for bit, the LR scheduler and train state are back, and torchtitan's own DCP manager's resume of the
+    same step at the same layout gives the same bytes."""
+    folder, want = saved
+    pool: RankPool = pools.get(2)
+    ours = pool.run_ok(rank_resume, folder, 1, 2, "reshard", timeout_s=280)
+    theirs = pool.run_ok(rank_resume, folder, 1, 2, "dcp", timeout_s=280)
+    assert ours[0] == ours[1]
+    tensors = {k: v for k, v in want.items() if k.startswith(("model.", "optimizer."))}
+    assert len(tensors) > 40  # 2 layers' parameters, their AdamW moments and steps, the param groups' values
+    assert {k: ours[0][k] for k in tensors} == tensors
+    assert ours[0]["lr"] == want["lr"] and ours[0]["train"] == "3,192"
+    assert {k: theirs[0][k] for k in tensors} == {k: ours[0][k] for k in tensors}
+
+
+def rank_refuses_async(ctx: RankContext, folder: str) -> str:
+    model, optimizers, schedulers = _build(2, 1, seed=0)
+    try:
+        _managers(folder, model, optimizers, schedulers, async_mode="async")
+    except CheckpointError as error:
+        return str(error)
+    return "built"
+
+
+def test_an_async_mode_it_cannot_honour_is_refused_on_every_rank(pools: Any, tmp_path: Path) -> None:
+    results = pools.get(2).run_ok(rank_refuses_async, str(tmp_path), timeout_s=280)
+    assert all("saves synchronously only" in r for r in results)
