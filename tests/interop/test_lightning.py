@@ -180,3 +180,15 @@ def test_remove_deletes_only_what_reshard_wrote(tmp_path: Path) -> None:
     io.remove_checkpoint(tmp_path / "never-saved.ckpt")
     assert sorted(p.name for p in (tmp_path / "a.ckpt").iterdir()) == ["notes.txt"]
     assert_same(io.load_checkpoint(tmp_path / "b.ckpt"), _checkpoint())
+
+
+@pytest.mark.unit
+def test_model_parallel_strategy_removes_only_what_reshard_wrote(tmp_path: Path) -> None:
+    """ModelCheckpoint's save_top_k removes through ``strategy.remove_checkpoint``, which Lightning hands to the
+    strategy's CheckpointIO (TorchCheckpointIO: ``fs.rm(path, recursive=True)``, a person's file included)."""
+    from reshard.interop.lightning import ReshardModelParallelStrategy
+
+    ReshardCheckpointIO().save_checkpoint(_checkpoint(), tmp_path / "a.ckpt")
+    (tmp_path / "a.ckpt" / "notes.txt").write_text("mine")
+    ReshardModelParallelStrategy().remove_checkpoint(tmp_path / "a.ckpt")
+    assert sorted(p.name for p in (tmp_path / "a.ckpt").iterdir()) == ["notes.txt"]

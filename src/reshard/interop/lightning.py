@@ -275,6 +275,13 @@ class ReshardModelParallelStrategy(ModelParallelStrategy):
                 storage_options=_options(storage_options, self.reshard_storage_options),
             )
 
+    def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
+        """Delete the reshard checkpoint at ``filepath`` on the global rank 0 (``ModelCheckpoint``'s
+        ``save_top_k``): only the files a reshard save wrote there. Lightning's default would hand it to its
+        ``TorchCheckpointIO``, which removes the whole directory, whatever else it holds."""
+        if self.is_global_zero:
+            _remove(_location(filepath), self.reshard_storage_options)
+
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
     ) -> dict[str, Any]:
