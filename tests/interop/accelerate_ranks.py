@@ -150,6 +150,10 @@ def run_load(out: Path, layout: str) -> None:
     accelerator, models, optimizers, scheduler, counter = setup(out, layout, seed=123)
     refused: dict[str, str] = {}
     try:
+        use_reshard(accelerator)
+    except CheckpointError as error:
+        refused["twice"] = type(error).__name__
+    try:
         accelerator.save_state("s3://bucket/state")
     except CheckpointError as error:
         refused["url"] = type(error).__name__

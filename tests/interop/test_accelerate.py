@@ -106,6 +106,8 @@ def test_load_state_at_another_layout_is_bit_exact_and_training_continues_equal(
         assert reference["after"].keys() == loaded["after"].keys()
         for key, value in reference["after"].items():
             torch.testing.assert_close(loaded["after"][key], value, rtol=1e-5, atol=1e-6)
-    # Refused before anything changed: a URL as the state directory, a directory without a reshard checkpoint.
-    refused = {"url": "CheckpointError", "missing": "CheckpointNotFoundError", "scheduler_untouched": "True"}
+    # Refused before anything changed: a second use_reshard, a URL as the state directory, a directory without a
+    # reshard checkpoint.
+    refused = {"twice": "CheckpointError", "url": "CheckpointError", "missing": "CheckpointNotFoundError"}
+    refused["scheduler_untouched"] = "True"
     assert loaded["refused"] == refused
