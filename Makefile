@@ -13,10 +13,11 @@ TORCH_PIN ?= torch==2.13.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile requirements/test-no-deps.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH_PIN)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,demo]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -r requirements/test-no-deps.txt
 	touch $(STAMP)
 
 lint: $(STAMP)
