@@ -26,7 +26,7 @@ pytest.importorskip("torchtitan")
 import torch
 import torch.distributed as dist
 
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, CheckpointNotFoundError
 from tests.rankpool import RankContext, RankPool
 
 pytestmark = pytest.mark.dist
@@ -45,6 +45,25 @@ class TrainState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"].item())
         self.ntokens_seen = int(state["ntokens_seen"].item())
+
+
+class TinyTokens(torch.utils.data.IterableDataset[torch.Tensor]):
+    """A tiny stateful dataset of one data-parallel rank: token ids ``1000 * dp_rank + i`` from its position on
+    (torchdata's StatefulDataLoader saves and restores its ``state_dict``)."""
+
+    def __init__(self, dp_rank: int) -> None:
+        self.dp_rank, self.position = dp_rank, 0
+
+    def __iter__(self) -> Any:
+        while True:
+            self.position += 1
+            yield torch.tensor([1000 * self.dp_rank + self.position])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
 
 
 def _build(fsdp: int, tp: int, seed: int) -> tuple[Any, Any, Any]:
@@ -385,3 +404,115 @@ def test_hf_safetensors_load_and_last_save_through_the_adapter_equal_torchtitans
     ours, theirs = got["exported"]["reshard"], got["exported"]["dcp"]
     assert len(ours) > 15 and all(v.startswith("torch.bfloat16:") for v in ours.values())
     assert ours == theirs
+
+
+def _loader(rank: int) -> Any:
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    return ParallelAwareDataloader(TinyTokens(rank), dp_rank=rank, dp_world_size=2, batch_size=2)
+
+
+def _ours(folder: str, model: Any, optimizers: Any, schedulers: Any, loader: Any, **extra: Any) -> tuple[Any, Any]:
+    from reshard.interop.torchtitan import ReshardCheckpointManager
+
+    train = TrainState()
+    manager = ReshardCheckpointManager.Config(enable=True, folder="reshard", interval=1, **extra).build(
+        dataloader=loader,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": train},
+        sd_adapter=None,
+        base_folder=folder,
+    )
+    return manager, train
+
+
+def _resume(ctx: RankContext, folder: str, step: int = -1, **extra: Any) -> dict[str, Any]:
+    """A fresh model (TP 2 layout, another seed, one step trained), dataloader and train state, loaded by a
+    reshard manager of ``folder``; what came back."""
+    model, optimizers, schedulers = _build(1, 2, seed=1)
+    _train(model, optimizers, schedulers, 1)
+    loader = _loader(ctx.rank)
+    manager, train = _ours(folder, model, optimizers, schedulers, loader, **extra)
+    try:
+        # torchtitan's trainer calls load(step=config.checkpoint.load_step); so do these resumes given load_step
+        assert manager.load(manager.config.load_step if "load_step" in extra else step)
+    finally:
+        manager.close()
+    return {
+        "digests": _digests(model, optimizers),
+        "train": [train.step, train.ntokens_seen],
+        "next": next(iter(loader)).tolist(),
+    }
+
+
+def rank_train_state_dataloader_and_load_policies(ctx: RankContext, folder: str) -> dict[str, Any]:
+    """Train and save steps 1-3 at FSDP 2 with torchtitan's ParallelAwareDataloader (one batch per step) and
+    the train state; then resume fresh trainers under each load policy."""
+    model, optimizers, schedulers = _build(2, 1, seed=0)
+    loader = _loader(ctx.rank)
+    manager, train = _ours(f"{folder}/run", model, optimizers, schedulers, loader)
+    batches, digests = {}, {}
+    it = iter(loader)
+    for step in (1, 2, 3):
+        batches[step] = next(it).tolist()
+        _train(model, optimizers, schedulers, 1)
+        train.step, train.ntokens_seen = step, 64 * step
+        assert manager.save(step)
+        digests[step] = _digests(model, optimizers)
+    batches[4] = next(it).tolist()
+    manager.close()
+    missing = ""
+    try:
+        _resume(ctx, f"{folder}/run", step=7)
+    except CheckpointNotFoundError as error:
+        missing = str(error)
+    initial = f"{folder}/run/reshard/step_000000002"
+    return {
+        "batches": batches,
+        "digests": digests,
+        "step2": _resume(ctx, f"{folder}/run", step=2),
+        "latest": _resume(ctx, f"{folder}/run"),
+        "load_step2": _resume(ctx, f"{folder}/run", load_step=2),
+        "missing": missing,
+        "excluded": _resume(ctx, f"{folder}/run", exclude_from_loading=["dataloader", "train_state"]),
+        "initial_model": _resume(ctx, f"{folder}/init_model", initial_load_path=initial),
+        "initial_full": _resume(ctx, f"{folder}/init_full", initial_load_path=initial, initial_load_model_only=False),
+    }
+
+
+def _split(digests: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    model = {k: v for k, v in digests.items() if k.startswith("model.")}
+    return model, {k: v for k, v in digests.items() if k.startswith("optimizer.")}
+
+
+def test_train_state_dataloader_load_step_exclusions_and_initial_loads_restore_what_torchtitan_restores(
+    pools: Any, tmp_path: Path
+) -> None:
+    """Saved at FSDP 2 with torchtitan's ParallelAwareDataloader, resumed at another layout: the latest step
+    brings back the model and optimizer (bit-exact), the train state (step, ntokens_seen) and each data-parallel
+    rank's dataloader position (its next batch is the one after the saved step); ``load(step)`` and
+    ``load_step`` pick an older step, a step that is not there is CheckpointNotFoundError on every rank;
+    ``exclude_from_loading`` leaves the dataloader and train state as they were; ``initial_load_path`` into an
+    empty folder loads the model only (``initial_load_model_only``) or everything."""
+    results = pools.get(2).run_ok(rank_train_state_dataloader_and_load_policies, str(tmp_path), timeout_s=500)
+    for rank, got in enumerate(results):
+        batches = {int(k): v for k, v in got["batches"].items()}
+        assert batches[1] == [[1000 * rank + 1], [1000 * rank + 2]]
+        saved = {int(k): v for k, v in got["digests"].items()}
+        assert saved[2] != saved[3]
+        assert got["latest"]["digests"] == saved[3]
+        assert got["latest"]["train"] == [3, 192] and got["latest"]["next"] == batches[4]
+        for older in ("step2", "load_step2"):
+            assert got[older]["digests"] == saved[2]
+            assert got[older]["train"] == [2, 128] and got[older]["next"] == batches[3]
+        assert "checkpoint.load_step=7" in got["missing"]
+        assert got["excluded"]["digests"] == saved[3]
+        assert got["excluded"]["train"] == [0, 0] and got["excluded"]["next"] == batches[1]
+        model_only = got["initial_model"]
+        assert _split(model_only["digests"])[0] == _split(saved[2])[0]
+        assert _split(model_only["digests"])[1] != _split(saved[2])[1]
+        assert model_only["train"] == [0, 0] and model_only["next"] == batches[1]
+        assert got["initial_full"]["digests"] == saved[2]
+        assert got["initial_full"]["train"] == [2, 128] and got["initial_full"]["next"] == batches[3]
