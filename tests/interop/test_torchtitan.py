@@ -516,3 +516,40 @@ def test_train_state_dataloader_load_step_exclusions_and_initial_loads_restore_w
         assert model_only["train"] == [0, 0] and model_only["next"] == batches[1]
         assert got["initial_full"]["digests"] == saved[2]
         assert got["initial_full"]["train"] == [2, 128] and got["initial_full"]["next"] == batches[3]
+
+
+def rank_async_save_fails(ctx: RankContext, folder: str) -> dict[str, Any]:
+    """Step 1 saved asynchronously; then another holder (rank 0, through reshard's own lock) holds the folder's
+    manager lock while step 2 is saved in the background; ``close`` waits for it and raises its error."""
+    from reshard.io.locking import acquire_lock
+    from reshard.storage import storage_for
+
+    model, optimizers, schedulers = _build(2, 1, seed=0)
+    ours, theirs, _ = _managers(folder, model, optimizers, schedulers, async_mode="async")
+    theirs.close()
+    _train(model, optimizers, schedulers, 1)
+    assert ours.save(1)
+    ours.maybe_wait_for_saving()
+    root = storage_for(f"{folder}/reshard")
+    held = acquire_lock(root, "another-writer", what="manager") if ctx.rank == 0 else None
+    _train(model, optimizers, schedulers, 1)
+    assert ours.save(2)
+    error = ""
+    try:
+        ours.close()
+    except CheckpointError as exc:
+        error = type(exc).__name__
+    finally:
+        if held is not None:
+            held.release()
+        root.close()
+    steps = sorted(p.name for p in (Path(folder) / "reshard").iterdir() if p.name.startswith("step_"))
+    return {"error": error, "steps": steps}
+
+
+def test_a_failed_background_save_is_raised_by_close_on_every_rank_and_keeps_the_previous_step(
+    pools: Any, tmp_path: Path
+) -> None:
+    results = pools.get(2).run_ok(rank_async_save_fails, str(tmp_path), timeout_s=400)
+    assert [r["error"] for r in results] == ["CheckpointLockedError", "CheckpointLockedError"]
+    assert results[0]["steps"] == ["step_000000001"]
