@@ -26,7 +26,7 @@ pytest.importorskip("torchtitan")
 import torch
 import torch.distributed as dist
 
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, CheckpointNotFoundError
 from tests.rankpool import RankContext, RankPool
 
 pytestmark = pytest.mark.dist
@@ -45,6 +45,25 @@ class TrainState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"].item())
         self.ntokens_seen = int(state["ntokens_seen"].item())
+
+
+class TinyTokens(torch.utils.data.IterableDataset[torch.Tensor]):
+    """A tiny stateful dataset of one data-parallel rank: token ids ``1000 * dp_rank + i`` from its position on
+    (torchdata's StatefulDataLoader saves and restores its ``state_dict``)."""
+
+    def __init__(self, dp_rank: int) -> None:
+        self.dp_rank, self.position = dp_rank, 0
+
+    def __iter__(self) -> Any:
+        while True:
+            self.position += 1
+            yield torch.tensor([1000 * self.dp_rank + self.position])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
 
 
 def _build(fsdp: int, tp: int, seed: int) -> tuple[Any, Any, Any]:
@@ -225,7 +244,7 @@ def test_fsdp2_checkpoint_resumes_at_tp2_bit_exact_and_equal_to_torchtitans_dcp_
 def rank_refuses_async(ctx: RankContext, folder: str) -> str:
     model, optimizers, schedulers = _build(2, 1, seed=0)
     try:
-        _managers(folder, model, optimizers, schedulers, async_mode="async")
+        _managers(folder, model, optimizers, schedulers, async_mode="threads")
     except CheckpointError as error:
         return str(error)
     return "built"
@@ -233,4 +252,304 @@ def rank_refuses_async(ctx: RankContext, folder: str) -> str:
 
 def test_an_async_mode_it_cannot_honour_is_refused_on_every_rank(pools: Any, tmp_path: Path) -> None:
     results = pools.get(2).run_ok(rank_refuses_async, str(tmp_path), timeout_s=280)
-    assert all("saves synchronously only" in r for r in results)
+    assert all("async_mode='threads': not one of disabled, async, async_with_pinned_mem" in r for r in results)
+
+
+def rank_async_saves(ctx: RankContext, folder: str) -> dict[str, Any]:
+    """For each async mode: train and save steps 1-3 asynchronously (keep_latest_k=2), changing every tensor
+    (another training step) right after each save returns; then resume a fresh model from the newest step."""
+    out: dict[str, Any] = {}
+    for mode in ("async", "async_with_pinned_mem"):
+        model, optimizers, schedulers = _build(2, 1, seed=0)
+        ours, theirs, train = _managers(
+            f"{folder}/{mode}", model, optimizers, schedulers, async_mode=mode, keep_latest_k=2
+        )
+        theirs.close()
+        in_flight = []
+        for step in (1, 2, 3):
+            _train(model, optimizers, schedulers, 1)
+            train.step, train.ntokens_seen = step, 64 * step
+            assert ours.save(step)
+            in_flight.append(ours.save_future is not None)
+            saved = _digests(model, optimizers)
+            ours.maybe_wait_for_staging()
+            _train(model, optimizers, schedulers, 1)  # changes every tensor while the save may still run
+        assert _digests(model, optimizers) != saved
+        ours.close()  # waits for step 3
+        fresh, fresh_optimizers, fresh_schedulers = _build(1, 2, seed=1)
+        reader, theirs, fresh_train = _managers(f"{folder}/{mode}", fresh, fresh_optimizers, fresh_schedulers)
+        theirs.close()
+        assert reader.load()
+        reader.close()
+        out[mode] = {
+            "in_flight": in_flight,
+            "steps": sorted(p.name for p in (Path(folder) / mode / "reshard").iterdir()),
+            "equal": _digests(fresh, fresh_optimizers) == saved,
+            "train": [fresh_train.step, fresh_train.ntokens_seen],
+        }
+    return out
+
+
+def test_async_modes_save_the_snapshot_taken_when_save_returned_and_resume_at_another_layout(
+    pools: Any, tmp_path: Path
+) -> None:
+    """``async_mode`` "async" and "async_with_pinned_mem": each save returns with the save in flight
+    (``save_future`` set), the tensors change at once, and the committed step holds the state of the moment
+    ``save`` returned (resumed under TP 2, bit-exact); ``close`` waits for the last save; keep_latest_k holds."""
+    results = pools.get(2).run_ok(rank_async_saves, str(tmp_path), timeout_s=400)
+    for mode in ("async", "async_with_pinned_mem"):
+        got = results[0][mode]
+        assert got["in_flight"] == [True, True, True]
+        assert got["equal"] is True and results[1][mode]["equal"] is True
+        assert got["train"] == [3, 192]
+        assert [n for n in got["steps"] if n.startswith("step_")] == ["step_000000002", "step_000000003"]
+
+
+def _adapter() -> Any:
+    """torchtitan's own Llama 3 state-dict adapter for the model ``_build`` makes (no HF assets)."""
+    from torchtitan.models.llama3 import model_registry
+
+    spec = model_registry("debugmodel")
+    config = spec.model
+    config.layers = config.layers[:2]
+    return spec.state_dict_adapter(config, None)
+
+
+def _hf_managers(folder: str, model: Any, optimizers: Any, schedulers: Any, **extra: Any) -> tuple[Any, Any]:
+    """The reshard and the DCP manager of one trainer, with the adapter, under ``folder/reshard`` and
+    ``folder/dcp``."""
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    from reshard.interop.torchtitan import ReshardCheckpointManager
+
+    built = []
+    for config in (
+        ReshardCheckpointManager.Config(enable=True, folder="reshard", **extra),
+        CheckpointManager.Config(enable=True, folder="dcp", keep_latest_k=0, **extra),
+    ):
+        built.append(
+            config.build(
+                dataloader=None,
+                model_parts=[model],
+                optimizers=optimizers,
+                lr_schedulers=schedulers,
+                states={},
+                sd_adapter=_adapter(),
+                base_folder=folder,
+            )
+        )
+    return built[0], built[1]
+
+
+def _safetensors_digests(directory: Path) -> dict[str, str]:
+    from safetensors.torch import load_file
+
+    out: dict[str, str] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        for key, value in load_file(str(path)).items():
+            raw = value.contiguous().reshape(-1).view(torch.uint8)
+            out[key] = f"{value.dtype}:{tuple(value.shape)}:" + hashlib.sha256(raw.numpy()).hexdigest()
+    return out
+
+
+def rank_hf_in_and_out(ctx: RankContext, folder: str) -> dict[str, Any]:
+    """HF safetensors written by safetensors from the adapter's ``to_hf`` of an FSDP 2 model (seed 2) are
+    loaded into fresh TP 2 models by both managers (``initial_load_path`` + ``initial_load_in_hf``); then both
+    managers save the FSDP 2 model's last step in HF (bfloat16)."""
+    from safetensors.torch import save_file
+
+    source, source_optimizers, _ = _build(2, 1, seed=2)
+    want = {k: v for k, v in _digests(source, source_optimizers).items() if k.startswith("model.")}
+    full = {k: v.full_tensor() for k, v in source.state_dict().items()}
+    hf_in = Path(folder) / "hf_in"
+    if ctx.rank == 0:
+        hf_in.mkdir()
+        save_file({k: v.contiguous() for k, v in _adapter().to_hf(full).items()}, str(hf_in / "model.safetensors"))
+    dist.barrier()
+    got = {}
+    for backend in ("reshard", "dcp"):
+        model, optimizers, schedulers = _build(1, 2, seed=1)
+        ours, theirs = _hf_managers(
+            f"{folder}/{backend}", model, optimizers, schedulers, initial_load_path=str(hf_in), initial_load_in_hf=True
+        )
+        assert (ours if backend == "reshard" else theirs).load()
+        got[backend] = {k: v for k, v in _digests(model, optimizers).items() if k.startswith("model.")}
+        for manager in (ours, theirs):
+            manager.close()
+    out_folder = f"{folder}/out"
+    ours, theirs = _hf_managers(
+        out_folder, source, source_optimizers, None, last_save_in_hf=True, export_dtype="bfloat16"
+    )
+    assert ours.save(5, last_step=True) and theirs.save(5, last_step=True)
+    ours.close()
+    theirs.close()
+    exported = {}
+    if ctx.rank == 0:
+        exported = {name: _safetensors_digests(Path(out_folder) / name / "step-5") for name in ("reshard", "dcp")}
+    return {"want": want, "got": got, "exported": exported}
+
+
+def test_hf_safetensors_load_and_last_save_through_the_adapter_equal_torchtitans_dcp_path(
+    pools: Any, tmp_path: Path
+) -> None:
+    """``initial_load_in_hf``: the model loaded from HF safetensors under TP 2 equals, bit for bit, the FSDP 2
+    model the file was written from and torchtitan's own DCP + HuggingFaceStorageReader load of it;
+    ``last_save_in_hf``: the exported safetensors hold the same names, dtypes, shapes and bytes as torchtitan's
+    own HF save."""
+    results = pools.get(2).run_ok(rank_hf_in_and_out, str(tmp_path), timeout_s=400)
+    got = results[0]
+    assert len(got["want"]) > 15
+    assert got["got"]["reshard"] == got["want"]
+    assert got["got"]["dcp"] == got["want"]
+    ours, theirs = got["exported"]["reshard"], got["exported"]["dcp"]
+    assert len(ours) > 15 and all(v.startswith("torch.bfloat16:") for v in ours.values())
+    assert ours == theirs
+
+
+def _loader(rank: int) -> Any:
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    return ParallelAwareDataloader(TinyTokens(rank), dp_rank=rank, dp_world_size=2, batch_size=2)
+
+
+def _ours(folder: str, model: Any, optimizers: Any, schedulers: Any, loader: Any, **extra: Any) -> tuple[Any, Any]:
+    from reshard.interop.torchtitan import ReshardCheckpointManager
+
+    train = TrainState()
+    manager = ReshardCheckpointManager.Config(enable=True, folder="reshard", interval=1, **extra).build(
+        dataloader=loader,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": train},
+        sd_adapter=None,
+        base_folder=folder,
+    )
+    return manager, train
+
+
+def _resume(ctx: RankContext, folder: str, step: int = -1, **extra: Any) -> dict[str, Any]:
+    """A fresh model (TP 2 layout, another seed, one step trained), dataloader and train state, loaded by a
+    reshard manager of ``folder``; what came back."""
+    model, optimizers, schedulers = _build(1, 2, seed=1)
+    _train(model, optimizers, schedulers, 1)
+    loader = _loader(ctx.rank)
+    manager, train = _ours(folder, model, optimizers, schedulers, loader, **extra)
+    try:
+        # torchtitan's trainer calls load(step=config.checkpoint.load_step); so do these resumes given load_step
+        assert manager.load(manager.config.load_step if "load_step" in extra else step)
+    finally:
+        manager.close()
+    return {
+        "digests": _digests(model, optimizers),
+        "train": [train.step, train.ntokens_seen],
+        "next": next(iter(loader)).tolist(),
+    }
+
+
+def rank_train_state_dataloader_and_load_policies(ctx: RankContext, folder: str) -> dict[str, Any]:
+    """Train and save steps 1-3 at FSDP 2 with torchtitan's ParallelAwareDataloader (one batch per step) and
+    the train state; then resume fresh trainers under each load policy."""
+    model, optimizers, schedulers = _build(2, 1, seed=0)
+    loader = _loader(ctx.rank)
+    manager, train = _ours(f"{folder}/run", model, optimizers, schedulers, loader)
+    batches, digests = {}, {}
+    it = iter(loader)
+    for step in (1, 2, 3):
+        batches[step] = next(it).tolist()
+        _train(model, optimizers, schedulers, 1)
+        train.step, train.ntokens_seen = step, 64 * step
+        assert manager.save(step)
+        digests[step] = _digests(model, optimizers)
+    batches[4] = next(it).tolist()
+    manager.close()
+    missing = ""
+    try:
+        _resume(ctx, f"{folder}/run", step=7)
+    except CheckpointNotFoundError as error:
+        missing = str(error)
+    initial = f"{folder}/run/reshard/step_000000002"
+    return {
+        "batches": batches,
+        "digests": digests,
+        "step2": _resume(ctx, f"{folder}/run", step=2),
+        "latest": _resume(ctx, f"{folder}/run"),
+        "load_step2": _resume(ctx, f"{folder}/run", load_step=2),
+        "missing": missing,
+        "excluded": _resume(ctx, f"{folder}/run", exclude_from_loading=["dataloader", "train_state"]),
+        "initial_model": _resume(ctx, f"{folder}/init_model", initial_load_path=initial),
+        "initial_full": _resume(ctx, f"{folder}/init_full", initial_load_path=initial, initial_load_model_only=False),
+    }
+
+
+def _split(digests: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    model = {k: v for k, v in digests.items() if k.startswith("model.")}
+    return model, {k: v for k, v in digests.items() if k.startswith("optimizer.")}
+
+
+def test_train_state_dataloader_load_step_exclusions_and_initial_loads_restore_what_torchtitan_restores(
+    pools: Any, tmp_path: Path
+) -> None:
+    """Saved at FSDP 2 with torchtitan's ParallelAwareDataloader, resumed at another layout: the latest step
+    brings back the model and optimizer (bit-exact), the train state (step, ntokens_seen) and each data-parallel
+    rank's dataloader position (its next batch is the one after the saved step); ``load(step)`` and
+    ``load_step`` pick an older step, a step that is not there is CheckpointNotFoundError on every rank;
+    ``exclude_from_loading`` leaves the dataloader and train state as they were; ``initial_load_path`` into an
+    empty folder loads the model only (``initial_load_model_only``) or everything."""
+    results = pools.get(2).run_ok(rank_train_state_dataloader_and_load_policies, str(tmp_path), timeout_s=500)
+    for rank, got in enumerate(results):
+        batches = {int(k): v for k, v in got["batches"].items()}
+        assert batches[1] == [[1000 * rank + 1], [1000 * rank + 2]]
+        saved = {int(k): v for k, v in got["digests"].items()}
+        assert saved[2] != saved[3]
+        assert got["latest"]["digests"] == saved[3]
+        assert got["latest"]["train"] == [3, 192] and got["latest"]["next"] == batches[4]
+        for older in ("step2", "load_step2"):
+            assert got[older]["digests"] == saved[2]
+            assert got[older]["train"] == [2, 128] and got[older]["next"] == batches[3]
+        assert "checkpoint.load_step=7" in got["missing"]
+        assert got["excluded"]["digests"] == saved[3]
+        assert got["excluded"]["train"] == [0, 0] and got["excluded"]["next"] == batches[1]
+        model_only = got["initial_model"]
+        assert _split(model_only["digests"])[0] == _split(saved[2])[0]
+        assert _split(model_only["digests"])[1] != _split(saved[2])[1]
+        assert model_only["train"] == [0, 0] and model_only["next"] == batches[1]
+        assert got["initial_full"]["digests"] == saved[2]
+        assert got["initial_full"]["train"] == [2, 128] and got["initial_full"]["next"] == batches[3]
+
+
+def rank_async_save_fails(ctx: RankContext, folder: str) -> dict[str, Any]:
+    """Step 1 saved asynchronously; then another holder (rank 0, through reshard's own lock) holds the folder's
+    manager lock while step 2 is saved in the background; ``close`` waits for it and raises its error."""
+    from reshard.io.locking import acquire_lock
+    from reshard.storage import storage_for
+
+    model, optimizers, schedulers = _build(2, 1, seed=0)
+    ours, theirs, _ = _managers(folder, model, optimizers, schedulers, async_mode="async")
+    theirs.close()
+    _train(model, optimizers, schedulers, 1)
+    assert ours.save(1)
+    ours.maybe_wait_for_saving()
+    root = storage_for(f"{folder}/reshard")
+    held = acquire_lock(root, "another-writer", what="manager") if ctx.rank == 0 else None
+    _train(model, optimizers, schedulers, 1)
+    assert ours.save(2)
+    error = ""
+    try:
+        ours.close()
+    except CheckpointError as exc:
+        error = type(exc).__name__
+    finally:
+        if held is not None:
+            held.release()
+        root.close()
+    steps = sorted(p.name for p in (Path(folder) / "reshard").iterdir() if p.name.startswith("step_"))
+    return {"error": error, "steps": steps}
+
+
+def test_a_failed_background_save_is_raised_by_close_on_every_rank_and_keeps_the_previous_step(
+    pools: Any, tmp_path: Path
+) -> None:
+    results = pools.get(2).run_ok(rank_async_save_fails, str(tmp_path), timeout_s=400)
+    assert [r["error"] for r in results] == ["CheckpointLockedError", "CheckpointLockedError"]
+    assert results[0]["steps"] == ["step_000000001"]

@@ -14,13 +14,25 @@ needs the same data-parallel degree, else ``MismatchError`` on every rank unless
 names it), from ``s3://`` or ``gs://`` folders (``storage_options``), and with ``read_once`` (each byte read
 from storage once and exchanged between ranks).
 
+``async_mode`` ``"async"`` and ``"async_with_pinned_mem"`` save as torchtitan's DCP manager does: ``save`` returns
+once the state is snapshotted into host buffers that reshard's :class:`~reshard.AsyncCheckpointer` keeps from one
+save to the next (pinned for CUDA tensors), and a background thread saves the snapshot through the step manager
+(lock, commit, ``latest``, retention) over a gloo group of its own, made when the manager is built, so that its
+collectives never meet the training's. The next save, a load and ``close`` wait for it first (``close`` and
+``maybe_wait_for_saving`` raise its error). The snapshot is complete when ``save`` returns in both modes, so
+``maybe_wait_for_staging`` has nothing to wait for. A last-step save is synchronous, as in torchtitan.
+Hugging Face safetensors (``initial_load_in_hf``, ``last_save_in_hf``) go through the trainer's state-dict adapter:
+:mod:`reshard.interop.torchtitan_hf`.
+
 torchtitan is imported here only: ``import reshard`` never needs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -36,12 +48,18 @@ from torchtitan.components.checkpointer.base import (
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from reshard.errors import CheckpointError, CheckpointNotFoundError
+from reshard.flows.async_save import AsyncCheckpointer
 from reshard.flows.load import load
 from reshard.flows.manager import CheckpointManager
 from reshard.flows.options import LoadOptions
+from reshard.interop.torchtitan_hf import export_hf, load_hf_model
 from reshard.state.sharding import ShardedObject
 
 __all__ = ["ReshardCheckpointManager"]
+
+logger = logging.getLogger("reshard")
+
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 
 
 def _is_remote(path: str) -> bool:
@@ -67,8 +85,8 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         """torchtitan's shared checkpoint policies, plus what reshard adds."""
 
         async_mode: str = "disabled"
-        """Only ``"disabled"``: an asynchronous save through this manager is not implemented yet, and any
-        other value raises ``CheckpointError`` when the manager is built (never ignored)."""
+        """``"disabled"``, ``"async"`` or ``"async_with_pinned_mem"`` (see the module doc); any other value
+        raises ``CheckpointError`` when the manager is built."""
 
         storage_options: dict[str, Any] | None = None
         """Options of the object-store client for an ``s3://`` or ``gs://`` folder (``endpoint_url``, ...)."""
@@ -94,8 +112,8 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         self.enable = config.enable
         if not self.enable:
             return
-        self.save_future = None
-        _refuse_unsupported(config)
+        self.save_future: Future[None] | None = None
+        _refuse_unsupported(config, sd_adapter)
         self.config = config
         self.folder = _join(base_folder, config.folder)
         self.states = states
@@ -104,15 +122,26 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         self.sd_adapter = sd_adapter
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self._replica: int | None = None
+        self._snapshots: AsyncCheckpointer | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        group = None
+        if config.async_mode != "disabled":
+            group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+            self._snapshots = AsyncCheckpointer(group=group, timeout=config.timeout_s)
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-torchtitan-save")
         self._manager: CheckpointManager | None = CheckpointManager(
             self.folder,
             keep_last=config.keep_latest_k or None,
+            group=group,
             storage_options=config.storage_options,
             timeout=config.timeout_s,
         )
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception as exc:  # a finaliser must not raise; close() called by the trainer raises it
+            logger.warning("closing the reshard torchtitan checkpoint manager failed: %s", exc)
 
     # ---- save ------------------------------------------------------------------------------------------
 
@@ -121,13 +150,46 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         step). **Collective** over the default group: every rank calls it at every step."""
         if not self._should_save(curr_step, last_step):
             return False
+        self.maybe_wait_for_saving()
         if last_step and self.config.last_save_model_only:
-            state: dict[str, Any] = {MODEL: self._export_model()}
-        else:
-            state = self._full_state(self.states)
+            self._save_model_only(curr_step)
+            return True
+        state = self._full_state(self.states)
         with torch.no_grad():
-            self._root().save(curr_step, state, overwrite=True)
+            if self._snapshots is None or last_step:
+                self._root().save(curr_step, state, overwrite=True)
+            else:
+                self._save_in_background(curr_step, self._snapshots.snapshot(state))
         return True
+
+    def _save_model_only(self, curr_step: int) -> None:
+        """The last step's model-only checkpoint in ``export_dtype``; with ``last_save_in_hf`` under the
+        adapter's HF names, then exported as HF safetensors to ``<folder>/step-<N>``. Collective."""
+        model = self._export_model()
+        if self.config.last_save_in_hf:
+            with torch.no_grad():
+                self._root().save(curr_step, self.sd_adapter.to_hf(model), overwrite=True)
+            export_hf(
+                self._root().path_of(curr_step),
+                _join(self.folder, f"step-{curr_step}"),
+                storage_options=self.config.storage_options,
+                timeout=self.config.timeout_s,
+            )
+            return
+        with torch.no_grad():
+            self._root().save(curr_step, {MODEL: model}, overwrite=True)
+
+    def _save_in_background(self, curr_step: int, snapshot: dict[str, Any]) -> None:
+        """Save ``snapshot`` (host copies) as step ``curr_step`` on the background thread; ``save_future`` is
+        its outcome. The step manager's collectives run over the manager's own gloo group."""
+        manager, executor = self._root(), self._executor
+        assert executor is not None
+
+        def run() -> None:
+            with torch.no_grad():
+                manager.save(curr_step, snapshot, overwrite=True)
+
+        self.save_future = executor.submit(run)
 
     def _should_save(self, curr_step: int, last_step: bool) -> bool:
         if self.config.load_only:
@@ -192,6 +254,7 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         """Load step ``step`` of the folder (-1: the newest complete one), else the initial checkpoint
         (``initial_load_path``), into the trainer's objects. **Collective** over the default group.
         Returns False for a fresh start (nothing to load)."""
+        self.maybe_wait_for_saving()
         options = LoadOptions(read_once=self.config.read_once)
         kwargs: dict[str, Any] = {"options": options, "strict": True}
         steps = self._root().steps()
@@ -206,6 +269,9 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
                 timeout=self.config.timeout_s,
                 **kwargs,
             )
+        elif self.config.initial_load_in_hf:
+            self._load_hf(options)
+            return True
         elif self.config.initial_load_path:
             states = self._states_to_load(model_only=self.config.initial_load_model_only)
             loaded = load(
@@ -219,6 +285,23 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
             return False
         self._apply(states, loaded)
         return True
+
+    def _load_hf(self, options: LoadOptions) -> None:
+        """The initial load from HF safetensors: ``initial_load_path``, else the adapter's ``hf_assets_path``
+        (as torchtitan's DCP manager). Collective."""
+        path = self.config.initial_load_path or getattr(self.sd_adapter, "hf_assets_path", None)
+        if not path:
+            raise CheckpointError(
+                "checkpoint.initial_load_in_hf needs checkpoint.initial_load_path or the model's hf_assets_path"
+            )
+        load_hf_model(
+            self.sd_adapter,
+            self.states[MODEL],
+            path,
+            options=options,
+            storage_options=self.config.storage_options,
+            timeout=self.config.timeout_s,
+        )
 
     def _states_to_load(self, model_only: bool) -> dict[str, Any]:
         if model_only:
@@ -255,32 +338,44 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
     # ---- the rest of the contract ----------------------------------------------------------------------
 
     def _maybe_wait_for_staging(self) -> None:
-        """Saves are synchronous: nothing is ever staging."""
+        """The snapshot of an asynchronous save is complete when ``save`` returns: nothing is left staging."""
 
     def _wait_for_saving(self) -> None:
-        """Saves are synchronous: ``save_future`` is never set, so torchtitan never calls this."""
+        """Wait for the background save in flight and raise its error (the same on every rank: reshard's save
+        agrees on failures). Called through ``maybe_wait_for_saving``, by the next save, a load and ``close``."""
+        future: Future[None] | None = self.save_future
         self.save_future = None
+        if future is not None:
+            future.result()
 
     def _close(self) -> None:
-        manager = getattr(self, "_manager", None)
-        if manager is not None:
-            manager.close()
-            self._manager = None
+        """Wait for a background save in flight (raising its error), then release the threads and storage."""
+        try:
+            if getattr(self, "save_future", None) is not None:
+                self._wait_for_saving()
+        finally:
+            executor = getattr(self, "_executor", None)
+            if executor is not None:
+                executor.shutdown(wait=True)
+                self._executor = None
+            manager = getattr(self, "_manager", None)
+            if manager is not None:
+                manager.close()
+                self._manager = None
 
 
-def _refuse_unsupported(config: ReshardCheckpointManager.Config) -> None:
+def _refuse_unsupported(config: ReshardCheckpointManager.Config, sd_adapter: Any) -> None:
     """An option this manager cannot honour is an error when it is built, never ignored."""
-    if config.async_mode != "disabled":
+    if config.async_mode not in ASYNC_MODES:
+        raise CheckpointError(f"checkpoint.async_mode={config.async_mode!r}: not one of {', '.join(ASYNC_MODES)}")
+    if config.initial_load_in_hf_quantized:
         raise CheckpointError(
-            f"checkpoint.async_mode={config.async_mode!r}: the reshard checkpoint manager saves synchronously "
-            "only (async_mode='disabled')"
+            "checkpoint.initial_load_in_hf_quantized: torchtitan's quantized HF reader is not supported by the "
+            "reshard checkpoint manager (reshard.interop.HuggingFaceSource reads scaled HF checkpoints)"
         )
-    if config.last_save_in_hf or config.initial_load_in_hf or config.initial_load_in_hf_quantized:
+    if (config.last_save_in_hf or config.initial_load_in_hf) and sd_adapter is None:
         raise CheckpointError(
-            "checkpoint.last_save_in_hf / initial_load_in_hf: Hugging Face safetensors through torchtitan's "
-            "state-dict adapters are not implemented by the reshard checkpoint manager yet; export with "
-            "`reshard export` or load with reshard.interop.HuggingFaceSource instead"
+            "checkpoint.last_save_in_hf / initial_load_in_hf need the model's state-dict adapter (sd_adapter)"
         )
     if config.create_seed_checkpoint:
         raise CheckpointError("checkpoint.create_seed_checkpoint is not supported by the reshard checkpoint manager")
-
