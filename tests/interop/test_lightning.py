@@ -192,3 +192,111 @@ def test_model_parallel_strategy_removes_only_what_reshard_wrote(tmp_path: Path)
     (tmp_path / "a.ckpt" / "notes.txt").write_text("mine")
     ReshardModelParallelStrategy().remove_checkpoint(tmp_path / "a.ckpt")
     assert sorted(p.name for p in (tmp_path / "a.ckpt").iterdir()) == ["notes.txt"]
+
+
+# ---- found by the outside attack (issue 35) -----------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_a_torch_size_value_saves_and_loads(tmp_path: Path) -> None:
+    """``save_hyperparameters()`` of a module taking a ``torch.Size``: the save succeeded and no checkpoint of the
+    run could be loaded (the structure recorded one value where reshard stored a tuple of sizes)."""
+    io = ReshardCheckpointIO()
+    hyper = {"input_shape": torch.Size([8, 4]), "empty": torch.Size([])}
+    io.save_checkpoint({**_checkpoint(), "hyper_parameters": hyper}, tmp_path / "a.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "a.ckpt")
+    assert loaded["hyper_parameters"] == {"input_shape": (8, 4), "empty": ()}
+    assert_same(loaded["state_dict"], _checkpoint()["state_dict"])
+
+
+@pytest.mark.unit
+def test_removing_lightnings_link_to_a_checkpoint_removes_the_link_only(tmp_path: Path) -> None:
+    """``ModelCheckpoint(save_last="link")`` with a step in the last name removes the previous link: it raised
+    CheckpointError (reshard deletes nothing through a link) and ended ``fit``."""
+    io = ReshardCheckpointIO()
+    io.save_checkpoint(_checkpoint(), tmp_path / "step=1.ckpt")
+    (tmp_path / "last-step=1.ckpt").symlink_to("step=1.ckpt")
+    io.remove_checkpoint(tmp_path / "last-step=1.ckpt")
+    assert not (tmp_path / "last-step=1.ckpt").is_symlink()
+    assert_same(io.load_checkpoint(tmp_path / "step=1.ckpt"), _checkpoint())
+
+
+@pytest.mark.unit
+def test_a_missing_checkpoint_or_a_bad_device_is_a_reshard_error(tmp_path: Path) -> None:
+    from reshard.errors import CheckpointNotFoundError
+
+    io = ReshardCheckpointIO()
+    with pytest.raises(CheckpointNotFoundError):  # also the FileNotFoundError Lightning expects
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+    torch.save(_checkpoint(), tmp_path / "torch.ckpt")  # Lightning's own TorchCheckpointIO file
+    with pytest.raises(CheckpointNotFoundError, match="not a checkpoint directory"):
+        io.load_checkpoint(tmp_path / "torch.ckpt")
+    io.save_checkpoint(_checkpoint(), tmp_path / "a.ckpt")
+    for device in ("bogus", "meta") + (() if torch.cuda.is_available() else ("cuda:0",)):
+        with pytest.raises(CheckpointError, match="map_location"):
+            io.load_checkpoint(tmp_path / "a.ckpt", map_location=device)
+
+
+def _forge(path: Path, change: Any) -> None:
+    """Rewrite ``path``'s metadata.json by ``change(document)`` and seal it again (a hostile, valid document)."""
+    import json
+
+    from reshard.metadata.wire import seal_document
+
+    document = json.loads((path / "metadata.json").read_text())
+    del document["metadata_crc32c"]
+    change(document)
+    (path / "metadata.json").write_bytes(seal_document(json.dumps(document).encode()))
+
+
+def _structure(record: Any) -> Any:
+    import json
+
+    text = record if isinstance(record, str) else json.dumps(record)
+    return lambda document: document["common"].__setitem__(STRUCTURE_KEY, text)
+
+
+def _huge(document: dict[str, Any]) -> None:
+    """A consistent forgery of a 256 GiB tensor: shape, box, byte length, checksum chunk and file size agree."""
+    n = 2**36
+    tensor = document["tensors"]["state_dict.layer.weight"]
+    tensor["global_shape"] = [n]
+    tensor["boxes"][0].update(shape=[n], offset=[0], byte_length=4 * n)
+    document["checksum"]["chunk_bytes"] = 2**62
+    for entry in document["files"]:
+        entry["size"] = 4 * n
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "change",
+    [
+        _structure("[" * 100_000 + "]" * 100_000),
+        _structure({"dict": [[["unhashable"], "value"]]}),
+        _structure({"dict": 5}),
+        _structure({"dict": [["half a pair"]]}),
+        _structure({"set": ["value"]}),
+        _structure({"dict": [["epoch", "value"], ["epoch", "value"]]}),
+        _structure({"dict": [["epoch", "value"]]}),  # the tensors left out
+        _huge,
+    ],
+    ids=[
+        "deep",
+        "unhashable-key",
+        "children-not-a-list",
+        "half-pair",
+        "unknown-kind",
+        "key-twice",
+        "tensors-dropped",
+        "huge",
+    ],
+)
+def test_a_forged_structure_or_shape_is_a_checkpoint_error_before_anything_is_allocated(
+    tmp_path: Path, change: Any
+) -> None:
+    io = ReshardCheckpointIO()
+    checkpoint = {"state_dict": {"layer.weight": torch.ones(2, 3)}, "epoch": 0}
+    io.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    _forge(tmp_path / "a.ckpt", change)
+    with pytest.raises(CheckpointError):
+        io.load_checkpoint(tmp_path / "a.ckpt")

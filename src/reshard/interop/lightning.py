@@ -33,16 +33,17 @@ import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from pytorch_lightning.strategies.model_parallel import ModelParallelStrategy
 
-from reshard.errors import CheckpointError, CheckpointNotFoundError, StateDictError
+from reshard.errors import CheckpointError, CorruptCheckpointError, StateDictError
 from reshard.flows.load import load, read_metadata
 from reshard.flows.options import LoadOptions, SaveOptions
 from reshard.flows.save import save
 from reshard.io.retirement import delete_checkpoint
+from reshard.io.verified import check_data_files
 from reshard.metadata import Metadata
 from reshard.net.transports import SingleProcess
 from reshard.storage import storage_for
 
-__all__ = ["STRUCTURE_KEY", "ReshardCheckpointIO", "ReshardModelParallelStrategy"]
+__all__ = ["MAX_STRUCTURE_DEPTH", "STRUCTURE_KEY", "ReshardCheckpointIO", "ReshardModelParallelStrategy"]
 
 STRUCTURE_KEY = "reshard_lightning_structure"
 """The top-level key under which the checkpoint dict's structure is stored (a JSON string, a common value)."""
@@ -61,7 +62,7 @@ def structure_of(obj: object) -> object:
         return {"dict": [[key, structure_of(value)] for key, value in obj.items()]}
     if isinstance(obj, list):
         return {"list": [structure_of(value) for value in obj]}
-    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+    if isinstance(obj, tuple):  # a torch.Size too: reshard stores it as the tuple of its sizes
         return {"tuple": [structure_of(value) for value in obj]}
     return "tensor" if isinstance(obj, torch.Tensor) else "value"
 
@@ -70,25 +71,85 @@ def _dotted(path: tuple[str | int, ...]) -> str:
     return ".".join(str(part) for part in path)
 
 
+MAX_STRUCTURE_DEPTH = 100
+"""Nesting deeper than this in a saved structure record is refused (a forged record must not exhaust the stack)."""
+
+
 def template_of(
     structure: object, metadata: Metadata, device: torch.device, path: tuple[str | int, ...] = ()
 ) -> object:
     """A load template of ``structure``: each tensor an empty tensor of its saved global shape and dtype on
-    ``device`` (filled by the load), each other leaf a placeholder the load replaces with the saved value."""
+    ``device`` (filled by the load), each other leaf a placeholder the load replaces with the saved value.
+    CheckpointError for a record that :func:`structure_of` cannot have written."""
+    where = _dotted(path) or "<root>"
+    if len(path) > MAX_STRUCTURE_DEPTH:
+        raise CheckpointError(f"{where}: the Lightning structure record nests deeper than {MAX_STRUCTURE_DEPTH}")
     if structure == "value":
         return None
     if structure == "tensor":
         saved = metadata.tensors.get(_dotted(path))
         if saved is None:
-            raise CheckpointError(f"{_dotted(path)}: the checkpoint's structure names a tensor it does not hold")
+            raise CheckpointError(f"{where}: the checkpoint's structure names a tensor it does not hold")
         return torch.empty(saved.global_shape, dtype=saved.torch_dtype, device=device)
     if not isinstance(structure, dict) or len(structure) != 1:
-        raise CheckpointError(f"{_dotted(path) or '<root>'}: malformed Lightning structure record")
+        raise CheckpointError(f"{where}: malformed Lightning structure record")
     ((kind, children),) = structure.items()
+    if kind not in ("dict", "list", "tuple") or not isinstance(children, list):
+        raise CheckpointError(f"{where}: malformed Lightning structure record (kind {kind!r})")
     if kind == "dict":
-        return {key: template_of(child, metadata, device, (*path, key)) for key, child in children}
+        pairs = [_dict_entry(child, where) for child in children]
+        if len({key for key, _ in pairs}) != len(pairs):
+            raise CheckpointError(f"{where}: malformed Lightning structure record (a key twice)")
+        return {key: template_of(child, metadata, device, (*path, key)) for key, child in pairs}
     items = [template_of(child, metadata, device, (*path, i)) for i, child in enumerate(children)]
     return tuple(items) if kind == "tuple" else items
+
+
+def _dict_entry(entry: object, where: str) -> tuple[str | int, object]:
+    """One ``[key, child]`` pair of a dict's record: a str or int key (bool is not an int here)."""
+    if not isinstance(entry, list) or len(entry) != 2:
+        raise CheckpointError(f"{where}: malformed Lightning structure record (a dict entry {entry!r:.80})")
+    key, child = entry
+    if not isinstance(key, str | int) or isinstance(key, bool):
+        raise CheckpointError(f"{where}: malformed Lightning structure record (a dict key {key!r:.80})")
+    return key, child
+
+
+def _tensors_of(template: object, path: tuple[str | int, ...] = ()) -> dict[str, torch.Tensor]:
+    """The template's tensors by dotted path."""
+    if isinstance(template, torch.Tensor):
+        return {_dotted(path): template}
+    items = (
+        template.items()
+        if isinstance(template, dict)
+        else enumerate(template)
+        if isinstance(template, list | tuple)
+        else ()
+    )
+    out: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        out.update(_tensors_of(value, (*path, key)))
+    return out
+
+
+def checked_template(where: str, metadata: Metadata, device: torch.device, storage_options: Any) -> object:
+    """The load template of the checkpoint at ``where`` (:func:`template_of`), allocated only after every data
+    file was found at the size the metadata says, and bounded by them: the tensors' bytes come from files that
+    exist, never from a number of the metadata alone (docs/reliability.md, section 5)."""
+    storage = storage_for(where, storage_options)
+    try:
+        check_data_files(storage, metadata)
+    finally:
+        storage.close()
+    structure = saved_structure(metadata, where)
+    on_disk = sum(entry.size for entry in metadata.files)
+    tensors = _tensors_of(template_of(structure, metadata, torch.device("meta")))
+    if set(tensors) != set(metadata.tensors):
+        raise CheckpointError(f"{where}: its Lightning structure record does not name every tensor it holds")
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    if needed > on_disk:
+        raise CorruptCheckpointError(f"{where}: its tensors need {needed} bytes, its data files hold {on_disk}")
+    return template_of(structure, metadata, device)
 
 
 def with_structure(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
@@ -105,7 +166,7 @@ def saved_structure(metadata: Metadata, where: str) -> object:
         raise CheckpointError(f"{where}: not a Lightning checkpoint saved through reshard (no {STRUCTURE_KEY})")
     try:
         return json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{where}: malformed {STRUCTURE_KEY}: {exc}") from exc
 
 
@@ -120,7 +181,15 @@ def _device_of(map_location: Any) -> torch.device:
     if map_location is None:
         return torch.device("cpu")
     if isinstance(map_location, str | torch.device):
-        return torch.device(map_location)
+        try:
+            device = torch.device(map_location)
+        except RuntimeError as exc:
+            raise CheckpointError(f"map_location={map_location!r}: not a device: {exc}") from exc
+        if device.type == "meta":
+            raise CheckpointError(f"map_location={map_location!r}: a load needs a device that holds the values")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise CheckpointError(f"map_location={map_location!r}: CUDA is not available in this process")
+        return device
     raise CheckpointError(
         f"map_location={map_location!r}: ReshardCheckpointIO takes a device or a device name, not a "
         "function or a dict (torch.load's storage remapping)"
@@ -140,6 +209,10 @@ def _options(storage_options: Any, default: dict[str, Any] | None) -> dict[str, 
 def _remove(path: str, storage_options: dict[str, Any] | None) -> None:
     """Delete the reshard checkpoint at ``path``: only the files a reshard save wrote there (never the
     directory's other files, never its parent)."""
+    if "://" not in path and os.path.islink(path):
+        # Lightning's own link (ModelCheckpoint(save_last="link")): the link goes, never what it points at.
+        os.unlink(path)
+        return
     storage = storage_for(path, storage_options)
     try:
         if storage.root_exists():
@@ -205,11 +278,11 @@ class ReshardCheckpointIO(CheckpointIO):
         ``weights_only`` changes nothing: reshard never unpickles, so every load is as safe as ``True``."""
         del weights_only
         where = _location(path)
-        try:
-            metadata = read_metadata(where, storage_options=self.storage_options)
-        except CheckpointNotFoundError as exc:
-            raise FileNotFoundError(f"Checkpoint not found: {where}: {exc}") from exc
-        template = template_of(saved_structure(metadata, where), metadata, _device_of(map_location))
+        device = _device_of(map_location)
+        # A missing checkpoint is reshard's CheckpointNotFoundError, which is a FileNotFoundError as Lightning
+        # expects of a CheckpointIO.
+        metadata = read_metadata(where, storage_options=self.storage_options)
+        template = checked_template(where, metadata, device, self.storage_options)
         with torch.no_grad():
             loaded = load(
                 template,
@@ -292,7 +365,7 @@ class ReshardModelParallelStrategy(ModelParallelStrategy):
 
         path = _location(self.broadcast(checkpoint_path))
         metadata = read_metadata(path, storage_options=self.reshard_storage_options)
-        template = template_of(saved_structure(metadata, path), metadata, torch.device("cpu"))
+        template = checked_template(path, metadata, torch.device("cpu"), self.reshard_storage_options)
         if not isinstance(template, dict):
             raise CheckpointError(f"{path}: the saved checkpoint is not a dict")
         optimizers = self._live_templates(template, path)

@@ -34,6 +34,8 @@ __all__ = [
     "Segment",
     "StoredEntry",
     "VerifiedReader",
+    "check_data_file",
+    "check_data_files",
     "verify_stored_ranges",
 ]
 
@@ -117,20 +119,7 @@ class VerifiedReader:
         """Before the first read of a data file: it exists and has the size the metadata says."""
         if file in self.checked_files:
             return
-        entry = self.metadata.files[file]
-        where = self.storage.describe(entry.location)
-        if entry.checkpoint is not None:
-            where += f" (of checkpoint {entry.checkpoint}, which {self.storage.describe()} references)"
-        try:
-            size = self.storage.size(entry.location)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"data file {where} is missing") from None
-        except OSError as exc:
-            raise StorageError(f"cannot open data file {where}: {exc}") from exc
-        if size != entry.size:
-            raise CorruptCheckpointError(
-                f"data file {where} has {size} bytes, the metadata says {entry.size}: it was truncated or altered"
-            )
+        check_data_file(self.storage, self.metadata, file)
         self.checked_files.add(file)
 
     def read(self, requests: list[ReadRequest], whats: list[str]) -> None:
@@ -268,3 +257,31 @@ def verify_stored_ranges(
     finally:
         reader.close()
     return problems
+
+
+def check_data_file(storage: Storage, metadata: Metadata, file: int) -> None:
+    """Data file ``file`` of ``metadata`` exists in ``storage`` (the checkpoint's own, which resolves the
+    files it references) and has the size the metadata says: CorruptCheckpointError, else StorageError."""
+    entry = metadata.files[file]
+    where = storage.describe(entry.location)
+    if entry.checkpoint is not None:
+        where += f" (of checkpoint {entry.checkpoint}, which {storage.describe()} references)"
+    try:
+        size = storage.size(entry.location)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"data file {where} is missing") from None
+    except OSError as exc:
+        raise StorageError(f"cannot open data file {where}: {exc}") from exc
+    if size != entry.size:
+        raise CorruptCheckpointError(
+            f"data file {where} has {size} bytes, the metadata says {entry.size}: it was truncated or altered"
+        )
+
+
+def check_data_files(storage: Storage, metadata: Metadata) -> None:
+    """Every data file of ``metadata`` as :func:`check_data_file` wants it. For a caller that allocates tensors
+    from the metadata's shapes before a load (a template built from the checkpoint itself): the shapes' bytes
+    are then bounded by files that exist, never by a number of the metadata alone (docs/reliability.md,
+    section 5)."""
+    for file in range(len(metadata.files)):
+        check_data_file(storage, metadata, file)
