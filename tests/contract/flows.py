@@ -138,7 +138,7 @@ def register(flow: type[Flow]) -> type[Flow]:
 
 def preload() -> None:
     """Import what every flow's rank needs, once, in the zygote (so that forked ranks start at once)."""
-    for module in (flows_network, flows_edge, flows_tiered, flows_data):
+    for module in (flows_network, flows_edge, flows_tiered, flows_data, flows_trainers):
         module.preload()
 
 
@@ -242,10 +242,13 @@ class Fresh(Overwrite):
 # ---- the manager: save, latest.json, retention; incremental saves and gc --------------------------------
 
 
-def check_root(root: Path, world: int, newest_expected: int | None) -> tuple[int | None, Finding | None]:
+def check_root(
+    root: Path, world: int, newest_expected: int | None, *, under: str | None = None
+) -> tuple[int | None, Finding | None]:
     """A root of steps after a manager's flow: every step that ``reshard ls`` calls complete loads as its
     own generation and passes ``validate``, every other does not load; the newest complete step is at
-    least ``newest_expected``; ``latest.json`` names a step that loads."""
+    least ``newest_expected``; ``latest.json`` names a step that loads. ``under``: the states lie under that
+    key of each step (:func:`tests.contract.guarantees.load_generation`)."""
     import reshard
     from reshard.flows.manager import scan_root
     from reshard.storage import LocalStorage
@@ -253,7 +256,7 @@ def check_root(root: Path, world: int, newest_expected: int | None) -> tuple[int
     newest = None
     for info in scan_root(LocalStorage(root)):
         path = root / info.name
-        generation, error = guarantees.load_generation(path, world, (1, 2, 3))
+        generation, error = guarantees.load_generation(path, world, (1, 2, 3), under=under)
         if info.status == "complete":
             if generation != info.step:
                 status = "silent" if generation == -1 else "lost"
@@ -269,7 +272,10 @@ def check_root(root: Path, world: int, newest_expected: int | None) -> tuple[int
     if newest_expected is not None and newest < newest_expected:
         return newest, Finding("lost", f"a rank reported step {newest_expected} saved, the newest loadable is {newest}")
     latest = reshard.CheckpointManager(root).latest_pointer()
-    if latest is None or guarantees.load_generation(root / f"step_{latest:09d}", world, (1, 2, 3))[0] != latest:
+    if (
+        latest is None
+        or guarantees.load_generation(root / f"step_{latest:09d}", world, (1, 2, 3), under=under)[0] != latest
+    ):
         return newest, Finding("other", f"latest.json names step {latest}, which does not load")
     return newest, None
 
@@ -380,4 +386,4 @@ def write_json(path: Path, doc: Any) -> None:
 
 
 # The flows of the network and of the edge register themselves on import.
-from tests.contract import flows_data, flows_edge, flows_network, flows_tiered  # noqa: E402
+from tests.contract import flows_data, flows_edge, flows_network, flows_tiered, flows_trainers  # noqa: E402

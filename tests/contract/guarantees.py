@@ -88,17 +88,26 @@ def confirmed(answers: Answers) -> bool:
 
 
 def load_generation(
-    path: Path | str, world: int, candidates: tuple[int, ...], *, objects: bool = True, **load_kwargs: Any
+    path: Path | str,
+    world: int,
+    candidates: tuple[int, ...],
+    *,
+    objects: bool = True,
+    under: str | None = None,
+    **load_kwargs: Any,
 ) -> tuple[int | None, BaseException | None]:
     """Load ``path`` whole in this process: the generation it holds (-1: none of ``candidates``, a silent
-    wrong load), or None and the reshard error when it does not load."""
+    wrong load), or None and the reshard error when it does not load. ``under``: the state lies under that
+    top-level key (an integration's checkpoint that nests the states it is given)."""
     import reshard
     from tests.contract import states
 
+    template = states.full_template(world, objects=objects)
     try:
-        loaded = reshard.load(states.full_template(world, objects=objects), path, **load_kwargs)
+        loaded = reshard.load(template if under is None else {under: template}, path, **load_kwargs)
     except reshard.CheckpointError as exc:
         return None, exc
+    loaded = loaded if under is None else loaded[under]
     generation = states.generation_of(loaded, world, candidates, objects=objects)
     return (generation if generation is not None else -1), None
 

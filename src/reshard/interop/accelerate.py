@@ -10,11 +10,15 @@ Everything else accelerate saves (LR schedulers, dataloader samplers, RNG states
 accelerate's own code, in the same files; automatic checkpoint naming and ``total_limit`` stay accelerate's.
 
 The seam: accelerate's save and load pre-hooks are called with the resolved directory after accelerate has
-chosen it (automatic naming, ``total_limit``) and before it writes or reads its own files, so reshard saves and
-loads there. Hooks alone cannot replace accelerate's model and optimizer files (under FSDP its DCP save runs
-before the hook; the optimizers are always saved by ``save_accelerator_state``), so for the duration of each call
-the accelerator's model and optimizer lists are handed to reshard and hidden from accelerate's own model and
-optimizer code, then restored. ``ReshardHandle.remove()`` undoes all of it.
+chosen it (automatic naming, ``total_limit``) and before it writes or reads its own files. The load hook loads
+there. The save hook only records the directory: reshard's checkpoint is saved after accelerate has written its
+own files, with their SHA-256 digests as a common value, so that its commit is the commit of the whole directory;
+``load_state`` refuses a directory whose accelerate files are not the ones recorded (a save killed between
+accelerate's files and reshard's commit), with ``CheckpointError`` on every process, before anything is loaded.
+Hooks alone cannot replace accelerate's model and optimizer files (under FSDP its DCP save runs before the hook; the
+optimizers are always saved by ``save_accelerator_state``), so for the duration of each call the accelerator's
+model and optimizer lists are handed to reshard and hidden from accelerate's own model and optimizer code, then
+restored. ``ReshardHandle.remove()`` undoes all of it.
 
 accelerate is imported here only: ``import reshard`` never needs it.
 """
@@ -23,11 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.distributed.checkpoint.state_dict import (
@@ -39,13 +47,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from reshard.errors import CheckpointError
-from reshard.flows.load import load
+from reshard.flows.load import load, read_metadata
 from reshard.flows.save import save
 
-__all__ = ["RESHARD_FOLDER", "ReshardHandle", "use_reshard"]
+__all__ = ["ACCELERATE_FILES_KEY", "RESHARD_FOLDER", "ReshardHandle", "use_reshard"]
 
 RESHARD_FOLDER = "reshard"
 """The reshard checkpoint's folder inside an accelerate state directory."""
+
+ACCELERATE_FILES_KEY = "accelerate_files"
+"""The common value of the reshard checkpoint that records accelerate's own files of the same save: a JSON
+object of file name to SHA-256 hex digest."""
+
+_ACCELERATE_PREFIXES = ("scheduler", "sampler", "dl_state_dict", "scaler.pt", "random_states_", "custom_checkpoint_")
+"""The names of the files accelerate's ``save_accelerator_state`` and ``save_custom_state`` write (models and
+optimizers excepted: reshard saves those); other files of the directory are the user's and are not recorded."""
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _REFUSED = {
@@ -85,7 +101,7 @@ def use_reshard(accelerator: Accelerator, *, timeout: float | None = None) -> Re
     hidden: dict[str, list[Any]] = {}
 
     def save_hook(_models: list[Any], _weights: list[Any], output_dir: str) -> None:
-        _save_through_reshard(hidden, output_dir, timeout)
+        hidden["output_dir"] = [output_dir]  # saved after accelerate's files (see the module doc)
 
     def load_hook(_models: list[Any], input_dir: str) -> None:
         _load_through_reshard(hidden, input_dir, timeout)
@@ -100,7 +116,10 @@ def use_reshard(accelerator: Accelerator, *, timeout: float | None = None) -> Re
     def save_state(output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
         _refuse_url(output_dir)
         with _hidden_from_accelerate(accelerator, hidden):
-            return original_save(output_dir, *args, **kwargs)
+            location = original_save(output_dir, *args, **kwargs)
+            accelerator.wait_for_everyone()  # every process's files are written before any is recorded
+            _save_through_reshard(hidden, hidden["output_dir"][0], timeout)
+            return location
 
     @functools.wraps(original_load)
     def load_state(input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -190,20 +209,71 @@ def _state(hidden: dict[str, list[Any]]) -> tuple[dict[str, Any], list[tuple[tor
     return state, pairs
 
 
+def accelerate_files(directory: str) -> dict[str, str]:
+    """SHA-256 of each file accelerate wrote itself in ``directory`` (:data:`_ACCELERATE_PREFIXES`), by name."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.startswith(_ACCELERATE_PREFIXES) and os.path.isfile(path):
+            digest = hashlib.sha256()
+            with open(path, "rb") as file:
+                for block in iter(lambda: file.read(1 << 20), b""):
+                    digest.update(block)
+            out[name] = digest.hexdigest()
+    return out
+
+
 def _save_through_reshard(hidden: dict[str, list[Any]], output_dir: str, timeout: float | None) -> None:
-    """The save pre-hook: one reshard checkpoint of the models and optimizers in ``<output_dir>/reshard``,
-    replacing one saved there before (as accelerate overwrites its files). **Collective**: every process."""
+    """After accelerate's own files: one reshard checkpoint of the models and optimizers in
+    ``<output_dir>/reshard`` with the digests of those files, replacing one saved there before (as accelerate
+    overwrites its files). Its commit is the point where the directory holds the new save. **Collective**: every
+    process (the coordinator's digests are stored; every process read the same files after a barrier)."""
     state, _ = _state(hidden)
+    state[ACCELERATE_FILES_KEY] = json.dumps(accelerate_files(output_dir), sort_keys=True)
     with torch.no_grad():
         save(state, f"{output_dir.rstrip('/')}/{RESHARD_FOLDER}", overwrite=True, timeout=timeout)
 
 
+def _check_accelerate_files(input_dir: str, path: str) -> None:
+    """Refuse a directory whose accelerate files are not those the reshard checkpoint recorded (two saves mixed,
+    a file changed). Every process reads the metadata and the files; the verdict is agreed over the default
+    group (**collective** when a group is initialized: every process), so all raise the same error or none."""
+    error: CheckpointError | None = None
+    try:
+        recorded = read_metadata(path).common.get(ACCELERATE_FILES_KEY)
+        if not isinstance(recorded, str):
+            error = CheckpointError(
+                f"{path}: no record of accelerate's files ({ACCELERATE_FILES_KEY}); not saved "
+                "by this version of use_reshard"
+            )
+        elif json.loads(recorded) != accelerate_files(input_dir):
+            error = CheckpointError(
+                f"{input_dir}: accelerate's files (scheduler, RNG states, step, registered objects) are not those "
+                f"saved with the reshard checkpoint in {path}: the directory mixes two saves (a save_state that did "
+                "not finish?) or a file was changed; load another state directory"
+            )
+    except CheckpointError as exc:
+        error = exc
+    except (OSError, ValueError) as exc:
+        error = CheckpointError(f"{input_dir}: cannot read accelerate's files: {exc}")
+    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if int(failed.item()):
+        raise CheckpointError(f"{input_dir}: another process found accelerate's files or the checkpoint unusable")
+
+
 def _load_through_reshard(hidden: dict[str, list[Any]], input_dir: str, timeout: float | None) -> None:
     """The load pre-hook: the models and optimizers from ``<input_dir>/reshard`` into their current layout,
-    before accelerate loads anything (a missing or bad checkpoint raises reshard's error on every process and
-    changes nothing: ``CheckpointNotFoundError`` for a state saved without ``use_reshard``). **Collective**."""
+    before accelerate loads anything, once accelerate's files are checked against the checkpoint's record (a
+    missing or bad checkpoint, or files of another save, raise reshard's error on every process and change
+    nothing: ``CheckpointNotFoundError`` for a state saved without ``use_reshard``). **Collective**."""
     path = f"{input_dir.rstrip('/')}/{RESHARD_FOLDER}"
+    _check_accelerate_files(input_dir, path)
     state, pairs = _state(hidden)
+    state[ACCELERATE_FILES_KEY] = ""
     with torch.no_grad():
         loaded = load(state, path, strict=True, timeout=timeout)
     models: list[torch.nn.Module] = hidden.get("models", [])
