@@ -30,12 +30,12 @@ import functools
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.distributed.checkpoint.state_dict import (
@@ -46,9 +46,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from reshard.errors import CheckpointError
+from reshard.errors import CheckpointError, MismatchError
 from reshard.flows.load import load, read_metadata
 from reshard.flows.save import save
+from reshard.metadata import Metadata
+from reshard.net.comm import Communicator, parse_timeout
 
 __all__ = ["ACCELERATE_FILES_KEY", "RESHARD_FOLDER", "ReshardHandle", "use_reshard"]
 
@@ -62,6 +64,13 @@ object of file name to SHA-256 hex digest."""
 _ACCELERATE_PREFIXES = ("scheduler", "sampler", "dl_state_dict", "scaler.pt", "random_states_", "custom_checkpoint_")
 """The names of the files accelerate's ``save_accelerator_state`` and ``save_custom_state`` write (models and
 optimizers excepted: reshard saves those); other files of the directory are the user's and are not recorded."""
+
+_ACCELERATE_OWN_MODEL_FILES = re.compile(
+    r"^(?:(?:pytorch_)?model(?:_\d+)?\.(?:safetensors|bin)|optimizer(?:_\d+)?\.bin|pytorch_model_fsdp_\d+|optimizer_\d+)$"
+)
+"""accelerate's own model and optimizer files and folders (written by ``save_state`` without reshard): a reshard
+save into a directory holding them is refused, or a later load without reshard would read them with the new
+save's scheduler and step."""
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _REFUSED = {
@@ -95,6 +104,11 @@ def use_reshard(accelerator: Accelerator, *, timeout: float | None = None) -> Re
         CheckpointError: the accelerator uses DeepSpeed, Megatron-LM, XLA or FSDP1 (whose checkpoints reshard
             cannot write), or ``use_reshard`` was already called on it.
     """
+    if not isinstance(accelerator, Accelerator):
+        raise CheckpointError(f"use_reshard takes an accelerate.Accelerator, not {type(accelerator).__name__}")
+    _, problem = parse_timeout(timeout)
+    if problem is not None:
+        raise CheckpointError(f"use_reshard: {problem}")
     _refuse_distributed_type(accelerator)
     if getattr(accelerator, "_reshard_handle", None) is not None:
         raise CheckpointError("use_reshard was already called on this accelerator")
@@ -113,16 +127,21 @@ def use_reshard(accelerator: Accelerator, *, timeout: float | None = None) -> Re
     original_save, original_load = accelerator.save_state, accelerator.load_state
 
     @functools.wraps(original_save)
-    def save_state(output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+    def save_state(output_dir: str | os.PathLike[str] | None = None, *args: Any, **kwargs: Any) -> Any:
+        output_dir = None if output_dir is None else os.fspath(output_dir)
         _refuse_url(output_dir)
         with _hidden_from_accelerate(accelerator, hidden):
+            # Everything reshard could refuse is decided before accelerate chooses, deletes (total_limit) or
+            # writes anything; the state dicts do not change while accelerate writes its own files.
+            state = _prepared_save(hidden, output_dir, timeout)
             location = original_save(output_dir, *args, **kwargs)
             accelerator.wait_for_everyone()  # every process's files are written before any is recorded
-            _save_through_reshard(hidden, hidden["output_dir"][0], timeout)
+            _save_through_reshard(state, hidden["output_dir"][0], timeout)
             return location
 
     @functools.wraps(original_load)
-    def load_state(input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+    def load_state(input_dir: str | os.PathLike[str] | None = None, *args: Any, **kwargs: Any) -> Any:
+        input_dir = None if input_dir is None else os.fspath(input_dir)
         _refuse_url(input_dir)
         with _hidden_from_accelerate(accelerator, hidden):
             return original_load(input_dir, *args, **kwargs)
@@ -196,17 +215,65 @@ def _owner(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module], inde
     )
 
 
-def _state(hidden: dict[str, list[Any]]) -> tuple[dict[str, Any], list[tuple[torch.nn.Module, Any]]]:
-    """The state dict reshard saves (and the template it loads into), and (model, optimizer) pairs."""
+def _model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """``get_model_state_dict`` (FSDP2 / DTensor leaves stay sharded); a model without parameters or buffers
+    has the empty state torch's helper refuses to compute outside a process group."""
+    if next(model.parameters(), None) is None and next(model.buffers(), None) is None:
+        return {}
+    return dict(get_model_state_dict(model))
+
+
+def _optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, template: bool = False
+) -> dict[str, Any]:
+    """The flattened ``get_optimizer_state_dict``, leaving the optimizer as it was. torch's helper gives an
+    optimizer that has not stepped yet a state by stepping it with zero gradients (Adam's step counter becomes
+    1, which changes every later update); that state is dropped again here, and an optimizer without state
+    saves its hyperparameters only, as accelerate's own ``optimizer.state_dict()`` does. ``template``: for a
+    load, whose template keeps the state entries (filled from the checkpoint where it has them)."""
+    fresh = not optimizer.state
+    state = dict(get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS))
+    if fresh:
+        optimizer.state.clear()
+        if not template:
+            state = {key: value for key, value in state.items() if not key.startswith("state.")}
+    return state
+
+
+def _state(
+    hidden: dict[str, list[Any]], *, template: bool = False
+) -> tuple[dict[str, Any], list[tuple[torch.nn.Module, Any]]]:
+    """The state dict reshard saves (``template``: the template it loads into), and (model, optimizer) pairs."""
     models: list[torch.nn.Module] = hidden.get("models", [])
-    state: dict[str, Any] = {f"model_{i}": get_model_state_dict(model) for i, model in enumerate(models)}
+    state: dict[str, Any] = {f"model_{i}": _model_state(model) for i, model in enumerate(models)}
     pairs = []
     for i, wrapped in enumerate(hidden.get("optimizers", [])):
         optimizer = _plain_optimizer(wrapped)
         model = _owner(optimizer, models, i)
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
+        state[f"optimizer_{i}"] = _optimizer_state(model, optimizer, template=template)
         pairs.append((model, optimizer))
     return state, pairs
+
+
+def _prepared_save(hidden: dict[str, list[Any]], output_dir: str | None, timeout: float | None) -> dict[str, Any]:
+    """The state dict a ``save_state`` will write, built and agreed before accelerate does anything: a model or
+    optimizer reshard cannot save, or a directory holding accelerate's own model files, is the same
+    ``CheckpointError`` on every process while nothing was deleted or written. **Collective**: every process."""
+    built: dict[str, Any] = {}
+
+    def local() -> None:
+        if output_dir is not None and os.path.isdir(output_dir):
+            own = sorted(name for name in os.listdir(output_dir) if _ACCELERATE_OWN_MODEL_FILES.match(name))
+            if own:
+                raise CheckpointError(
+                    f"{output_dir} holds accelerate's own model or optimizer files {own[:4]} (a save_state without "
+                    "use_reshard): a load without reshard would read them with this save's scheduler and step; "
+                    "save to a new directory or remove them"
+                )
+        built.update(_state(hidden)[0])
+
+    Communicator(None, timeout=timeout).step("accelerate.prepare", local)
+    return built
 
 
 def accelerate_files(directory: str) -> dict[str, str]:
@@ -223,46 +290,87 @@ def accelerate_files(directory: str) -> dict[str, str]:
     return out
 
 
-def _save_through_reshard(hidden: dict[str, list[Any]], output_dir: str, timeout: float | None) -> None:
-    """After accelerate's own files: one reshard checkpoint of the models and optimizers in
-    ``<output_dir>/reshard`` with the digests of those files, replacing one saved there before (as accelerate
-    overwrites its files). Its commit is the point where the directory holds the new save. **Collective**: every
-    process (the coordinator's digests are stored; every process read the same files after a barrier)."""
-    state, _ = _state(hidden)
-    state[ACCELERATE_FILES_KEY] = json.dumps(accelerate_files(output_dir), sort_keys=True)
+def _save_through_reshard(state: dict[str, Any], output_dir: str, timeout: float | None) -> None:
+    """After accelerate's own files: one reshard checkpoint of the models and optimizers (``state``, from
+    :func:`_prepared_save`) in ``<output_dir>/reshard`` with the digests of those files, replacing one saved there
+    before (as accelerate overwrites its files). Its commit is the point where the directory holds the new save.
+    **Collective**: every process (the coordinator's digests are stored; every process read the same files after
+    a barrier)."""
+    state = {**state, ACCELERATE_FILES_KEY: json.dumps(accelerate_files(output_dir), sort_keys=True)}
     with torch.no_grad():
         save(state, f"{output_dir.rstrip('/')}/{RESHARD_FOLDER}", overwrite=True, timeout=timeout)
 
 
-def _check_accelerate_files(input_dir: str, path: str) -> None:
-    """Refuse a directory whose accelerate files are not those the reshard checkpoint recorded (two saves mixed,
-    a file changed). Every process reads the metadata and the files; the verdict is agreed over the default
-    group (**collective** when a group is initialized: every process), so all raise the same error or none."""
-    error: CheckpointError | None = None
-    try:
-        recorded = read_metadata(path).common.get(ACCELERATE_FILES_KEY)
+def _check_accelerate_files(input_dir: str, path: str, timeout: float | None) -> Metadata:
+    """The reshard checkpoint's metadata, once accelerate's files are found to be those it recorded (refused:
+    two saves mixed, a file changed). Every process reads the metadata and the files; the verdict is agreed
+    (**collective**: every process), so all raise the same error or none."""
+    found: list[Metadata] = []
+
+    def local() -> None:
+        metadata = read_metadata(path)
+        recorded = metadata.common.get(ACCELERATE_FILES_KEY)
         if not isinstance(recorded, str):
-            error = CheckpointError(
-                f"{path}: no record of accelerate's files ({ACCELERATE_FILES_KEY}); not saved "
-                "by this version of use_reshard"
+            raise CheckpointError(
+                f"{path}: no record of accelerate's files ({ACCELERATE_FILES_KEY}); not saved by this version of "
+                "use_reshard"
             )
-        elif json.loads(recorded) != accelerate_files(input_dir):
-            error = CheckpointError(
+        try:
+            same = json.loads(recorded) == accelerate_files(input_dir)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{input_dir}: cannot read accelerate's files: {exc}") from exc
+        if not same:
+            raise CheckpointError(
                 f"{input_dir}: accelerate's files (scheduler, RNG states, step, registered objects) are not those "
                 f"saved with the reshard checkpoint in {path}: the directory mixes two saves (a save_state that did "
                 "not finish?) or a file was changed; load another state directory"
             )
-    except CheckpointError as exc:
-        error = exc
-    except (OSError, ValueError) as exc:
-        error = CheckpointError(f"{input_dir}: cannot read accelerate's files: {exc}")
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(failed)
-    if error is not None:
-        raise error
-    if int(failed.item()):
-        raise CheckpointError(f"{input_dir}: another process found accelerate's files or the checkpoint unusable")
+        found.append(metadata)
+
+    Communicator(None, timeout=timeout).step("accelerate.check", local)
+    return found[0]
+
+
+def _saved_keys(metadata: Metadata) -> set[str]:
+    return set(metadata.tensors) | set(metadata.objects) | set(metadata.common)
+
+
+def _load_template(
+    hidden: dict[str, list[Any]], metadata: Metadata, path: str
+) -> tuple[dict[str, Any], list[tuple[torch.nn.Module, Any]]]:
+    """The template of a load: the models' current state dicts and the optimizers' (with the state entries the
+    checkpoint holds: an optimizer saved before its first step, or a parameter that never had a gradient, has
+    none). A saved model entry the model does not have is a MismatchError, as accelerate's strict
+    ``load_state_dict`` refuses an unexpected key."""
+    state, pairs = _state(hidden, template=True)
+    saved = _saved_keys(metadata)
+    for name, entries in state.items():
+        if name.startswith("model_"):
+            extra = sorted(key for key in saved if key.startswith(f"{name}.") and key[len(name) + 1 :] not in entries)
+            if extra:
+                raise MismatchError(f"{path}: {name} holds entries the prepared model does not have: {extra[:5]}")
+        else:
+            state[name] = {
+                key: value
+                for key, value in entries.items()
+                if not key.startswith("state.") or f"{name}.{key}" in saved or _nested_in(f"{name}.{key}", saved)
+            }
+    state[ACCELERATE_FILES_KEY] = ""
+    return state, pairs
+
+
+def _nested_in(key: str, saved: set[str]) -> bool:
+    return any(entry.startswith(f"{key}.") for entry in saved)
+
+
+def _set_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
+    """``set_optimizer_state_dict``, then without the state of parameters the checkpoint held none for (torch
+    fills those with empty dicts after stepping the optimizer with zero gradients): they start fresh, as with
+    accelerate's own ``load_state_dict``."""
+    set_optimizer_state_dict(model, optimizer, loaded, options=_OPTIM_OPTIONS)
+    for param, entries in list(optimizer.state.items()):
+        if any(isinstance(value, dict) and not value for value in entries.values()):
+            del optimizer.state[param]
 
 
 def _load_through_reshard(hidden: dict[str, list[Any]], input_dir: str, timeout: float | None) -> None:
@@ -271,13 +379,16 @@ def _load_through_reshard(hidden: dict[str, list[Any]], input_dir: str, timeout:
     missing or bad checkpoint, or files of another save, raise reshard's error on every process and change
     nothing: ``CheckpointNotFoundError`` for a state saved without ``use_reshard``). **Collective**."""
     path = f"{input_dir.rstrip('/')}/{RESHARD_FOLDER}"
-    _check_accelerate_files(input_dir, path)
-    state, pairs = _state(hidden)
-    state[ACCELERATE_FILES_KEY] = ""
+    metadata = _check_accelerate_files(input_dir, path, timeout)
+    template: list[tuple[dict[str, Any], list[tuple[torch.nn.Module, Any]]]] = []
+    Communicator(None, timeout=timeout).step(
+        "accelerate.template", lambda: template.append(_load_template(hidden, metadata, path))
+    )
+    state, pairs = template[0]
     with torch.no_grad():
         loaded = load(state, path, strict=True, timeout=timeout)
     models: list[torch.nn.Module] = hidden.get("models", [])
     for i, model in enumerate(models):
         set_model_state_dict(model, loaded[f"model_{i}"])
     for i, (model, optimizer) in enumerate(pairs):
-        set_optimizer_state_dict(model, optimizer, loaded[f"optimizer_{i}"], options=_OPTIM_OPTIONS)
+        _set_optimizer(model, optimizer, loaded[f"optimizer_{i}"])
