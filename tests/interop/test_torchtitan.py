@@ -66,16 +66,25 @@ class TinyTokens(torch.utils.data.IterableDataset[torch.Tensor]):
         self.position = int(state["position"])
 
 
-def _build(fsdp: int, tp: int, seed: int) -> tuple[Any, Any, Any]:
-    """torchtitan's debug Llama (2 of its 6 layers, for time) parallelized by its own parallelize function."""
+def _build(fsdp: int, tp: int, seed: int, backend: str = "partial_dtensor") -> tuple[Any, Any, Any]:
+    """torchtitan's debug Llama (2 of its 6 layers, for time) parallelized by its own parallelize function.
+
+    As torchtitan's Trainer does before it builds the model: the model config gets its sharding config
+    (``update_from_config`` calls ``set_llama3_sharding_config``; called directly here, because
+    ``update_from_config`` imports ``torchtitan.trainer``, which needs tensorboard) and the SPMD backend is set
+    process-wide (``set_spmd_backend``). Without the sharding config ``parallelize`` shards nothing: every TP
+    rank holds full-size tensors on a 1-rank FSDP mesh and trains its own copy (the embedding still splits the
+    vocabulary by TP rank)."""
     import torchtitan.distributed.parallel_dims as titan_dims
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.components.optimizer import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import default_adamw
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as titan_utils
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     titan_dims.device_type = "cpu"
     spec = model_registry("debugmodel")
@@ -83,16 +92,14 @@ def _build(fsdp: int, tp: int, seed: int) -> tuple[Any, Any, Any]:
     config.layers = config.layers[:2]
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    parallelism = ParallelismConfig(data_parallel_shard_degree=fsdp, tensor_parallel_degree=tp, spmd_backend=backend)
+    set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
+    titan_utils.set_spmd_backend(backend)
     with torch.device("meta"):
         model = config.build()
     world = dist.get_world_size()
-    dims = ParallelDims(
-        dp_replicate=1, dp_shard=fsdp, cp=1, tp=tp, pp=1, ep=1, world_size=world, spmd_backend="partial_dtensor"
-    )
+    dims = ParallelDims(dp_replicate=1, dp_shard=fsdp, cp=1, tp=tp, pp=1, ep=1, world_size=world, spmd_backend=backend)
     dims.build_mesh()
-    parallelism = ParallelismConfig(
-        data_parallel_shard_degree=fsdp, tensor_parallel_degree=tp, spmd_backend="partial_dtensor"
-    )
     model = spec.parallelize_fn(
         model,
         parallel_dims=dims,
@@ -239,6 +246,78 @@ def test_fsdp2_checkpoint_resumes_at_tp2_bit_exact_and_equal_to_torchtitans_dcp_
     assert {k: ours[0][k] for k in tensors} == tensors
     assert ours[0]["lr"] == want["lr"] and ours[0]["train"] == "3,192"
     assert {k: theirs[0][k] for k in tensors} == {k: ours[0][k] for k in tensors}
+
+
+def _local_shapes(model: Any) -> dict[str, str]:
+    """Each model state entry's global shape, placements and this rank's local shape (not collective)."""
+    out: dict[str, str] = {}
+    for key, value in model.state_dict().items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        out[key] = f"{tuple(value.shape)}:{tuple(getattr(value, 'placements', ()))}:{tuple(local.shape)}"
+    return out
+
+
+def rank_tp_train_and_save(ctx: RankContext, folder: str, fsdp: int, tp: int) -> dict[str, Any]:
+    """Train 3 steps at (fsdp, tp) and save step 3 through reshard and torchtitan's DCP manager; the digests
+    of the gathered state (DTensor's own ``full_tensor``, not reshard) and the local shapes of the layout."""
+    model, optimizers, schedulers = _build(fsdp, tp, seed=0)
+    ours, theirs, train = _managers(folder, model, optimizers, schedulers)
+    _train(model, optimizers, schedulers, 3)
+    train.step, train.ntokens_seen = 3, 192
+    assert ours.save(3)
+    assert theirs.save(3)
+    ours.close()
+    theirs.close()
+    digests = _digests(model, optimizers)
+    digests["lr"] = repr(schedulers.state_dict())
+    return {"digests": digests, "shapes": _local_shapes(model)}
+
+
+def rank_resume_shapes(ctx: RankContext, folder: str, fsdp: int, tp: int, backend: str) -> dict[str, Any]:
+    """``rank_resume`` and the local shapes of the layout it resumed into."""
+    digests = rank_resume(ctx, folder, fsdp, tp, backend)
+    model, _, _ = _build(fsdp, tp, seed=1)
+    return {"digests": digests, "shapes": _local_shapes(model)}
+
+
+@pytest.fixture(scope="module")
+def saved_tp(pools: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
+    folder = str(tmp_path_factory.mktemp("titan_tp"))
+    return folder, pools.get(2).run_ok(rank_tp_train_and_save, folder, 1, 2, timeout_s=280)
+
+
+def test_a_tp2_model_is_really_tensor_parallel(saved_tp: tuple[str, list[dict[str, Any]]]) -> None:
+    """torchtitan's TP 2 layout under ``partial_dtensor``: column-parallel weights split on dim 0, row-parallel
+    ones on dim 1, the vocabulary split over the TP ranks, norms replicated; both ranks' gathered state equal."""
+    _, results = saved_tp
+    shapes = results[0]["shapes"]
+    assert shapes["layers.0.attention.wo.weight"].endswith(":(256, 128)")
+    assert shapes["layers.0.feed_forward.w1.weight"].endswith(":(384, 256)")
+    assert shapes["layers.0.feed_forward.w2.weight"].endswith(":(256, 384)")
+    assert shapes["tok_embeddings.weight"].endswith(":(1024, 256)")
+    assert shapes["lm_head.weight"].endswith(":(1024, 256)")
+    assert shapes["norm.weight"].endswith(":(256,)")
+    assert results[0]["digests"] == results[1]["digests"]
+
+
+def test_a_tp2_checkpoint_resumes_at_fsdp2_bit_exact_and_equal_to_torchtitans_dcp_resume(
+    pools: Any, saved_tp: tuple[str, list[dict[str, Any]]]
+) -> None:
+    """Saved under TP 2 (each rank's TP shard as its box of the global tensor), resumed under FSDP 2: every
+    model and optimizer tensor, gathered, equals the TP run's gathered tensor bit for bit, and torchtitan's own
+    DCP manager's resume of its TP 2 save at FSDP 2 gives the same bytes."""
+    folder, results = saved_tp
+    want = results[0]["digests"]
+    pool: RankPool = pools.get(2)
+    ours = pool.run_ok(rank_resume_shapes, folder, 2, 1, "reshard", timeout_s=280)
+    theirs = pool.run_ok(rank_resume_shapes, folder, 2, 1, "dcp", timeout_s=280)
+    assert ours[0]["shapes"]["layers.0.attention.wo.weight"].endswith(":(128, 256)")  # FSDP 2: dim 0 halves
+    tensors = {k: v for k, v in want.items() if k.startswith(("model.", "optimizer."))}
+    assert len(tensors) > 40
+    for got in ours:
+        assert {k: got["digests"][k] for k in tensors} == tensors
+        assert got["digests"]["lr"] == want["lr"] and got["digests"]["train"] == "3,192"
+    assert {k: theirs[0]["digests"][k] for k in tensors} == tensors
 
 
 def rank_refuses_async(ctx: RankContext, folder: str) -> str:
