@@ -320,6 +320,56 @@ def test_a_tp2_checkpoint_resumes_at_fsdp2_bit_exact_and_equal_to_torchtitans_dc
     assert {k: theirs[0]["digests"][k] for k in tensors} == tensors
 
 
+def rank_spmd_types_tp(ctx: RankContext, folder: str) -> dict[str, Any]:
+    """torchtitan's debug Llama parallelized at TP 2 under ``spmd_backend="spmd_types"`` by its own
+    ``Module.parallelize`` (torchtitan's ``parallelize_llama`` then fails in FSDP2's ``fully_shard`` on torch
+    2.13: "all parameters must be DTensors on the full SPMD mesh"): its parameters are plain tensors holding
+    each rank's TP shard, which a state dict cannot place in the global tensor. Building the reshard manager
+    over it must fail; what it raised, and the local shapes."""
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as titan_utils
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    titan_dims.device_type = "cpu"
+    config = model_registry("debugmodel").model
+    config.layers = config.layers[:1]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    set_llama3_sharding_config(config, enable_sp=True)
+    titan_utils.set_spmd_backend("spmd_types")
+    try:
+        with torch.device("meta"):
+            model = config.build()
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2, spmd_backend="spmd_types")
+        dims.build_mesh()
+        model.parallelize(dims)
+        model.to_empty(device="cpu")
+        shapes = _local_shapes(model)
+        try:
+            manager, _ = _ours(folder, model, None, None, None)
+        except CheckpointError as error:
+            return {"error": str(error), "shapes": shapes}
+        manager.close()
+        return {"error": "", "shapes": shapes}
+    finally:
+        titan_utils.set_spmd_backend("partial_dtensor")
+
+
+def test_a_spmd_types_tp_model_of_plain_local_shards_is_refused_on_every_rank(pools: Any, tmp_path: Path) -> None:
+    """Under ``spmd_types`` a TP parameter is a plain tensor of the rank's shard (``wo``: 256 x 128 of 256 x
+    256): saved, rank 0's shard would pass for the whole tensor. The manager refuses it when it is built, with
+    CheckpointError on every rank."""
+    results = pools.get(2).run_ok(rank_spmd_types_tp, str(tmp_path), timeout_s=280)
+    assert results[0]["shapes"]["layers.0.attention.wo.weight"] == "(256, 128):():(256, 128)"
+    for got in results:
+        assert "spmd_backend='spmd_types'" in got["error"]
+        assert "parameter 'tok_embeddings.weight' is a plain tensor" in got["error"]
+    assert not (tmp_path / "reshard").exists()
+
+
 def rank_refuses_async(ctx: RankContext, folder: str) -> str:
     model, optimizers, schedulers = _build(2, 1, seed=0)
     try:
