@@ -320,6 +320,51 @@ def test_a_tp2_checkpoint_resumes_at_fsdp2_bit_exact_and_equal_to_torchtitans_dc
     assert {k: theirs[0]["digests"][k] for k in tensors} == tensors
 
 
+def test_an_fsdp2_x_tp2_checkpoint_on_4_ranks_resumes_at_fsdp2_bit_exact_and_equal_to_torchtitans_dcp_resume(
+    pools: Any, tmp_path: Path
+) -> None:
+    """Saved under FSDP 2 x TP 2 on 4 ranks (FSDP2's ``_StridedShard`` over TP's ``Shard``: each rank's box a
+    quarter of ``wo``, a strided quarter of ``w1``), resumed under FSDP 2 on 2 ranks: every gathered model and
+    optimizer tensor equals the 4-rank run's bit for bit, as torchtitan's own DCP resume of its save does."""
+    saved = pools.get(4).run_ok(rank_tp_train_and_save, str(tmp_path), 2, 2, timeout_s=400)
+    shapes, want = saved[0]["shapes"], saved[0]["digests"]
+    assert shapes["layers.0.attention.wo.weight"].endswith(":(128, 128)")
+    assert shapes["layers.0.feed_forward.w1.weight"].endswith(":(192, 256)")
+    assert all(got["digests"] == want for got in saved)
+    pool: RankPool = pools.get(2)
+    ours = pool.run_ok(rank_resume, str(tmp_path), 2, 1, "reshard", timeout_s=280)
+    theirs = pool.run_ok(rank_resume, str(tmp_path), 2, 1, "dcp", timeout_s=280)
+    tensors = {k: v for k, v in want.items() if k.startswith(("model.", "optimizer."))}
+    assert len(tensors) > 40
+    assert {k: ours[0][k] for k in tensors} == tensors and ours[0] == ours[1]
+    assert {k: theirs[0][k] for k in tensors} == tensors
+
+
+def rank_full_dtensor_tp(ctx: RankContext, folder: str) -> dict[str, Any]:
+    """A TP 2 model under ``spmd_backend="full_dtensor"`` (DTensors on the full ``dp_shard`` x ``tp`` mesh; not
+    trained: its forward takes DTensor inputs, which the trainer makes) saved through reshard as step 1, then
+    loaded into a fresh FSDP 2 model (``partial_dtensor``, another seed); the gathered model digests of both."""
+    model, optimizers, _ = _build(1, 2, seed=0, backend="full_dtensor")
+    shapes = _local_shapes(model)
+    manager, _ = _ours(folder, model, None, None, None)
+    assert manager.save(1)
+    manager.close()
+    want = {k: v for k, v in _digests(model, optimizers).items() if k.startswith("model.")}
+    fresh, fresh_optimizers, _ = _build(2, 1, seed=1)
+    reader, _ = _ours(folder, fresh, None, None, None)
+    assert reader.load()
+    reader.close()
+    got = {k: v for k, v in _digests(fresh, fresh_optimizers).items() if k.startswith("model.")}
+    return {"shapes": shapes, "want": want, "got": got}
+
+
+def test_a_full_dtensor_tp2_checkpoint_resumes_at_fsdp2_bit_exact(pools: Any, tmp_path: Path) -> None:
+    results = pools.get(2).run_ok(rank_full_dtensor_tp, str(tmp_path), timeout_s=280)
+    assert results[0]["shapes"]["layers.0.attention.wo.weight"].endswith(":(256, 128)")
+    assert len(results[0]["want"]) > 15
+    assert all(got["got"] == got["want"] == results[0]["want"] for got in results)
+
+
 def rank_spmd_types_tp(ctx: RankContext, folder: str) -> dict[str, Any]:
     """torchtitan's debug Llama parallelized at TP 2 under ``spmd_backend="spmd_types"`` by its own
     ``Module.parallelize`` (torchtitan's ``parallelize_llama`` then fails in FSDP2's ``fully_shard`` on torch
