@@ -66,7 +66,9 @@ class TinyTokens(torch.utils.data.IterableDataset[torch.Tensor]):
         self.position = int(state["position"])
 
 
-def _build(fsdp: int, tp: int, seed: int, backend: str = "partial_dtensor") -> tuple[Any, Any, Any]:
+def _build(
+    fsdp: int, tp: int, seed: int, backend: str = "partial_dtensor", sharding: bool = True
+) -> tuple[Any, Any, Any]:
     """torchtitan's debug Llama (2 of its 6 layers, for time) parallelized by its own parallelize function.
 
     As torchtitan's Trainer does before it builds the model: the model config gets its sharding config
@@ -93,7 +95,8 @@ def _build(fsdp: int, tp: int, seed: int, backend: str = "partial_dtensor") -> t
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     parallelism = ParallelismConfig(data_parallel_shard_degree=fsdp, tensor_parallel_degree=tp, spmd_backend=backend)
-    set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
+    if sharding:
+        set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
     titan_utils.set_spmd_backend(backend)
     with torch.device("meta"):
         model = config.build()
@@ -363,6 +366,36 @@ def test_a_full_dtensor_tp2_checkpoint_resumes_at_fsdp2_bit_exact(pools: Any, tm
     assert results[0]["shapes"]["layers.0.attention.wo.weight"].endswith(":(256, 128)")
     assert len(results[0]["want"]) > 15
     assert all(got["got"] == got["want"] == results[0]["want"] for got in results)
+
+
+def rank_unsharded_tp(ctx: RankContext, folder: str) -> dict[str, Any]:
+    """A TP 2 mesh over a model without torchtitan's sharding config: every TP rank holds full-size tensors
+    (DTensors on the 1-rank FSDP mesh) and, trained one step, different ones. The reshard save's error."""
+    from reshard.errors import ShardingError
+
+    model, optimizers, schedulers = _build(1, 2, seed=0, sharding=False)
+    _train(model, optimizers, schedulers, 1)
+    shapes = _local_shapes(model)
+    manager, _ = _ours(folder, model, optimizers, schedulers, None)
+    error = ""
+    try:
+        manager.save(1)
+    except ShardingError as exc:
+        error = str(exc)
+    finally:
+        manager.close()
+    return {"error": error, "shapes": shapes}
+
+
+def test_full_size_copies_on_the_tp_ranks_fail_the_save_on_every_rank_and_write_nothing(
+    pools: Any, tmp_path: Path
+) -> None:
+    """What the earlier tests built for TP 2 (no sharding config): not a TP layout. The save refuses it
+    (``ShardingError`` on every rank: two ranks claim the same box) and no step is committed."""
+    results = pools.get(2).run_ok(rank_unsharded_tp, str(tmp_path), timeout_s=280)
+    assert results[0]["shapes"]["layers.0.attention.wo.weight"].endswith(":(256, 256)")
+    assert all("claimed as primary by ranks 0 and 1" in got["error"] for got in results)
+    assert not [p for p in (tmp_path / "reshard").iterdir() if p.name.startswith("step_")]
 
 
 def rank_spmd_types_tp(ctx: RankContext, folder: str) -> dict[str, Any]:
