@@ -1,7 +1,8 @@
-"""``reshard.interop.torchtitan.ReshardCheckpointManager``: torchtitan's debug Llama, parallelized by torchtitan's
-own ``parallelize_llama`` (FSDP2 or TP) on gloo CPU ranks, trained a few steps with torchtitan's optimizer and LR
-scheduler containers, saved through the reshard manager and resumed at another parallelism: model and optimizer
-state bit-exact against what was saved and against the same resume through torchtitan's own DCP manager.
+"""``reshard.interop.torchtitan.ReshardCheckpointManager``: torchtitan's debug Llama, parallelized by torchtitan's own
+``parallelize_llama`` (FSDP2, TP or both; ``partial_dtensor``, and ``full_dtensor`` untrained) on gloo CPU ranks,
+trained a few steps with torchtitan's optimizer and LR scheduler containers, saved through the reshard manager and
+resumed at another parallelism: model and optimizer state bit-exact against what was saved and against the same
+resume through torchtitan's own DCP manager.
 
 Two things torchtitan 0.3.0 needs on a CPU-only host, set in the ranks (not mocks: torchtitan's real code runs):
 ``torchtitan.distributed.parallel_dims.device_type`` is chosen at import as the available accelerator or

@@ -24,6 +24,12 @@ collectives never meet the training's. The next save, a load and ``close`` wait 
 Hugging Face safetensors (``initial_load_in_hf``, ``last_save_in_hf``) go through the trainer's state-dict adapter:
 :mod:`reshard.interop.torchtitan_hf`.
 
+Layouts: under torchtitan's ``spmd_backend`` ``"partial_dtensor"`` and ``"full_dtensor"`` every FSDP/TP
+parameter of the state dict is a DTensor whose placements say its box of the global tensor, which reshard saves
+and loads at any other layout. Under ``"spmd_types"`` a parameter FSDP2 did not make a DTensor is a plain tensor
+of the rank's local shard: on more than one rank the manager refuses it when it is built (``CheckpointError``),
+never saving rank 0's shard as the whole tensor.
+
 torchtitan is imported here only: ``import reshard`` never needs it.
 """
 
