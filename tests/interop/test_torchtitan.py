@@ -1,7 +1,8 @@
-"""``reshard.interop.torchtitan.ReshardCheckpointManager``: torchtitan's debug Llama, parallelized by torchtitan's
-own ``parallelize_llama`` (FSDP2 or TP) on gloo CPU ranks, trained a few steps with torchtitan's optimizer and LR
-scheduler containers, saved through the reshard manager and resumed at another parallelism: model and optimizer
-state bit-exact against what was saved and against the same resume through torchtitan's own DCP manager.
+"""``reshard.interop.torchtitan.ReshardCheckpointManager``: torchtitan's debug Llama, parallelized by torchtitan's own
+``parallelize_llama`` (FSDP2, TP or both; ``partial_dtensor``, and ``full_dtensor`` untrained) on gloo CPU ranks,
+trained a few steps with torchtitan's optimizer and LR scheduler containers, saved through the reshard manager and
+resumed at another parallelism: model and optimizer state bit-exact against what was saved and against the same
+resume through torchtitan's own DCP manager.
 
 Two things torchtitan 0.3.0 needs on a CPU-only host, set in the ranks (not mocks: torchtitan's real code runs):
 ``torchtitan.distributed.parallel_dims.device_type`` is chosen at import as the available accelerator or
@@ -66,16 +67,27 @@ class TinyTokens(torch.utils.data.IterableDataset[torch.Tensor]):
         self.position = int(state["position"])
 
 
-def _build(fsdp: int, tp: int, seed: int) -> tuple[Any, Any, Any]:
-    """torchtitan's debug Llama (2 of its 6 layers, for time) parallelized by its own parallelize function."""
+def _build(
+    fsdp: int, tp: int, seed: int, backend: str = "partial_dtensor", sharding: bool = True
+) -> tuple[Any, Any, Any]:
+    """torchtitan's debug Llama (2 of its 6 layers, for time) parallelized by its own parallelize function.
+
+    As torchtitan's Trainer does before it builds the model: the model config gets its sharding config
+    (``update_from_config`` calls ``set_llama3_sharding_config``; called directly here, because
+    ``update_from_config`` imports ``torchtitan.trainer``, which needs tensorboard) and the SPMD backend is set
+    process-wide (``set_spmd_backend``). Without the sharding config ``parallelize`` shards nothing: every TP
+    rank holds full-size tensors on a 1-rank FSDP mesh and trains its own copy (the embedding still splits the
+    vocabulary by TP rank)."""
     import torchtitan.distributed.parallel_dims as titan_dims
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.components.optimizer import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import default_adamw
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as titan_utils
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     titan_dims.device_type = "cpu"
     spec = model_registry("debugmodel")
@@ -83,16 +95,15 @@ def _build(fsdp: int, tp: int, seed: int) -> tuple[Any, Any, Any]:
     config.layers = config.layers[:2]
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    parallelism = ParallelismConfig(data_parallel_shard_degree=fsdp, tensor_parallel_degree=tp, spmd_backend=backend)
+    if sharding:
+        set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
+    titan_utils.set_spmd_backend(backend)
     with torch.device("meta"):
         model = config.build()
     world = dist.get_world_size()
-    dims = ParallelDims(
-        dp_replicate=1, dp_shard=fsdp, cp=1, tp=tp, pp=1, ep=1, world_size=world, spmd_backend="partial_dtensor"
-    )
+    dims = ParallelDims(dp_replicate=1, dp_shard=fsdp, cp=1, tp=tp, pp=1, ep=1, world_size=world, spmd_backend=backend)
     dims.build_mesh()
-    parallelism = ParallelismConfig(
-        data_parallel_shard_degree=fsdp, tensor_parallel_degree=tp, spmd_backend="partial_dtensor"
-    )
     model = spec.parallelize_fn(
         model,
         parallel_dims=dims,
@@ -239,6 +250,203 @@ def test_fsdp2_checkpoint_resumes_at_tp2_bit_exact_and_equal_to_torchtitans_dcp_
     assert {k: ours[0][k] for k in tensors} == tensors
     assert ours[0]["lr"] == want["lr"] and ours[0]["train"] == "3,192"
     assert {k: theirs[0][k] for k in tensors} == {k: ours[0][k] for k in tensors}
+
+
+def _local_shapes(model: Any) -> dict[str, str]:
+    """Each model state entry's global shape, placements and this rank's local shape (not collective)."""
+    out: dict[str, str] = {}
+    for key, value in model.state_dict().items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        out[key] = f"{tuple(value.shape)}:{tuple(getattr(value, 'placements', ()))}:{tuple(local.shape)}"
+    return out
+
+
+def rank_tp_train_and_save(ctx: RankContext, folder: str, fsdp: int, tp: int) -> dict[str, Any]:
+    """Train 3 steps at (fsdp, tp) and save step 3 through reshard and torchtitan's DCP manager; the digests
+    of the gathered state (DTensor's own ``full_tensor``, not reshard) and the local shapes of the layout."""
+    model, optimizers, schedulers = _build(fsdp, tp, seed=0)
+    ours, theirs, train = _managers(folder, model, optimizers, schedulers)
+    _train(model, optimizers, schedulers, 3)
+    train.step, train.ntokens_seen = 3, 192
+    assert ours.save(3)
+    assert theirs.save(3)
+    ours.close()
+    theirs.close()
+    digests = _digests(model, optimizers)
+    digests["lr"] = repr(schedulers.state_dict())
+    return {"digests": digests, "shapes": _local_shapes(model)}
+
+
+def rank_resume_shapes(ctx: RankContext, folder: str, fsdp: int, tp: int, backend: str) -> dict[str, Any]:
+    """``rank_resume`` and the local shapes of the layout it resumed into."""
+    digests = rank_resume(ctx, folder, fsdp, tp, backend)
+    model, _, _ = _build(fsdp, tp, seed=1)
+    return {"digests": digests, "shapes": _local_shapes(model)}
+
+
+@pytest.fixture(scope="module")
+def saved_tp(pools: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
+    folder = str(tmp_path_factory.mktemp("titan_tp"))
+    return folder, pools.get(2).run_ok(rank_tp_train_and_save, folder, 1, 2, timeout_s=280)
+
+
+def test_a_tp2_model_is_really_tensor_parallel(saved_tp: tuple[str, list[dict[str, Any]]]) -> None:
+    """torchtitan's TP 2 layout under ``partial_dtensor``: column-parallel weights split on dim 0, row-parallel
+    ones on dim 1, the vocabulary split over the TP ranks, norms replicated; both ranks' gathered state equal."""
+    _, results = saved_tp
+    shapes = results[0]["shapes"]
+    assert shapes["layers.0.attention.wo.weight"].endswith(":(256, 128)")
+    assert shapes["layers.0.feed_forward.w1.weight"].endswith(":(384, 256)")
+    assert shapes["layers.0.feed_forward.w2.weight"].endswith(":(256, 384)")
+    assert shapes["tok_embeddings.weight"].endswith(":(1024, 256)")
+    assert shapes["lm_head.weight"].endswith(":(1024, 256)")
+    assert shapes["norm.weight"].endswith(":(256,)")
+    assert results[0]["digests"] == results[1]["digests"]
+
+
+def test_a_tp2_checkpoint_resumes_at_fsdp2_bit_exact_and_equal_to_torchtitans_dcp_resume(
+    pools: Any, saved_tp: tuple[str, list[dict[str, Any]]]
+) -> None:
+    """Saved under TP 2 (each rank's TP shard as its box of the global tensor), resumed under FSDP 2: every
+    model and optimizer tensor, gathered, equals the TP run's gathered tensor bit for bit, and torchtitan's own
+    DCP manager's resume of its TP 2 save at FSDP 2 gives the same bytes."""
+    folder, results = saved_tp
+    want = results[0]["digests"]
+    pool: RankPool = pools.get(2)
+    ours = pool.run_ok(rank_resume_shapes, folder, 2, 1, "reshard", timeout_s=280)
+    theirs = pool.run_ok(rank_resume_shapes, folder, 2, 1, "dcp", timeout_s=280)
+    assert ours[0]["shapes"]["layers.0.attention.wo.weight"].endswith(":(128, 256)")  # FSDP 2: dim 0 halves
+    tensors = {k: v for k, v in want.items() if k.startswith(("model.", "optimizer."))}
+    assert len(tensors) > 40
+    for got in ours:
+        assert {k: got["digests"][k] for k in tensors} == tensors
+        assert got["digests"]["lr"] == want["lr"] and got["digests"]["train"] == "3,192"
+    assert {k: theirs[0]["digests"][k] for k in tensors} == tensors
+
+
+def test_an_fsdp2_x_tp2_checkpoint_on_4_ranks_resumes_at_fsdp2_bit_exact_and_equal_to_torchtitans_dcp_resume(
+    pools: Any, tmp_path: Path
+) -> None:
+    """Saved under FSDP 2 x TP 2 on 4 ranks (FSDP2's ``_StridedShard`` over TP's ``Shard``: each rank's box a
+    quarter of ``wo``, a strided quarter of ``w1``), resumed under FSDP 2 on 2 ranks: every gathered model and
+    optimizer tensor equals the 4-rank run's bit for bit, as torchtitan's own DCP resume of its save does."""
+    saved = pools.get(4).run_ok(rank_tp_train_and_save, str(tmp_path), 2, 2, timeout_s=400)
+    shapes, want = saved[0]["shapes"], saved[0]["digests"]
+    assert shapes["layers.0.attention.wo.weight"].endswith(":(128, 128)")
+    assert shapes["layers.0.feed_forward.w1.weight"].endswith(":(192, 256)")
+    assert all(got["digests"] == want for got in saved)
+    pool: RankPool = pools.get(2)
+    ours = pool.run_ok(rank_resume, str(tmp_path), 2, 1, "reshard", timeout_s=280)
+    theirs = pool.run_ok(rank_resume, str(tmp_path), 2, 1, "dcp", timeout_s=280)
+    tensors = {k: v for k, v in want.items() if k.startswith(("model.", "optimizer."))}
+    assert len(tensors) > 40
+    assert {k: ours[0][k] for k in tensors} == tensors and ours[0] == ours[1]
+    assert {k: theirs[0][k] for k in tensors} == tensors
+
+
+def rank_full_dtensor_tp(ctx: RankContext, folder: str) -> dict[str, Any]:
+    """A TP 2 model under ``spmd_backend="full_dtensor"`` (DTensors on the full ``dp_shard`` x ``tp`` mesh; not
+    trained: its forward takes DTensor inputs, which the trainer makes) saved through reshard as step 1, then
+    loaded into a fresh FSDP 2 model (``partial_dtensor``, another seed); the gathered model digests of both."""
+    model, optimizers, _ = _build(1, 2, seed=0, backend="full_dtensor")
+    shapes = _local_shapes(model)
+    manager, _ = _ours(folder, model, None, None, None)
+    assert manager.save(1)
+    manager.close()
+    want = {k: v for k, v in _digests(model, optimizers).items() if k.startswith("model.")}
+    fresh, fresh_optimizers, _ = _build(2, 1, seed=1)
+    reader, _ = _ours(folder, fresh, None, None, None)
+    assert reader.load()
+    reader.close()
+    got = {k: v for k, v in _digests(fresh, fresh_optimizers).items() if k.startswith("model.")}
+    return {"shapes": shapes, "want": want, "got": got}
+
+
+def test_a_full_dtensor_tp2_checkpoint_resumes_at_fsdp2_bit_exact(pools: Any, tmp_path: Path) -> None:
+    results = pools.get(2).run_ok(rank_full_dtensor_tp, str(tmp_path), timeout_s=280)
+    assert results[0]["shapes"]["layers.0.attention.wo.weight"].endswith(":(256, 128)")
+    assert len(results[0]["want"]) > 15
+    assert all(got["got"] == got["want"] == results[0]["want"] for got in results)
+
+
+def rank_unsharded_tp(ctx: RankContext, folder: str) -> dict[str, Any]:
+    """A TP 2 mesh over a model without torchtitan's sharding config: every TP rank holds full-size tensors
+    (DTensors on the 1-rank FSDP mesh) and, trained one step, different ones. The reshard save's error."""
+    from reshard.errors import ShardingError
+
+    model, optimizers, schedulers = _build(1, 2, seed=0, sharding=False)
+    _train(model, optimizers, schedulers, 1)
+    shapes = _local_shapes(model)
+    manager, _ = _ours(folder, model, optimizers, schedulers, None)
+    error = ""
+    try:
+        manager.save(1)
+    except ShardingError as exc:
+        error = str(exc)
+    finally:
+        manager.close()
+    return {"error": error, "shapes": shapes}
+
+
+def test_full_size_copies_on_the_tp_ranks_fail_the_save_on_every_rank_and_write_nothing(
+    pools: Any, tmp_path: Path
+) -> None:
+    """What the earlier tests built for TP 2 (no sharding config): not a TP layout. The save refuses it
+    (``ShardingError`` on every rank: two ranks claim the same box) and no step is committed."""
+    results = pools.get(2).run_ok(rank_unsharded_tp, str(tmp_path), timeout_s=280)
+    assert results[0]["shapes"]["layers.0.attention.wo.weight"].endswith(":(256, 256)")
+    assert all("claimed as primary by ranks 0 and 1" in got["error"] for got in results)
+    assert not [p for p in (tmp_path / "reshard").iterdir() if p.name.startswith("step_")]
+
+
+def rank_spmd_types_tp(ctx: RankContext, folder: str) -> dict[str, Any]:
+    """torchtitan's debug Llama parallelized at TP 2 under ``spmd_backend="spmd_types"`` by its own
+    ``Module.parallelize`` (torchtitan's ``parallelize_llama`` then fails in FSDP2's ``fully_shard`` on torch
+    2.13: "all parameters must be DTensors on the full SPMD mesh"): its parameters are plain tensors holding
+    each rank's TP shard, which a state dict cannot place in the global tensor. Building the reshard manager
+    over it must fail; what it raised, and the local shapes."""
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as titan_utils
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    titan_dims.device_type = "cpu"
+    config = model_registry("debugmodel").model
+    config.layers = config.layers[:1]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    set_llama3_sharding_config(config, enable_sp=True)
+    titan_utils.set_spmd_backend("spmd_types")
+    try:
+        with torch.device("meta"):
+            model = config.build()
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2, spmd_backend="spmd_types")
+        dims.build_mesh()
+        model.parallelize(dims)
+        model.to_empty(device="cpu")
+        shapes = _local_shapes(model)
+        try:
+            manager, _ = _ours(folder, model, None, None, None)
+        except CheckpointError as error:
+            return {"error": str(error), "shapes": shapes}
+        manager.close()
+        return {"error": "", "shapes": shapes}
+    finally:
+        titan_utils.set_spmd_backend("partial_dtensor")
+
+
+def test_a_spmd_types_tp_model_of_plain_local_shards_is_refused_on_every_rank(pools: Any, tmp_path: Path) -> None:
+    """Under ``spmd_types`` a TP parameter is a plain tensor of the rank's shard (``wo``: 256 x 128 of 256 x
+    256): saved, rank 0's shard would pass for the whole tensor. The manager refuses it when it is built, with
+    CheckpointError on every rank."""
+    results = pools.get(2).run_ok(rank_spmd_types_tp, str(tmp_path), timeout_s=280)
+    assert results[0]["shapes"]["layers.0.attention.wo.weight"] == "(256, 128):():(256, 128)"
+    for got in results:
+        assert "spmd_backend='spmd_types'" in got["error"]
+        assert "parameter 'tok_embeddings.weight' is a plain tensor" in got["error"]
+    assert not (tmp_path / "reshard").exists()
 
 
 def rank_refuses_async(ctx: RankContext, folder: str) -> str:

@@ -24,6 +24,12 @@ collectives never meet the training's. The next save, a load and ``close`` wait 
 Hugging Face safetensors (``initial_load_in_hf``, ``last_save_in_hf``) go through the trainer's state-dict adapter:
 :mod:`reshard.interop.torchtitan_hf`.
 
+Layouts: under torchtitan's ``spmd_backend`` ``"partial_dtensor"`` and ``"full_dtensor"`` every FSDP/TP
+parameter of the state dict is a DTensor whose placements say its box of the global tensor, which reshard saves
+and loads at any other layout. Under ``"spmd_types"`` a parameter FSDP2 did not make a DTensor is a plain tensor
+of the rank's local shard: on more than one rank the manager refuses it when it is built (``CheckpointError``),
+never saving rank 0's shard as the whole tensor.
+
 torchtitan is imported here only: ``import reshard`` never needs it.
 """
 
@@ -46,6 +52,7 @@ from torchtitan.components.checkpointer.base import (
     ModelWrapper,
 )
 from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed.utils import get_spmd_backend
 
 from reshard.errors import CheckpointError, CheckpointNotFoundError
 from reshard.flows.async_save import AsyncCheckpointer
@@ -114,6 +121,7 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
             return
         self.save_future: Future[None] | None = None
         _refuse_unsupported(config, sd_adapter)
+        _refuse_local_shards(model_parts)
         self.config = config
         self.folder = _join(base_folder, config.folder)
         self.states = states
@@ -379,3 +387,29 @@ def _refuse_unsupported(config: ReshardCheckpointManager.Config, sd_adapter: Any
         )
     if config.create_seed_checkpoint:
         raise CheckpointError("checkpoint.create_seed_checkpoint is not supported by the reshard checkpoint manager")
+
+
+def _refuse_local_shards(model_parts: list[torch.nn.Module]) -> None:
+    """A multi-rank model parallelized under torchtitan's ``spmd_backend="spmd_types"`` whose parameters are
+    plain tensors (not DTensors) is refused with ``CheckpointError`` when the manager is built (every rank
+    builds the same model, so every rank raises it, before any collective).
+
+    Under ``spmd_types`` a model-parallel parameter is the rank's local shard as a plain tensor (its layout is
+    torchtitan's sharding config and the live mesh, neither of which the state dict carries): saved, each
+    rank's TP shard would pass for the whole tensor and rank 0's would be written as it. FSDP2 turns them into
+    DTensors on the full mesh where the torch build supports it (torch 2.13 refuses: "all parameters must be
+    DTensors on the full SPMD mesh"); those save and load like ``partial_dtensor``/``full_dtensor`` ones."""
+    if get_spmd_backend() != "spmd_types" or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    from torch.distributed.tensor import DTensor
+
+    for index, part in enumerate(model_parts):
+        for name, param in part.named_parameters():
+            if not isinstance(param, DTensor):
+                raise CheckpointError(
+                    f"model part {index} parameter {name!r} is a plain tensor under torchtitan's "
+                    f"spmd_backend='spmd_types' on {dist.get_world_size()} ranks: a rank-local shard whose place in "
+                    "the global tensor the state dict does not say; the reshard checkpoint manager supports "
+                    "spmd_backend='partial_dtensor' and 'full_dtensor' (and spmd_types models whose parameters "
+                    "FSDP2 made DTensors)"
+                )
