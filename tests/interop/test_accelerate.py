@@ -11,6 +11,7 @@ RNG), and the step after the resume against the step of the uninterrupted run.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -111,3 +112,73 @@ def test_load_state_at_another_layout_is_bit_exact_and_training_continues_equal(
     refused = {"twice": "CheckpointError", "url": "CheckpointError", "missing": "CheckpointNotFoundError"}
     refused["scheduler_untouched"] = "True"
     assert loaded["refused"] == refused
+
+
+# ---- found by the outside attack (issue 35): tests/interop/accelerate_cases.py runs them in one process ------
+
+
+@pytest.fixture(scope="module")
+def attacked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("accelerate-cases")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("accelerate_cases.py")), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_a_save_before_the_first_step_leaves_the_optimizer_and_the_training_as_they_were(
+    attacked: dict[str, Any],
+) -> None:
+    """torch's get_optimizer_state_dict steps an optimizer without state (Adam's step counter became 1): the
+    run that saved at step 0 trained differently from one that did not, and its checkpoint resumed at step 1."""
+    result = attacked["save_before_the_first_step_changes_nothing"]
+    assert result == {"state_after_save": 0, "same_training": True, "state_after_load": 0, "lr_after_load": 0.1}
+
+
+def test_a_refused_load_leaves_the_optimizer_as_it_was(attacked: dict[str, Any]) -> None:
+    assert attacked["a_refused_load_changes_nothing"] == {"error": "reshard.errors.CheckpointNotFoundError", "state": 0}
+
+
+def test_optimizer_state_for_some_parameters_only_loads_as_saved(attacked: dict[str, Any]) -> None:
+    """A branch that never had a gradient has no optimizer state: its checkpoint could not be loaded."""
+    for name in ("SGD", "Adam"):
+        assert attacked["optimizer_state_for_some_parameters_loads"][name] == {
+            "error": None,
+            "states": ["used.bias", "used.weight"],
+            "equal": True,
+        }, name
+
+
+def test_a_saved_entry_the_model_does_not_have_is_refused_as_accelerate_refuses_it(attacked: dict[str, Any]) -> None:
+    assert attacked["an_entry_the_model_does_not_have_is_refused"] == "reshard.errors.MismatchError"
+
+
+def test_a_save_reshard_refuses_deletes_no_checkpoint(attacked: dict[str, Any]) -> None:
+    """total_limit deleted the oldest good checkpoint before reshard refused the save, and a retry the next."""
+    result = attacked["a_refused_save_deletes_no_checkpoint"]
+    assert result == {"errors": ["reshard.errors.CheckpointError"] * 2, "left": ["checkpoint_0", "checkpoint_1"]}
+
+
+def test_odd_models_and_arguments(attacked: dict[str, Any]) -> None:
+    assert attacked["a_model_without_parameters_saves_and_loads"] is None
+    assert attacked["arguments"] == {
+        "path": None,
+        "not_an_accelerator": "reshard.errors.CheckpointError",
+        "bad_timeout": "reshard.errors.CheckpointError",
+    }
+
+
+def test_a_directory_holding_accelerates_own_model_files_is_refused_before_anything_is_written(
+    attacked: dict[str, Any],
+) -> None:
+    """A save with use_reshard into a directory of a save without it left the old model.safetensors beside the
+    new scheduler: a load without reshard read the two saves mixed."""
+    result = attacked["a_directory_with_accelerates_own_model_files_is_refused"]
+    assert result == {"error": "reshard.errors.CheckpointError", "unchanged": True}

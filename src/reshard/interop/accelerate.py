@@ -337,39 +337,58 @@ def _saved_keys(metadata: Metadata) -> set[str]:
 
 def _load_template(
     hidden: dict[str, list[Any]], metadata: Metadata, path: str
-) -> tuple[dict[str, Any], list[tuple[torch.nn.Module, Any]]]:
-    """The template of a load: the models' current state dicts and the optimizers' (with the state entries the
-    checkpoint holds: an optimizer saved before its first step, or a parameter that never had a gradient, has
-    none). A saved model entry the model does not have is a MismatchError, as accelerate's strict
-    ``load_state_dict`` refuses an unexpected key."""
+) -> tuple[dict[str, Any], list[tuple[torch.nn.Module, Any]], dict[str, Any]]:
+    """The template of a load: the models' current state dicts and the optimizers' with the state entries the
+    checkpoint holds (an optimizer saved before its first step, or a parameter that never had a gradient, has
+    none); and the optimizers' whole templates (what :func:`_set_optimizer` fills the missing entries with).
+    A saved model entry the model does not have is a MismatchError, as accelerate's strict ``load_state_dict``
+    refuses an unexpected key."""
     state, pairs = _state(hidden, template=True)
     saved = _saved_keys(metadata)
+    whole = {}
     for name, entries in state.items():
         if name.startswith("model_"):
             extra = sorted(key for key in saved if key.startswith(f"{name}.") and key[len(name) + 1 :] not in entries)
             if extra:
                 raise MismatchError(f"{path}: {name} holds entries the prepared model does not have: {extra[:5]}")
         else:
+            whole[name] = entries
             state[name] = {
                 key: value
                 for key, value in entries.items()
                 if not key.startswith("state.") or f"{name}.{key}" in saved or _nested_in(f"{name}.{key}", saved)
             }
     state[ACCELERATE_FILES_KEY] = ""
-    return state, pairs
+    return state, pairs, whole
 
 
 def _nested_in(key: str, saved: set[str]) -> bool:
     return any(entry.startswith(f"{key}.") for entry in saved)
 
 
-def _set_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
-    """``set_optimizer_state_dict``, then without the state of parameters the checkpoint held none for (torch
-    fills those with empty dicts after stepping the optimizer with zero gradients): they start fresh, as with
-    accelerate's own ``load_state_dict``."""
-    set_optimizer_state_dict(model, optimizer, loaded, options=_OPTIM_OPTIONS)
+def _storage(value: Any) -> int:
+    local = value.to_local() if hasattr(value, "to_local") else value
+    return int(local.untyped_storage().data_ptr())
+
+
+def _set_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, loaded: dict[str, Any], whole: dict[str, Any]
+) -> None:
+    """``set_optimizer_state_dict`` of what was loaded; a parameter the checkpoint held no state for starts with
+    none, as with accelerate's own ``load_state_dict``. torch's helper wants an entry for every state of every
+    parameter (it steps a fresh optimizer with zero gradients to make them), so the missing entries are given
+    the template's own tensors and the states holding them are dropped after (an Adam step counter of 1 with
+    zero moments would change every later update)."""
+    missing = {key: value for key, value in whole.items() if key.startswith("state.") and key not in loaded}
+    set_optimizer_state_dict(model, optimizer, {**loaded, **missing}, options=_OPTIM_OPTIONS)
+    if not any(key.startswith("state.") for key in loaded):
+        optimizer.state.clear()
+        return
+    marks = {_storage(value) for value in missing.values() if isinstance(value, torch.Tensor) and value.numel()}
     for param, entries in list(optimizer.state.items()):
-        if any(isinstance(value, dict) and not value for value in entries.values()):
+        if any(
+            isinstance(value, torch.Tensor) and value.numel() and _storage(value) in marks for value in entries.values()
+        ):
             del optimizer.state[param]
 
 
@@ -380,15 +399,16 @@ def _load_through_reshard(hidden: dict[str, list[Any]], input_dir: str, timeout:
     nothing: ``CheckpointNotFoundError`` for a state saved without ``use_reshard``). **Collective**."""
     path = f"{input_dir.rstrip('/')}/{RESHARD_FOLDER}"
     metadata = _check_accelerate_files(input_dir, path, timeout)
-    template: list[tuple[dict[str, Any], list[tuple[torch.nn.Module, Any]]]] = []
+    template: list[tuple[dict[str, Any], list[tuple[torch.nn.Module, Any]], dict[str, Any]]] = []
     Communicator(None, timeout=timeout).step(
         "accelerate.template", lambda: template.append(_load_template(hidden, metadata, path))
     )
-    state, pairs = template[0]
+    state, pairs, whole = template[0]
     with torch.no_grad():
         loaded = load(state, path, strict=True, timeout=timeout)
     models: list[torch.nn.Module] = hidden.get("models", [])
     for i, model in enumerate(models):
-        set_model_state_dict(model, loaded[f"model_{i}"])
+        if loaded[f"model_{i}"] or _model_state(model):  # nothing to set in a model without state
+            set_model_state_dict(model, loaded[f"model_{i}"])
     for i, (model, optimizer) in enumerate(pairs):
-        _set_optimizer(model, optimizer, loaded[f"optimizer_{i}"])
+        _set_optimizer(model, optimizer, loaded[f"optimizer_{i}"], whole[f"optimizer_{i}"])
