@@ -463,6 +463,22 @@ def test_an_async_mode_it_cannot_honour_is_refused_on_every_rank(pools: Any, tmp
     assert all("async_mode='threads': not one of disabled, async, async_with_pinned_mem" in r for r in results)
 
 
+def rank_disagrees_on_async(ctx: RankContext, folder: str) -> str:
+    model, optimizers, schedulers = _build(2, 1, seed=0)
+    try:
+        _managers(folder, model, optimizers, schedulers, async_mode="async" if ctx.rank == 0 else "disabled")
+    except CheckpointError as error:
+        return str(error)
+    return "built"
+
+
+def test_an_async_mode_on_some_ranks_only_is_the_same_error_on_every_rank(pools: Any, tmp_path: Path) -> None:
+    """The contract suite's disagreement rule: an async mode on rank 0 alone made a process group on rank 0 alone
+    (rank 1 went on), a hang until the default group's timeout."""
+    results = pools.get(2).run_ok(rank_disagrees_on_async, str(tmp_path), timeout_s=280)
+    assert all("checkpoint options differ between ranks: async_mode" in r for r in results), results
+
+
 def rank_async_saves(ctx: RankContext, folder: str) -> dict[str, Any]:
     """For each async mode: train and save steps 1-3 asynchronously (keep_latest_k=2), changing every tensor
     (another training step) right after each save returns; then resume a fresh model from the newest step."""

@@ -60,6 +60,7 @@ from reshard.flows.load import load
 from reshard.flows.manager import CheckpointManager
 from reshard.flows.options import LoadOptions
 from reshard.interop.torchtitan_hf import export_hf, load_hf_model
+from reshard.net.comm import Communicator
 from reshard.state.sharding import ShardedObject
 
 __all__ = ["ReshardCheckpointManager"]
@@ -116,12 +117,11 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         sd_adapter: Any,
         base_folder: str = "",
     ) -> None:
+        _agree_on_config(config, sd_adapter, model_parts)
         self.enable = config.enable
         if not self.enable:
             return
         self.save_future: Future[None] | None = None
-        _refuse_unsupported(config, sd_adapter)
-        _refuse_local_shards(model_parts)
         self.config = config
         self.folder = _join(base_folder, config.folder)
         self.states = states
@@ -370,6 +370,29 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
             if manager is not None:
                 manager.close()
                 self._manager = None
+
+
+def _agree_on_config(config: ReshardCheckpointManager.Config, sd_adapter: Any, model_parts: list[Any]) -> None:
+    """The options this manager refuses (:func:`_refuse_unsupported`, :func:`_refuse_local_shards`) and the
+    config itself, agreed by every rank in one step when the manager is built: an option refused on one rank, or
+    a config field that differs between ranks (``async_mode`` on some ranks only would make a process group on
+    those alone and hang), is the same ``CheckpointError`` on every rank. **Collective** over the default
+    process group when it is initialized (torchtitan builds the manager on every rank)."""
+    fields = {field.name: repr(getattr(config, field.name)) for field in dataclasses.fields(config)}
+
+    def local() -> dict[str, str]:
+        if config.enable:
+            _refuse_unsupported(config, sd_adapter)
+            _refuse_local_shards(model_parts)
+        return fields
+
+    def combine(values: list[dict[str, str]]) -> None:
+        differ = sorted(name for name in fields if len({value.get(name) for value in values}) > 1)
+        if differ:
+            raise CheckpointError(f"checkpoint options differ between ranks: {', '.join(differ)}")
+
+    timeout = config.timeout_s if config.timeout_s is not None else None
+    Communicator(None, timeout=timeout).step("torchtitan.config", local, combine)
 
 
 def _refuse_unsupported(config: ReshardCheckpointManager.Config, sd_adapter: Any) -> None:
