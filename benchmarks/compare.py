@@ -703,9 +703,17 @@ class Worker:
             record = self._measure(lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(path)), bytes_needed=needed)
             loaded = self.tensors[name]
         elif system == "tc":
-            manager = self.tc_managers[False]
+            # A manager of its own per load (untimed), as a resumed job has: one that saved, or loaded another
+            # layout of the same path in an earlier repetition, read the next layout as if it needed no resharding
+            # (a shape mismatch in its copy, warm mode, repetition 2).
+            manager = tc_system.make_manager(self.rank, asynchronous=False)
             sd = self._dcp_dict(name)
-            record = self._measure(lambda: manager.load(str(path), into={"model": sd}) and None, bytes_needed=needed)
+            try:
+                record = self._measure(
+                    lambda: manager.load(str(path), into={"model": sd}) and None, bytes_needed=needed
+                )
+            finally:
+                manager.close()
             loaded = self.tensors[name]
         elif system == "megatron":
             sd = self._megatron_dict(name)

@@ -157,18 +157,7 @@ def _digests(model: Any, optimizers: Any) -> dict[str, str]:
 def _managers(folder: str, model: Any, optimizers: Any, schedulers: Any, **extra: Any) -> tuple[Any, Any, Any]:
     from torchtitan.components.checkpointer import CheckpointManager
 
-    from reshard.interop.torchtitan import ReshardCheckpointManager
-
-    train = TrainState()
-    ours = ReshardCheckpointManager.Config(enable=True, folder="reshard", interval=1, **extra).build(
-        dataloader=None,
-        model_parts=[model],
-        optimizers=optimizers,
-        lr_schedulers=schedulers,
-        states={"train_state": train},
-        sd_adapter=None,
-        base_folder=folder,
-    )
+    ours, train = _ours(folder, model, optimizers, schedulers, None, **extra)
     theirs = CheckpointManager.Config(enable=True, folder="dcp", interval=1, keep_latest_k=0).build(
         dataloader=None,
         model_parts=[model],
