@@ -54,6 +54,7 @@ def collector_paused() -> Iterator[None]:
     finally:
         _PauseState.depth -= 1
         if _PauseState.depth == 0 and _PauseState.resume:
-            if gc.get_count()[0] > gc.get_threshold()[0]:
+            threshold = gc.get_threshold()[0]
+            if threshold > 0 and gc.get_count()[0] > threshold:  # 0: the application turned collections off
                 gc.collect(0)
             gc.enable()

@@ -134,10 +134,15 @@ def use_reshard(accelerator: Accelerator, *, timeout: float | None = None) -> Re
             # Everything reshard could refuse is decided before accelerate chooses, deletes (total_limit) or
             # writes anything; the state dicts do not change while accelerate writes its own files.
             state = _prepared_save(hidden, output_dir, timeout)
-            location = original_save(output_dir, *args, **kwargs)
-            accelerator.wait_for_everyone()  # every process's files are written before any is recorded
+            written: list[Any] = []
+            try:
+                written.append(original_save(output_dir, *args, **kwargs))
+            finally:
+                # Every process's files are written before any is recorded; a process whose own writes failed
+                # makes every process fail here (accelerate's plain barrier would leave the others waiting).
+                Communicator(None, timeout=timeout).step("accelerate.saved", lambda: _raise_unless(written))
             _save_through_reshard(state, hidden["output_dir"][0], timeout)
-            return location
+            return written[0]
 
     @functools.wraps(original_load)
     def load_state(input_dir: str | os.PathLike[str] | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -157,6 +162,11 @@ def use_reshard(accelerator: Accelerator, *, timeout: float | None = None) -> Re
     handle = ReshardHandle(accelerator, undo)
     accelerator._reshard_handle = handle
     return handle
+
+
+def _raise_unless(written: list[Any]) -> None:
+    if not written:
+        raise CheckpointError("accelerate's own save_state failed on this process (its error is raised there)")
 
 
 def _refuse_distributed_type(accelerator: Accelerator) -> None:

@@ -40,6 +40,7 @@ from reshard.flows.save import save
 from reshard.io.retirement import delete_checkpoint
 from reshard.io.verified import check_data_files
 from reshard.metadata import Metadata
+from reshard.net.comm import Communicator
 from reshard.net.transports import SingleProcess
 from reshard.storage import storage_for
 
@@ -364,11 +365,10 @@ class ReshardModelParallelStrategy(ModelParallelStrategy):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         path = _location(self.broadcast(checkpoint_path))
-        metadata = read_metadata(path, storage_options=self.reshard_storage_options)
-        template = checked_template(path, metadata, torch.device("cpu"), self.reshard_storage_options)
-        if not isinstance(template, dict):
-            raise CheckpointError(f"{path}: the saved checkpoint is not a dict")
-        optimizers = self._live_templates(template, path)
+        prepared: list[tuple[dict[str, Any], list[Any]]] = []
+        # One agreed step: a checkpoint one rank cannot use is the same error on every rank (none waits in load).
+        Communicator(None).step("lightning.template", lambda: prepared.append(self._template(path)))
+        template, optimizers = prepared[0]
         with torch.no_grad():
             loaded = load(
                 template, path, options=self.reshard_load_options, storage_options=self.reshard_storage_options
@@ -379,6 +379,19 @@ class ReshardModelParallelStrategy(ModelParallelStrategy):
         for optimizer, state in zip(optimizers, loaded.pop("optimizer_states", []), strict=True):
             set_optimizer_state_dict(self.model, optimizer, state, options=_sharded(strict=strict))
         return dict(loaded)
+
+    def _template(self, path: str) -> tuple[dict[str, Any], list[Any]]:
+        """The load template: the model's and optimizers' live sharded state dicts, and the checkpoint's other
+        tensors allocated on the CPU (built on the meta device first, so that the model and optimizer entries,
+        replaced by the live ones, are never allocated at their global shapes); the optimizers, unwrapped."""
+        metadata = read_metadata(path, storage_options=self.reshard_storage_options)
+        template = checked_template(path, metadata, torch.device("meta"), self.reshard_storage_options)
+        if not isinstance(template, dict):
+            raise CheckpointError(f"{path}: the saved checkpoint is not a dict")
+        optimizers = self._live_templates(template, path)
+        materialized = _on_cpu(template)
+        assert isinstance(materialized, dict)
+        return materialized, optimizers
 
     def _live_templates(self, template: dict[str, Any], where: str) -> list[Any]:
         """Put the model's and optimizers' current sharded state dicts in ``template`` (the layout the load
@@ -396,6 +409,18 @@ class ReshardModelParallelStrategy(ModelParallelStrategy):
             for opt, old in zip(optimizers, saved, strict=True)
         ]
         return optimizers
+
+
+def _on_cpu(template: object) -> object:
+    """``template`` with each tensor on the meta device replaced by an empty CPU tensor of its shape and dtype."""
+    if isinstance(template, torch.Tensor):
+        return torch.empty(template.shape, dtype=template.dtype) if template.is_meta else template
+    if isinstance(template, dict):
+        return {key: _on_cpu(value) for key, value in template.items()}
+    if isinstance(template, list | tuple):
+        items = [_on_cpu(value) for value in template]
+        return tuple(items) if isinstance(template, tuple) else items
+    return template
 
 
 def _sharded(*, strict: bool) -> Any:

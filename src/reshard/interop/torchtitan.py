@@ -243,17 +243,15 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         )
 
     def _replica_of(self, dp_rank: int) -> int:
-        """This rank's index among the ranks of its data-parallel rank (an all-gather over the default group,
-        once: every rank calls it at its first save or load)."""
+        """This rank's index among the ranks of its data-parallel rank, agreed once in one step of reshard's
+        protocol (any backend of the default group: torchtitan's is NCCL on GPUs). **Collective** over the default
+        group: every rank calls it at its first save or load of a dataloader state (every rank of a job has one)."""
         if self._replica is None:
-            if not dist.is_initialized():
-                self._replica = 0
-            else:
-                mine = torch.tensor([dp_rank], dtype=torch.int64)
-                every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-                dist.all_gather(every, mine)
-                lower = [int(t.item()) for t in every[: dist.get_rank()]]
-                self._replica = lower.count(dp_rank)
+            comm = Communicator(None, timeout=self.config.timeout_s)
+            replicas = comm.step(
+                "torchtitan.replicas", lambda: dp_rank, lambda ranks: [ranks[:i].count(r) for i, r in enumerate(ranks)]
+            )
+            self._replica = int(replicas[comm.rank])
         return self._replica
 
     # ---- load ------------------------------------------------------------------------------------------
@@ -265,11 +263,8 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         self.maybe_wait_for_saving()
         options = LoadOptions(read_once=self.config.read_once)
         kwargs: dict[str, Any] = {"options": options, "strict": True}
-        steps = self._root().steps()
-        if step != -1 and step not in steps:
-            raise CheckpointNotFoundError(f"checkpoint.load_step={step}: no complete checkpoint of it in {self.folder}")
-        if steps:
-            chosen = steps[-1] if step == -1 else step
+        chosen = self._agreed_step(step)
+        if chosen is not None:
             states = self._states_to_load(model_only=chosen == 0)
             loaded = load(
                 self._full_state(states),
@@ -293,6 +288,26 @@ class ReshardCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
             return False
         self._apply(states, loaded)
         return True
+
+    def _agreed_step(self, step: int) -> int | None:
+        """The step every rank loads: ``step``, or the newest complete one for -1 (None: the folder has none),
+        from listings that must agree (ranks that see different steps, on a file system with stale attribute
+        caches say, would read different checkpoints). **Collective**: every rank; the same error on all."""
+
+        def choose(listings: list[list[int]]) -> int | None:
+            if any(listing != listings[0] for listing in listings):
+                raise CheckpointError(f"{self.folder}: the ranks see different complete steps: {listings}")
+            steps = listings[0]
+            if step != -1 and step not in steps:
+                raise CheckpointNotFoundError(
+                    f"checkpoint.load_step={step}: no complete checkpoint of it in {self.folder}"
+                )
+            return (steps[-1] if step == -1 else step) if steps else None
+
+        chosen: int | None = Communicator(None, timeout=self.config.timeout_s).step(
+            "torchtitan.step", lambda: list(self._root().steps()), choose
+        )
+        return chosen
 
     def _load_hf(self, options: LoadOptions) -> None:
         """The initial load from HF safetensors: ``initial_load_path``, else the adapter's ``hf_assets_path``
@@ -391,8 +406,7 @@ def _agree_on_config(config: ReshardCheckpointManager.Config, sd_adapter: Any, m
         if differ:
             raise CheckpointError(f"checkpoint options differ between ranks: {', '.join(differ)}")
 
-    timeout = config.timeout_s if config.timeout_s is not None else None
-    Communicator(None, timeout=timeout).step("torchtitan.config", local, combine)
+    Communicator(None, timeout=config.timeout_s).step("torchtitan.config", local, combine)
 
 
 def _refuse_unsupported(config: ReshardCheckpointManager.Config, sd_adapter: Any) -> None:
