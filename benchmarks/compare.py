@@ -1246,7 +1246,7 @@ def _best_peer_rows(add, seconds, phases: dict[str, Any], untouched: bool) -> No
             if phase != "load_world":  # the floor is measured on the saving layout's ranks
                 add(
                     f"{phase}: the machine's floor ({'write + fsync' if phase == 'save' else 'page-cache read'}) "
-                    f"/ best peer's time",
+                    f"/ the fastest peer's time",
                     floor[0] if phase == "save" else floor[1],
                     peers[best],
                     "<=",

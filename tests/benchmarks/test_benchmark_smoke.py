@@ -79,6 +79,7 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
     expected = [
         "limit.write",
         "limit.read",
+        "limit.read_fresh",
         "limit.memcpy",
         "limit.crc32c",
         "reshard.save",
@@ -164,6 +165,9 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
     best = [row for row in report["ratios"] if "best peer's time" in row["name"]]  # issue 35's targets
     assert {row["name"].split(":")[1].strip() for row in best} == {"save", "load_same", "load_axis", "load_world"}
     assert all(row["pass"] in (True, False) and row["value"] > 0 for row in best)
+    floors = [row for row in report["ratios"] if "the machine's floor" in row["name"]]  # what a target can ask
+    assert {row["name"].split(":")[1].strip() for row in floors} == {"save", "load_same", "load_axis"}
+    assert all(row["value"] > 0 and row["target"] is None for row in floors)
     if "tc" not in report["skipped"]:
         assert ratios["warm: save: reshard time / torch_checkpointing time"]["value"] > 0
 
@@ -182,7 +186,7 @@ def test_compare_cold_start_mode_runs_at_a_tiny_size(tmp_path: Path) -> None:
     assert report["config"]["mode"] == "cold"
     phases = report["phases"]
     expected = {
-        *(f"cold.limit.{k}" for k in ("write", "read", "memcpy", "crc32c")),
+        *(f"cold.limit.{k}" for k in ("write", "read", "read_fresh", "memcpy", "crc32c")),
         *(f"cold.{s}.{op}" for s in ("reshard", "dcp") for op in ("save", "load_same", "load_axis")),
         "cold.reshard.async_first",
         "cold.reshard.async_warmup",

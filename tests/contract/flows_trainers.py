@@ -233,9 +233,14 @@ class TitanStep(Flow):
 
     def run(self, run: RankRun) -> dict[str, Any] | None:
         from torchtitan.components.optimizer.optimizer import default_adamw
+        from torchtitan.distributed import utils as titan_utils
 
         from reshard.interop.torchtitan import ReshardCheckpointManager
 
+        # The model part is the same plain tensor on every rank (a replica): torchtitan's default backend,
+        # spmd_types, keeps tensor-parallel shards as plain tensors too, which the manager refuses on several
+        # ranks (docs/reliability.md section 18, I9); the backends it supports say what a plain tensor is.
+        titan_utils.set_spmd_backend("partial_dtensor")
         model = torch.nn.Linear(4, 3, bias=False)
         with torch.no_grad():
             model.weight.copy_(model_weight(2))
