@@ -137,7 +137,7 @@ def _checkpoint() -> dict[str, Any]:
     }
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # importing Lightning takes seconds: not for the fast tier
 def test_plugin_round_trips_structure_and_values(tmp_path: Path) -> None:
     io = ReshardCheckpointIO()
     io.save_checkpoint(_checkpoint(), tmp_path / "a.ckpt")
@@ -146,7 +146,7 @@ def test_plugin_round_trips_structure_and_values(tmp_path: Path) -> None:
     assert_same(loaded, _checkpoint())
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # importing Lightning takes seconds: not for the fast tier
 def test_a_value_without_a_pickle_free_form_is_an_error_naming_its_key(tmp_path: Path) -> None:
     io = ReshardCheckpointIO()
     io.save_checkpoint(_checkpoint(), tmp_path / "a.ckpt")
@@ -158,7 +158,7 @@ def test_a_value_without_a_pickle_free_form_is_an_error_naming_its_key(tmp_path:
         io.save_checkpoint({**_checkpoint(), STRUCTURE_KEY: "x"}, tmp_path / "b.ckpt")
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # importing Lightning takes seconds: not for the fast tier
 def test_options_it_cannot_honour_are_errors(tmp_path: Path) -> None:
     io = ReshardCheckpointIO()
     io.save_checkpoint(_checkpoint(), tmp_path / "a.ckpt")
@@ -170,7 +170,7 @@ def test_options_it_cannot_honour_are_errors(tmp_path: Path) -> None:
         io.load_checkpoint(tmp_path / "missing.ckpt")
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # importing Lightning takes seconds: not for the fast tier
 def test_remove_deletes_only_what_reshard_wrote(tmp_path: Path) -> None:
     io = ReshardCheckpointIO()
     io.save_checkpoint(_checkpoint(), tmp_path / "a.ckpt")
@@ -182,7 +182,7 @@ def test_remove_deletes_only_what_reshard_wrote(tmp_path: Path) -> None:
     assert_same(io.load_checkpoint(tmp_path / "b.ckpt"), _checkpoint())
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # importing Lightning takes seconds: not for the fast tier
 def test_model_parallel_strategy_removes_only_what_reshard_wrote(tmp_path: Path) -> None:
     """ModelCheckpoint's save_top_k removes through ``strategy.remove_checkpoint``, which Lightning hands to the
     strategy's CheckpointIO (TorchCheckpointIO: ``fs.rm(path, recursive=True)``, a person's file included)."""
@@ -197,7 +197,7 @@ def test_model_parallel_strategy_removes_only_what_reshard_wrote(tmp_path: Path)
 # ---- found by the outside attack (issue 35) -----------------------------------------------------------------
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # importing Lightning takes seconds: not for the fast tier
 def test_a_torch_size_value_saves_and_loads(tmp_path: Path) -> None:
     """``save_hyperparameters()`` of a module taking a ``torch.Size``: the save succeeded and no checkpoint of the
     run could be loaded (the structure recorded one value where reshard stored a tuple of sizes)."""
@@ -209,7 +209,7 @@ def test_a_torch_size_value_saves_and_loads(tmp_path: Path) -> None:
     assert_same(loaded["state_dict"], _checkpoint()["state_dict"])
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # importing Lightning takes seconds: not for the fast tier
 def test_removing_lightnings_link_to_a_checkpoint_removes_the_link_only(tmp_path: Path) -> None:
     """``ModelCheckpoint(save_last="link")`` with a step in the last name removes the previous link: it raised
     CheckpointError (reshard deletes nothing through a link) and ended ``fit``."""
@@ -221,7 +221,7 @@ def test_removing_lightnings_link_to_a_checkpoint_removes_the_link_only(tmp_path
     assert_same(io.load_checkpoint(tmp_path / "step=1.ckpt"), _checkpoint())
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # importing Lightning takes seconds: not for the fast tier
 def test_a_missing_checkpoint_or_a_bad_device_is_a_reshard_error(tmp_path: Path) -> None:
     from reshard.errors import CheckpointNotFoundError
 
@@ -267,7 +267,7 @@ def _huge(document: dict[str, Any]) -> None:
         entry["size"] = 4 * n
 
 
-@pytest.mark.unit
+@pytest.mark.dist  # importing Lightning takes seconds: not for the fast tier
 @pytest.mark.parametrize(
     "change",
     [
