@@ -1252,6 +1252,8 @@ def _best_peer_rows(add, seconds, phases: dict[str, Any], untouched: bool) -> No
                     "<=",
                     None,
                 )
+            if phase in ("load_same", "load_axis"):
+                _verified_floor_rows(add, seconds, phases, phase, floor[1], peers[best])
     add(
         "async: blocking time, reshard / torch_checkpointing (save() returned)",
         _get(phases, "reshard.async", "block_seconds_median"),
@@ -1266,6 +1268,30 @@ def _best_peer_rows(add, seconds, phases: dict[str, Any], untouched: bool) -> No
         "<=",
         None,
     )
+
+
+def _verified_floor_rows(add, seconds, phases: dict[str, Any], phase: str, read: float | None, best: float) -> None:
+    """The floor of a load that verifies what it uses, as reshard does: the page-cache read of the rank's bytes
+    plus the CRC-32C of the bytes it verifies (whole checksum chunks: a resharded load that needs part of every
+    chunk verifies more than it uses; the share is reshard's own LoadStats). The peers verify nothing, so
+    their floor is the read alone; this row bounds what a target can ask of a load that keeps reshard's
+    guarantee, and the second row says how far reshard is above it."""
+    p = phases.get(f"reshard.{phase}") or {}
+    verified, needed = p.get("bytes_verified_per_rank_reshard"), p.get("bytes_needed_per_rank_reshard")
+    crc = seconds("limit.crc32c")
+    if read is None or crc is None or not verified or not needed or not sum(needed):
+        return
+    share = sum(verified) / sum(needed)
+    floor = read + crc * share
+    add(
+        f"{phase}: the floor with reshard's checks (read + CRC-32C of {share:.0%} of the bytes) / the fastest "
+        "peer's time",
+        floor,
+        best,
+        "<=",
+        None,
+    )
+    add(f"{phase}: reshard time / the floor with reshard's checks", seconds(f"reshard.{phase}"), floor, "<=", None)
 
 
 def _get(phases: dict[str, Any], name: str, field: str) -> float | None:

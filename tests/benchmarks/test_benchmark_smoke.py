@@ -168,6 +168,15 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
     floors = [row for row in report["ratios"] if "the machine's floor" in row["name"]]  # what a target can ask
     assert {row["name"].split(":")[1].strip() for row in floors} == {"save", "load_same", "load_axis"}
     assert all(row["value"] > 0 and row["target"] is None for row in floors)
+    # The floor of a load that verifies what it uses: at least the plain floor, more where whole chunks are
+    # verified beyond the bytes used (the axis flip); and reshard's distance from it.
+    checked = {row["name"].split(":")[1].strip(): row for row in report["ratios"] if "checks (read + CRC" in row["name"]}
+    assert set(checked) == {"load_same", "load_axis"}
+    for phase, row in checked.items():
+        plain = next(r for r in floors if r["name"].split(":")[1].strip() == phase)
+        assert row["value"] > plain["value"] and row["target"] is None, phase
+        above = ratios[f"warm: {phase}: reshard time / the floor with reshard's checks"]
+        assert above["value"] > 0, phase
     if "tc" not in report["skipped"]:
         assert ratios["warm: save: reshard time / torch_checkpointing time"]["value"] > 0
 
