@@ -703,9 +703,8 @@ class Worker:
             record = self._measure(lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(path)), bytes_needed=needed)
             loaded = self.tensors[name]
         elif system == "tc":
-            # A manager of its own per load (untimed), as a resumed job has: one that saved, or loaded another
-            # layout of the same path in an earlier repetition, read the next layout as if it needed no resharding
-            # (a shape mismatch in its copy, warm mode, repetition 2).
+            # A manager of its own per load (untimed), as a resumed job has. (The checkpoints of a synchronous manager
+            # hold their distributed metadata only with its cache off: benchmarks/tc_system.py.)
             manager = tc_system.make_manager(self.rank, asynchronous=False)
             sd = self._dcp_dict(name)
             try:
@@ -1865,6 +1864,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "pre_finalize_callback fsyncs each rank's files, the metadata and the directory",
     }
     notes.append("fsync: " + "; ".join(fsync[s] for s in systems))
+    if "tc" in systems:
+        notes.append(
+            "tc: its synchronous manager runs with its metadata cache off (torch-checkpointing 0.1.1 writes the "
+            "distributed metadata only in a manager's first checkpoint otherwise, and the later ones cannot be "
+            "loaded into another layout: benchmarks/tc_system.py)"
+        )
     if "megatron.load_same" in phases and not phases["megatron.load_same"].get("in_place", True):
         notes.append("Megatron's load returned new tensors instead of filling the templates in place")
     notes += [

@@ -14,6 +14,13 @@ said in the report's notes:
   fsyncs (it relies on O_DIRECT); so that its save is as durable as the others' (DCP fsyncs its files), its own
   ``pre_finalize_callback`` hook fsyncs each rank's files (rank 0: also the metadata and the directory) before
   the commit rename.
+- Its synchronous saver writes the distributed metadata (which a load into another layout needs) only in the first
+  checkpoint a manager saves: the metadata manager caches what it computed and then returns nothing to write
+  (``DefaultMetadataManager.compute_metadata`` returns None "if cache is valid", and ``SyncCheckpointSaver`` writes
+  the checkpoint without metadata; its async writer process does write the cached bytes every time). Every later
+  checkpoint of the same manager then loads "without resharding" into another layout and fails with a shape
+  mismatch (compare.py's warm mode, repetition 2). The synchronous manager therefore runs with the cache off
+  (``_should_cache_metadata = False``), so that every checkpoint it saves is complete, as every other system's is.
 """
 
 from __future__ import annotations
@@ -89,6 +96,8 @@ def make_manager(rank: int, *, asynchronous: bool) -> Any:
     )
     manager = CheckpointManager(config)
     manager._metadata_manager.__class__ = _cpu_metadata_manager_class()  # the one CUDA-only step, on CPU
+    if not asynchronous:  # every checkpoint with its metadata (see the module doc)
+        manager._metadata_manager._should_cache_metadata = False
     return manager
 
 
