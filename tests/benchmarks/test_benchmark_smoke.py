@@ -170,7 +170,8 @@ def test_compare_runs_at_a_tiny_size(tmp_path: Path) -> None:
     assert all(row["value"] > 0 and row["target"] is None for row in floors)
     # The floor of a load that verifies what it uses: at least the plain floor, more where whole chunks are
     # verified beyond the bytes used (the axis flip); and reshard's distance from it.
-    checked = {row["name"].split(":")[1].strip(): row for row in report["ratios"] if "checks (read + CRC" in row["name"]}
+    with_checks = [row for row in report["ratios"] if "checks (read + CRC" in row["name"]]
+    checked = {row["name"].split(":")[1].strip(): row for row in with_checks}
     assert set(checked) == {"load_same", "load_axis"}
     for phase, row in checked.items():
         plain = next(r for r in floors if r["name"].split(":")[1].strip() == phase)
