@@ -298,9 +298,13 @@ class HierarchicalGroups(TransportFactory):
     point, and reuse it for every save and load. The ranks first agree on the layout (a
     :class:`~reshard.CheckpointError`, the same on every rank, when one passes another layout or one that does
     not fit); then every rank creates every node's group and the leaders' group, in node order (gloo: the
-    protocol is small and latency-bound, see :func:`~reshard.net.transports.plane_devices`). When ``group`` is
-    the whole world, ``torch.distributed.new_group`` is called by every process; when it is a subgroup, only its
-    members call, with ``use_local_synchronization=True``.
+    protocol is small and latency-bound, see :func:`~reshard.net.transports.plane_devices`), as
+    ``torch.distributed.new_group`` requires of every process of the job.
+
+    ``group`` must therefore hold every process of the job, in rank order (a :class:`~reshard.CheckpointError`
+    otherwise): the processes outside a subgroup would have to create its node groups too, and
+    ``new_group(use_local_synchronization=True)``, which spares them, names a group by a count of the groups each
+    process made before, which the ranks of different nodes need not share (their groups then never meet).
 
     Args:
         group: the ranks of the checkpoint operations: a process group (None: the default group) or a
@@ -334,11 +338,15 @@ class HierarchicalGroups(TransportFactory):
         flat = comm.transport
         if not isinstance(flat, TorchTransport):
             raise CheckpointError("HierarchicalGroups needs torch.distributed; use HierarchicalThreadGroup for threads")
+        if flat.global_ranks != list(range(dist.get_world_size())):
+            raise CheckpointError(
+                f"HierarchicalGroups needs a group of every process of the job in rank order, not ranks "
+                f"{flat.global_ranks} of {dist.get_world_size()} (every process calls torch.distributed.new_group)"
+            )
         self._make_groups(flat.global_ranks, flat.rank, wait)
 
     def _make_groups(self, global_ranks: list[int], rank: int, timeout: datetime.timedelta) -> None:
-        """Create every node's group and the leaders' group, in node order, on every rank that must."""
-        whole_world = global_ranks == list(range(dist.get_world_size()))
+        """Create every node's group and the leaders' group, in node order, on every rank (all of the job)."""
         self.node_group: dist.ProcessGroup | None = None
         self.leaders_group: dist.ProcessGroup | None = None
         mine = self.layout.node_of(rank)
@@ -346,9 +354,7 @@ class HierarchicalGroups(TransportFactory):
         wanted.append([global_ranks[members[0]] for members in self.layout.nodes])
         for index, ranks in enumerate(wanted):
             member = global_ranks[rank] in ranks
-            if not whole_world and not member:
-                continue
-            made = dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=not whole_world)
+            made = dist.new_group(ranks, timeout=timeout, backend="gloo")
             if not member:
                 continue
             if dist.get_process_group_ranks(made) != ranks:
