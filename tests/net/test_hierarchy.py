@@ -129,7 +129,9 @@ def test_step_and_step_scatter_agree_over_the_hierarchy() -> None:
     assert results == [(150, 6, str(r).encode() * 2) for r in range(6)]
 
 
-@pytest.mark.parametrize("failing", [4, 3, 0], ids=["member-of-another-node", "leader", "coordinator"])
+@pytest.mark.parametrize(
+    "failing", [5, 1, 2, 0], ids=["member-of-another-node", "member-of-node-0", "leader", "coordinator"]
+)
 def test_a_failing_rank_fails_every_rank_with_the_same_error_naming_it(failing: int) -> None:
     group = HierarchicalThreadGroup(6, 2, timeout=20)
     outcomes = outcomes_on_threads(6, _step(group, failing))
