@@ -57,6 +57,27 @@ def test_layouts_are_normalised_and_checked() -> None:
         NodeLayout.blocks(4, 0)
 
 
+def test_the_layout_comes_from_the_arguments_else_from_local_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from reshard.net.hierarchy import _layout_argument
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _layout_argument(4, None, None).nodes == ((0, 1), (2, 3))
+    assert _layout_argument(4, 4, None).nodes == ((0, 1, 2, 3),)
+    assert _layout_argument(4, None, [[3, 0], [1, 2]]).nodes == ((0, 3), (1, 2))
+    with pytest.raises(CheckpointError, match="not both"):
+        _layout_argument(4, 2, [[0, 1], [2, 3]])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(CheckpointError, match="does not divide"):
+        _layout_argument(4, None, None)
+    for value in ("", "eight"):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+        with pytest.raises(CheckpointError, match="LOCAL_WORLD_SIZE"):
+            _layout_argument(4, None, None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(CheckpointError, match="not set"):
+        _layout_argument(4, None, None)
+
+
 def _collectives(transport: Transport) -> tuple[list[bytes] | None, bytes, bytes]:
     rank, size = transport.rank, transport.size
     gathered = transport.gather_bytes(_payload(rank))
@@ -100,6 +121,8 @@ def test_a_member_of_a_node_that_is_not_its_transport_is_refused() -> None:
         HierarchicalTransport(flat.member(2), node.member(1), None, layout)
     with pytest.raises(CheckpointError, match="leaders"):
         HierarchicalTransport(flat.member(3), node.member(1), leaders.member(1), layout)
+    with pytest.raises(CheckpointError, match="a node layout of 6 ranks"):
+        HierarchicalTransport(flat.member(3), node.member(1), None, NodeLayout.blocks(6, 2))
 
 
 # ---- Communicator.step and step_scatter over the hierarchy --------------------------------------------------

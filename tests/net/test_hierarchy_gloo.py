@@ -5,6 +5,7 @@ never arrives."""
 from __future__ import annotations
 
 import datetime
+import os
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,12 @@ def rank_flat_save(ctx: RankContext, path: str) -> None:
 
 
 def rank_hierarchical_load_tp2_dp2(ctx: RankContext, path: str) -> list[float]:
-    groups = HierarchicalGroups(None, ranks_per_node=2, timeout=TIMEOUT)
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun sets it: the layout's default
+    try:
+        groups = HierarchicalGroups(None, timeout=TIMEOUT)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    assert groups.layout.nodes == ((0, 1), (2, 3))
     loaded = reshard.load(_columns(ctx.rank % 2), path, group=groups, timeout=TIMEOUT)
     assert loaded["step"] == 5
     return _local(loaded).flatten().tolist()

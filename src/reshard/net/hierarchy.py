@@ -157,9 +157,11 @@ class HierarchicalTransport(Transport):
         super().__init__()
         self.flat, self.node, self.leaders, self.layout = flat, node, leaders, layout
         self.rank, self.size, self.timeout, self.device = flat.rank, flat.size, flat.timeout, flat.device
+        if layout.size != self.size:
+            raise CheckpointError(f"a node layout of {layout.size} ranks for a group of {self.size}")
         index = layout.node_of(self.rank)
         members = layout.nodes[index]
-        if layout.size != self.size or node.size != len(members) or node.rank != members.index(self.rank):
+        if node.size != len(members) or node.rank != members.index(self.rank):
             raise CheckpointError(
                 f"rank {self.rank}: its node transport (rank {node.rank} of {node.size}) is not its node "
                 f"{list(members)}"
