@@ -133,3 +133,34 @@ def test_a_member_that_never_arrives_is_a_communication_error_on_every_other_ran
         pool.close()
     assert outcomes[3] == "absent"
     assert all(isinstance(o, RankFailure) and o.error_class == "CommunicationError" for o in outcomes[:3]), outcomes
+
+
+def rank_step_failing_on(ctx: RankContext, failing: int) -> Any:
+    groups = HierarchicalGroups(None, ranks_per_node=2, timeout=TIMEOUT)
+    comm = Communicator(groups, timeout=TIMEOUT)
+
+    def local() -> int:
+        if ctx.rank == failing:
+            raise reshard.StorageError(f"no space left on rank {ctx.rank}")
+        return ctx.rank
+
+    return comm.step("phase", local, sum)
+
+
+@pytest.mark.parametrize("failing", [3, 2, 0], ids=["member-of-node-1", "leader-of-node-1", "coordinator"])
+def test_a_failure_on_one_rank_is_the_same_error_on_every_rank_over_gloo(pool4: RankPool, failing: int) -> None:
+    outcomes = pool4.run(rank_step_failing_on, failing)
+    assert all(isinstance(o, RankFailure) and o.error_class == "StorageError" for o in outcomes), outcomes
+    assert {o.message for o in outcomes} == {f"phase failed on rank {failing}: no space left on rank {failing}"}
+
+
+def rank_async_save(ctx: RankContext, path: str) -> None:
+    groups = HierarchicalGroups(None, ranks_per_node=2, timeout=TIMEOUT)
+    reshard.async_save(_rows(ctx.rank), path, group=groups, timeout=TIMEOUT).wait()
+
+
+def test_an_asynchronous_save_runs_its_protocol_through_the_hierarchy(pool4: RankPool, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    pool4.run_ok(rank_async_save, str(path))
+    loaded = reshard.load({"w": torch.zeros(8, 6, dtype=torch.float64), "step": 0}, path)
+    assert torch.equal(loaded["w"], FULL) and loaded["step"] == 5
