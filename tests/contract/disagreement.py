@@ -74,6 +74,9 @@ def cases() -> list[Case]:
     for flow, kind in (("save", "SaveOptions"), ("async_save", "SaveOptions"), ("manager_save", "SaveOptions")):
         out += [Case(flow, name, value) for name, value in ALTERNATES[kind].items() if not _per_rank(value)]
     out += [Case("load", name, value) for name, value in ALTERNATES["LoadOptions"].items() if not _per_rank(value)]
+    # the same agreement over the two-level control path (reshard.net.hierarchy: each rank a node of its own)
+    out += [Case("hierarchical_save", n, v) for n, v in ALTERNATES["SaveOptions"].items() if not _per_rank(v)]
+    out += [Case("hierarchical_load", n, v) for n, v in ALTERNATES["LoadOptions"].items() if not _per_rank(v)]
     out += [
         Case("save", "overwrite", False),
         Case("save", "path", "other"),
@@ -149,7 +152,7 @@ def run_rank(case: Case, rank: int, group: Any, place: Path) -> None:
     import reshard
 
     state = states.rank_state(rank, WORLD, 2)
-    flow = case.flow
+    flow = case.flow.removeprefix("hierarchical_")
     if flow in ("save", "async_save"):
         path = place / (_value(case, rank, "ckpt") if case.option == "path" else "ckpt")
         kwargs: dict[str, Any] = {"overwrite": _value(case, rank, True) if case.option == "overwrite" else True}
@@ -239,9 +242,11 @@ def _quantize(case: Case, rank: int, group: Any) -> None:
 
 def run_case(case: Case, place: Path) -> dict[int, BaseException | None]:
     """Run ``case`` on the threads of a fresh group; each rank's exception (None: it returned)."""
+    from reshard.net.hierarchy import HierarchicalThreadGroup
     from reshard.net.transports import ThreadGroup
 
-    group = ThreadGroup(WORLD, timeout=10.0)
+    hierarchical = case.flow.startswith("hierarchical_")
+    group = HierarchicalThreadGroup(WORLD, 1, timeout=10.0) if hierarchical else ThreadGroup(WORLD, timeout=10.0)
     outcome: dict[int, BaseException | None] = {}
 
     def rank_main(rank: int) -> None:

@@ -138,7 +138,7 @@ def register(flow: type[Flow]) -> type[Flow]:
 
 def preload() -> None:
     """Import what every flow's rank needs, once, in the zygote (so that forked ranks start at once)."""
-    for module in (flows_network, flows_edge, flows_tiered, flows_data, flows_trainers):
+    for module in (flows_network, flows_edge, flows_tiered, flows_data, flows_trainers, flows_hierarchy):
         module.preload()
 
 
@@ -386,4 +386,11 @@ def write_json(path: Path, doc: Any) -> None:
 
 
 # The flows of the network and of the edge register themselves on import.
-from tests.contract import flows_data, flows_edge, flows_network, flows_tiered, flows_trainers  # noqa: E402
+from tests.contract import (  # noqa: E402
+    flows_data,
+    flows_edge,
+    flows_hierarchy,
+    flows_network,
+    flows_tiered,
+    flows_trainers,
+)

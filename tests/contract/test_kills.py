@@ -29,6 +29,8 @@ PLAN: dict[tuple[str, int], tuple[int | None, int]] = {
     ("manager", 3): (12, 2),
     ("incremental", 2): (14, 2),
     ("read_once", 3): (10, 1),
+    ("hierarchical", 4): (12, 1),
+    ("hierarchical_load", 3): (8, 1),
     ("transfer", 3): (8, 1),
     ("delta", 2): (8, 1),
     ("quantize", 2): (8, 1),

@@ -40,6 +40,7 @@ from reshard.net.transports import (
     ThreadGroup,
     TorchTransport,
     Transport,
+    TransportFactory,
     padded_size,
 )
 
@@ -181,7 +182,8 @@ class Communicator:
         group: the ranks that take part: a ``torch.distributed`` process group, ``None`` (the default group
             if ``torch.distributed`` is initialised, else this process alone), a
             :class:`~reshard.net.transports.PlaneGroups` (a gloo group for the protocol beside an NCCL group for
-            tensor data), or a :class:`~reshard.net.transports.Transport` (a
+            tensor data), a :class:`~reshard.net.hierarchy.HierarchicalGroups` (the protocol gathered per node, then
+            by the node leaders), or a :class:`~reshard.net.transports.Transport` (a
             :class:`~reshard.net.transports.ThreadGroup` member).
         timeout: how long each collective may wait for the slowest peer.
 
@@ -200,6 +202,8 @@ class Communicator:
         self.transport: Transport
         if isinstance(group, Transport):
             self.transport = group
+        elif isinstance(group, TransportFactory):
+            self.transport = group.transport(timeout)
         elif distributed:
             if isinstance(group, PlaneGroups):
                 self.transport = TorchTransport(group.data, timeout, control_group=group.control)

@@ -39,6 +39,7 @@ __all__ = [
     "ThreadTransport",
     "TorchTransport",
     "Transport",
+    "TransportFactory",
     "padded_size",
     "plane_devices",
 ]
@@ -108,10 +109,21 @@ class PlaneGroups:
     control: dist.ProcessGroup
 
 
-Group = dist.ProcessGroup | Transport | PlaneGroups | None
+class TransportFactory(ABC):
+    """Process groups made once (creating them is collective and expensive) from which every checkpoint
+    operation makes its own :class:`Transport`, with that operation's timeout:
+    :class:`~reshard.net.hierarchy.HierarchicalGroups` (the two-level control path)."""
+
+    @abstractmethod
+    def transport(self, timeout: datetime.timedelta) -> Transport:
+        """This rank's transport over the groups, every wait bounded by ``timeout``. Local: no collective."""
+
+
+Group = dist.ProcessGroup | Transport | PlaneGroups | TransportFactory | None
 """The ranks of a checkpoint operation: a process group, its :class:`PlaneGroups` (a gloo group for reshard's
-protocol beside it), a transport (a :class:`ThreadGroup` member), or ``None`` (the default group when
-``torch.distributed`` is initialised, else this process alone)."""
+protocol beside it), a :class:`TransportFactory` (:class:`~reshard.net.hierarchy.HierarchicalGroups`: the
+protocol gathered per node first), a transport (a :class:`ThreadGroup` member), or ``None`` (the default group
+when ``torch.distributed`` is initialised, else this process alone)."""
 
 
 class SingleProcess(Transport):
