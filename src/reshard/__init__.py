@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from reshard.flows.nodelocal import NodeLocalCheckpoints
     from reshard.flows.options import LoadOptions, SaveOptions, StagingOptions
     from reshard.flows.peer import PeerMemoryCheckpoint, PeerSaveResult
-    from reshard.flows.plan_cache import PlanCache
     from reshard.flows.save import SaveResult, save
     from reshard.flows.stats import LoadStats, SaveStats
     from reshard.flows.tiered import StepStatus, TieredCheckpointManager, TieredSaveResult
@@ -76,7 +75,6 @@ _PUBLIC_MODULE = {
     "PeerMemoryCheckpoint": "reshard.flows.peer",
     "PeerSaveResult": "reshard.flows.peer",
     "SaveHandle": "reshard.flows.async_save",
-    "PlanCache": "reshard.flows.plan_cache",
     "SaveOptions": "reshard.flows.options",
     "SaveResult": "reshard.flows.save",
     "SaveStats": "reshard.flows.stats",
@@ -144,7 +142,6 @@ __all__ = [
     "PeerMemory",
     "PeerMemoryCheckpoint",
     "PeerSaveResult",
-    "PlanCache",
     "SaveHandle",
     "SaveOptions",
     "SaveResult",

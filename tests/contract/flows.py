@@ -323,6 +323,24 @@ class ManagerStep(Flow):
 
 
 @register
+class ReusedPlanStep(ManagerStep):
+    """``CheckpointManager(root, keep_last=1)``: ``save(1, A)``, then, armed, ``save(2, B)`` of the same layout by the
+    same manager, whose planning reuses step 1's plan (only fingerprints are sent: reshard.flows.save_reuse)."""
+
+    name = "manager_reuse"
+
+    def prepare_place(self, place: Path, world: int) -> None:
+        pass  # step 1 is saved by the ranks, with the manager whose plan step 2 reuses
+
+    def run(self, run: RankRun) -> dict[str, Any] | None:
+        manager = self.manager(run.place / "root", run.timeout)
+        manager.save(1, states.rank_state(run.rank, run.world, 1))
+        with run.armed():
+            manager.save(2, states.rank_state(run.rank, run.world, 2))
+        return None
+
+
+@register
 class IncrementalStep(ManagerStep):
     """``CheckpointManager(root, keep_last=1, incremental=True).save(2, B)`` (B shares ``frozen`` with A,
     so step 2 references step 1's file, and retention retires step 1), then ``reshard gc`` of every step

@@ -59,12 +59,14 @@ def template(rank: int, world: int, **kwargs: Any) -> dict[str, Any]:
     return state
 
 
-def request_for(storage: Storage, plans: PlanCache | None) -> SaveRequest:
-    return SaveRequest(storage=storage, checksum_chunk_bytes=1024, memory_budget_bytes=1 << 20, plans=plans)
+def request_for(storage: Storage, plans: PlanCache | None, reuse: bool = True) -> SaveRequest:
+    return SaveRequest(
+        storage=storage, checksum_chunk_bytes=1024, memory_budget_bytes=1 << 20, plans=plans, reuse_plan=reuse
+    )
 
 
 def plan_rounds(
-    root: Path, world: int, states: list[State], caches: list[PlanCache | None]
+    root: Path, world: int, states: list[State], caches: list[PlanCache | None], reuse: tuple[bool, ...] = ()
 ) -> list[list[tuple[Planned | BaseException, int]]]:
     """Phase 2 (with reuse where a cache is given) once per element of ``states``, on ``world`` threads: per round,
     per rank, what planning returned (or raised) and the bytes the rank sent in it. Each round's lock is released."""
@@ -76,10 +78,10 @@ def plan_rounds(
         def rank(r: int, state: State = state, storage: Storage = storage) -> tuple[Planned | BaseException, int]:
             member = group.member(r)
             comm = Communicator(member, timeout=TIMEOUT)
-            request = request_for(storage, caches[r])
+            request = request_for(storage, caches[r], reuse[r] if reuse else True)
             described: Described = describe_rank(request, state(r, world), rank=r, is_coordinator=r == 0)
             before = member.bytes_sent
-            planner = plan if request.plans is None else plan_reusing
+            planner = plan_reusing if request.reusing else plan
             try:
                 planned: Planned | BaseException = planner(comm, request, described, PhaseClock("save", r, 0.0))
             except CheckpointError as exc:
@@ -177,12 +179,21 @@ def test_a_rank_whose_layout_alone_changed_is_caught(tmp_path: Path) -> None:
     assert len({str(e) for e in errors}) == 1
 
 
-def test_ranks_that_disagree_on_reuse_fail_alike_naming_the_term(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reuse", [(True, False), (False, True)])
+def test_ranks_that_disagree_on_reuse_fail_alike_naming_the_term(tmp_path: Path, reuse: tuple[bool, ...]) -> None:
+    (outcome,) = plan_rounds(tmp_path, 2, [row_state], [PlanCache(), PlanCache()], reuse)
+    errors = [p for p, _ in outcome]
+    assert all(isinstance(e, CheckpointError) for e in errors), errors
+    assert len({str(e) for e in errors}) == 1 and "reuse_plan" in str(errors[0])
+    assert read_lock(storage_for(tmp_path / "ckpt0")) is None
+
+
+def test_a_cache_on_some_ranks_only_fails_every_rank_alike(tmp_path: Path) -> None:
     for caches in ([PlanCache(), None], [None, PlanCache()]):
         (outcome,) = plan_rounds(tmp_path / str(caches[0] is None), 2, [row_state], caches)
         errors = [p for p, _ in outcome]
         assert all(isinstance(e, CheckpointError) for e in errors), errors
-        assert len({str(e) for e in errors}) == 1 and "reuse_plan" in str(errors[0])
+        assert len({str(e) for e in errors}) == 1 and "layout offer" in str(errors[0])
 
 
 def test_the_cache_keeps_the_newest_layouts_only() -> None:
@@ -276,6 +287,24 @@ def test_a_restarted_manager_reuses_the_plan_kept_in_its_root(tmp_path: Path, ca
     managers = [reshard.CheckpointManager(tmp_path, keep_last=1, group=group.member(r)) for r in range(world)]
     on_threads(world, lambda r: managers[r].save(3, row_state(r, world)), group=group)  # retention runs
     assert managers[0].steps() == [3] and (tmp_path / PLAN_CACHE_FILE).is_file()
+    for m in managers:
+        m.close()
+
+
+def test_a_manager_reuses_its_plan_in_memory_and_matches_an_incremental_base_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    world = 2
+    group = ThreadGroup(world, timeout=20)
+    managers = [reshard.CheckpointManager(tmp_path, incremental=True, group=group.member(r)) for r in range(world)]
+    on_threads(world, lambda r: managers[r].save(1, row_state(r, world)), group=group)
+    (tmp_path / PLAN_CACHE_FILE).unlink()  # the second save can only reuse the plan the manager holds
+    with caplog.at_level(logging.DEBUG, logger="reshard"):
+        results = on_threads(world, lambda r: managers[r].save(2, row_state(r, world)), group=group)
+    assert sum("the plan of this layout is reused" in r.getMessage() for r in caplog.records) == world
+    assert results[0].referenced_bytes == results[0].total_bytes > 0  # every box referenced in step 1
+    loaded = load_on_threads(tmp_path / "step_000000002", world, template)
+    assert all(torch.equal(loaded[r]["w"], row_state(r, world)["w"].data) for r in range(world))
     for m in managers:
         m.close()
 

@@ -123,7 +123,7 @@ class AsyncCheckpointer:
         self.timeout = timeout
         self._buffers: dict[str, torch.Tensor] = {}
         self._inflight: SaveHandle | None = None
-        self._plans = PlanCache()  # the plans of this checkpointer's saves, in memory (reshard.flows.save_reuse)
+        self._plans: PlanCache | None = PlanCache()  # its saves' plans, in memory (reshard.flows.save_reuse)
 
     def _buffer(self, path: str, source: torch.Tensor) -> torch.Tensor:
         """The reusable host buffer for the leaf at ``path`` (same shape and dtype as ``source``)."""
@@ -305,8 +305,9 @@ def async_save(
     buffers and keep one save in flight at a time (and for ``overlap_snapshot``). Called by every rank of
     ``group``. Its plan is not kept (a fresh checkpointer would only miss: one planning step, as :func:`reshard.save`).
     """
-    options = dataclasses.replace(options if options is not None else SaveOptions(), reuse_plan=False)
-    return AsyncCheckpointer(group=group, timeout=timeout).save(
+    checkpointer = AsyncCheckpointer(group=group, timeout=timeout)
+    checkpointer._plans = None
+    return checkpointer.save(
         state_dict,
         path,
         overwrite=overwrite,

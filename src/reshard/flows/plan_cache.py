@@ -1,8 +1,10 @@
 """Save plans a coordinator keeps across saves, keyed by the layout fingerprints of the group.
 
-A :class:`PlanCache` is an explicit object (no module state): :func:`reshard.save` takes one (``plan_cache=``), a
-:class:`~reshard.CheckpointManager` owns one. Only the coordinator's is used (the other ranks send their
-fingerprint only); every rank passes one or none alike (``reuse_plan`` is an agreed term).
+A :class:`PlanCache` is an explicit object (no module state), owned by what saves again and again: a
+:class:`~reshard.CheckpointManager` (kept in its root as well) and an :class:`~reshard.AsyncCheckpointer` (in memory),
+which pass it to :func:`reshard.flows.save.save_replacing`; :func:`reshard.save` keeps none (its signature stays
+small, and a module-level cache is what STYLE.md rules out). Only the coordinator's is used (the other ranks send
+their fingerprint only); every rank passes one or none alike.
 
 It holds, in memory, the plans of the last ``capacity`` layouts (the description table and the writer election,
 before any incremental base is matched: that depends on the base and is redone on every save). A manager's cache

@@ -293,7 +293,7 @@ def run_phases(
     :func:`save` and the node-local save (:mod:`reshard.flows.nodelocal`), which goes on with steps of its own."""
     rank = comm.rank
     described = clock.timed("plan", describe_rank)(request, state_dict, rank=rank, is_coordinator=comm.is_coordinator)
-    planner = plan if request.plans is None else plan_reusing  # the planner: reuse needs a cache
+    planner = plan_reusing if request.reusing else plan  # the planner: reuse needs a cache
     planned = planner(comm, request, described, clock)
     written = clock.timed("write", write_assigned)(request, described, planned, rank=rank)
     facts = clock.timed("certify", certify_facts)(request, described, planned)

@@ -137,8 +137,15 @@ class SaveRequest:
     """The checkpoint path every rank must pass alike (None: ``storage.describe()``). A node-local save
     (:mod:`reshard.flows.nodelocal`) writes each rank's file to its own node's directory, so its ranks agree on
     the directory pattern and step instead."""
+    reuse_plan: bool = True
+    """``SaveOptions.reuse_plan`` (an agreed term): reuse a plan of :attr:`plans` where the layout allows."""
     plans: PlanCache | None = None
     """Where the coordinator keeps plans across saves (:mod:`reshard.flows.save_reuse`); None: plan every save."""
+
+    @property
+    def reusing(self) -> bool:
+        """Whether planning may reuse a plan (``reuse_plan`` and a cache): the planner of phase 2."""
+        return self.reuse_plan and self.plans is not None
 
     @classmethod
     def of(
@@ -166,7 +173,8 @@ class SaveRequest:
             replaces=replaces,
             certify=options.certify,
             certificate=certificate,
-            plans=plans if options.reuse_plan else None,
+            reuse_plan=options.reuse_plan,
+            plans=plans,
         )
 
     def terms(self) -> dict[str, Any]:
@@ -186,7 +194,7 @@ class SaveRequest:
             "verify_base": bool(self.verify_base),
             "base": self.base_name,
             "certify": None if self.certify is None else json.dumps(self.certify.to_json(), sort_keys=True),
-            "reuse_plan": self.plans is not None,
+            "reuse_plan": bool(self.reuse_plan),
         }
 
 
@@ -249,7 +257,7 @@ def describe_rank(request: SaveRequest, state_dict: Any, *, rank: int, is_coordi
         if flat.scaled:
             context["scaled"] = {key: record.to_json() for key, record in flat.scaled.items()}
             context["replicas"] = replica_digests(flat)
-        reusing = request.plans is not None
+        reusing = request.reusing
         payload = b"" if reusing else encode_description(description, context)
         layout = layout_bytes(description) if reusing else b""
     except Exception as exc:  # raised inside the planning step (see Described.error)
