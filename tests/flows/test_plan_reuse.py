@@ -309,6 +309,20 @@ def test_a_manager_reuses_its_plan_in_memory_and_matches_an_incremental_base_aga
         m.close()
 
 
+def test_the_plan_cache_file_is_no_part_of_any_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ls, validate and gc of a manager's root and steps do not take the file for a checkpoint or a leftover."""
+    from reshard.cli import main
+
+    manager_saves(tmp_path, 2, [1, 2])
+    assert (tmp_path / PLAN_CACHE_FILE).is_file()
+    assert main(["ls", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out
+    assert PLAN_CACHE_FILE not in listing and "step_000000002" in listing
+    assert main(["validate", str(tmp_path / "step_000000002")]) == 0
+    assert main(["gc", str(tmp_path / "step_000000002"), "--min-age", "0"]) == 0
+    assert (tmp_path / PLAN_CACHE_FILE).is_file()
+
+
 def damaged(kind: str, raw: bytes, world: int) -> bytes:
     if kind == "flipped":
         return raw[:-5] + bytes([raw[-5] ^ 1]) + raw[-4:]
