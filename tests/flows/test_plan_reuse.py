@@ -362,11 +362,15 @@ def test_a_partial_plan_cache_write_is_never_read(tmp_path: Path, caplog: pytest
     manager_saves(tmp_path, world, [1])
     raw = (tmp_path / PLAN_CACHE_FILE).read_bytes()
     (tmp_path / PLAN_CACHE_FILE).unlink()
-    (tmp_path / f".{PLAN_CACHE_FILE}.tmp-0123456789abcdef").write_bytes(raw[: len(raw) // 3])
+    partial = tmp_path / f".{PLAN_CACHE_FILE}.tmp-{'0123456789abcdef' * 2}"
+    partial.write_bytes(raw[: len(raw) // 3])
+    other = tmp_path / f".{PLAN_CACHE_FILE}.tmp-{'f' * 32}"
+    other.write_bytes(b"the user's own file, named so")
     with caplog.at_level(logging.DEBUG, logger="reshard"):
         manager_saves(tmp_path, world, [2])
     assert not file_hit(tmp_path, caplog)
     assert (tmp_path / PLAN_CACHE_FILE).read_bytes() == raw  # the same layout, written again
+    assert not partial.exists() and other.exists()  # retention removes what a killed manager left, only that
 
 
 def test_two_jobs_writing_the_cache_leave_one_whole_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -30,6 +30,7 @@ from reshard.planning.descriptions import DescriptionTable, LocalSaveDescription
 
 __all__ = [
     "PLAN_CACHE_FILE",
+    "PLAN_FILE_MAGIC",
     "Offer",
     "decode_plan_file",
     "encode_offer",
@@ -48,7 +49,8 @@ _DOMAIN = b"reshard layout fingerprint v1\x00"
 _POSITION = struct.Struct("<QQ")
 _OFFER_MAGIC = b"RSO1"
 _DESCRIPTION_MAGIC = b"RSD1"
-_FILE_MAGIC = b"RSPLANS1"
+PLAN_FILE_MAGIC = b"RSPLANS1"
+"""The first bytes of a plan cache file."""
 _HEADER_LENGTH = struct.Struct("<Q")
 _DIGEST_BYTES = 32
 
@@ -115,7 +117,7 @@ def encode_plan_file(fingerprints: tuple[str, ...], layouts: tuple[bytes, ...]) 
         {"format": 1, "world": len(layouts), "fingerprints": list(fingerprints), "lengths": [len(x) for x in layouts]}
     ).encode()
     body = b"".join((_HEADER_LENGTH.pack(len(header)), header, *layouts))
-    return _FILE_MAGIC + hashlib.sha256(body).digest() + body
+    return PLAN_FILE_MAGIC + hashlib.sha256(body).digest() + body
 
 
 def decode_plan_file(raw: bytes, fingerprints: tuple[str, ...]) -> tuple[bytes, ...]:
@@ -125,11 +127,11 @@ def decode_plan_file(raw: bytes, fingerprints: tuple[str, ...]) -> tuple[bytes, 
     Raises:
         ValueError: naming what does not hold (the file is then a miss, never an error).
     """
-    start = len(_FILE_MAGIC) + _DIGEST_BYTES
-    if raw[: len(_FILE_MAGIC)] != _FILE_MAGIC or len(raw) < start + _HEADER_LENGTH.size:
+    start = len(PLAN_FILE_MAGIC) + _DIGEST_BYTES
+    if raw[: len(PLAN_FILE_MAGIC)] != PLAN_FILE_MAGIC or len(raw) < start + _HEADER_LENGTH.size:
         raise ValueError("not a plan cache file")
     body = memoryview(raw)[start:]
-    if hashlib.sha256(body).digest() != raw[len(_FILE_MAGIC) : start]:
+    if hashlib.sha256(body).digest() != raw[len(PLAN_FILE_MAGIC) : start]:
         raise ValueError("its checksum does not match (damaged or truncated)")
     (length,) = _HEADER_LENGTH.unpack_from(body)
     header = json.loads(bytes(body[_HEADER_LENGTH.size : _HEADER_LENGTH.size + length]))
