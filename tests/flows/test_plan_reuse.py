@@ -17,7 +17,7 @@ from reshard.errors import CheckpointError
 from reshard.flows.plan_cache import PlanCache
 from reshard.flows.save import save_replacing
 from reshard.flows.save_phases import Described, Planned, SaveRequest, describe_rank, plan
-from reshard.flows.save_reuse import plan_reusing
+from reshard.flows.save_reuse import offer_layout, plan_layouts
 from reshard.flows.stats import PhaseClock
 from reshard.io.locking import read_lock
 from reshard.net.comm import Communicator
@@ -81,9 +81,13 @@ def plan_rounds(
             request = request_for(storage, caches[r], reuse[r] if reuse else True)
             described: Described = describe_rank(request, state(r, world), rank=r, is_coordinator=r == 0)
             before = member.bytes_sent
-            planner = plan_reusing if request.reusing else plan
+            clock = PhaseClock("save", r, 0.0)
             try:
-                planned: Planned | BaseException = planner(comm, request, described, PhaseClock("save", r, 0.0))
+                planned: Planned | BaseException = (
+                    plan_layouts(comm, request, described, clock, offer_layout(comm, request, described, clock))
+                    if request.reusing
+                    else plan(comm, request, described, clock)
+                )
             except CheckpointError as exc:
                 planned = exc
             return planned, member.bytes_sent - before

@@ -50,7 +50,7 @@ from reshard.flows.options import SaveOptions
 from reshard.flows.plan_cache import PlanCache
 from reshard.flows.save_commit import Committed, commit, finish
 from reshard.flows.save_phases import Described, Planned, SaveRequest, describe_rank, plan, write_assigned
-from reshard.flows.save_reuse import plan_reusing
+from reshard.flows.save_reuse import offer_layout, plan_layouts
 from reshard.flows.stats import PhaseClock, SaveStats
 from reshard.io.datafile import tensor_bytes
 from reshard.io.reuse import base_name_of
@@ -293,8 +293,10 @@ def run_phases(
     :func:`save` and the node-local save (:mod:`reshard.flows.nodelocal`), which goes on with steps of its own."""
     rank = comm.rank
     described = clock.timed("plan", describe_rank)(request, state_dict, rank=rank, is_coordinator=comm.is_coordinator)
-    planner = plan_reusing if request.reusing else plan  # the planner: reuse needs a cache
-    planned = planner(comm, request, described, clock)
+    if request.reusing:  # the planner choice: a plan reused, or planned on the layouts gathered after a miss
+        planned = plan_layouts(comm, request, described, clock, offer_layout(comm, request, described, clock))
+    else:
+        planned = plan(comm, request, described, clock)
     written = clock.timed("write", write_assigned)(request, described, planned, rank=rank)
     facts = clock.timed("certify", certify_facts)(request, described, planned)
     committed = commit(comm, request, described, planned, written, clock, facts)

@@ -1,17 +1,19 @@
 """Phase 2 of a save that may reuse its plan (``SaveOptions(reuse_plan=True)`` with a
-:class:`~reshard.flows.plan_cache.PlanCache`): the planner :func:`plan_reusing`, in place of
-:func:`reshard.flows.save_phases.plan`.
+:class:`~reshard.flows.plan_cache.PlanCache`): two phases of one collective each, :func:`offer_layout` then
+:func:`plan_layouts`, in place of :func:`reshard.flows.save_phases.plan` (the planner choice of
+:func:`reshard.flows.save.run_phases`).
 
-1. ``save planning`` (every rank, one collective: gather, scatter): each rank sends an offer, the fingerprint of its
-   layout and the small context whose terms must agree (:mod:`reshard.planning.layouts`), never its description. The
-   coordinator checks the terms agree and looks the fingerprints (in rank order, so the group's size and every
-   rank's position are in the key) up in its cache. On a hit it reuses the cached description table and writer
-   election (no decoding, no tiling validation, no election) and does what every save does
-   (:func:`~reshard.flows.save_phases.settle_plan`: a new save id, the incremental base matched again on the cached
-   table, the save lock, the reference markers), and each rank gets its assignment: the step is the whole phase.
-2. On a miss (no cache, any rank's layout differs, a restart whose file does not hold this layout), the answer says
-   so and every rank runs ``save planning (layouts)`` (gather, scatter): the layouts are gathered, the coordinator
-   plans as a save without a cache does, and stores the plan (with the layouts, in a manager's root).
+1. :func:`offer_layout`, ``save planning`` (every rank, one collective: gather, scatter): each rank sends an offer,
+   the fingerprint of its layout and the small context whose terms must agree (:mod:`reshard.planning.layouts`),
+   never its description. The coordinator checks the terms agree and looks the fingerprints (in rank order, so the
+   group's size and every rank's position are in the key) up in its cache. On a hit it reuses the cached
+   description table and writer election (no decoding, no tiling validation, no election) and does what every save
+   does (:func:`~reshard.flows.save_phases.settle_plan`: a new save id, the incremental base matched again on the
+   cached table, the save lock, the reference markers), and each rank gets its assignment.
+2. :func:`plan_layouts`: after a hit, nothing (no collective). On a miss (no cache, any rank's layout differs, a
+   restart whose file does not hold this layout) the first answer said so and every rank runs ``save planning
+   (layouts)`` (gather, scatter): the layouts are gathered, the coordinator plans as a save without a cache does,
+   and stores the plan (with the layouts, in a manager's root).
 
 Every failure is agreed on as in any step: the coordinator's decision is the only thing a rank acts on, and a rank
 uses nothing it did not send or receive in an agreed step. A save whose ranks disagree on ``reuse_plan`` fails on
@@ -44,7 +46,7 @@ from reshard.planning.layouts import encode_offer, is_description, layout_finger
 from reshard.planning.save_plan import plan_save_table
 from reshard.planning.scaled import agree_scaled
 
-__all__ = ["FirstStep", "Replanned", "decide_offers", "plan_reusing", "replan_layouts"]
+__all__ = ["FirstStep", "Offered", "Replanned", "decide_offers", "offer_layout", "plan_layouts", "replan_layouts"]
 
 logger = logging.getLogger("reshard")
 
@@ -127,9 +129,19 @@ def _sent(made: CoordinatorPlan | None, size: int) -> tuple[str | None, list[byt
     return made.save_id, [a.to_bytes() for a in made.assignments]
 
 
-def plan_reusing(comm: Communicator, request: SaveRequest, described: Described, clock: PhaseClock) -> Planned:
-    """Phase 2 with plan reuse (see the module doc): one collective on a hit, two on a miss, called by every rank of
-    ``comm``. A failure anywhere raises on every rank, and the coordinator releases what planning took."""
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Offered:
+    """The first step's result on one rank: on a hit, the plan (``planned``); on a miss, None, and on the coordinator
+    what it kept for the second step (``first``)."""
+
+    planned: Planned | None
+    first: FirstStep | None = None
+
+
+def offer_layout(comm: Communicator, request: SaveRequest, described: Described, clock: PhaseClock) -> Offered:
+    """Phase 2a, one collective (``save planning``: gather the offers, scatter the assignments) called by every rank
+    of ``comm``: on a hit every rank has its assignment. A failure anywhere raises on every rank, and the coordinator
+    releases what planning took."""
 
     def offer() -> bytes:
         if described.error is not None:
@@ -149,20 +161,23 @@ def plan_reusing(comm: Communicator, request: SaveRequest, described: Described,
             undo=undo,
         )
     if save_id is None:
-        return _plan_layouts(comm, request, described, clock, kept)
+        return Offered(planned=None, first=kept)
     logger.debug("[rank=%d] save %s: the plan of this layout is reused", comm.rank, save_id)
-    return Planned(
-        save_id=str(save_id),
-        assignment=WriteAssignment.from_bytes(mine),
-        coordinator=kept.plan if kept is not None else None,
+    coordinator = kept.plan if kept is not None else None
+    return Offered(
+        planned=Planned(save_id=str(save_id), assignment=WriteAssignment.from_bytes(mine), coordinator=coordinator)
     )
 
 
-def _plan_layouts(
-    comm: Communicator, request: SaveRequest, described: Described, clock: PhaseClock, first: FirstStep | None
+def plan_layouts(
+    comm: Communicator, request: SaveRequest, described: Described, clock: PhaseClock, offered: Offered
 ) -> Planned:
-    """The second step, after a miss: gather the layouts, plan, scatter the assignments; the coordinator stores the
-    plan in its cache."""
+    """Phase 2b, after a miss one collective (``save planning (layouts)``: gather the layouts, scatter the
+    assignments) called by every rank of ``comm``; after a hit, the plan of phase 2a (no collective). The coordinator
+    stores what it planned in its cache."""
+    if offered.planned is not None:
+        return offered.planned
+    first = offered.first
 
     def decide(layouts: list[bytes]) -> tuple[Replanned, tuple[str | None, list[bytes]]]:
         if first is None:
