@@ -21,10 +21,13 @@ Thread-safe (a lock guards the entries); a lookup or a store never raises.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy as np
 
 from reshard.planning.descriptions import DescriptionTable, WriteAssignment
 from reshard.planning.layouts import PLAN_CACHE_FILE, decode_plan_file, encode_plan_file
@@ -99,6 +102,10 @@ class PlanCache:
             logger.warning("reshard: the plan cache %s was not written: %s", self._root.describe(PLAN_CACHE_FILE), exc)
 
     def _keep(self, fingerprints: tuple[str, ...], plan: CachedPlan) -> None:
+        table = getattr(plan, "table", None)
+        for column in [getattr(table, f.name) for f in dataclasses.fields(table)] if table is not None else []:
+            if isinstance(column, np.ndarray):
+                column.setflags(write=False)  # a later save reuses these columns: nothing may change them
         with self._lock:
             self._plans[fingerprints] = plan
             self._plans.move_to_end(fingerprints)
