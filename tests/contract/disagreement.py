@@ -54,6 +54,7 @@ ALTERNATES: dict[str, dict[str, Any]] = {
         "memory_budget_bytes": (PER_RANK, "the size of this rank's own write buffers"),
         "verify_base": False,
         "certify": "certify",
+        "reuse_plan": False,
     },
     "LoadOptions": {
         "allow_dtype_cast": False,

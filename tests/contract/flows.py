@@ -323,6 +323,43 @@ class ManagerStep(Flow):
 
 
 @register
+class ReusedPlanStep(ManagerStep):
+    """``CheckpointManager(root, keep_last=1)`` on a root whose step 1 holds A (saved by one process): ``save(2, B)``,
+    which plans the ranks' layout and writes the plan cache (``plans.reshard-cache``), then ``save(3, C)`` of the same
+    layout by the same manager, whose planning reuses step 2's plan (only fingerprints are sent:
+    reshard.flows.save_reuse); both armed, and the plan cache's commit pinned among the kill points."""
+
+    name = "manager_reuse"
+
+    def run(self, run: RankRun) -> dict[str, Any] | None:
+        manager = self.manager(run.place / "root", run.timeout)
+        with run.armed():
+            manager.save(2, states.rank_state(run.rank, run.world, 2))
+            manager.save(3, states.rank_state(run.rank, run.world, 3))
+        return None
+
+    def check(self, place: Path, world: int, answers: Answers, killed: bool) -> tuple[int | None, Finding | None]:
+        # A commit a rank reports (done, or unconfirmed when a rank died after it) may be step 2's or step 3's.
+        return check_root(place / "root", world, 2 if guarantees.confirmed(answers) else None)
+
+    def follow_up(self, place: Path, world: int) -> Finding | None:
+        import reshard
+
+        manager = self.manager(place / "root")
+        try:
+            manager.save(3, states.single_process_state(3, world), overwrite=True)
+        except reshard.CheckpointError as exc:
+            return Finding("other", f"a later manager save failed: {type(exc).__name__}: {exc}")
+        finally:
+            manager.close()
+        return check_root(place / "root", world, 3)[1]
+
+    def pinned(self, events: dict[int, list[str]]) -> list[KillPoint]:
+        cache = [i for i, name in enumerate(events[0]) if name.endswith("plans.reshard-cache")][:1]
+        return [KillPoint(rank=0, index=i, when=w) for i in cache for w in ("before", "after")] + super().pinned(events)
+
+
+@register
 class IncrementalStep(ManagerStep):
     """``CheckpointManager(root, keep_last=1, incremental=True).save(2, B)`` (B shares ``frozen`` with A,
     so step 2 references step 1's file, and retention retires step 1), then ``reshard gc`` of every step

@@ -27,6 +27,7 @@ PLAN: dict[tuple[str, int], tuple[int | None, int]] = {
     ("async", 3): (12, 2),
     ("fresh", 3): (12, 2),
     ("manager", 3): (12, 2),
+    ("manager_reuse", 3): (12, 2),
     ("incremental", 2): (14, 2),
     ("read_once", 3): (10, 1),
     ("hierarchical", 4): (12, 1),

@@ -39,7 +39,8 @@ import torch
 
 from reshard.errors import CheckpointError
 from reshard.flows.options import SaveOptions
-from reshard.flows.save import SaveResult, save
+from reshard.flows.plan_cache import PlanCache
+from reshard.flows.save import SaveResult, save_replacing
 from reshard.flows.stats import SaveStats
 from reshard.io.device import HostCopies, start_copies_to_host
 from reshard.net.comm import Communicator
@@ -122,6 +123,7 @@ class AsyncCheckpointer:
         self.timeout = timeout
         self._buffers: dict[str, torch.Tensor] = {}
         self._inflight: SaveHandle | None = None
+        self._plans: PlanCache | None = PlanCache()  # its saves' plans, in memory (reshard.flows.save_reuse)
 
     def _buffer(self, path: str, source: torch.Tensor) -> torch.Tensor:
         """The reusable host buffer for the leaf at ``path`` (same shape and dtype as ``source``)."""
@@ -238,9 +240,11 @@ class AsyncCheckpointer:
         def run() -> None:
             try:
                 copies.wait()
-                handle._result = save(
+                handle._result = save_replacing(
                     snapshot,
                     path,
+                    replaces=None,
+                    plan_cache=self._plans,
                     group=self.group,
                     overwrite=overwrite,
                     options=options,
@@ -299,8 +303,11 @@ def async_save(
 ) -> SaveHandle:
     """A one-off asynchronous save (fresh snapshot buffers); see :class:`AsyncCheckpointer` to reuse
     buffers and keep one save in flight at a time (and for ``overlap_snapshot``). Called by every rank of
-    ``group``."""
-    return AsyncCheckpointer(group=group, timeout=timeout).save(
+    ``group``. Its plan is not kept (a fresh checkpointer would only miss: one planning step, as :func:`reshard.save`).
+    """
+    checkpointer = AsyncCheckpointer(group=group, timeout=timeout)
+    checkpointer._plans = None
+    return checkpointer.save(
         state_dict,
         path,
         overwrite=overwrite,

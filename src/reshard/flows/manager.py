@@ -6,6 +6,7 @@ Layout of a root (a directory or an object-store prefix)::
     step_000002000/
     latest.json           {"step": 2000, "path": "step_000002000"}: the newest committed step, a hint
     .lock                 held by the manager that is saving (see reshard.io.locking)
+    plans.reshard-cache   the layouts of the newest save plan, a validated cache (reshard.flows.plan_cache)
 
 A checkpoint is *complete* when its ``metadata.json`` exists (it is written last, atomically) and parses;
 anything else under a step directory is an interrupted or running save. ``latest.json`` is updated only
@@ -64,6 +65,7 @@ from reshard.flows.certify import (
 from reshard.flows.load import load
 from reshard.flows.maintenance import validate_checkpoint
 from reshard.flows.options import SaveOptions, check_terms
+from reshard.flows.plan_cache import PlanCache
 from reshard.flows.save import SaveResult, save_replacing
 from reshard.flows.skipped import SkippedStep, metadata_digest, still_skipped, uncertified_skipped
 from reshard.flows.steps import (
@@ -131,19 +133,16 @@ class CheckpointManager:
             raise ValueError("certify_hook needs certify=CertifyOptions(...)")
         if full_every is not None and (full_every < 1 or not incremental):
             raise ValueError(f"full_every needs incremental=True and at least 1, got {full_every}")
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-        if keep_every is not None and keep_every < 1:
-            raise ValueError(f"keep_every must be at least 1, got {keep_every}")
+        for name, count in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if count is not None and count < 1:
+                raise ValueError(f"{name} must be at least 1, got {count}")
         self.root = storage_for(root, storage_options)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.incremental, self.full_every = incremental, full_every
-        self.group = group
-        self.timeout = timeout
-        self.certify_options = certify
-        self.certify_hook = certify_hook
-        self._checks: dict[int, Checks] = {}
-        """The checks of the steps this manager saved (before its hook), for :meth:`certify`."""
+        self.group, self.timeout = group, timeout
+        self.certify_options, self.certify_hook = certify, certify_hook
+        self._plans = PlanCache.beside(self.root)  # save plans, kept in the root for restarts (flows/plan_cache.py)
+        self._checks: dict[int, Checks] = {}  # the checks of the steps this manager saved (before its hook)
         self.resumed_past: frozenset[int] = frozenset()
         """The complete steps newer than the one :meth:`load_latest` resumed from whose data failed to load: a save
         may go past them while they are still the saves that failed and still fail their checks (they are deleted
@@ -235,6 +234,7 @@ class CheckpointManager:
                     timeout=self.timeout,
                     base=base,
                     certificate=self.certify_hook is None,
+                    plan_cache=self._plans,
                 )
                 result = self._decide(comm, step, result)
             except UnconfirmedCommitError:

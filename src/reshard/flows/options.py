@@ -70,6 +70,11 @@ class SaveOptions:
             ``SaveResult.checks``; when they pass, the coordinator writes ``certified.json`` after the commit. A
             failed check never fails the save (a warning on the coordinator names the problems). None: no checks.
             Every rank passes equal ones.
+        reuse_plan: in the saves of a :class:`~reshard.CheckpointManager` or an :class:`~reshard.AsyncCheckpointer`
+            (which keep the plans of their saves), a save whose layout (keys, dtypes, shapes, boxes, replica ids,
+            objects, group size, every rank's position) was planned before sends only a fingerprint of it at planning
+            and reuses that plan; any difference plans anew (docs/scale.md, "Plans reused"). :func:`reshard.save` and
+            :func:`reshard.async_save` keep no plans: there it changes nothing. Every rank passes the same.
 
     Raises (on construction):
         ValueError: ``memory_budget_bytes`` below 1 MiB.
@@ -81,6 +86,7 @@ class SaveOptions:
     memory_budget_bytes: int = DEFAULT_SAVE_MEMORY_BUDGET
     verify_base: bool = True
     certify: CertifyOptions | None = None
+    reuse_plan: bool = True
 
     def __post_init__(self) -> None:
         if self.certify is not None and not isinstance(self.certify, CertifyOptions):

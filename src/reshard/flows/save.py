@@ -47,8 +47,10 @@ from typing import Any
 from reshard.flows.certify import Checks, save_facts
 from reshard.flows.collector import collector_paused
 from reshard.flows.options import SaveOptions
+from reshard.flows.plan_cache import PlanCache
 from reshard.flows.save_commit import Committed, commit, finish
 from reshard.flows.save_phases import Described, Planned, SaveRequest, describe_rank, plan, write_assigned
+from reshard.flows.save_reuse import offer_layout, plan_layouts
 from reshard.flows.stats import PhaseClock, SaveStats
 from reshard.io.datafile import tensor_bytes
 from reshard.io.reuse import base_name_of
@@ -189,13 +191,17 @@ def save_replacing(
     base: CheckpointLocation | None = None,
     started: float | None = None,
     certificate: bool = True,
+    plan_cache: PlanCache | None = None,
 ) -> SaveResult:
     """:func:`save`, which may also replace the one complete checkpoint at ``path`` whose ``metadata.json`` has the
     SHA-256 ``replaces`` (checked on the coordinator under the save lock; any other is refused as without
     ``overwrite``): how :class:`~reshard.CheckpointManager` saves again a damaged step that its ``load_latest``
     resumed past. Called by all ranks of ``group``, with equal arguments. ``certificate=False``: with
     ``SaveOptions(certify=...)`` the checks run but ``certified.json`` is not written (the manager writes it once its
-    ``certify_hook`` approved).
+    ``certify_hook`` approved). ``plan_cache``: where the coordinator keeps the plans of earlier saves (a manager's or
+    an asynchronous checkpointer's; with ``SaveOptions(reuse_plan=True)``, the default, a save of a layout planned
+    before skips the gather of the descriptions and the planning: :mod:`reshard.flows.save_reuse`); every rank passes
+    one or none.
 
     Raises:
         as :func:`save`.
@@ -210,7 +216,13 @@ def save_replacing(
         try:
             base_name = None if base is None else base_name_of(storage, base, storage_options)
             request = SaveRequest.of(
-                storage, options, overwrite=overwrite, base_name=base_name, replaces=replaces, certificate=certificate
+                storage,
+                options,
+                overwrite=overwrite,
+                base_name=base_name,
+                replaces=replaces,
+                certificate=certificate,
+                plans=plan_cache,
             )
             return _save_to(request, state_dict, comm, started=started)
         finally:
@@ -281,7 +293,10 @@ def run_phases(
     :func:`save` and the node-local save (:mod:`reshard.flows.nodelocal`), which goes on with steps of its own."""
     rank = comm.rank
     described = clock.timed("plan", describe_rank)(request, state_dict, rank=rank, is_coordinator=comm.is_coordinator)
-    planned = plan(comm, request, described, clock)
+    if request.reusing:  # the planner choice: a plan reused, or planned on the layouts gathered after a miss
+        planned = plan_layouts(comm, request, described, clock, offer_layout(comm, request, described, clock))
+    else:
+        planned = plan(comm, request, described, clock)
     written = clock.timed("write", write_assigned)(request, described, planned, rank=rank)
     facts = clock.timed("certify", certify_facts)(request, described, planned)
     committed = commit(comm, request, described, planned, written, clock, facts)

@@ -42,6 +42,7 @@ from reshard.errors import (
     StorageError,
 )
 from reshard.flows.options import SaveOptions
+from reshard.flows.plan_cache import PlanCache
 from reshard.flows.stats import PhaseClock
 from reshard.io.commit import CommitOutcome, SaveCommit
 from reshard.io.datafile import DataFileWriter, data_file_name, host_slabs
@@ -65,6 +66,7 @@ from reshard.planning.descriptions import (
     encode_description,
 )
 from reshard.planning.incremental import ReferencedBox, match_base
+from reshard.planning.layouts import is_description, layout_bytes, offer_contexts
 from reshard.planning.save_plan import plan_save_table
 from reshard.planning.scaled import agree_scaled, replica_digests
 from reshard.state.codec import encode_object_blob, encode_tagged
@@ -81,11 +83,13 @@ __all__ = [
     "SaveRequest",
     "Written",
     "check_agreement",
+    "check_offers_agree",
     "describe_rank",
     "kept_step",
     "plan",
     "plan_on_coordinator",
     "read_base",
+    "settle_plan",
     "write_assigned",
 ]
 
@@ -99,6 +103,7 @@ AGREED_TERMS = (
     "verify_base",
     "base",
     "certify",
+    "reuse_plan",
 )
 """The per-save terms every rank must pass alike (besides the path), in the order their differences are named."""
 
@@ -132,6 +137,15 @@ class SaveRequest:
     """The checkpoint path every rank must pass alike (None: ``storage.describe()``). A node-local save
     (:mod:`reshard.flows.nodelocal`) writes each rank's file to its own node's directory, so its ranks agree on
     the directory pattern and step instead."""
+    reuse_plan: bool = True
+    """``SaveOptions.reuse_plan`` (an agreed term): reuse a plan of :attr:`plans` where the layout allows."""
+    plans: PlanCache | None = None
+    """Where the coordinator keeps plans across saves (:mod:`reshard.flows.save_reuse`); None: plan every save."""
+
+    @property
+    def reusing(self) -> bool:
+        """Whether planning may reuse a plan (``reuse_plan`` and a cache): the planner of phase 2."""
+        return self.reuse_plan and self.plans is not None
 
     @classmethod
     def of(
@@ -143,9 +157,10 @@ class SaveRequest:
         base_name: str | None,
         replaces: str | None = None,
         certificate: bool = True,
+        plans: PlanCache | None = None,
     ) -> SaveRequest:
         """The request of a save with ``options`` (an incremental save, ``base_name`` set, records content
-        hashes)."""
+        hashes; ``plans`` is used with ``options.reuse_plan`` only)."""
         return cls(
             storage=storage,
             overwrite=overwrite,
@@ -158,6 +173,8 @@ class SaveRequest:
             replaces=replaces,
             certify=options.certify,
             certificate=certificate,
+            reuse_plan=options.reuse_plan,
+            plans=plans,
         )
 
     def terms(self) -> dict[str, Any]:
@@ -177,6 +194,7 @@ class SaveRequest:
             "verify_base": bool(self.verify_base),
             "base": self.base_name,
             "certify": None if self.certify is None else json.dumps(self.certify.to_json(), sort_keys=True),
+            "reuse_plan": bool(self.reuse_plan),
         }
 
 
@@ -186,14 +204,17 @@ class SaveRequest:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Described:
     """One rank's state, described: ``views[i]`` holds box ``description.tensors[i]``, ``blobs[i]`` the encoded
-    value of ``description.objects[i]``; ``payload`` is what the rank sends to the coordinator. ``error``: the
-    description failed (raised inside the planning step, so that every rank agrees on it)."""
+    value of ``description.objects[i]``; ``payload`` is what the rank sends to the coordinator (a save that may
+    reuse its plan sends its ``context`` and the fingerprint of its ``layout`` instead, and ``payload`` is empty).
+    ``error``: the description failed (raised inside the planning step, so that every rank agrees on it)."""
 
     description: LocalSaveDescription = field(default_factory=lambda: LocalSaveDescription(tensors=(), objects=()))
     views: tuple[torch.Tensor, ...] = ()
     blobs: tuple[bytes, ...] = ()
     common: Mapping[str, object] | None = None
     payload: bytes = b""
+    layout: bytes = b""
+    context: Mapping[str, Any] | None = None
     error: Exception | None = None
 
     def payload_or_raise(self) -> bytes:
@@ -236,11 +257,19 @@ def describe_rank(request: SaveRequest, state_dict: Any, *, rank: int, is_coordi
         if flat.scaled:
             context["scaled"] = {key: record.to_json() for key, record in flat.scaled.items()}
             context["replicas"] = replica_digests(flat)
-        payload = encode_description(description, context)
+        reusing = request.reusing
+        payload = b"" if reusing else encode_description(description, context)
+        layout = layout_bytes(description) if reusing else b""
     except Exception as exc:  # raised inside the planning step (see Described.error)
         return Described(error=exc)
     return Described(
-        description=description, views=tuple(views), blobs=blobs, common=dict(flat.common), payload=payload
+        description=description,
+        views=tuple(views),
+        blobs=blobs,
+        common=dict(flat.common),
+        payload=payload,
+        layout=layout,
+        context=context,
     )
 
 
@@ -294,19 +323,50 @@ def check_agreement(contexts: list[Any]) -> None:
         )
 
 
+def check_offers_agree(payloads: list[bytes]) -> None:
+    """On the coordinator: when some ranks sent a layout offer and others a description (they disagree on
+    ``reuse_plan``), the error naming the terms they disagree on."""
+    try:
+        contexts = offer_contexts(payloads)
+    except (ValueError, TypeError, KeyError, CheckpointError) as exc:
+        raise CheckpointError(f"a rank sent a malformed save description or layout offer: {exc}") from exc
+    check_agreement(contexts)
+    raise CheckpointError("some ranks sent a layout offer and others a save description (another version of reshard?)")
+
+
 def plan_on_coordinator(request: SaveRequest, payloads: list[bytes], *, save_id: str, rank: int) -> CoordinatorPlan:
     """The coordinator's part of phase 2, no collective: decode every rank's description, check the terms agree,
-    validate the tiling and elect the writers, match the base of an incremental save, then take the save lock and,
-    before any writer skips a box, leave the reference markers. A failure after the lock releases it.
+    validate the tiling and elect the writers, then :func:`settle_plan`.
 
     Raises:
         ShardingError, CheckpointError, CheckpointLockedError, CheckpointExistsError, StorageError: nothing is
             written, and the lock is not held.
     """
+    if not all(map(is_description, payloads)):
+        check_offers_agree(payloads)
     table, contexts = DescriptionTable.from_wire(payloads)
     check_agreement(contexts)
     scaled = agree_scaled(table, contexts)
-    assignments = plan_save_table(table)
+    return settle_plan(request, table, plan_save_table(table), scaled, save_id=save_id, rank=rank)
+
+
+def settle_plan(
+    request: SaveRequest,
+    table: DescriptionTable,
+    assignments: list[WriteAssignment],
+    scaled: Mapping[str, ScaledRecord],
+    *,
+    save_id: str,
+    rank: int,
+) -> CoordinatorPlan:
+    """What every save does on the coordinator once the writers are elected on ``table`` (planned now or reused):
+    match the base of an incremental save, then take the save lock and, before any writer skips a box, leave the
+    reference markers. A failure after the lock releases it.
+
+    Raises:
+        CheckpointError, CheckpointLockedError, CheckpointExistsError, StorageError: nothing is written, and the
+            lock is not held.
+    """
     references: dict[int, ReferencedBox] | None = None
     if request.base_name is not None:
         assignments, references = match_base(

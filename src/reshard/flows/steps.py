@@ -15,7 +15,8 @@ from reshard.io.locking import foreign_holder, read_lock, stale_at_sight
 from reshard.io.references import is_retired
 from reshard.io.sources import read_metadata_bytes
 from reshard.metadata import METADATA_FILE, Metadata
-from reshard.storage import FileTooLargeError, Storage
+from reshard.planning.layouts import PLAN_CACHE_FILE, PLAN_FILE_MAGIC
+from reshard.storage import FileTooLargeError, ReadRequest, Storage
 
 __all__ = [
     "LATEST_FILE",
@@ -32,6 +33,8 @@ __all__ = [
 LATEST_FILE = "latest.json"
 _LATEST_TEMPORARY = re.compile(rf"^\.{re.escape(LATEST_FILE)}\.tmp-[0-9a-f]{{32}}$")
 """The temporary of ``latest.json``'s commit (a manager killed while it replaced the pointer leaves one)."""
+_PLANS_TEMPORARY = re.compile(rf"^\.{re.escape(PLAN_CACHE_FILE)}\.tmp-[0-9a-f]{{32}}$")
+"""The temporary of the plan cache's commit (:mod:`reshard.flows.plan_cache`; a manager killed while writing it)."""
 
 
 def _is_pointer(pointer: dict[str, Any]) -> bool:
@@ -186,9 +189,10 @@ def lock_is_live(root: Storage, name: str) -> bool:
 
 
 def sweep_pointer_temporaries(root: Storage) -> None:
-    """On the coordinator, under the manager lock (so that no manager is replacing ``latest.json``): delete the
-    temporaries of ``latest.json`` that managers killed mid-commit left, only those whose content is a pointer
-    reshard wrote (a file named so that is not one stays).
+    """On the coordinator, under the manager lock (so that no manager is replacing ``latest.json`` or writing its plan
+    cache): delete the temporaries of ``latest.json`` and of the plan cache that managers killed mid-commit left,
+    only those whose content is a pointer reshard wrote, or begins as a plan cache does (a file named so that is
+    not one stays).
 
     Raises:
         OSError: listing or deleting failed.
@@ -202,6 +206,15 @@ def sweep_pointer_temporaries(root: Storage) -> None:
             continue
         if isinstance(pointer, dict) and set(pointer) == {"step", "path"} and _is_pointer(pointer):
             logger.info("retention: removing %s, left by a manager killed while it moved the pointer", name)
+            root.delete(name)
+    for name in root.list_names(f".{PLAN_CACHE_FILE}.tmp-"):
+        head = memoryview(bytearray(len(PLAN_FILE_MAGIC)))
+        try:
+            got = root.read_ranges([ReadRequest(name, 0, head)])[0] if _PLANS_TEMPORARY.match(name) else -1
+        except FileNotFoundError:
+            continue
+        if got >= 0 and PLAN_FILE_MAGIC.startswith(bytes(head[:got])):  # reshard's plan cache, or an empty start
+            logger.info("retention: removing %s, left by a manager killed while it wrote the plan cache", name)
             root.delete(name)
 
 

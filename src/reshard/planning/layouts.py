@@ -1,0 +1,153 @@
+"""Layout fingerprints, the offers of a save that may reuse its plan, and the plan cache's file format.
+
+Pure functions over bytes: no storage, no collectives.
+
+A rank's *layout* is exactly the part of its save description that determines the save plan: its tensor pieces
+(key, dtype, global shape, box, replica id) and object cells, in the compact form of
+:func:`~reshard.planning.descriptions.encode_description` without a context (so neither the path nor the save id
+nor any per-save term is in it). Its *fingerprint* is the SHA-256 of that, the rank's position and the group's
+size: equal fingerprints on every rank mean the descriptions the coordinator would gather are byte for byte the
+ones it planned on before, so the plan (the table and the writer election) is the same.
+
+An *offer* is what a rank sends in the first step of a save that may reuse its plan: its fingerprint and the small
+context whose terms must agree (path, options), instead of its description.
+
+The plan cache file (:data:`PLAN_CACHE_FILE`, written by :class:`reshard.flows.plan_cache.PlanCache`) stores the
+layouts of one group, with their fingerprints and a SHA-256 of the whole: :func:`decode_plan_file` returns the
+layouts only when the checksum holds and every stored layout hashes to the fingerprint its rank sent now, so a
+damaged, truncated, stale or forged file is never used (a forgery would need a SHA-256 collision).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.planning.descriptions import DescriptionTable, LocalSaveDescription, encode_description
+
+__all__ = [
+    "PLAN_CACHE_FILE",
+    "PLAN_FILE_MAGIC",
+    "Offer",
+    "decode_plan_file",
+    "encode_offer",
+    "encode_plan_file",
+    "is_description",
+    "layout_bytes",
+    "layout_fingerprint",
+    "offer_contexts",
+    "read_offer",
+]
+
+PLAN_CACHE_FILE = "plans.reshard-cache"
+"""The plan cache's file, in a :class:`~reshard.CheckpointManager` root (never inside a checkpoint)."""
+
+_DOMAIN = b"reshard layout fingerprint v1\x00"
+_POSITION = struct.Struct("<QQ")
+_OFFER_MAGIC = b"RSO1"
+_DESCRIPTION_MAGIC = b"RSD1"
+PLAN_FILE_MAGIC = b"RSPLANS1"
+"""The first bytes of a plan cache file."""
+_HEADER_LENGTH = struct.Struct("<Q")
+_DIGEST_BYTES = 32
+
+
+def layout_bytes(description: LocalSaveDescription) -> bytes:
+    """The part of a rank's description that determines the save plan (its encoded form, without a context)."""
+    return encode_description(description, None)
+
+
+def layout_fingerprint(layout: bytes, *, rank: int, world: int) -> str:
+    """SHA-256 (hex) of ``layout`` at position ``rank`` of a group of ``world`` ranks."""
+    digest = hashlib.sha256(_DOMAIN)
+    digest.update(_POSITION.pack(rank, world))
+    digest.update(layout)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Offer:
+    """What a rank sends in the first step of a save that may reuse its plan."""
+
+    fingerprint: str
+    context: Any
+
+
+def encode_offer(fingerprint: str, context: Any) -> bytes:
+    """The wire form of an :class:`Offer` (a magic of its own, so that it is never taken for a description)."""
+    return _OFFER_MAGIC + json.dumps({"layout": fingerprint, "context": context}, allow_nan=False).encode()
+
+
+def is_description(payload: bytes) -> bool:
+    """Whether ``payload`` is a whole description (a rank that plans without reuse), not an offer."""
+    return payload[: len(_DESCRIPTION_MAGIC)] == _DESCRIPTION_MAGIC
+
+
+def read_offer(payload: bytes) -> Offer:
+    """The :class:`Offer` ``payload`` encodes.
+
+    Raises:
+        ValueError: it is not one.
+    """
+    if payload[: len(_OFFER_MAGIC)] != _OFFER_MAGIC:
+        raise ValueError("not a layout offer")
+    doc = json.loads(payload[len(_OFFER_MAGIC) :])
+    fingerprint = doc["layout"]
+    if not isinstance(fingerprint, str) or len(fingerprint) != 2 * _DIGEST_BYTES:
+        raise ValueError(f"a layout fingerprint of {fingerprint!r}")
+    return Offer(fingerprint=fingerprint, context=doc["context"])
+
+
+def offer_contexts(payloads: list[bytes]) -> list[Any]:
+    """The context of every payload of a first planning step, offers and whole descriptions alike (the
+    coordinator names the terms the ranks disagree on when some plan with reuse and others without).
+
+    Raises:
+        ValueError: a payload is neither.
+    """
+    return [DescriptionTable.from_wire([p])[1][0] if is_description(p) else read_offer(p).context for p in payloads]
+
+
+def encode_plan_file(fingerprints: tuple[str, ...], layouts: tuple[bytes, ...]) -> bytes:
+    """The plan cache file of one group: its fingerprints and layouts (in rank order), behind a SHA-256 of all."""
+    header = json.dumps(
+        {"format": 1, "world": len(layouts), "fingerprints": list(fingerprints), "lengths": [len(x) for x in layouts]}
+    ).encode()
+    body = b"".join((_HEADER_LENGTH.pack(len(header)), header, *layouts))
+    return PLAN_FILE_MAGIC + hashlib.sha256(body).digest() + body
+
+
+def decode_plan_file(raw: bytes, fingerprints: tuple[str, ...]) -> tuple[bytes, ...]:
+    """The layouts of a plan cache file, provided its checksum holds and every layout hashes, at its rank in a group
+    of ``len(fingerprints)``, to ``fingerprints[rank]`` (what that rank sent now).
+
+    Raises:
+        ValueError: naming what does not hold (the file is then a miss, never an error).
+    """
+    start = len(PLAN_FILE_MAGIC) + _DIGEST_BYTES
+    if raw[: len(PLAN_FILE_MAGIC)] != PLAN_FILE_MAGIC or len(raw) < start + _HEADER_LENGTH.size:
+        raise ValueError("not a plan cache file")
+    body = memoryview(raw)[start:]
+    if hashlib.sha256(body).digest() != raw[len(PLAN_FILE_MAGIC) : start]:
+        raise ValueError("its checksum does not match (damaged or truncated)")
+    (length,) = _HEADER_LENGTH.unpack_from(body)
+    header = json.loads(bytes(body[_HEADER_LENGTH.size : _HEADER_LENGTH.size + length]))
+    if header.get("format") != 1 or header.get("world") != len(fingerprints):
+        raise ValueError(f"it holds a group of {header.get('world')!r} ranks, not {len(fingerprints)}")
+    if tuple(header["fingerprints"]) != fingerprints:
+        raise ValueError("it holds another layout")
+    lengths = [int(n) for n in header["lengths"]]
+    at = _HEADER_LENGTH.size + length
+    if len(lengths) != len(fingerprints) or at + sum(lengths) != len(body) or min(lengths, default=0) < 0:
+        raise ValueError("its layouts do not fill it")
+    layouts = []
+    for rank, size in enumerate(lengths):
+        layout = bytes(body[at : at + size])
+        at += size
+        if layout_fingerprint(layout, rank=rank, world=len(fingerprints)) != fingerprints[rank]:
+            raise ValueError(f"the layout of rank {rank} does not hash to its fingerprint")
+        layouts.append(layout)
+    return tuple(layouts)
