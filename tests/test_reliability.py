@@ -77,7 +77,8 @@ def test_d1_a_rank_dying_after_the_commit_never_costs_the_checkpoint(tmp_path: P
 @pytest.mark.dist
 def test_d1_the_manager_points_latest_at_a_step_committed_before_a_rank_died(tmp_path: Path) -> None:
     events, _ = harness.dry_run("manager", 3, tmp_path / "dry")
-    report = _event_index(events[2], "gather_bytes", 2)  # rank 2's write report in the save of step 2
+    fsynced = max(i for i, e in enumerate(events[2]) if e.startswith("fsync "))
+    report = events[2].index("gather_bytes", fsynced)  # rank 2's write report in the save of step 2
     point = harness.KillPoint(rank=2, index=report, when="after", wait_for=f"root/step_000000002/{METADATA_FILE}")
     hold = harness.KillPoint(rank=0, index=_event_index(events[0], f"commit {METADATA_FILE}", 0), when="after")
     (tmp_path / "it").mkdir()
