@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from reshard.geometry.boxes import Box
+from reshard.geometry.sorting import lexsort
 
 __all__ = ["BoxIndex", "GridRule", "expand_grid", "full_cuts", "grid_rule"]
 
@@ -119,7 +120,7 @@ def grid_rule(offset: Int64Array, shape: Int64Array, global_shape: tuple[int, ..
     split = boxes_in_cell[cell_id] > 1
     if not _contiguous(rel[split], shape[split], cell_shape[split]).all():
         return None
-    order = np.lexsort((flat, cell_id))
+    order = lexsort((flat, cell_id))
     split_cells = np.flatnonzero(boxes_in_cell > 1).astype(np.int64)
     starts_in_order = flat[order]
     first = np.ones(n, dtype=bool)
@@ -243,7 +244,7 @@ class BoxIndex:
             else np.zeros((len(live), 0), dtype=np.int64)
         )
         # Cells are numbered by their coordinates in row-major order (sorted lexicographically).
-        order = np.lexsort((*(coord[:, a] for a in range(d - 1, -1, -1)),)) if d else np.arange(len(live))
+        order = lexsort((*(coord[:, a] for a in range(d - 1, -1, -1)),)) if d else np.arange(len(live))
         lo = np.stack([self.cuts[a][coord[:, a]] for a in range(d)], axis=1) if d else coord
         hi = (
             np.stack([self.cuts[a][np.minimum(coord[:, a] + 1, len(self.cuts[a]) - 1)] for a in range(d)], axis=1)
@@ -256,7 +257,7 @@ class BoxIndex:
         new_cell[1:] = (sorted_coord[1:] != sorted_coord[:-1]).any(axis=1) if d else False
         cell_number = np.cumsum(new_cell) - 1
         # Inside a cell, boxes along its flattening.
-        order = order[np.lexsort((flat_start[order], cell_number))]
+        order = order[lexsort((flat_start[order], cell_number))]
         self.box_of = live[order]
         self.flat_start = flat_start[order]
         volume = np.prod(live_end - live_offset, axis=1) if d else np.ones(len(live), dtype=np.int64)

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from reshard.geometry.boxes import Box
+from reshard.geometry.sorting import lexsort
 
 __all__ = ["MAX_CORNER_NDIM", "TilingProblem", "find_tiling_problem", "untiled_groups"]
 
@@ -101,7 +102,7 @@ def untiled_groups(group: Int64Array, offset: Int64Array, end: Int64Array, domai
     points = np.concatenate(corners) if d else np.zeros((len(owner), 0), dtype=np.int64)
     owners = np.tile(owner, 1 << d)
     sign = np.concatenate(signs)
-    order = np.lexsort((*(points[:, a] for a in range(d - 1, -1, -1)), owners))
+    order = lexsort((*(points[:, a] for a in range(d - 1, -1, -1)), owners))
     points, owners, sign = points[order], owners[order], sign[order]
     starts = np.ones(len(owners), dtype=bool)
     starts[1:] = (owners[1:] != owners[:-1]) | (points[1:] != points[:-1]).any(axis=1)

@@ -17,6 +17,7 @@ import numpy.typing as npt
 from reshard.errors import CorruptCheckpointError
 from reshard.geometry.boxes import Box
 from reshard.geometry.grid import BoxIndex
+from reshard.geometry.sorting import lexsort
 
 __all__ = ["BoxColumns", "Int64Array", "SavedBox", "SavedBoxes"]
 
@@ -95,7 +96,7 @@ class BoxColumns:
     def sorted(self) -> BoxColumns:
         """The same boxes sorted by offset (lexicographically), the order of the Python API."""
         d = self.offset.shape[1]
-        order = np.lexsort(tuple(self.offset[:, a] for a in range(d - 1, -1, -1))) if d else np.arange(len(self.file))
+        order = lexsort(tuple(self.offset[:, a] for a in range(d - 1, -1, -1))) if d else np.arange(len(self.file))
         return self.take(order)
 
     def take(self, order: Int64Array) -> BoxColumns:

@@ -225,15 +225,21 @@ class BoxParts:
     fingerprinted: bool = False
 
     def __add__(self, other: BoxParts) -> BoxParts:
+        return BoxParts.joined([self, other])
+
+    @staticmethod
+    def joined(parts: Sequence[BoxParts]) -> BoxParts:
+        """The pieces of ``parts`` in order, as one (joined once: adding them one by one would copy the growing
+        tuples again for every rank, quadratic in the ranks)."""
         return BoxParts(
-            rows=self.rows + other.rows,
-            file=self.file + other.file,
-            byte_offset=self.byte_offset + other.byte_offset,
-            byte_length=self.byte_length + other.byte_length,
-            crc=self.crc + other.crc,
-            content_hash=self.content_hash + other.content_hash,
-            fingerprints=self.fingerprints + other.fingerprints,
-            fingerprinted=self.fingerprinted or other.fingerprinted,
+            rows=tuple(r for p in parts for r in p.rows),
+            file=tuple(f for p in parts for f in p.file),
+            byte_offset=tuple(o for p in parts for o in p.byte_offset),
+            byte_length=tuple(n for p in parts for n in p.byte_length),
+            crc=tuple(c for p in parts for c in p.crc),
+            content_hash=tuple(h for p in parts for h in p.content_hash),
+            fingerprints=tuple(f for p in parts for f in p.fingerprints),
+            fingerprinted=any(p.fingerprinted for p in parts),
         )
 
     def columns(
@@ -268,7 +274,7 @@ def written_parts(
     """The save's own data files (one per rank that wrote one, in rank order), where the boxes written went, and
     where each object's cells went (by key)."""
     files: list[DataFile] = []
-    parts = BoxParts()
+    parts: list[BoxParts] = []
     entries: dict[str, list[SavedObject]] = {}
     for rank, report in enumerate(reports):
         if report.file is None:
@@ -277,15 +283,17 @@ def written_parts(
         files.append(DataFile(path=report.file, size=report.size))
         written = report.tensors
         index = np.asarray(written.index, dtype=np.int64)
-        parts = parts + BoxParts(
-            rows=(table.rank_start[rank] + index,),
-            file=(np.full(len(index), file_index, dtype=np.int64),),
-            byte_offset=(np.asarray(written.byte_offset, dtype=np.int64),),
-            byte_length=(np.asarray(written.byte_length, dtype=np.int64),),
-            crc=(np.frombuffer(written.crc32c, dtype="<u4"),),
-            content_hash=(written.content_hash,),
-            fingerprints=written.fingerprint or (),
-            fingerprinted=written.fingerprint is not None,
+        parts.append(
+            BoxParts(
+                rows=(table.rank_start[rank] + index,),
+                file=(np.full(len(index), file_index, dtype=np.int64),),
+                byte_offset=(np.asarray(written.byte_offset, dtype=np.int64),),
+                byte_length=(np.asarray(written.byte_length, dtype=np.int64),),
+                crc=(np.frombuffer(written.crc32c, dtype="<u4"),),
+                content_hash=(written.content_hash,),
+                fingerprints=written.fingerprint or (),
+                fingerprinted=written.fingerprint is not None,
+            )
         )
         for stored in report.objects:
             obj = table.objects[rank][stored.index]
@@ -298,7 +306,7 @@ def written_parts(
                     checksums=stored.checksums,
                 )
             )
-    return files, parts, entries
+    return files, BoxParts.joined(parts), entries
 
 
 def referenced_parts(
@@ -316,7 +324,7 @@ def referenced_parts(
     """
     files: list[DataFile] = []
     numbers: dict[tuple[str, str], int] = {}
-    parts = BoxParts()
+    parts: list[BoxParts] = []
     for rank, report in enumerate(reports):
         if not report.tensors.reused:
             continue
@@ -328,7 +336,7 @@ def referenced_parts(
             if (ref.checkpoint, ref.path) not in numbers:
                 numbers[ref.checkpoint, ref.path] = first_file + len(files)
                 files.append(DataFile(path=ref.path, size=ref.size, checkpoint=ref.checkpoint))
-        parts = parts + BoxParts(
+        part = BoxParts(
             rows=(reused_rows,),
             file=(np.array([numbers[ref.checkpoint, ref.path] for ref in reused], dtype=np.int64),),
             byte_offset=(np.array([ref.byte_offset for ref in reused], dtype=np.int64),),
@@ -338,7 +346,8 @@ def referenced_parts(
             fingerprints=report.tensors.reused_fingerprint or (),
             fingerprinted=report.tensors.reused_fingerprint is not None,
         )
-    return files, parts
+        parts.append(part)
+    return files, BoxParts.joined(parts)
 
 
 def tensor_metadata(

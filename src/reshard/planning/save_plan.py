@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from reshard.errors import ShardingError
 from reshard.geometry.boxes import Box
+from reshard.geometry.sorting import lexsort
 from reshard.geometry.tiling import MAX_CORNER_NDIM, find_tiling_problem, untiled_groups
 from reshard.planning.descriptions import (
     DescriptionTable,
@@ -153,7 +154,7 @@ class BoxGroups:
             ~slow[piece_key] & ((table.shape > 0) | (np.arange(width) >= table.ndim[:, None])).all(axis=1)
         )
         order = live[
-            np.lexsort(
+            lexsort(
                 (
                     *(table.shape[live, a] for a in range(width - 1, -1, -1)),
                     *(table.offset[live, a] for a in range(width - 1, -1, -1)),
@@ -171,7 +172,7 @@ class BoxGroups:
         main = table.replica_main[table.replica]
         primaries = np.add.reduceat(main[order].astype(np.int64), start) if len(order) else np.zeros(0, np.int64)
         group_of = np.cumsum(starts) - 1
-        holder_order = np.lexsort((np.arange(len(order)), ~main[order], group_of)) if len(order) else order
+        holder_order = lexsort((np.arange(len(order)), ~main[order], group_of)) if len(order) else order
         holders = order[holder_order]
         return cls(order=order, start=start, holders=holders, primary=holders[start], primaries=primaries)
 
@@ -221,9 +222,7 @@ def elect_writers(
         np.where(np.arange(width) < table.ndim[first, None], table.shape[first], 1), axis=1
     )
     job_offset = table.offset[first]
-    job_order = np.lexsort(
-        (*(job_offset[:, a] for a in range(width - 1, -1, -1)), key_rank[piece_key[first]], -job_bytes)
-    )
+    job_order = lexsort((*(job_offset[:, a] for a in range(width - 1, -1, -1)), key_rank[piece_key[first]], -job_bytes))
     bounds = np.append(groups.start, len(groups.order)).tolist()
     holder_rank = table.rank[groups.holders].tolist()
     holder_index = table.index[groups.holders].tolist()
