@@ -14,6 +14,7 @@ import contextlib
 import io
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -552,6 +553,32 @@ def test_retention_removes_the_latest_temporaries_of_dead_managers_and_no_one_el
     theirs.write_text('{"step": 1, "path": "step_000000001", "mine": true}')
     manager.save(2, frozen_and_trained(2))
     assert not ours.exists() and theirs.exists()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("pointer", ["latest.json", "plans.reshard-cache"])
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_temporary_name_that_is_no_regular_file_stays_and_retention_goes_on(
+    tmp_path: Path, pointer: str, kind: str
+) -> None:
+    """A FIFO or a link named like a temporary of ``latest.json`` or of the plan cache is not reshard's (it never
+    makes either): it stays, untouched and unfollowed, with a warning, and every later save commits, points
+    ``latest.json`` at itself and applies retention as before (an outside attack found every later save raising
+    UnconfirmedCommitError, and ``keep_last`` ignored)."""
+    root = tmp_path / "root"
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not yours")
+    manager = reshard.CheckpointManager(root, keep_last=1)
+    manager.save(1, frozen_and_trained(1))
+    planted = root / f".{pointer}.tmp-{'e' * 32}"
+    os.mkfifo(planted) if kind == "fifo" else planted.symlink_to(outside)
+    for step in (2, 3):
+        with pytest.warns(UserWarning, match="not a regular file"):
+            manager.save(step, frozen_and_trained(step))
+    assert manager.steps() == [3] and manager.latest_pointer() == 3
+    assert planted.is_symlink() if kind == "symlink" else stat.S_ISFIFO(planted.lstat().st_mode)
+    assert outside.read_text() == "not yours"
+    manager.close()
 
 
 # ---- 8: gc of a directory that is not reshard's does not walk it ---------------------------------------------------

@@ -359,6 +359,38 @@ def test_a_bad_plan_cache_file_is_a_miss_never_an_error(
     assert read_lock(storage_for(tmp_path)) is None
 
 
+@pytest.mark.parametrize("kind", ["garbage body", "lying lengths"])
+def test_a_huge_bad_plan_cache_file_is_a_miss_without_being_read_whole(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    """A file of 768 MiB (sparse) that begins as a plan cache does, with a garbage header or with a header whose
+    layout lengths do not add up to the file, is a miss found from its first bytes: the coordinator never holds it
+    in memory (an outside attack found 2 GiB allocated and the planning step timing out, for a file under the size
+    limit)."""
+    import tracemalloc
+
+    world = 2
+    manager_saves(tmp_path, world, [1])
+    path = tmp_path / PLAN_CACHE_FILE
+    raw = path.read_bytes()
+    with path.open("r+b" if kind == "lying lengths" else "wb") as f:
+        if kind == "garbage body":
+            f.write(raw[:8])
+        f.truncate(768 << 20)
+    tracemalloc.start()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="reshard"):
+            manager_saves(tmp_path, world, [2])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not file_hit(tmp_path, caplog)
+    assert any("is not used" in r.getMessage() for r in caplog.records)
+    assert peak < 64 << 20, peak
+    loaded = load_on_threads(tmp_path / "step_000000002", world, template)
+    assert all(torch.equal(loaded[r]["w"], row_state(r, world)["w"].data) for r in range(world))
+
+
 def test_a_partial_plan_cache_write_is_never_read(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A process killed while writing the file leaves at most a temporary beside it: the file itself is whole or
     absent (``Storage.commit``), so the next save reads the previous file or none."""

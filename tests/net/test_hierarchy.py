@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,6 +52,12 @@ def test_layouts_are_normalised_and_checked() -> None:
     for size, nodes in ((4, [[0, 1], [1, 2, 3]]), (4, [[0, 1], [2]]), (3, [[0, 1, 2], []])):
         with pytest.raises(CheckpointError, match="exactly one node"):
             NodeLayout.of(size, nodes)
+    for rank in (1.7, True, "1", None):  # never truncated or converted (an outside attack found 1.7 taken for 1)
+        with pytest.raises(CheckpointError, match="integer"):
+            NodeLayout.of(2, [[0, rank]])
+    with pytest.raises(CheckpointError, match="integer"):
+        NodeLayout.of(2, [0, 1])  # type: ignore[list-item]  # not a list of nodes
+    assert NodeLayout.of(2, [[np.int64(1), 0]]).nodes == ((0, 1),)
     with pytest.raises(CheckpointError, match="does not divide"):
         NodeLayout.blocks(6, 4)
     with pytest.raises(CheckpointError, match="at least 1"):

@@ -30,9 +30,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard.planning.descriptions import DescriptionTable, WriteAssignment
-from reshard.planning.layouts import PLAN_CACHE_FILE, decode_plan_file, encode_plan_file
+from reshard.planning.layouts import (
+    PLAN_CACHE_FILE,
+    decode_plan_file,
+    encode_plan_file,
+    plan_file_extent,
+    plan_file_head_bytes,
+)
 from reshard.planning.save_plan import plan_save_table
-from reshard.storage import Storage
+from reshard.storage import ReadRequest, Storage
 
 __all__ = ["CachedPlan", "PlanCache"]
 
@@ -117,8 +123,7 @@ class PlanCache:
             return None
         where = self._root.describe(PLAN_CACHE_FILE)
         try:
-            raw = self._root.read_bytes(PLAN_CACHE_FILE, max_bytes=MAX_PLAN_FILE_BYTES)
-            layouts = decode_plan_file(raw, fingerprints)
+            layouts = decode_plan_file(_read_plan_file(self._root, fingerprints), fingerprints)
             table = DescriptionTable.from_wire(list(layouts))[0]
             plan = CachedPlan(table=table, assignments=tuple(plan_save_table(table)))
         except FileNotFoundError:
@@ -129,3 +134,25 @@ class PlanCache:
             return None
         logger.debug("reshard: the plan cache %s holds this layout: the descriptions are not gathered", where)
         return plan
+
+
+def _read_plan_file(root: Storage, fingerprints: tuple[str, ...]) -> bytearray:
+    """``root``'s plan cache file, read whole only once its first bytes say it is one of ``fingerprints`` and of
+    the size its header gives (so that a large damaged or forged file costs a small read, never its size in
+    memory), into one buffer of that size.
+
+    Raises:
+        FileNotFoundError: there is none. ValueError: it is not the file of this layout. OSError: unreadable.
+    """
+    size = root.size(PLAN_CACHE_FILE)
+    if size > MAX_PLAN_FILE_BYTES:
+        raise ValueError(f"{size} bytes, more than a plan cache file may hold ({MAX_PLAN_FILE_BYTES})")
+    head = bytearray(min(size, plan_file_head_bytes(len(fingerprints))))
+    got = root.read_ranges([ReadRequest(PLAN_CACHE_FILE, 0, memoryview(head))])[0]
+    expected = plan_file_extent(bytes(head[:got]), fingerprints)
+    if expected != size:
+        raise ValueError(f"its header gives {expected} bytes, the file has {size}")
+    whole = bytearray(size)
+    if root.read_ranges([ReadRequest(PLAN_CACHE_FILE, 0, memoryview(whole))])[0] != size:
+        raise ValueError("it changed while it was read")
+    return whole

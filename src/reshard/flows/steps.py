@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,30 +193,63 @@ def sweep_pointer_temporaries(root: Storage) -> None:
     """On the coordinator, under the manager lock (so that no manager is replacing ``latest.json`` or writing its plan
     cache): delete the temporaries of ``latest.json`` and of the plan cache that managers killed mid-commit left,
     only those whose content is a pointer reshard wrote, or begins as a plan cache does (a file named so that is
-    not one stays).
+    not one stays). One that cannot be read as a regular file (a FIFO, a link, unreadable) is not reshard's either: it
+    stays, with a warning, and the sweep goes on (never a reason for retention to fail).
 
     Raises:
-        OSError: listing or deleting failed.
+        OSError: listing failed.
     """
     for name in root.list_names(f".{LATEST_FILE}.tmp-"):
-        if not _LATEST_TEMPORARY.match(name):
-            continue
-        try:
-            pointer = json.loads(root.read_bytes(name, max_bytes=4096))
-        except (FileNotFoundError, FileTooLargeError, ValueError, RecursionError):
-            continue
-        if isinstance(pointer, dict) and set(pointer) == {"step", "path"} and _is_pointer(pointer):
+        if _LATEST_TEMPORARY.match(name) and _is_latest_temporary(root, name):
             logger.info("retention: removing %s, left by a manager killed while it moved the pointer", name)
-            root.delete(name)
+            _delete_temporary(root, name)
     for name in root.list_names(f".{PLAN_CACHE_FILE}.tmp-"):
-        head = memoryview(bytearray(len(PLAN_FILE_MAGIC)))
-        try:
-            got = root.read_ranges([ReadRequest(name, 0, head)])[0] if _PLANS_TEMPORARY.match(name) else -1
-        except FileNotFoundError:
-            continue
-        if got >= 0 and PLAN_FILE_MAGIC.startswith(bytes(head[:got])):  # reshard's plan cache, or an empty start
+        if _PLANS_TEMPORARY.match(name) and _is_plans_temporary(root, name):
             logger.info("retention: removing %s, left by a manager killed while it wrote the plan cache", name)
-            root.delete(name)
+            _delete_temporary(root, name)
+
+
+def _is_latest_temporary(root: Storage, name: str) -> bool:
+    """Whether ``name`` holds a pointer reshard wrote (False: gone, not one, or not readable as a regular file)."""
+    try:
+        pointer = json.loads(root.read_bytes(name, max_bytes=4096))
+    except (FileNotFoundError, FileTooLargeError, ValueError, RecursionError):
+        return False
+    except OSError as exc:
+        _warn_unread_temporary(root, name, exc)
+        return False
+    return isinstance(pointer, dict) and set(pointer) == {"step", "path"} and _is_pointer(pointer)
+
+
+def _is_plans_temporary(root: Storage, name: str) -> bool:
+    """Whether ``name`` begins as reshard's plan cache does, or is empty (False: gone, another start, unreadable)."""
+    head = memoryview(bytearray(len(PLAN_FILE_MAGIC)))
+    try:
+        got = root.read_ranges([ReadRequest(name, 0, head)])[0]
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        _warn_unread_temporary(root, name, exc)
+        return False
+    return PLAN_FILE_MAGIC.startswith(bytes(head[:got]))
+
+
+def _warn_unread_temporary(root: Storage, name: str, exc: OSError) -> None:
+    warnings.warn(
+        f"reshard: retention leaves {root.describe(name)}, named like a temporary of the manager but not a regular "
+        f"file it can read ({exc.strerror or exc}): not reshard's; delete it yourself if it is yours",
+        stacklevel=2,
+    )
+
+
+def _delete_temporary(root: Storage, name: str) -> None:
+    """Delete a dead manager's temporary; one that cannot be deleted stays, with a warning (a later sweep retries)."""
+    try:
+        root.delete(name)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        warnings.warn(f"reshard: retention could not remove {root.describe(name)}: {exc}", stacklevel=2)
 
 
 def point_latest_at(root: Storage, step: int) -> None:

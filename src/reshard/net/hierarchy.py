@@ -37,6 +37,7 @@ the project runs the multi-node scales where it pays; so it stays opt-in.
 from __future__ import annotations
 
 import datetime
+import operator
 import os
 import struct
 from collections.abc import Sequence
@@ -120,7 +121,7 @@ class NodeLayout:
     def of(cls, size: int, nodes: Sequence[Sequence[int]]) -> NodeLayout:
         """The layout of these nodes (lists of group ranks, in any order). CheckpointError when they do not
         put each rank of a group of ``size`` on exactly one node."""
-        normal = sorted((tuple(sorted(int(r) for r in node)) for node in nodes), key=lambda n: n[0] if n else -1)
+        normal = sorted((tuple(sorted(_rank_number(r) for r in _ranks_of(node))) for node in nodes), key=_first)
         return cls(size=size, nodes=tuple(normal))
 
     @classmethod
@@ -139,6 +140,26 @@ class NodeLayout:
     def node_of(self, rank: int) -> int:
         """The index of the node that holds group rank ``rank``."""
         return next(i for i, node in enumerate(self.nodes) if rank in node)
+
+
+def _ranks_of(node: object) -> Sequence[object]:
+    if isinstance(node, (str, bytes)) or not isinstance(node, Sequence):
+        raise CheckpointError(f"a node of a node layout must be a list of integer ranks, got {node!r}")
+    return node
+
+
+def _rank_number(rank: object) -> int:
+    """A rank of a node layout as an int: an integer (numpy's too), never a bool, float or text converted."""
+    if isinstance(rank, bool):
+        raise CheckpointError(f"a rank of a node layout must be an integer, got {rank!r}")
+    try:
+        return operator.index(rank)  # type: ignore[arg-type]
+    except TypeError:
+        raise CheckpointError(f"a rank of a node layout must be an integer, got {rank!r}") from None
+
+
+def _first(node: tuple[int, ...]) -> int:
+    return node[0] if node else -1
 
 
 class HierarchicalTransport(Transport):

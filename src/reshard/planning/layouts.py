@@ -39,6 +39,8 @@ __all__ = [
     "layout_bytes",
     "layout_fingerprint",
     "offer_contexts",
+    "plan_file_extent",
+    "plan_file_head_bytes",
     "read_offer",
 ]
 
@@ -120,7 +122,43 @@ def encode_plan_file(fingerprints: tuple[str, ...], layouts: tuple[bytes, ...]) 
     return PLAN_FILE_MAGIC + hashlib.sha256(body).digest() + body
 
 
-def decode_plan_file(raw: bytes, fingerprints: tuple[str, ...]) -> tuple[bytes, ...]:
+def plan_file_head_bytes(world: int) -> int:
+    """How many first bytes of a plan cache file of a group of ``world`` ranks :func:`plan_file_extent` needs at most
+    (its header holds a fingerprint and a length per rank)."""
+    return len(PLAN_FILE_MAGIC) + _DIGEST_BYTES + _HEADER_LENGTH.size + 4096 + 128 * world
+
+
+def plan_file_extent(head: bytes, fingerprints: tuple[str, ...]) -> int:
+    """From the first bytes of a plan cache file (at least :func:`plan_file_head_bytes`, or all of a shorter file):
+    the size the whole file must have, provided its header is a plan cache's, of ``fingerprints`` (so that a file
+    of another layout, or garbage, is known for a miss without being read whole).
+
+    Raises:
+        ValueError: naming what does not hold.
+    """
+    start = len(PLAN_FILE_MAGIC) + _DIGEST_BYTES
+    if head[: len(PLAN_FILE_MAGIC)] != PLAN_FILE_MAGIC or len(head) < start + _HEADER_LENGTH.size:
+        raise ValueError("not a plan cache file")
+    (length,) = _HEADER_LENGTH.unpack_from(head, start)
+    at = start + _HEADER_LENGTH.size
+    if at + length > len(head):
+        raise ValueError(f"a header of {length} bytes, longer than the file's first {len(head) - at}")
+    try:
+        header = json.loads(head[at : at + length])
+        lengths = [int(n) for n in header["lengths"]]
+        match = header["format"] == 1 and header["world"] == len(fingerprints)
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        raise ValueError(f"its header is not a plan cache's ({exc})") from None
+    if not match:
+        raise ValueError(f"it holds a group of {header.get('world')!r} ranks, not {len(fingerprints)}")
+    if tuple(header["fingerprints"]) != fingerprints:
+        raise ValueError("it holds another layout")
+    if len(lengths) != len(fingerprints) or min(lengths, default=0) < 0:
+        raise ValueError("its header's layout lengths are not one per rank")
+    return int(at + length + sum(lengths))
+
+
+def decode_plan_file(raw: bytes | bytearray, fingerprints: tuple[str, ...]) -> tuple[bytes, ...]:
     """The layouts of a plan cache file, provided its checksum holds and every layout hashes, at its rank in a group
     of ``len(fingerprints)``, to ``fingerprints[rank]`` (what that rank sent now).
 
