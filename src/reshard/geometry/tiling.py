@@ -16,7 +16,7 @@ import numpy.typing as npt
 from reshard.geometry.boxes import Box
 from reshard.geometry.sorting import lexsort
 
-__all__ = ["MAX_CORNER_NDIM", "TilingProblem", "find_tiling_problem", "untiled_groups"]
+__all__ = ["MAX_CORNER_NDIM", "TilingProblem", "find_tiling_problem", "first_overlap", "untiled_groups"]
 
 MAX_CORNER_NDIM = 8
 """:func:`untiled_groups` takes boxes of at most this many axes (it looks at ``2 ** ndim`` corners each)."""
@@ -35,6 +35,31 @@ class TilingProblem:
     total: int
 
 
+def first_overlap(boxes: list[Box]) -> tuple[int, int] | None:
+    """The indices (ascending) of two boxes of ``boxes`` that share an element, or None when no two do (boxes of
+    volume 0 share nothing). A sweep along the axis on which the boxes start at the most distinct places, each box
+    compared only with those still open there: near ``n log n`` for regular layouts (rows, columns, flat ranges),
+    where comparing every pair was quadratic."""
+    live = [(i, b) for i, b in enumerate(boxes) if b.volume > 0]
+    if len(live) < 2:
+        return None
+    ndim = live[0][1].ndim
+    if ndim == 0:
+        return (live[0][0], live[1][0])
+    axis = max(range(ndim), key=lambda a: len({b.offset[a] for _, b in live}))
+    live.sort(key=lambda item: (item[1].offset[axis], item[0]))
+    active: list[tuple[int, Box]] = []
+    for index, box in live:
+        start = box.offset[axis]
+        active = [(j, other) for j, other in active if other.offset[axis] + other.shape[axis] > start]
+        for j, other in active:
+            if box.intersect(other) is not None:
+                first, second = sorted((j, index))
+                return (first, second)
+        active.append((index, box))
+    return None
+
+
 def find_tiling_problem(global_shape: tuple[int, ...], boxes: list[Box]) -> TilingProblem | None:
     """Check that ``boxes`` (each already inside ``global_shape``) cover every element exactly once.
 
@@ -48,17 +73,9 @@ def find_tiling_problem(global_shape: tuple[int, ...], boxes: list[Box]) -> Tili
         if len(live) > 1:
             return TilingProblem("overlap", (live[0][0], live[1][0]), len(live), 1)
         return None if live else TilingProblem("gap", (), 0, 1)
-    axis = max(range(len(global_shape)), key=lambda a: len({b.offset[a] for _, b in live}))
-    live.sort(key=lambda item: (item[1].offset[axis], item[0]))
-    active: list[tuple[int, Box]] = []
-    for index, box in live:
-        start = box.offset[axis]
-        active = [(j, other) for j, other in active if other.offset[axis] + other.shape[axis] > start]
-        for j, other in active:
-            if box.intersect(other) is not None:
-                first, second = sorted((j, index))
-                return TilingProblem("overlap", (first, second), 0, total)
-        active.append((index, box))
+    overlap = first_overlap(boxes)
+    if overlap is not None:
+        return TilingProblem("overlap", overlap, 0, total)
     covered = sum(b.volume for _, b in live)
     if covered != total:
         return TilingProblem("gap", (), covered, total)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.geometry.boxes import Box
+from reshard.geometry.tiling import first_overlap
 from reshard.state.dtypes import DTYPE_BY_NAME
 
 __all__ = [
@@ -198,7 +199,7 @@ def schedule_reads(
     for (_key, dtype), group in sorted(holders.items()):
         itemsize = DTYPE_BY_NAME[dtype].itemsize
         distinct = sorted({h.box for h in group}, key=lambda b: (b.offset, b.shape))
-        overlapping = any(a.intersect(b) is not None for a, b in itertools.combinations(distinct, 2))
+        overlapping = first_overlap(distinct) is not None
         cells = cells_of(distinct) if overlapping else distinct
         if cells is None:  # too many cells: every piece read by its own rank
             for h in group:
