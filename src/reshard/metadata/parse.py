@@ -22,7 +22,7 @@ from reshard.errors import CorruptCheckpointError
 from reshard.geometry.boxes import Box
 from reshard.geometry.grid import expand_grid
 from reshard.geometry.tiling import MAX_CORNER_NDIM, find_tiling_problem, untiled_groups
-from reshard.metadata.columns import BoxColumns, Int64Array, SavedBox, SavedBoxes
+from reshard.metadata.columns import BoxColumns, Int64Array, PartBoxes, SavedBox, SavedBoxes
 from reshard.metadata.model import (
     CHECKSUM_ALGORITHM,
     CONTENT_HASH_ALGORITHM,
@@ -33,22 +33,26 @@ from reshard.metadata.model import (
     MAX_NDIM,
     METADATA_CHECKSUM_MEMBER,
     METADATA_FILE,
+    PART_FILE_PATTERN,
+    PARTITIONED_VERSION,
     READABLE_VERSIONS,
     REFERENCED_FILE_PATTERN,
     SCALED_VERSION,
     SEALED_VERSION,
     DataFile,
     Metadata,
+    MetadataPart,
     ObjectMetadata,
     SavedObject,
     TensorMetadata,
 )
+from reshard.metadata.paths import check_relative_path
 from reshard.metadata.scaled import parse_scaled
 from reshard.metadata.wire import SEAL_LENGTH, SEAL_PREFIX
 from reshard.state.codec import decode_tagged, strict_json_loads
 from reshard.state.dtypes import DTYPE_BY_NAME
 
-__all__ = ["check_relative_path", "parse_metadata"]
+__all__ = ["DocumentParser", "check_relative_path", "parse_metadata"]
 
 
 def parse_metadata(raw: bytes, *, where: str = METADATA_FILE, lazy: bool = False) -> Metadata:
@@ -58,7 +62,7 @@ def parse_metadata(raw: bytes, *, where: str = METADATA_FILE, lazy: bool = False
         doc = strict_json_loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
         raise CorruptCheckpointError(f"{where}: not valid JSON: {exc}") from exc
-    return _Parser(where, lazy=lazy, sealed=sealed).parse(doc)
+    return DocumentParser(where, lazy=lazy, sealed=sealed).parse(doc)
 
 
 def _check_seal(raw: bytes, where: str) -> bool:
@@ -80,34 +84,9 @@ def _check_seal(raw: bytes, where: str) -> bool:
     return True
 
 
-def check_relative_path(path: str) -> str | None:
-    """Why ``path`` is not a safe relative file name inside a checkpoint, or None when it is.
-
-    Safe names are POSIX relative paths of non-empty components, without ``.``/``..``, backslashes,
-    NUL, a URL scheme or a drive letter.
-    """
-    if not path:
-        return "is empty"
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        return "is not valid UTF-8 text"
-    if "\x00" in path:
-        return "contains NUL"
-    if "\\" in path:
-        return "contains a backslash"
-    if path.startswith("/"):
-        return "is absolute"
-    if ":" in path:
-        return "contains ':' (a scheme or drive)"
-    parts = path.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        return "has an empty, '.' or '..' component"
-    return None
-
-
-class _Parser:
-    """Validating decoder of the wire form; every error names the JSON path of the bad field."""
+class DocumentParser:
+    """Validating decoder of the wire form; every error names the JSON path of the bad field. Used for
+    ``metadata.json`` here and for the part files of version 6 (:mod:`reshard.metadata.parts`)."""
 
     def __init__(self, where: str, *, lazy: bool = False, sealed: bool = False) -> None:
         self.where = where
@@ -165,9 +144,16 @@ class _Parser:
         tensors_doc = top["tensors"]
         if not isinstance(tensors_doc, dict):
             raise self.fail("tensors", "expected an object")
+        save_id = self.string(top["save_id"], "save_id")
+        parts = self.parts(top["parts"], save_id) if self.version >= PARTITIONED_VERSION else ()
         tensors = {
-            self.key(key, "tensors"): self.tensor(key, value, files, chunk_bytes) for key, value in tensors_doc.items()
+            self.key(key, "tensors"): self.indexed(key, value, len(parts))
+            if parts
+            else self.tensor(key, value, files, chunk_bytes)
+            for key, value in tensors_doc.items()
         }
+        if parts and len({t.boxes.part for t in tensors.values() if isinstance(t.boxes, PartBoxes)}) != len(parts):
+            raise self.fail("parts", "a part holds no tensor of the index")
         objects_doc = top["objects"]
         if not isinstance(objects_doc, dict):
             raise self.fail("objects", "expected an object")
@@ -182,7 +168,7 @@ class _Parser:
             for path, value in common_doc.items()
         }
         return Metadata(
-            save_id=self.string(top["save_id"], "save_id"),
+            save_id=save_id,
             created_by=self.string(top["created_by"], "created_by"),
             world_size=world_size,
             checksum_chunk_bytes=chunk_bytes,
@@ -193,6 +179,7 @@ class _Parser:
             content_hashes=self.hashed,
             scaled=parse_scaled(top["scaled"], tensors, objects, self.fail) if self.version >= SCALED_VERSION else {},
             format_version=self.version,
+            parts=parts,
         )
 
     def check_version(self, doc: object) -> None:
@@ -236,7 +223,53 @@ class _Parser:
             members.add("content_hash")
         if self.version >= SCALED_VERSION:
             members.add("scaled")
+        if self.version >= PARTITIONED_VERSION:
+            members.add("parts")
         return members
+
+    def parts(self, value: object, save_id: str) -> tuple[MetadataPart, ...]:
+        """The ``parts`` member of version 6: at least one part, each named as this save names its parts."""
+        if not isinstance(value, list) or not value:
+            raise self.fail("parts", "expected a non-empty list")
+        out = []
+        for i, item in enumerate(value):
+            entry = self.obj(item, f"parts[{i}]", {"path", "size", "sha256"})
+            path = self.string(entry["path"], f"parts[{i}].path")
+            match = PART_FILE_PATTERN.match(path)
+            if check_relative_path(path) or match is None or match["save_id"] != save_id or int(match["number"]) != i:
+                raise self.fail(f"parts[{i}].path", f"expected data/{save_id}-metadata-{i:05d}.json, got {path!r}")
+            digest = self.string(entry["sha256"], f"parts[{i}].sha256")
+            if len(digest) != 64 or digest.strip("0123456789abcdef"):
+                raise self.fail(f"parts[{i}].sha256", "expected 64 lowercase hexadecimal digits")
+            out.append(MetadataPart(path=path, size=self.integer(entry["size"], f"parts[{i}].size"), sha256=digest))
+        return tuple(out)
+
+    def indexed(self, key: str, value: object, parts: int) -> TensorMetadata:
+        """A tensor of the index of version 6: dtype, global shape, fingerprint, and the number of its part."""
+        path = f"tensors[{key!r}]"
+        keys = {"dtype", "global_shape", "part"}
+        fields = keys | {"fingerprint"} if isinstance(value, dict) and "fingerprint" in value else keys
+        doc = self.obj(value, path, fields)
+        part = self.integer(doc["part"], f"{path}.part")
+        if part >= parts:
+            raise self.fail(f"{path}.part", f"part {part} is out of range ({parts} parts)")
+        dtype_name, global_shape, fingerprint = self.described(path, doc)
+        return TensorMetadata(
+            key=key, dtype=dtype_name, global_shape=global_shape, boxes=PartBoxes(key, part), fingerprint=fingerprint
+        )
+
+    def described(self, path: str, doc: dict[str, Any]) -> tuple[str, tuple[int, ...], int | None]:
+        """A tensor's dtype name, global shape and fingerprint (None when it has none), checked."""
+        fingerprint = None
+        if "fingerprint" in doc:
+            text = doc["fingerprint"]
+            if not isinstance(text, str) or len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
+                raise self.fail(f"{path}.fingerprint", "expected 16 lowercase hex digits")
+            fingerprint = int(text, 16)
+        dtype_name = self.string(doc["dtype"], f"{path}.dtype")
+        if dtype_name not in DTYPE_BY_NAME:
+            raise self.fail(f"{path}.dtype", f"unknown dtype {dtype_name!r}")
+        return dtype_name, self.int_list(doc["global_shape"], f"{path}.global_shape", max_len=MAX_NDIM), fingerprint
 
     def check_content_hash(self, top: dict[str, Any]) -> None:
         """The content-hash algorithm, where the version has one: sets :attr:`hashed`."""
@@ -323,17 +356,8 @@ class _Parser:
         doc = self.obj(
             value, path, keys | {"fingerprint"} if isinstance(value, dict) and "fingerprint" in value else keys
         )
-        fingerprint = None
-        if "fingerprint" in doc:
-            text = doc["fingerprint"]
-            if not isinstance(text, str) or len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
-                raise self.fail(f"{path}.fingerprint", "expected 16 lowercase hex digits")
-            fingerprint = int(text, 16)
-        dtype_name = self.string(doc["dtype"], f"{path}.dtype")
-        dtype = DTYPE_BY_NAME.get(dtype_name)
-        if dtype is None:
-            raise self.fail(f"{path}.dtype", f"unknown dtype {dtype_name!r}")
-        global_shape = self.int_list(doc["global_shape"], f"{path}.global_shape", max_len=MAX_NDIM)
+        dtype_name, global_shape, fingerprint = self.described(path, doc)
+        dtype = DTYPE_BY_NAME[dtype_name]
         if "packed" in doc:
             if math.prod(global_shape) * dtype.itemsize > MAX_INTEGER:
                 raise self.fail(
@@ -422,7 +446,7 @@ class _PackedTensor:
 
     def __init__(
         self,
-        parser: _Parser,
+        parser: DocumentParser,
         path: str,
         value: object,
         global_shape: tuple[int, ...],
