@@ -53,8 +53,8 @@ from reshard.io.references import (
     verify_references,
 )
 from reshard.io.reuse import Reuse, choose_reused
-from reshard.io.sources import read_metadata_bytes
-from reshard.metadata import METADATA_FILE, Metadata
+from reshard.io.sources import read_full_metadata
+from reshard.metadata import Metadata
 from reshard.net.comm import Communicator
 from reshard.planning.assemble import ObjectReport, TensorReport, WriteReport
 from reshard.planning.certify import CertifyOptions
@@ -555,7 +555,7 @@ def read_base(storage: Storage, base_name: str) -> Metadata:
     this save leaves a marker anywhere)."""
     base = storage.sibling(base_name)
     try:
-        metadata = Metadata.from_json_bytes(read_metadata_bytes(base), where=base.describe(METADATA_FILE))
+        metadata = read_full_metadata(base)
         try:
             verify_references(base, metadata)
         except CorruptCheckpointError as exc:

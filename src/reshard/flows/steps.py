@@ -13,8 +13,7 @@ from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, Inco
 from reshard.flows.certify import certification_status
 from reshard.io.locking import foreign_holder, read_lock, stale_at_sight
 from reshard.io.references import is_retired
-from reshard.io.sources import read_metadata_bytes
-from reshard.metadata import METADATA_FILE, Metadata
+from reshard.io.sources import read_full_metadata
 from reshard.planning.layouts import PLAN_CACHE_FILE, PLAN_FILE_MAGIC
 from reshard.storage import FileTooLargeError, ReadRequest, Storage
 
@@ -140,7 +139,7 @@ def _inspect_step(storage: Storage, name: str, step: int) -> StepInfo:
         status, problem = "complete", ""
         metadata = None
         try:
-            metadata = Metadata.from_json_bytes(read_metadata_bytes(child), where=child.describe(METADATA_FILE))
+            metadata = read_full_metadata(child)
         except (IncompleteCheckpointError, CheckpointNotFoundError):
             status = "incomplete"
         except CorruptCheckpointError as exc:
