@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reshard.metadata.columns import BoxColumns, SavedBox, SavedBoxes
+from reshard.metadata.columns import BoxColumns, PartBoxes, SavedBox, SavedBoxes
 from reshard.state.dtypes import DTYPE_BY_NAME
 from reshard.state.scaled import ScaledRecord
 
@@ -236,12 +236,15 @@ class Metadata:
 
     @property
     def referenced_bytes(self) -> int:
-        """Bytes of tensor data stored in other checkpoints' files (referenced by an incremental save)."""
+        """Bytes of tensor data stored in other checkpoints' files (referenced by an incremental save); tensors
+        whose boxes are in a part that was not read (partitioned metadata) are not counted."""
         others = np.array([f.checkpoint is not None for f in self.files], dtype=bool)
         if not others.any():
             return 0
         total = 0
         for t in self.tensors.values():
+            if isinstance(t.boxes, PartBoxes):  # in a part that was not read: not counted
+                continue
             columns = BoxColumns.of(t.boxes, len(t.global_shape))
             total += int(columns.byte_length[others[columns.file]].sum())
         return total
@@ -253,9 +256,14 @@ class Metadata:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of tensor data stored (each box once), in its own files and referenced ones alike."""
+        """Bytes of tensor data stored (each box once), in its own files and referenced ones alike. A tensor whose
+        boxes are in a part that was not read counts its whole size: its boxes tile it, each stored once."""
         return sum(
-            t.boxes.total_bytes if isinstance(t.boxes, SavedBoxes) else sum(b.byte_length for b in t.boxes)
+            t.nbytes
+            if isinstance(t.boxes, PartBoxes)
+            else t.boxes.total_bytes
+            if isinstance(t.boxes, SavedBoxes)
+            else sum(b.byte_length for b in t.boxes)
             for t in self.tensors.values()
         )
 
