@@ -30,18 +30,19 @@ def read_parts(storage: Storage, metadata: Metadata, keys: Iterable[str] | None 
     """``metadata`` with the boxes of ``keys`` (None: every tensor) read from their part files.
 
     Keys the metadata does not hold, and tensors whose boxes are already there (versions 1 to 5, or parts
-    read before), are left as they are. Each part is read once, whatever the number of its keys.
+    read before), are left as they are. Each part is read and verified whole once, whatever the number of its
+    keys; only the boxes of ``keys`` are decoded (the part's other tensors stay unread).
 
     Raises:
         CorruptCheckpointError: a part is missing, of another size or SHA-256 than the document says, or
             holds invalid entries.
         StorageError: a part exists but cannot be read.
     """
-    wanted = metadata.tensors if keys is None else keys
+    wanted = set(metadata.tensors if keys is None else keys)
     numbers = sorted({n for key in wanted if key in metadata.tensors and (n := part_of(metadata, key)) is not None})
     tensors: dict[str, TensorMetadata] = {}
     for number in numbers:
-        tensors |= parse_part(_read_part(storage, metadata, number), metadata, number)
+        tensors |= parse_part(_read_part(storage, metadata, number), metadata, number, wanted)
     return with_tensors(metadata, tensors)
 
 

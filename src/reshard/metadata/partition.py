@@ -2,10 +2,11 @@
 
 At ten thousand ranks the tensors' boxes are most of ``metadata.json`` (tens of MiB), and a load needs only
 the boxes of the keys its rank loads. Version 6 moves each tensor's boxes (the plain or packed encoding of
-versions 1 to 5, unchanged) into part files of a few MiB, keys grouped in the document's order (so that a
-pipeline stage's keys fall in few parts), and keeps in ``metadata.json`` what everyone needs: the header, the
-files, the objects, the common values, and an index giving each tensor's dtype, global shape and part, and
-each part's name, size and SHA-256. The document is sealed as before (docs/format.md section 19).
+versions 1 to 5, unchanged) into part files of a few MiB, keys grouped by their layer and expert numbers
+(:func:`locality`, so that a pipeline stage's keys fall in few parts), and keeps in ``metadata.json`` what
+everyone needs: the header, the files, the objects, the common values, and an index giving each tensor's
+dtype, global shape and part, and each part's name, size and SHA-256. The document is sealed as before
+(docs/format.md section 19).
 
 :func:`metadata_documents` decides: a save partitions only when the tensors' section is large
 (:data:`PARTITION_MIN_BYTES`) unless told to, so small checkpoints keep the document they had, byte for byte.
@@ -16,16 +17,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 from reshard.metadata.model import PART_FORMAT, Metadata, MetadataPart, part_path
 from reshard.metadata.wire import metadata_to_json, seal_document, tensor_entry
 
-__all__ = ["PARTITION_MIN_BYTES", "PART_BYTES", "MetadataDocuments", "metadata_documents"]
+__all__ = ["PARTITION_MIN_BYTES", "PART_BYTES", "MetadataDocuments", "locality", "metadata_documents"]
 
 PARTITION_MIN_BYTES = 8 * 1024 * 1024
 """A save partitions its metadata when the encoded boxes of its tensors take at least this many bytes: below,
 one document costs every rank less than the extra reads of the parts (docs/scale.md, "Partitioned metadata")."""
+_NUMBERS = re.compile(r"\d+")
 PART_BYTES = 2 * 1024 * 1024
 """A part is closed once it holds this many bytes of boxes (a tensor's boxes are never split: a part may be
 larger by the last tensor's)."""
@@ -64,7 +67,8 @@ def metadata_documents(
     entries = {key: tensor_entry(t, None, hashed) for key, t in metadata.tensors.items()}
     index: dict[str, dict[str, object]] = {}
     boxes: dict[str, bytes] = {}
-    for key, entry in entries.items():
+    for key in sorted(entries, key=locality):
+        entry = entries[key]
         stored = {name: entry.pop(name) for name in ("packed", "boxes") if name in entry}
         index[key] = entry
         boxes[key] = json.dumps(stored, separators=(",", ":"), allow_nan=False).encode()
@@ -99,9 +103,19 @@ def metadata_documents(
     )
 
 
+def locality(key: str) -> tuple[tuple[tuple[int, str], ...], str]:
+    """The order in which partitioned metadata lists its keys (index and parts alike): by the integers in the key
+    (layer, then expert numbers), then by the key. A pipeline stage holds consecutive layers and an expert-parallel
+    rank consecutive experts, each with their optimizer state under other prefixes (``optimizer.state.exp_avg.``
+    ...): in this order those keys are neighbours, so a rank's keys fall in few parts. In plain key order,
+    ``layers.10`` sorts between ``layers.1`` and ``layers.2`` and each prefix is a region of its own."""
+    numbers = (n.lstrip("0") for n in _NUMBERS.findall(key))
+    return tuple((len(n), n) for n in numbers), key  # numeric order without int(): keys may hold any digits
+
+
 def _part_document(save_id: str, number: int, entries: list[tuple[str, bytes]]) -> bytes:
     """The bytes of one part file: its format, save id and number, and each of its tensors' boxes (the
-    ``packed`` or ``boxes`` member of the tensor's entry of versions 1 to 5) by key, in the document's order."""
+    ``packed`` or ``boxes`` member of the tensor's entry of versions 1 to 5) by key, in the index's order."""
     head = json.dumps({"format": PART_FORMAT, "save_id": save_id, "part": number}, separators=(",", ":"))
     body = b",".join(json.dumps(key).encode() + b":" + text for key, text in entries)
     return head[:-1].encode() + b',"tensors":{' + body + b"}}"

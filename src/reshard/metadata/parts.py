@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Collection
 
 from reshard.errors import CorruptCheckpointError
 from reshard.metadata.columns import PartBoxes
@@ -33,10 +34,14 @@ def with_tensors(metadata: Metadata, tensors: dict[str, TensorMetadata]) -> Meta
     return dataclasses.replace(metadata, tensors={k: tensors.get(k, t) for k, t in metadata.tensors.items()})
 
 
-def parse_part(raw: bytes, metadata: Metadata, number: int) -> dict[str, TensorMetadata]:
+def parse_part(
+    raw: bytes, metadata: Metadata, number: int, keys: Collection[str] | None = None
+) -> dict[str, TensorMetadata]:
     """The tensors of part ``number`` of partitioned ``metadata`` (version 6), from the part file's bytes
-    ``raw``: its size and SHA-256 are checked against the index first, then every box exactly as a tensor of
-    a whole document is (inside its tensor and tiling it, byte ranges inside the files, checksums).
+    ``raw``: its size and SHA-256 are checked against the index first, then that it holds exactly the keys the
+    index puts in it, then the boxes of ``keys`` (None: of all of them) exactly as a tensor of a whole document
+    (inside its tensor and tiling it, byte ranges inside the files, checksums). The boxes of a key not asked for
+    are neither decoded nor returned: a rank of a load validates what it uses.
 
     Raises:
         CorruptCheckpointError: anything wrong, naming the part and the JSON path of the bad field.
@@ -61,6 +66,8 @@ def parse_part(raw: bytes, metadata: Metadata, number: int) -> dict[str, TensorM
         raise parser.fail("tensors", f"expected the boxes of the {len(mine)} tensors the index puts in this part")
     out = {}
     for key, t in mine.items():
+        if keys is not None and key not in keys:
+            continue
         stored = top["tensors"][key]
         if not isinstance(stored, dict) or len(stored) != 1 or set(stored) - {"boxes", "packed"}:
             raise parser.fail(f"tensors[{key!r}]", "expected an object with one member, boxes or packed")
