@@ -26,6 +26,6 @@ def check_relative_path(path: str) -> str | None:
     if ":" in path:
         return "contains ':' (a scheme or drive)"
     parts = path.split("/")
-    if any(p in ("", ".", "..") for p in parts):
+    if "" in parts or "." in parts or ".." in parts:
         return "has an empty, '.' or '..' component"
     return None
