@@ -126,6 +126,23 @@ def test_ranks_as_threads_save_partitioned_and_reshard_on_load(tmp_path: Path) -
         check_loaded(results[r], templates[r], r, 2)
 
 
+def test_a_read_once_load_reads_the_parts_inside_its_planning_step(tmp_path: Path) -> None:
+    """With a read-once schedule the coordinator plans who reads what from the templates alone; each rank reads its
+    parts in the step, so a missing part fails every rank alike, and a whole checkpoint loads exactly."""
+    path = tmp_path / "c"
+    reshard.save(state(), path, options=PARTS)
+    repartition(path)
+    once = reshard.LoadOptions(read_once=True)
+    group = ThreadGroup(2, timeout=20)
+    results = on_threads(2, lambda r: reshard.load(template(), path, group=group.member(r), options=once), group=group)
+    assert all(torch.equal(r["w"], torch.arange(48, dtype=torch.float32).reshape(6, 8)) for r in results)
+    (path / doc(path)["parts"][-1]["path"]).unlink()
+    group = ThreadGroup(2, timeout=20)
+    outcomes = outcomes_on_threads(2, lambda r: reshard.load(template(), path, group=group.member(r), options=once))
+    assert all(isinstance(o, reshard.CorruptCheckpointError) for o in outcomes), outcomes
+    assert str(outcomes[0]) == str(outcomes[1])
+
+
 def test_a_rank_reads_only_the_parts_its_keys_need(tmp_path: Path) -> None:
     path = tmp_path / "c"
     reshard.save(state(), path, options=PARTS)

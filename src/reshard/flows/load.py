@@ -60,7 +60,8 @@ logger = logging.getLogger("reshard")
 
 def read_metadata(path: CheckpointLocation, *, storage_options: dict[str, Any] | None = None) -> Metadata:
     """Read and validate a checkpoint's metadata (tensors, dtypes, shapes, boxes, files, common state)
-    without reading any tensor data. Not collective. ``path`` is a directory, URL or Storage."""
+    without reading any tensor data; for partitioned metadata (format version 6) every part, verified
+    (:func:`~reshard.io.sources.read_full_metadata`). Not collective. ``path`` is a directory, URL or Storage."""
     storage = storage_for(path, storage_options)
     try:
         return read_full_metadata(storage)
