@@ -46,7 +46,7 @@ from reshard.metadata.model import (
     SavedObject,
     TensorMetadata,
 )
-from reshard.metadata.paths import check_relative_path
+from reshard.metadata.paths import check_relative_path, plain_data_file
 from reshard.metadata.scaled import parse_scaled
 from reshard.metadata.wire import SEAL_LENGTH, SEAL_PREFIX
 from reshard.state.codec import decode_tagged, strict_json_loads
@@ -295,6 +295,11 @@ class DocumentParser:
         out = []
         seen: set[tuple[str | None, str]] = set()
         for i, item in enumerate(value):
+            quick = plain_data_file(item)  # the common entry, checked at once: a load's every rank parses thousands
+            if quick is not None and (None, quick.path) not in seen:
+                seen.add((None, quick.path))
+                out.append(quick)
+                continue
             fields = {"path", "size"}
             if self.version >= HASHED_VERSION and isinstance(item, dict) and "checkpoint" in item:
                 fields.add("checkpoint")

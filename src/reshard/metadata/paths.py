@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-__all__ = ["check_relative_path"]
+from typing import Any
+
+from reshard.metadata.model import MAX_INTEGER, REFERENCED_FILE_PATTERN, DataFile
+
+__all__ = ["check_relative_path", "plain_data_file"]
 
 
 def check_relative_path(path: str) -> str | None:
@@ -28,4 +32,17 @@ def check_relative_path(path: str) -> str | None:
     parts = path.split("/")
     if "" in parts or "." in parts or ".." in parts:
         return "has an empty, '.' or '..' component"
+    return None
+
+
+def plain_data_file(item: Any) -> DataFile | None:
+    """``files[i]`` as a :class:`DataFile` when it is the common entry, checked at once: exactly a path and a
+    size, the path a data file name as a save gives it (``data/<32 hex digits>-r<rank>.bin``, safe by its form),
+    the size an integer in range; None for anything else, which the parser checks field by field (naming the
+    field at fault). Every rank of a load parses the files of thousands of ranks."""
+    if type(item) is not dict or len(item) != 2:
+        return None
+    path, size = item.get("path"), item.get("size")
+    if isinstance(path, str) and isinstance(size, int) and not isinstance(size, bool) and 0 <= size <= MAX_INTEGER:
+        return DataFile(path=path, size=size) if REFERENCED_FILE_PATTERN.fullmatch(path) else None
     return None
