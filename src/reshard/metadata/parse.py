@@ -17,6 +17,7 @@ from typing import Any
 
 import crc32c
 import numpy as np
+import numpy.typing as npt
 
 from reshard.errors import CorruptCheckpointError
 from reshard.geometry.boxes import Box
@@ -94,9 +95,16 @@ class DocumentParser:
         self.sealed = sealed
         self.version = 1
         self.hashed = False
+        self.sizes: tuple[tuple[DataFile, ...], npt.NDArray[np.uint64]] | None = None
 
     def fail(self, path: str, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{self.where}: {path}: {message}")
+
+    def file_sizes(self, files: tuple[DataFile, ...]) -> npt.NDArray[np.uint64]:
+        """The sizes of ``files`` as an array, made once per parse (every packed tensor checks its byte ranges)."""
+        if self.sizes is None or self.sizes[0] is not files:
+            self.sizes = (files, np.array([f.size for f in files], dtype=np.uint64))
+        return self.sizes[1]
 
     def obj(self, value: object, path: str, keys: set[str]) -> dict[str, Any]:
         if not isinstance(value, dict):
@@ -247,9 +255,8 @@ class DocumentParser:
     def indexed(self, key: str, value: object, parts: int) -> TensorMetadata:
         """A tensor of the index of version 6: dtype, global shape, fingerprint, and the number of its part."""
         path = f"tensors[{key!r}]"
-        keys = {"dtype", "global_shape", "part"}
-        fields = keys | {"fingerprint"} if isinstance(value, dict) and "fingerprint" in value else keys
-        doc = self.obj(value, path, fields)
+        keys = {"dtype", "global_shape", "part"} | ({"fingerprint"} & set(value) if isinstance(value, dict) else set())
+        doc = self.obj(value, path, keys)
         part = self.integer(doc["part"], f"{path}.part")
         if part >= parts:
             raise self.fail(f"{path}.part", f"part {part} is out of range ({parts} parts)")
@@ -511,7 +518,7 @@ class _PackedTensor:
         byte_length = (np.prod(shape, axis=1) if d else np.ones(n, dtype=np.int64)) * self.itemsize
         if (file >= len(self.files)).any():
             raise self.fail("file", f"a file index is out of range ({len(self.files)} files)")
-        sizes = np.array([f.size for f in self.files], dtype=np.uint64)
+        sizes = self.parser.file_sizes(self.files)
         past = byte_offset.astype(np.uint64) + byte_length.astype(np.uint64) > sizes[file] if n else np.zeros(0, bool)
         if past.any():
             i = int(np.argmax(past))

@@ -28,7 +28,8 @@ __all__ = ["PARTITION_MIN_BYTES", "PART_BYTES", "MetadataDocuments", "locality",
 PARTITION_MIN_BYTES = 8 * 1024 * 1024
 """A save partitions its metadata when the encoded boxes of its tensors take at least this many bytes: below,
 one document costs every rank less than the extra reads of the parts (docs/scale.md, "Partitioned metadata")."""
-_NUMBERS = re.compile(r"\d+")
+_NUMBERS = re.compile(r"(?:^|\.)([0-9]+)(?=\.|$)")
+"""The components of a dotted key that are numbers (``layers.28``, ``experts.5``; not the 32 of ``fp32_param``)."""
 PART_BYTES = 2 * 1024 * 1024
 """A part is closed once it holds this many bytes of boxes (a tensor's boxes are never split: a part may be
 larger by the last tensor's)."""
@@ -104,11 +105,12 @@ def metadata_documents(
 
 
 def locality(key: str) -> tuple[tuple[tuple[int, str], ...], str]:
-    """The order in which partitioned metadata lists its keys (index and parts alike): by the integers in the key
-    (layer, then expert numbers), then by the key. A pipeline stage holds consecutive layers and an expert-parallel
-    rank consecutive experts, each with their optimizer state under other prefixes (``optimizer.state.exp_avg.``
-    ...): in this order those keys are neighbours, so a rank's keys fall in few parts. In plain key order,
-    ``layers.10`` sorts between ``layers.1`` and ``layers.2`` and each prefix is a region of its own."""
+    """The order in which partitioned metadata lists its keys (index and parts alike): by the components of the
+    dotted key that are numbers (layer, then expert numbers), then by the key. A pipeline stage holds consecutive
+    layers and an expert-parallel rank consecutive experts, each with their optimizer state under other prefixes
+    (``optimizer.state.exp_avg.`` ...): in this order those keys are neighbours, so a rank's keys fall in few
+    parts. In plain key order, ``layers.10`` sorts between ``layers.1`` and ``layers.2`` and each prefix is a
+    region of its own."""
     numbers = (n.lstrip("0") for n in _NUMBERS.findall(key))
     return tuple((len(n), n) for n in numbers), key  # numeric order without int(): keys may hold any digits
 
