@@ -24,6 +24,7 @@ from reshard.geometry.boxes import Box
 from reshard.geometry.grid import expand_grid
 from reshard.geometry.tiling import MAX_CORNER_NDIM, find_tiling_problem, untiled_groups
 from reshard.metadata.columns import BoxColumns, Int64Array, PartBoxes, SavedBox, SavedBoxes
+from reshard.metadata.index import parse_index_entry, parse_parts_member
 from reshard.metadata.model import (
     CHECKSUM_ALGORITHM,
     CONTENT_HASH_ALGORITHM,
@@ -34,7 +35,6 @@ from reshard.metadata.model import (
     MAX_NDIM,
     METADATA_CHECKSUM_MEMBER,
     METADATA_FILE,
-    PART_FILE_PATTERN,
     PARTITIONED_VERSION,
     READABLE_VERSIONS,
     REFERENCED_FILE_PATTERN,
@@ -42,7 +42,6 @@ from reshard.metadata.model import (
     SEALED_VERSION,
     DataFile,
     Metadata,
-    MetadataPart,
     ObjectMetadata,
     SavedObject,
     TensorMetadata,
@@ -153,9 +152,9 @@ class DocumentParser:
         if not isinstance(tensors_doc, dict):
             raise self.fail("tensors", "expected an object")
         save_id = self.string(top["save_id"], "save_id")
-        parts = self.parts(top["parts"], save_id) if self.version >= PARTITIONED_VERSION else ()
+        parts = parse_parts_member(self, top["parts"], save_id) if self.version >= PARTITIONED_VERSION else ()
         tensors = {
-            self.key(key, "tensors"): self.indexed(key, value, len(parts))
+            self.key(key, "tensors"): parse_index_entry(self, key, value, len(parts))
             if parts
             else self.tensor(key, value, files, chunk_bytes)
             for key, value in tensors_doc.items()
@@ -234,36 +233,6 @@ class DocumentParser:
         if self.version >= PARTITIONED_VERSION:
             members.add("parts")
         return members
-
-    def parts(self, value: object, save_id: str) -> tuple[MetadataPart, ...]:
-        """The ``parts`` member of version 6: at least one part, each named as this save names its parts."""
-        if not isinstance(value, list) or not value:
-            raise self.fail("parts", "expected a non-empty list")
-        out = []
-        for i, item in enumerate(value):
-            entry = self.obj(item, f"parts[{i}]", {"path", "size", "sha256"})
-            path = self.string(entry["path"], f"parts[{i}].path")
-            match = PART_FILE_PATTERN.match(path)
-            if check_relative_path(path) or match is None or match["save_id"] != save_id or int(match["number"]) != i:
-                raise self.fail(f"parts[{i}].path", f"expected data/{save_id}-metadata-{i:05d}.json, got {path!r}")
-            digest = self.string(entry["sha256"], f"parts[{i}].sha256")
-            if len(digest) != 64 or digest.strip("0123456789abcdef"):
-                raise self.fail(f"parts[{i}].sha256", "expected 64 lowercase hexadecimal digits")
-            out.append(MetadataPart(path=path, size=self.integer(entry["size"], f"parts[{i}].size"), sha256=digest))
-        return tuple(out)
-
-    def indexed(self, key: str, value: object, parts: int) -> TensorMetadata:
-        """A tensor of the index of version 6: dtype, global shape, fingerprint, and the number of its part."""
-        path = f"tensors[{key!r}]"
-        keys = {"dtype", "global_shape", "part"} | ({"fingerprint"} & set(value) if isinstance(value, dict) else set())
-        doc = self.obj(value, path, keys)
-        part = self.integer(doc["part"], f"{path}.part")
-        if part >= parts:
-            raise self.fail(f"{path}.part", f"part {part} is out of range ({parts} parts)")
-        dtype_name, global_shape, fingerprint = self.described(path, doc)
-        return TensorMetadata(
-            key=key, dtype=dtype_name, global_shape=global_shape, boxes=PartBoxes(key, part), fingerprint=fingerprint
-        )
 
     def described(self, path: str, doc: dict[str, Any]) -> tuple[str, tuple[int, ...], int | None]:
         """A tensor's dtype name, global shape and fingerprint (None when it has none), checked."""
