@@ -240,6 +240,7 @@ def _load_ranks(raw: bytes, storage: LocalStorage, target: MegatronLayout, ranks
         "load_plan_s_median": statistics.median(plan_times),
         "load_plan_s_max": max(plan_times),
         "load_decode_plan_s_max": max(total),
+        "load_decode_plan_s_median": statistics.median(total),
         "load_reads_median": statistics.median(reads),
         "load_parts_max": max(parts),
         "load_part_mib_max": max(part_bytes) / MiB,
