@@ -273,7 +273,7 @@ class Partitioned(Overwrite):
         pinned = super().pinned(events)
         parts = [i for i, name in enumerate(events[0]) if name.startswith("fsync ") and "-metadata-" in name]
         first = [KillPoint(rank=0, index=i, when="after") for i in parts[-1:]] + pinned[1:2]
-        return first + [pinned[0]] + pinned[2:]
+        return [*first, pinned[0], *pinned[2:]]
 
 
 # ---- the manager: save, latest.json, retention; incremental saves and gc --------------------------------
