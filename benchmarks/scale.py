@@ -12,10 +12,13 @@ save or load runs, on the bytes it would exchange:
 - describe (every rank): encode its description for the coordinator (the rank's share of the exchange);
 - plan (coordinator): decode every description, validate the global layout and elect the writers, encode
   each rank's assignment;
-- commit (coordinator): assemble and encode ``metadata.json`` from every rank's write report (made up: the
-  reports a writer would send, offsets laid out as it would, placeholder checksums);
-- load (every rank of another layout: TP 4 and twice the pipeline stages): decode the metadata (lazily, as
-  the ranks that get it from the coordinator do) and plan the reads, on sample ranks.
+- commit (coordinator): assemble and encode the metadata from every rank's write report (made up: the
+  reports a writer would send, offsets laid out as it would, placeholder checksums): ``metadata.json``, and
+  the part files of partitioned metadata (format version 6) where the save writes them (written to a
+  temporary directory, for the load);
+- load (every rank of another layout: TP 4 and twice the pipeline stages): decode ``metadata.json`` (lazily,
+  as the ranks that get it from the coordinator do), read and verify the parts the rank's keys need, and plan
+  the reads, on sample ranks.
 
 For each rank count it reports the time and peak memory (tracemalloc, in a second run) of planning on the
 coordinator, the metadata size, the load planning time per rank, and the bytes that a rank other than the
@@ -32,18 +35,23 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from reshard.io.parts import read_parts
 from reshard.metadata import Metadata
+from reshard.metadata.partition import MetadataDocuments, metadata_documents
+from reshard.metadata.parts import part_of
 from reshard.net.comm import padded_size
 from reshard.planning.assemble import assemble_metadata
 from reshard.planning.descriptions import DescriptionTable, WriteAssignment, encode_description
 from reshard.planning.load_plan import plan_load
 from reshard.planning.save_plan import plan_save_table
+from reshard.storage import LocalStorage
 from reshard.testing import MegatronLayout, MoETransformer, Parallelism
 from reshard.testing.simulate import write_report
 
@@ -55,7 +63,9 @@ TARGETS = {
     "plan_s": (30.0, "global validation + election on the coordinator, seconds"),
     "plan_peak_mib": (4096.0, "peak memory of that, MiB"),
     "load_plan_s_max": (1.0, "load planning on one rank of another layout, seconds"),
-    "metadata_mib": (64.0, "metadata.json, MiB"),
+    "metadata_mib": (32.0, "metadata (metadata.json and its parts), MiB"),
+    "load_decode_plan_s_max": (0.2, "metadata decoding (parts included) + load planning on one rank, seconds"),
+    "load_received_mib": (4.0, "metadata a rank receives from the coordinator at load, MiB"),
     "save_sent_kib": (1024.0, "bytes a rank other than the coordinator sends in a save, KiB"),
 }
 BUCKET_ELEMENTS = 40_000_000
@@ -132,26 +142,32 @@ def measure(
     # Each gathered payload travels behind its step's tag: the phase's name (2-byte length) and a status byte.
     report_lengths = [2 + len("save") + 1 + len(json.dumps(r.to_json(), allow_nan=False).encode()) for r in reports]
 
-    def commit() -> tuple[Metadata, bytes]:
+    def commit() -> tuple[Metadata, MetadataDocuments]:
         metadata = assemble_metadata(
             table, reports, save_id=SAVE_ID, world_size=ranks, chunk_bytes=CHUNK_BYTES, common={"iteration": 1000}
         )
-        return metadata, metadata.to_json_bytes()
+        return metadata, metadata_documents(metadata)
 
-    (metadata, raw), out["commit_s"] = timed(commit)
+    (metadata, documents), out["commit_s"] = timed(commit)
+    raw = documents.document
     if memory:
         out["commit_peak_mib"] = peak_mib(commit)
     out["boxes"] = sum(len(t.boxes) for t in metadata.tensors.values())
     out["tensors"] = len(metadata.tensors)
     out["checkpoint_tib"] = metadata.total_bytes / (1 << 40)
-    out["metadata_mib"] = len(raw) / MiB
-    doc = json.loads(raw)
+    out["metadata_document_mib"] = len(raw) / MiB
+    out["metadata_parts"] = len(documents.parts)
+    out["metadata_mib"] = (len(raw) + sum(len(b) for _, b in documents.parts)) / MiB
+    entries = [json.loads(raw)["tensors"]] + [json.loads(b)["tensors"] for _, b in documents.parts]
     out["metadata_checksum_mib"] = (
-        sum(len(t["packed"]["crc32c"]) for t in doc["tensors"].values() if "packed" in t) / MiB
+        sum(len(t["packed"]["crc32c"]) for e in entries for t in e.values() if "packed" in t) / MiB
     )
     if v1_size:
         out["metadata_v1_mib"] = len(metadata.to_json_bytes(packed=False)) / MiB
-    log(f"  commit {out['commit_s']:.2f} s, metadata {out['metadata_mib']:.1f} MiB, {out['boxes']} boxes")
+    log(
+        f"  commit {out['commit_s']:.2f} s, metadata {out['metadata_mib']:.1f} MiB ({out['metadata_document_mib']:.2f}"
+        f" MiB metadata.json, {out['metadata_parts']} parts), {out['boxes']} boxes"
+    )
 
     # The bytes a rank other than the coordinator puts into / gets out of the collectives of a save: the
     # all-reduce of the longest payload (8 bytes) and its padded description, then its write report; back
@@ -165,27 +181,70 @@ def measure(
     out["save_received_kib"] = (8 + (8 + header) + 8 + padded_size(list(map(len, replies))) + 8 + (8 + summary)) / 1024
     out["load_received_mib"] = (8 + len(raw)) / MiB
 
-    # Loading into the other layout: every rank decodes the metadata (lazily) and plans its reads.
+    # Loading into the other layout: every rank decodes metadata.json (lazily), reads the parts its keys need
+    # (from files, verified) and plans its reads.
     _, out["parse_eager_s"] = timed(lambda: Metadata.from_json_bytes(raw))
-    target = MegatronLayout(model, load_par)
-    samples = sorted({round(i * (load_par.world - 1) / max(1, load_samples - 1)) for i in range(load_samples)})
-    parse_times, plan_times, reads = [], [], []
-    for rank in samples:
-        targets = target.rank_targets(rank)
-        parsed, seconds = timed(lambda: Metadata.from_json_bytes(raw, lazy=True))
-        parse_times.append(seconds)
-        load_plan, seconds = timed(lambda p=parsed, t=targets: plan_load(p, t))
-        plan_times.append(seconds)
-        reads.append(len(load_plan.items))
-    out["parse_lazy_s_max"] = max(parse_times)
-    out["load_plan_s_median"] = statistics.median(plan_times)
-    out["load_plan_s_max"] = max(plan_times)
-    out["load_reads_median"] = statistics.median(reads)
-    log(f"  load planning {out['load_plan_s_max'] * 1e3:.0f} ms (max of {len(samples)} ranks)")
+    with tempfile.TemporaryDirectory(prefix="reshard-scale-") as directory:
+        storage = LocalStorage(directory)
+        storage.prepare_root()
+        for name, part in documents.parts:
+            (Path(directory) / name).write_bytes(part)
+        out.update(load_ranks(raw, storage, MegatronLayout(model, load_par), load_par.world, load_samples))
+    log(
+        f"  load: decode {out['parse_lazy_s_max'] * 1e3:.0f} ms ({out['load_parts_max']} parts, "
+        f"{out['load_part_mib_max']:.1f} MiB), plan {out['load_plan_s_max'] * 1e3:.0f} ms, decode + plan "
+        f"{out['load_decode_plan_s_max'] * 1e3:.0f} ms (max of {load_samples} ranks)"
+    )
     gc.collect()
     out["wall_s"] = time.perf_counter() - started
     log(f"  {ranks} ranks measured in {out['wall_s']:.0f} s")
     return out
+
+
+def load_ranks(raw: bytes, storage: LocalStorage, target: MegatronLayout, world: int, samples: int) -> dict[str, Any]:
+    """The load figures of ``samples`` ranks spread over the loading layout: per rank, decoding ``metadata.json``
+    and reading the parts its keys need (``parse_lazy_s``), then planning its reads (``load_plan_s``)."""
+    ranks = sorted({round(i * (world - 1) / max(1, samples - 1)) for i in range(samples)})
+    # A rank of a real load holds none of the objects this process made to simulate the save (descriptions, plans,
+    # reports of thousands of ranks): they are kept out of the collector's passes, which would otherwise charge the
+    # rank's decoding for traversing them.
+    gc.collect()
+    gc.freeze()
+    try:
+        return _load_ranks(raw, storage, target, ranks)
+    finally:
+        gc.unfreeze()
+
+
+def _load_ranks(raw: bytes, storage: LocalStorage, target: MegatronLayout, ranks: list[int]) -> dict[str, Any]:
+    parse_times, plan_times, reads, parts, part_bytes = [], [], [], [], []
+    for rank in ranks:
+        targets = target.rank_targets(rank)
+        keys = {t.key for t in targets}
+
+        def decode(k: set[str] = keys) -> Metadata:
+            return read_parts(storage, Metadata.from_json_bytes(raw, lazy=True), k)
+
+        parsed, seconds = timed(decode)
+        parse_times.append(seconds)
+        index = Metadata.from_json_bytes(raw, lazy=True)
+        numbers = {n for k in keys if k in index.tensors and (n := part_of(index, k)) is not None}
+        parts.append(len(numbers))
+        part_bytes.append(sum(index.parts[n].size for n in numbers))
+        load_plan, seconds = timed(lambda p=parsed, t=targets: plan_load(p, t))
+        plan_times.append(seconds)
+        reads.append(len(load_plan.items))
+    total = [a + b for a, b in zip(parse_times, plan_times, strict=True)]
+    return {
+        "parse_lazy_s_max": max(parse_times),
+        "load_plan_s_median": statistics.median(plan_times),
+        "load_plan_s_max": max(plan_times),
+        "load_decode_plan_s_max": max(total),
+        "load_decode_plan_s_median": statistics.median(total),
+        "load_reads_median": statistics.median(reads),
+        "load_parts_max": max(parts),
+        "load_part_mib_max": max(part_bytes) / MiB,
+    }
 
 
 def exponents(rows: list[dict[str, Any]], names: list[str], since: int = 64) -> dict[str, float]:
@@ -304,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         ("ranks", "ranks", "{:.0f}"), ("pieces", "pieces", "{:.0f}"), ("boxes", "boxes", "{:.0f}"),
         ("plan_s", "plan s", "{:.2f}"), ("plan_peak_mib", "plan MiB", "{:.0f}"), ("commit_s", "commit s", "{:.2f}"),
         ("metadata_mib", "meta MiB", "{:.1f}"), ("parse_lazy_s_max", "decode s", "{:.2f}"),
-        ("load_plan_s_max", "load s", "{:.3f}"), ("save_sent_kib", "sent KiB", "{:.1f}"),
+        ("load_plan_s_max", "load s", "{:.3f}"), ("load_decode_plan_s_max", "dec+plan s", "{:.3f}"),
+        ("load_received_mib", "bcast MiB", "{:.2f}"), ("load_part_mib_max", "parts MiB", "{:.1f}"),
+        ("save_sent_kib", "sent KiB", "{:.1f}"),
         ("save_received_kib", "recv KiB", "{:.1f}"),
     ]  # fmt: skip
     print(" ".join(f"{title:>9}" for _, title, _ in columns))

@@ -7,7 +7,8 @@ The pristine root is what ``CheckpointManager(root, keep_last=2, incremental=Tru
 (every step certified) leaves after three
 steps of generations 1, 2 and 3 that share ``frozen``: step 1 holds every box (and is *retired*: deleted
 by retention but kept for the files steps 2 and 3 reference), steps 2 and 3 hold their own boxes and
-reference step 1's file (markers in ``step_000000001/refs/``), ``latest.json`` names step 3.
+reference step 1's file (markers in ``step_000000001/refs/``), ``latest.json`` names step 3. Step 3's metadata
+is partitioned (format version 6): its part files are artefacts too.
 
 After one seeded change the tools run in order:
 
@@ -64,8 +65,9 @@ def make_pristine(root: Path) -> None:
     import reshard
 
     manager = reshard.CheckpointManager(root, keep_last=2, incremental=True, certify=reshard.CertifyOptions())
-    for step in (1, 2, 3):
-        manager.save(step, states.single_process_state(step, WORLD))
+    for step in (1, 2, 3):  # step 3's metadata partitioned (format version 6): its parts are damaged too
+        options = reshard.SaveOptions(metadata_parts=True) if step == 3 else None
+        manager.save(step, states.single_process_state(step, WORLD), options=options)
     manager.close()
     guarantees.plant(root, ROOT_FOREIGN)
     assert (root / "step_000000001" / "retired.json").exists(), "step 1 should be retired and referenced"
@@ -74,6 +76,7 @@ def make_pristine(root: Path) -> None:
 def _artefacts(root: Path) -> dict[str, list[Path]]:
     return {
         "data": sorted(root.glob("step_*/data/*.bin")),
+        "part": sorted(root.glob("step_*/data/*-metadata-*.json")),
         "metadata": sorted(root.glob("step_*/metadata.json")),
         "marker": sorted(root.glob("step_*/refs/*.json")),
         "retired": sorted(root.glob("step_*/retired.json")),

@@ -55,6 +55,7 @@ ALTERNATES: dict[str, dict[str, Any]] = {
         "verify_base": False,
         "certify": "certify",
         "reuse_plan": False,
+        "metadata_parts": True,
     },
     "LoadOptions": {
         "allow_dtype_cast": False,

@@ -239,6 +239,43 @@ class Fresh(Overwrite):
         return generation, guarantees.readers_agree(path, generation is not None)
 
 
+@register
+class Partitioned(Overwrite):
+    """``reshard.save(B, path, overwrite=True)`` with ``SaveOptions(metadata_parts=True)`` over a committed A whose
+    metadata is partitioned too (format version 6: the parts are written before ``metadata.json``), then every
+    rank loads B back, each reading the parts its keys need."""
+
+    name = "partitioned"
+
+    def prepare_place(self, place: Path, world: int) -> None:
+        import reshard
+
+        save_single(place / "ckpt", 1, world, options=reshard.SaveOptions(metadata_parts=True))
+
+    def run(self, run: RankRun) -> dict[str, Any] | None:
+        import reshard
+
+        state = states.rank_state(run.rank, run.world, 2)
+        parts = reshard.SaveOptions(metadata_parts=True)
+        with run.armed():
+            reshard.save(state, run.place / "ckpt", overwrite=True, options=parts, timeout=run.timeout)
+            loaded = reshard.load(states.full_template(run.world), run.place / "ckpt", timeout=run.timeout)
+        generation = states.generation_of(loaded, run.world, (1, 2, 3))
+        return {"generation": -1 if generation is None else generation}
+
+    def check(self, place: Path, world: int, answers: Answers, killed: bool) -> tuple[int | None, Finding | None]:
+        generation, finding = super().check(place, world, answers, killed)
+        return generation, guarantees.returned_generation(answers, (2,), what="load") or finding
+
+    def pinned(self, events: dict[int, list[str]]) -> list[KillPoint]:
+        """The coordinator right after its metadata parts are durable (before ``metadata.json``: a save that must
+        leave no committed checkpoint, its parts garbage) and right after its commit, then the usual points."""
+        pinned = super().pinned(events)
+        parts = [i for i, name in enumerate(events[0]) if name.startswith("fsync ") and "-metadata-" in name]
+        first = [KillPoint(rank=0, index=i, when="after") for i in parts[-1:]] + pinned[1:2]
+        return [*first, pinned[0], *pinned[2:]]
+
+
 # ---- the manager: save, latest.json, retention; incremental saves and gc --------------------------------
 
 

@@ -92,6 +92,9 @@ def make_pristine(parent: Path, version: int) -> None:
         state = states.single_process_state(2, WORLD)
         certify = reshard.SaveOptions(content_hash=True, certify=reshard.CertifyOptions())  # certified
         reshard.save(state, parent / CKPT, options=certify, base=parent / BASE)
+    elif version == 6:  # partitioned metadata: the index in metadata.json, the boxes in part files
+        parts = reshard.SaveOptions(content_hash=True, metadata_parts=True)
+        reshard.save(states.single_process_state(2, WORLD), parent / CKPT, options=parts)
     else:
         shutil.copytree(GOLDEN / f"golden_v{version}", parent / CKPT)
     reshard.save(states.single_process_state(3, WORLD), parent / ARCHIVE)
@@ -301,12 +304,40 @@ def _attacks_old(rng: random.Random, doc: dict[str, Any]) -> tuple[str, str]:
     return "reference_before_v4", files[i]["checkpoint"]
 
 
+def _attacks_v6(rng: random.Random, doc: dict[str, Any], parent: Path) -> tuple[str, str]:
+    """A change of the parts of a version-6 document (sealed again: what a hostile writer makes): a part named
+    outside the checkpoint, a size or SHA-256 that lies, a part of another save, an index naming no part."""
+    parts = doc["parts"]
+    i = rng.randrange(len(parts))
+    kind = rng.choice(["part_path", "part_size", "part_sha256", "part_swapped", "part_index"])
+    if kind == "part_path":
+        parts[i]["path"] = rng.choice(HOSTILE_NAMES)
+        return kind, parts[i]["path"]
+    if kind == "part_size":
+        parts[i]["size"] = rng.choice([0, parts[i]["size"] - 1, parts[i]["size"] + 1, 2**61])
+        return kind, str(parts[i]["size"])
+    if kind == "part_sha256":
+        parts[i]["sha256"] = rng.choice(["0" * 64, parts[i]["sha256"][::-1], "x"])
+        return kind, parts[i]["sha256"]
+    if kind == "part_swapped":  # the archive's document names its parts as this save's (their bytes differ)
+        archive = parent / ARCHIVE / "data"
+        name = parent / CKPT / parts[i]["path"]
+        victim = next(iter(sorted(archive.glob("*-r*.bin"))))
+        name.write_bytes(victim.read_bytes()[: parts[i]["size"]])
+        return kind, parts[i]["path"]
+    key = rng.choice(sorted(doc["tensors"]))
+    doc["tensors"][key]["part"] = rng.choice([len(parts), -1, "0", None])
+    return kind, f"{key}: {doc['tensors'][key]['part']!r}"
+
+
 def attack(parent: Path, version: int, rng: random.Random) -> Attack:
     """Apply one seeded attack to a copy of a pristine sandbox."""
     path = parent / CKPT / "metadata.json"
     doc = read_doc(path)
     if version == 4:
         kind, detail = _attacks_v4(rng, doc, parent)
+    elif version == 6 and rng.random() < 0.7:
+        kind, detail = _attacks_v6(rng, doc, parent)
     else:
         kind, detail = _attacks_old(rng, doc)
     write_doc(path, doc)

@@ -14,7 +14,7 @@ from tests.contract import hostile
 pytestmark = pytest.mark.dist
 
 SEED = 20261202
-SAMPLE = {1: 3, 2: 3, 3: 3, 4: 27}
+SAMPLE = {1: 3, 2: 3, 3: 3, 4: 27, 6: 6}
 """Attacked documents per format version in ``make test`` (``benchmarks.chaos --all-flows``: 200 and more)."""
 
 

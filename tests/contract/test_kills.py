@@ -26,6 +26,7 @@ PLAN: dict[tuple[str, int], tuple[int | None, int]] = {
     ("overwrite", 2): (24, 2),
     ("async", 3): (12, 2),
     ("fresh", 3): (12, 2),
+    ("partitioned", 2): (10, 1),
     ("manager", 3): (12, 2),
     ("manager_reuse", 3): (12, 2),
     ("incremental", 2): (14, 2),

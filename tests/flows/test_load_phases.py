@@ -249,7 +249,9 @@ def test_exchange_without_a_schedule_is_a_no_op_without_collectives(ckpt: Path) 
     group = ThreadGroup(2, timeout=2.0)  # rank 1 never takes part: a collective would time out
     ctx = _context(ckpt, group, 0)
     matched = match_template(_rows(0, 2), _metadata(ckpt), rank=0, strict=True, options=ctx.options)
-    planned = ReadPlan(plan=LoadPlan(items=()), views=(), boxes=(), schedule=None, on_device=False)
+    planned = ReadPlan(
+        plan=LoadPlan(items=()), views=(), boxes=(), schedule=None, on_device=False, metadata=_metadata(ckpt)
+    )
     assert exchange(ctx, matched, planned) == Exchanged(0, 0, 0)
 
 
@@ -283,7 +285,7 @@ def test_a_failed_read_on_one_rank_fails_every_rank(ckpt: Path, tmp_path: Path) 
         agreed = read_metadata_once(ctx)
         matched = _matched(ctx, agreed, _rows(rank, 2))
         planned = plan_reads(ctx, agreed, matched)
-        broken = planned if rank == 0 else ReadPlan(planned.plan, planned.views[:0], (), None, False)
+        broken = planned if rank == 0 else ReadPlan(planned.plan, planned.views[:0], (), None, False, planned.metadata)
         try:
             read(ctx, agreed.metadata, matched.get(), broken, Staged(None))
         except CheckpointError:

@@ -292,6 +292,33 @@ def test_gc_removes_only_unreferenced_old_data(object_store: Any) -> None:
     assert torch.equal(reshard.load({"w": torch.zeros(4)}, url, storage_options=options)["w"], torch.ones(4))
 
 
+def test_partitioned_metadata_on_an_object_store(object_store: Any) -> None:
+    """Format version 6 through the object store: the parts are uploaded before metadata.json, a load reads them,
+    a damaged part is refused, gc keeps the live parts and removes those of another save."""
+    options = object_store.storage_options
+    url = f"{object_store.protocol}://{object_store.new_bucket()}/ckpt"
+    parts = reshard.SaveOptions(metadata_parts=True)
+    reshard.save({"w": torch.arange(6.0), "step": 2}, url, storage_options=options, options=parts)
+    storage = ObjectStorage(url, options)
+    try:
+        metadata = reshard.read_metadata(url, storage_options=options)
+        (part,) = metadata.parts
+        assert storage.list_files("data") == sorted([metadata.files[0].path, part.path])
+        loaded = reshard.load({"w": torch.zeros(6), "step": 0}, url, storage_options=options)
+        assert torch.equal(loaded["w"], torch.arange(6.0)) and loaded["step"] == 2
+        orphan = "data/0123456789abcdef0123456789abcdef-metadata-00000.json"
+        storage.put(orphan, b"{}")
+        from reshard.flows.maintenance import collect_garbage
+
+        assert collect_garbage(url, storage_options=options, min_age_s=0) == [orphan]
+        raw = storage.read_bytes(part.path)
+        storage.put(part.path, raw[:-1] + b" ")
+        with pytest.raises(reshard.CorruptCheckpointError, match="SHA-256"):
+            reshard.load({"w": torch.zeros(6)}, url, storage_options=options)
+    finally:
+        storage.close()
+
+
 def test_cli_inspect_and_gc_on_urls(object_store: Any) -> None:
     import json
     import subprocess

@@ -4,7 +4,8 @@ The flow is a fixed list of phases (:mod:`reshard.flows.load_phases`), each endi
 
 1. the coordinator reads and validates ``metadata.json`` and broadcasts it: no other rank reads it;
 2. each rank matches its template against the metadata;
-3. each rank plans its reads: for every target box, the overlaps with the saved boxes and the byte runs
+3. each rank reads the metadata parts its keys need (partitioned metadata, format version 6) and plans its
+   reads: for every target box, the overlaps with the saved boxes and the byte runs
    that hold them. With ``LoadOptions(read_once=...)`` in effect the coordinator first schedules who reads
    which part (:mod:`reshard.planning.exchange`): the planner's choice, carried by the plan;
 4. with node-local staging, each node downloads the files it needs once;
@@ -46,8 +47,8 @@ from reshard.flows.load_phases import (
 )
 from reshard.flows.options import LoadOptions
 from reshard.flows.stats import EXCHANGE, LoadStats, PhaseClock
-from reshard.io.sources import CheckpointSource, as_source, read_metadata_bytes
-from reshard.metadata import METADATA_FILE, Metadata
+from reshard.io.sources import CheckpointSource, as_source, read_full_metadata
+from reshard.metadata import Metadata
 from reshard.net.comm import Communicator
 from reshard.net.transports import Group
 from reshard.storage import CheckpointLocation, storage_for
@@ -59,10 +60,11 @@ logger = logging.getLogger("reshard")
 
 def read_metadata(path: CheckpointLocation, *, storage_options: dict[str, Any] | None = None) -> Metadata:
     """Read and validate a checkpoint's metadata (tensors, dtypes, shapes, boxes, files, common state)
-    without reading any tensor data. Not collective. ``path`` is a directory, URL or Storage."""
+    without reading any tensor data; for partitioned metadata (format version 6) every part, verified
+    (:func:`~reshard.io.sources.read_full_metadata`). Not collective. ``path`` is a directory, URL or Storage."""
     storage = storage_for(path, storage_options)
     try:
-        return Metadata.from_json_bytes(read_metadata_bytes(storage), where=storage.describe(METADATA_FILE))
+        return read_full_metadata(storage)
     finally:
         if storage is not path:
             storage.close()
@@ -145,6 +147,7 @@ def _load_from(
     with ctx.clock.phase("plan"):
         matched = attempt(match_template, state_dict, metadata, rank=comm.rank, strict=strict, options=options)
     planned = plan_reads(ctx, agreed, matched)
+    metadata = planned.metadata  # with the boxes of this rank's keys (partitioned metadata: read from parts)
     template = matched.get()  # the planning step succeeded on every rank, this one's matching too
     _warn_unloaded(template, options)
     staged = stage(ctx, metadata, template, planned)

@@ -332,6 +332,9 @@ class ReadPlan:
     boxes: tuple[Box, ...]
     schedule: RankSchedule | None
     on_device: bool
+    metadata: Metadata
+    """The metadata planned with: the agreed one, with the boxes of this rank's keys read from their parts
+    (partitioned metadata, :meth:`~reshard.io.sources.CheckpointSource.complete_metadata`)."""
 
 
 def _own_reads(ctx: LoadContext, metadata: Metadata, matched: Matched, schedule: RankSchedule | None) -> ReadPlan:
@@ -356,23 +359,27 @@ def _own_reads(ctx: LoadContext, metadata: Metadata, matched: Matched, schedule:
         max_read_bytes=ReadBudget.of(ctx.options.memory_budget_bytes, device=on_device).max_read_bytes,
         request_cost_bytes=request_cost,
     )
-    return ReadPlan(plan, views, boxes, schedule, on_device)
+    return ReadPlan(plan, views, boxes, schedule, on_device, metadata)
 
 
 def _local_plan(
     ctx: LoadContext, metadata: Metadata, planner: Planner, matched: Outcome[Matched]
-) -> tuple[dict[str, Any], ReadPlan | None]:
+) -> tuple[dict[str, Any], ReadPlan | Metadata]:
     """This rank's part of the planning step: its description and, unless the coordinator may schedule its
-    reads, the plan of its own pieces (planned inside the step, so that a failure is agreed on)."""
+    reads, the plan of its own pieces, else the metadata to plan them with (the parts of partitioned metadata
+    that this rank's keys need are read here, inside the step, so that a failure is agreed on)."""
     mine = matched.get()
-    return planner.describe(mine), None if planner.read_once else _own_reads(ctx, metadata, mine, None)
+    metadata = ctx.source.complete_metadata(metadata, set(mine.keys))  # the parts this rank's keys need
+    if planner.read_once:
+        return planner.describe(mine), metadata
+    return planner.describe(mine), _own_reads(ctx, metadata, mine, None)
 
 
-def _description(local: Outcome[tuple[dict[str, Any], ReadPlan | None]]) -> dict[str, Any]:
+def _description(local: Outcome[tuple[dict[str, Any], ReadPlan | Metadata]]) -> dict[str, Any]:
     return local.get()[0]
 
 
-def _encoded(local: Outcome[tuple[dict[str, Any], ReadPlan | None]]) -> bytes:
+def _encoded(local: Outcome[tuple[dict[str, Any], ReadPlan | Metadata]]) -> bytes:
     return json.dumps(local.get()[0]).encode()
 
 
@@ -398,10 +405,10 @@ def plan_reads(ctx: LoadContext, agreed: Agreed, matched: Outcome[Matched]) -> R
             )
     with clock.phase("plan"):
         own = local.get()[1]
-        if own is not None:
+        if isinstance(own, ReadPlan):
             return own
         schedule = RankSchedule.from_json(json.loads(reply)) if shared else None
-        return _own_reads(ctx, agreed.metadata, matched.get(), schedule)
+        return _own_reads(ctx, own, matched.get(), schedule)
 
 
 @dataclass(frozen=True)

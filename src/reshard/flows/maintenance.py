@@ -43,7 +43,7 @@ from reshard.io.references import (
     refuse_a_link,
 )
 from reshard.io.retirement import CERTIFICATE_FILE, CHECKS_FILE, Removal, remove_checkpoint
-from reshard.io.sources import read_metadata_bytes
+from reshard.io.sources import read_full_metadata, read_metadata_bytes
 from reshard.io.verified import StoredEntry, verify_stored_ranges
 from reshard.metadata import DATA_DIR, METADATA_FILE, Metadata
 from reshard.storage import CheckpointLocation, Storage, storage_for
@@ -247,7 +247,7 @@ def _collect_committed(storage: Storage, metadata: Metadata, *, dry_run: bool, m
 
 def _garbage(storage: Storage, metadata: Metadata, min_age_s: float) -> GarbageReport:
     """What gc of a committed checkpoint removes, and what of ``data/`` that the metadata does not list it keeps."""
-    own = {f.path for f in metadata.files if f.checkpoint is None}
+    own = set(metadata.own_paths)  # the data files and the metadata's part files
     protected, stale = protected_files(storage)
     now = time.time()
     kept: dict[str, list[str]] = {KEPT_YOUNG: [], KEPT_REFERENCED: [], KEPT_OTHER_NAME: []}
@@ -346,7 +346,7 @@ def validate_checkpoint(
     storage = storage_for(path, storage_options)
     try:
         try:
-            metadata = Metadata.from_json_bytes(read_metadata_bytes(storage), where=storage.describe(METADATA_FILE))
+            metadata = read_full_metadata(storage)
         except CheckpointNotFoundError:  # no checkpoint to validate: not a problem of one
             raise
         except CheckpointError as exc:

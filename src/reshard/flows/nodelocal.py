@@ -159,8 +159,9 @@ class NodeLocalCheckpoints:
         storage = self.path_of(step)
         # With certify, certified.json is written on every node after its metadata.json (_certify), not by the commit.
         request = SaveRequest.of(storage, options, overwrite=False, base_name=None, certificate=False)
-        request = dataclasses.replace(request, location=self._location(step))
-        self._refuse_complete(comm, step)
+        # One document on every node: partitioned metadata's parts would live on the coordinator's node only.
+        request = dataclasses.replace(request, location=self._location(step), metadata_parts=False)
+        self._refuse_complete(comm, step, parts=options.metadata_parts)
         with collector_paused():
             planned, committed, stats = run_phases(request, state_dict, comm, PhaseClock("save", comm.rank, started))
             kept, document = self._spread(comm, step)
@@ -197,12 +198,19 @@ class NodeLocalCheckpoints:
             return dataclasses.replace(checks, passed=False, problems=tuple(problems))
         return checks
 
-    def _refuse_complete(self, comm: Communicator, step: int) -> None:
+    def _refuse_complete(self, comm: Communicator, step: int, *, parts: bool | None = None) -> None:
         """One collective step before a save: the ranks agree on ``node_size`` (CheckpointError on every rank, naming
         it, when not) and the nodes where ``step`` is complete already; CheckpointExistsError on every rank when
-        there is one (the coordinator's commit would only see its own node)."""
+        there is one (the coordinator's commit would only see its own node). ``SaveOptions(metadata_parts=True)``
+        on any rank is refused here: a node-local save copies one ``metadata.json`` to every node, and the parts of
+        partitioned metadata would live on the coordinator's node only."""
 
         def local() -> tuple[int, bool]:
+            if parts:
+                raise CheckpointError(
+                    "a node-local save cannot honour SaveOptions(metadata_parts=True): it copies one metadata.json "
+                    "to every node, and the metadata's parts would live on the coordinator's node only"
+                )
             return self.node_size, self.is_leader and (self.step_directory(step) / METADATA_FILE).exists()
 
         def combine(reports: list[tuple[int, bool]]) -> None:

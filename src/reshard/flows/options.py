@@ -75,9 +75,15 @@ class SaveOptions:
             objects, group size, every rank's position) was planned before sends only a fingerprint of it at planning
             and reuses that plan; any difference plans anew (docs/scale.md, "Plans reused"). :func:`reshard.save` and
             :func:`reshard.async_save` keep no plans: there it changes nothing. Every rank passes the same.
+        metadata_parts: whether the metadata is partitioned (format version 6: ``metadata.json`` holds an index and
+            the tensors' boxes live in part files, so that a rank of a load reads only the parts its keys need;
+            docs/format.md section 19): None (the default) when the tensors' boxes take several MiB (what pays at
+            thousands of ranks), True always (a save without tensors has nothing to partition and fails), False
+            never. Every rank passes the same.
 
     Raises (on construction):
         ValueError: ``memory_budget_bytes`` below 1 MiB.
+        TypeError: ``metadata_parts`` is not True, False or None.
     """
 
     fingerprint: bool = False
@@ -87,8 +93,11 @@ class SaveOptions:
     verify_base: bool = True
     certify: CertifyOptions | None = None
     reuse_plan: bool = True
+    metadata_parts: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.metadata_parts is not None and not isinstance(self.metadata_parts, bool):
+            raise TypeError(f"metadata_parts must be True, False or None, got {self.metadata_parts!r}")
         if self.certify is not None and not isinstance(self.certify, CertifyOptions):
             raise TypeError(f"certify must be a reshard.CertifyOptions or None, got {self.certify!r}")
         if self.memory_budget_bytes < MIN_SAVE_MEMORY_BUDGET:

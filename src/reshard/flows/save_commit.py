@@ -2,8 +2,9 @@
 
 4. :func:`commit` (every rank, one collective: gather the write reports, broadcast a summary): the coordinator
    runs :func:`commit_on_coordinator` (assemble the metadata, narrow the markers, check the referenced files,
-   publish ``metadata.json``). The commit is the point of no return; a failure after it is
-   :class:`~reshard.UnconfirmedCommitError`, and before it removes this save's files and markers.
+   publish the metadata's part files, if partitioned, then ``metadata.json``). The commit is the point of no
+   return; a failure after it is :class:`~reshard.UnconfirmedCommitError`, and before it removes this save's files
+   and markers.
 5. :func:`finish` (every rank, local): remove the files an overwrite replaced (coordinator) and return this
    rank's statistics.
 """
@@ -23,6 +24,7 @@ from reshard.io.commit import CommitOutcome
 from reshard.io.references import check_referenced_files, settle_markers
 from reshard.io.reuse import Reuse
 from reshard.metadata import MAX_METADATA_BYTES, METADATA_FILE, Metadata
+from reshard.metadata.partition import metadata_documents
 from reshard.metadata.scaled import with_scaled
 from reshard.net.comm import Communicator
 from reshard.planning.assemble import WriteReport, assemble_metadata
@@ -107,10 +109,14 @@ def commit_on_coordinator(
         if problems:
             raise CheckpointError(f"the incremental save cannot reference its base: {'; '.join(problems.values())}")
     try:
-        coordinator.commit.publish(metadata.to_json_bytes())
+        documents = metadata_documents(metadata, parts=request.metadata_parts)
+    except ValueError as exc:
+        raise CheckpointError(f"SaveOptions(metadata_parts={request.metadata_parts!r}): {exc}") from None
+    try:
+        coordinator.commit.publish(documents.document, parts=documents.parts)
     except StorageError as exc:
         raise StorageError(f"on the coordinator (rank {rank}): {exc}") from exc
-    return Committed.of(metadata, sum(r.rewritten_bytes for r in reports))
+    return Committed.of(documents.metadata, sum(r.rewritten_bytes for r in reports))
 
 
 def commit(
@@ -236,8 +242,7 @@ def finish(
     files of the checkpoint replaced; this rank's statistics of the save."""
     with clock.phase("commit"):
         if committed.metadata is not None and planned.coordinator is not None:
-            own = {f.path for f in committed.metadata.files if f.checkpoint is None}
-            planned.coordinator.commit.remove_replaced(own)
+            planned.coordinator.commit.remove_replaced(set(committed.metadata.own_paths))
     reuse = written.reuse if written.reuse is not None else Reuse()
     stats = SaveStats()
     fill_save_stats(

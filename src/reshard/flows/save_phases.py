@@ -53,8 +53,8 @@ from reshard.io.references import (
     verify_references,
 )
 from reshard.io.reuse import Reuse, choose_reused
-from reshard.io.sources import read_metadata_bytes
-from reshard.metadata import METADATA_FILE, Metadata
+from reshard.io.sources import read_full_metadata
+from reshard.metadata import Metadata
 from reshard.net.comm import Communicator
 from reshard.planning.assemble import ObjectReport, TensorReport, WriteReport
 from reshard.planning.certify import CertifyOptions
@@ -104,6 +104,7 @@ AGREED_TERMS = (
     "base",
     "certify",
     "reuse_plan",
+    "metadata_parts",
 )
 """The per-save terms every rank must pass alike (besides the path), in the order their differences are named."""
 
@@ -141,6 +142,8 @@ class SaveRequest:
     """``SaveOptions.reuse_plan`` (an agreed term): reuse a plan of :attr:`plans` where the layout allows."""
     plans: PlanCache | None = None
     """Where the coordinator keeps plans across saves (:mod:`reshard.flows.save_reuse`); None: plan every save."""
+    metadata_parts: bool | None = None
+    """``SaveOptions.metadata_parts`` (an agreed term): partition the metadata (None: when it pays)."""
 
     @property
     def reusing(self) -> bool:
@@ -175,6 +178,7 @@ class SaveRequest:
             certificate=certificate,
             reuse_plan=options.reuse_plan,
             plans=plans,
+            metadata_parts=options.metadata_parts,
         )
 
     def terms(self) -> dict[str, Any]:
@@ -195,6 +199,7 @@ class SaveRequest:
             "base": self.base_name,
             "certify": None if self.certify is None else json.dumps(self.certify.to_json(), sort_keys=True),
             "reuse_plan": bool(self.reuse_plan),
+            "metadata_parts": self.metadata_parts,
         }
 
 
@@ -550,7 +555,7 @@ def read_base(storage: Storage, base_name: str) -> Metadata:
     this save leaves a marker anywhere)."""
     base = storage.sibling(base_name)
     try:
-        metadata = Metadata.from_json_bytes(read_metadata_bytes(base), where=base.describe(METADATA_FILE))
+        metadata = read_full_metadata(base)
         try:
             verify_references(base, metadata)
         except CorruptCheckpointError as exc:

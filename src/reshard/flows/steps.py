@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -10,9 +11,16 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError, StorageError
+from reshard.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StorageError,
+)
 from reshard.flows.certify import certification_status
 from reshard.io.locking import foreign_holder, read_lock, stale_at_sight
+from reshard.io.parts import read_parts
 from reshard.io.references import is_retired
 from reshard.io.sources import read_metadata_bytes
 from reshard.metadata import METADATA_FILE, Metadata
@@ -142,6 +150,10 @@ def _inspect_step(storage: Storage, name: str, step: int) -> StepInfo:
         metadata = None
         try:
             metadata = Metadata.from_json_bytes(read_metadata_bytes(child), where=child.describe(METADATA_FILE))
+            # The parts of partitioned metadata, for the figures only: damaged parts are like damaged data files,
+            # which a load or validate finds and a listing does not (it reads metadata.json, as certification).
+            with contextlib.suppress(CheckpointError):
+                metadata = read_parts(child, metadata)
         except (IncompleteCheckpointError, CheckpointNotFoundError):
             status = "incomplete"
         except CorruptCheckpointError as exc:

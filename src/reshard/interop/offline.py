@@ -28,7 +28,7 @@ from reshard.io.commit import SaveCommit
 from reshard.io.datafile import DataFileWriter, data_file_name, tensor_bytes
 from reshard.io.reader import ReadBudget, ReadExecutor
 from reshard.io.references import verify_references
-from reshard.io.sources import read_metadata_bytes
+from reshard.io.sources import read_full_metadata
 from reshard.metadata import (
     METADATA_FILE,
     DataFile,
@@ -113,8 +113,7 @@ class CheckpointReader:
         self.storage = storage_for(path, storage_options)
         self._owns_storage = self.storage is not path
         try:
-            raw = read_metadata_bytes(self.storage)
-            self.metadata = Metadata.from_json_bytes(raw, where=self.storage.describe(METADATA_FILE))
+            self.metadata = read_full_metadata(self.storage)
             verify_references(self.storage, self.metadata)
         except BaseException:
             self.close()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import enum
 import logging
 import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from reshard.errors import CheckpointError, CheckpointExistsError, CheckpointLockedError, StorageError
@@ -180,9 +181,11 @@ class SaveCommit:
 
     # ---- 3. publish ----------------------------------------------------------------------------------
 
-    def publish(self, document: bytes) -> None:
+    def publish(self, document: bytes, *, parts: Sequence[tuple[str, bytes]] = ()) -> None:
         """Commit ``document`` as ``metadata.json``, after every data file it names is durable. On return
-        the checkpoint is committed (:attr:`outcome` is COMMITTED) and the lock released.
+        the checkpoint is committed (:attr:`outcome` is COMMITTED) and the lock released. ``parts``: the part
+        files of partitioned metadata (name under ``data/``, bytes), written and made durable first, like the
+        data files (a failure before the commit leaves them to :meth:`discard`, as this save's files).
 
         Raises:
             CheckpointLockedError: this save lost its lock (another writer judged it stale); not committed.
@@ -197,6 +200,8 @@ class SaveCommit:
                 self.lock.check()
             if self.overwrite:
                 self.replaced = self._previous_files()
+            for name, data in parts:
+                self._write_part(name, data)
             self.storage.sync_dir(DATA_DIR)
             # A save into a retired checkpoint's directory makes it a checkpoint again: the marker goes before
             # the commit (the files that others reference stay protected by their reference markers).
@@ -231,6 +236,18 @@ class SaveCommit:
         self._remove_dead_files()  # what a holder wrongly judged stale finished since begin (never raises)
         self.release_lock()
 
+    def _write_part(self, name: str, data: bytes) -> None:
+        """Write one part file of partitioned metadata, durably (a save's own name under ``data/``)."""
+        if not is_data_file_of(name, self.save_id):
+            raise CheckpointError(f"{name!r} is not a file name of save {self.save_id}")
+        writer = self.storage.open_writer(name)
+        try:
+            writer.write(memoryview(data))
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+
     def _outcome_after_failure(self, document: bytes) -> CommitOutcome:
         """After a failed commit: whether our document is in place, another is (or none), or no one knows."""
         try:
@@ -242,15 +259,15 @@ class SaveCommit:
         return CommitOutcome.COMMITTED if found == document else CommitOutcome.NOT_COMMITTED
 
     def _previous_files(self, *, strict: bool = False) -> set[str]:
-        """Data files of the committed checkpoint (empty when there is none, or it is unreadable: then its files
-        stay, for ``reshard gc``; with ``strict`` an unreadable one raises).
+        """Data files (and metadata part files) of the committed checkpoint (empty when there is none, or it is
+        unreadable: then its files stay, for ``reshard gc``; with ``strict`` an unreadable one raises).
 
         Raises:
             OSError, CheckpointError: with ``strict``, ``metadata.json`` exists but cannot be read or parsed.
         """
         try:
             raw = self.storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
-            return {f.path for f in Metadata.from_json_bytes(raw).files if f.checkpoint is None}
+            return set(Metadata.from_json_bytes(raw, lazy=True).own_paths)
         except FileNotFoundError:
             return set()
         except (OSError, CheckpointError):

@@ -139,7 +139,7 @@ class RetiredRecord:
         """Whether ``metadata`` is the document of the checkpoint this record retired."""
         if self.save_id is not None:
             return metadata.save_id == self.save_id
-        return any(f.checkpoint is None and f.path in self.files for f in metadata.files)
+        return any(path in self.files for path in metadata.own_paths)
 
 
 def _data_files(value: object, what: str) -> frozenset[str]:
@@ -301,11 +301,11 @@ def _ties(storage: Storage, named: set[str], tokens: set[str], locks: list[str],
     saves = tokens | {token for token in temporaries.values() if token is not None}
     tied = set(record.files if record is not None else ()) | named
     if metadata is not None:
-        tied |= {f.path for f in metadata.files if f.checkpoint is None}
+        tied |= set(metadata.own_paths)  # its data files and its metadata's part files
     if metadata is not None or record is not None:  # the certification of the save being deleted goes with it
         tied |= {name for name in CERTIFICATION_FILES if name in names}
     for name in names:
-        if DATA_FILE_PATTERN.match(name) and (metadata is not None or name[5:].partition("-r")[0] in saves):
+        if DATA_FILE_PATTERN.match(name) and (metadata is not None or name[5:].partition("-")[0] in saves):
             tied.add(name)
     proven = record is not None or metadata is not None or bool(locks or named or (held and tokens))
     extra = sorted(dead | {n for n in names if proven and _TEMPORARY.match(n) and n not in temporaries})

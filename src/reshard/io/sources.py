@@ -13,6 +13,7 @@ metadata and the bytes come from differs. Sources:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from typing import Any
 
 from reshard.errors import (
@@ -23,12 +24,13 @@ from reshard.errors import (
 )
 from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.io.locking import read_lock
+from reshard.io.parts import read_parts
 from reshard.io.references import RETIRED_FILE, is_retired, verify_references
 from reshard.io.referencing import ReferencingStorage
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata
 from reshard.storage import CheckpointLocation, FileTooLargeError, Storage, storage_for
 
-__all__ = ["CheckpointSource", "ReshardCheckpoint", "as_source", "read_metadata_bytes"]
+__all__ = ["CheckpointSource", "ReshardCheckpoint", "as_source", "read_full_metadata", "read_metadata_bytes"]
 
 _SAFETENSORS_NAMES = ("model.safetensors", "model.safetensors.index.json")
 
@@ -38,7 +40,8 @@ class CheckpointSource(ABC):
 
     Call order, on every rank of the load: the coordinator calls :meth:`read_metadata` and broadcasts the
     bytes it returns; every other rank calls :meth:`decode_metadata` on them (they never read the metadata
-    themselves); then every rank reads its byte runs from :attr:`storage`.
+    themselves); every rank calls :meth:`complete_metadata` for its template's keys (partitioned metadata: the
+    parts it needs); then every rank reads its byte runs from :attr:`storage`.
     """
 
     storage: Storage
@@ -60,6 +63,16 @@ class CheckpointSource(ABC):
     @abstractmethod
     def decode_metadata(self, raw: bytes) -> Metadata:
         """On the other ranks: the metadata from the bytes the coordinator read (and validated)."""
+
+    def complete_metadata(self, metadata: Metadata, keys: Collection[str]) -> Metadata:
+        """On every rank, inside the load's planning step (so that a failure is agreed on): ``metadata`` with
+        the boxes of ``keys`` (this rank's template keys) ready to plan with. A source whose metadata holds every
+        box returns it as it is; a reshard checkpoint of partitioned metadata reads the parts those keys need.
+
+        Raises:
+            CorruptCheckpointError, StorageError: a part is missing, damaged, of another save or unreadable.
+        """
+        return metadata
 
     refuses_unused = False
     """Whether entries that no template key of a load uses (over all its ranks) are an error (see
@@ -148,6 +161,23 @@ def read_metadata_bytes(storage: Storage) -> bytes:
     raise CheckpointNotFoundError(f"{where} is not a reshard checkpoint: it has no {METADATA_FILE}")
 
 
+def read_full_metadata(storage: Storage, *, where: str | None = None) -> Metadata:
+    """The whole metadata of the checkpoint in ``storage``, whatever its version: ``metadata.json`` read
+    (:func:`read_metadata_bytes`) and validated and, for partitioned metadata (version 6), every part read and
+    verified (:func:`reshard.io.parts.read_parts`). The one reader for everything that wants every tensor's boxes
+    (validate, inspect, export, convert, diff, incremental bases, ...). Not collective.
+
+    Args:
+        storage: the checkpoint.
+        where: names ``metadata.json`` in error messages (default: its storage name).
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError, StorageError.
+    """
+    raw = read_metadata_bytes(storage)
+    return read_parts(storage, Metadata.from_json_bytes(raw, where=where or storage.describe(METADATA_FILE)))
+
+
 def _retired_message(where: str) -> str:
     return (
         f"{where} was deleted (retired, {RETIRED_FILE}): it is not a checkpoint and keeps only the data files that "
@@ -177,6 +207,9 @@ class ReshardCheckpoint(CheckpointSource):
     def decode_metadata(self, raw: bytes) -> Metadata:
         # The coordinator validated these bytes: each rank decodes only the packed tensors it loads.
         return Metadata.from_json_bytes(raw, lazy=True)
+
+    def complete_metadata(self, metadata: Metadata, keys: Collection[str]) -> Metadata:
+        return read_parts(self.storage, metadata, keys)
 
     def close(self) -> None:
         self.storage.close()

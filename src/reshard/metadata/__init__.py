@@ -10,7 +10,7 @@ tile it exactly, and byte ranges must lie inside their files, so that a hostile 
 :class:`~reshard.CorruptCheckpointError` before anything is read or allocated. ``docs/format.md``
 describes the same format in prose.
 
-Five versions: version 1 lists every box of every tensor as a JSON object. Version 2 adds a *packed*
+Six versions: version 1 lists every box of every tensor as a JSON object. Version 2 adds a *packed*
 encoding of a tensor's boxes (a grid rule, or packed integers, for the geometry; packed integers for
 files, offsets and checksums; see :mod:`reshard.geometry.grid`), which keeps the metadata of a checkpoint
 of ten thousand ranks in tens of megabytes and its decoding in numpy. Version 3 is version 2 plus a
@@ -20,13 +20,16 @@ a content hash per box (XXH3-128) and data files of sibling checkpoints (``files
 incremental save references instead of rewriting unchanged boxes. Version 5 is version 4 plus the records of
 scaled (low-precision) tensors (``scaled``: format, block, scale keys; :mod:`~reshard.metadata.scaled`). A
 writer writes version 3, or 4 when the save hashes content, or 5 when it holds scaled tensors, packing the
-tensors that have many boxes or checksums; readers read all five.
+tensors that have many boxes or checksums; readers read all six. Version 6 is version 5 with *partitioned*
+metadata: ``tensors`` is an index (dtype, global shape, part) and the boxes live in part files that the
+document names with their size and SHA-256 (:mod:`~reshard.metadata.partition` writes them,
+:mod:`~reshard.metadata.parts` reads them), so that a rank of a load reads only the parts it needs.
 In memory, packed boxes are a :class:`SavedBoxes`: a sequence of :class:`SavedBox` backed by columns.
 """
 
 from __future__ import annotations
 
-from reshard.metadata.columns import BoxColumns, SavedBox, SavedBoxes
+from reshard.metadata.columns import BoxColumns, PartBoxes, SavedBox, SavedBoxes
 from reshard.metadata.model import (
     CONTENT_HASH_ALGORITHM,
     CONTENT_HASH_BYTES,
@@ -39,6 +42,8 @@ from reshard.metadata.model import (
     METADATA_FILE,
     PACK_MIN_BOXES,
     PACK_MIN_CHECKSUMS,
+    PART_FILE_PATTERN,
+    PARTITIONED_VERSION,
     READABLE_VERSIONS,
     REFERENCED_FILE_PATTERN,
     SCALED_VERSION,
@@ -46,10 +51,12 @@ from reshard.metadata.model import (
     SIBLING_PREFIX,
     DataFile,
     Metadata,
+    MetadataPart,
     ObjectMetadata,
     SavedObject,
     TensorMetadata,
     document_digest,
+    part_path,
 )
 from reshard.metadata.parse import check_relative_path
 from reshard.metadata.wire import seal_document
@@ -66,6 +73,8 @@ __all__ = [
     "METADATA_FILE",
     "PACK_MIN_BOXES",
     "PACK_MIN_CHECKSUMS",
+    "PARTITIONED_VERSION",
+    "PART_FILE_PATTERN",
     "READABLE_VERSIONS",
     "REFERENCED_FILE_PATTERN",
     "SCALED_VERSION",
@@ -74,12 +83,15 @@ __all__ = [
     "BoxColumns",
     "DataFile",
     "Metadata",
+    "MetadataPart",
     "ObjectMetadata",
+    "PartBoxes",
     "SavedBox",
     "SavedBoxes",
     "SavedObject",
     "TensorMetadata",
     "check_relative_path",
     "document_digest",
+    "part_path",
     "seal_document",
 ]

@@ -14,12 +14,12 @@ from typing import overload
 import numpy as np
 import numpy.typing as npt
 
-from reshard.errors import CorruptCheckpointError
+from reshard.errors import CheckpointError, CorruptCheckpointError
 from reshard.geometry.boxes import Box
 from reshard.geometry.grid import BoxIndex
 from reshard.geometry.sorting import lexsort
 
-__all__ = ["BoxColumns", "Int64Array", "SavedBox", "SavedBoxes"]
+__all__ = ["BoxColumns", "Int64Array", "PartBoxes", "SavedBox", "SavedBoxes"]
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -211,3 +211,46 @@ class SavedBoxes(Sequence[SavedBox]):
 
     def __repr__(self) -> str:
         return f"SavedBoxes({self._count} boxes)"
+
+
+class PartBoxes(Sequence[SavedBox]):
+    """The boxes of a tensor of partitioned metadata (version 6) whose part file was not read: only the number
+    of the part that holds them. Any use of the boxes raises: a reader reads the parts it needs first
+    (:func:`reshard.io.parts.read_parts`), and every other reader reads them all
+    (:func:`reshard.io.parts.read_full_metadata`), so that each part is verified before its boxes are used."""
+
+    __slots__ = ("key", "part")
+
+    def __init__(self, key: str, part: int) -> None:
+        self.key = key
+        self.part = part
+
+    def _unread(self) -> CheckpointError:
+        return CheckpointError(
+            f"the boxes of tensor {self.key!r} live in metadata part {self.part}, which was not read "
+            "(read the checkpoint's metadata with reshard.io.parts.read_full_metadata, or the parts with read_parts)"
+        )
+
+    def __len__(self) -> int:
+        raise self._unread()
+
+    @overload
+    def __getitem__(self, index: int) -> SavedBox: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[SavedBox, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> SavedBox | tuple[SavedBox, ...]:
+        raise self._unread()
+
+    def __iter__(self) -> Iterator[SavedBox]:
+        raise self._unread()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PartBoxes) and (other.key, other.part) == (self.key, self.part)
+
+    def __hash__(self) -> int:
+        return hash((self.key, self.part))
+
+    def __repr__(self) -> str:
+        return f"PartBoxes({self.key!r} in part {self.part})"

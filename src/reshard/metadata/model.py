@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reshard.metadata.columns import BoxColumns, SavedBox, SavedBoxes
+from reshard.metadata.columns import BoxColumns, PartBoxes, SavedBox, SavedBoxes
 from reshard.state.dtypes import DTYPE_BY_NAME
 from reshard.state.scaled import ScaledRecord
 
@@ -35,6 +35,9 @@ __all__ = [
     "METADATA_FILE",
     "PACK_MIN_BOXES",
     "PACK_MIN_CHECKSUMS",
+    "PARTITIONED_VERSION",
+    "PART_FILE_PATTERN",
+    "PART_FORMAT",
     "READABLE_VERSIONS",
     "REFERENCED_FILE_PATTERN",
     "SCALED_VERSION",
@@ -42,10 +45,12 @@ __all__ = [
     "SIBLING_PREFIX",
     "DataFile",
     "Metadata",
+    "MetadataPart",
     "ObjectMetadata",
     "SavedObject",
     "TensorMetadata",
     "document_digest",
+    "part_path",
 ]
 
 FORMAT_NAME = "reshard"
@@ -57,7 +62,11 @@ data files of other checkpoints): version 3 plus those (docs/format.md section 1
 SCALED_VERSION = 5
 """The format version of a checkpoint holding scaled (low-precision) tensors: version 4 plus the ``scaled``
 member (docs/format.md section 16); a checkpoint without them is written as version 3 or 4 as before."""
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+PARTITIONED_VERSION = 6
+"""The format version of partitioned metadata: version 5 whose ``tensors`` member is an index (dtype, global shape,
+part) and whose boxes live in part files that the document names with their size and SHA-256 (docs/format.md
+section 19). Written only for a checkpoint whose tensors' section is large, or when a save asks for it."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 SEALED_VERSION = 3
 """From this version on, a document ends with its own checksum (:func:`seal_document`)."""
 METADATA_CHECKSUM_MEMBER = "metadata_crc32c"
@@ -70,6 +79,16 @@ PACK_MIN_CHECKSUMS = 256
 """... or at least this many checksums (unless told to pack all or none)."""
 METADATA_FILE = "metadata.json"
 DATA_DIR = "data"
+PART_FORMAT = "reshard-metadata-part"
+"""The ``format`` member of a part file of partitioned metadata (version 6)."""
+PART_FILE_PATTERN = re.compile(r"^data/(?P<save_id>[0-9a-f]{8,})-metadata-(?P<number>\d{5,})\.json$")
+"""The names of the part files of partitioned metadata: ``data/<save id>-metadata-<number>.json``. The save id
+keeps two saves' parts apart, and ``data/`` makes them files of the save like its data files."""
+
+
+def part_path(save_id: str, number: int) -> str:
+    """The name of part ``number`` of save ``save_id``'s partitioned metadata (:data:`PART_FILE_PATTERN`)."""
+    return f"{DATA_DIR}/{save_id}-metadata-{number:05d}.json"
 
 
 def document_digest(raw: bytes) -> str:
@@ -107,6 +126,16 @@ class DataFile:
         """The file's name for this checkpoint's :class:`~reshard.storage.Storage`: ``path``, or
         ``../<checkpoint>/<path>`` for a file of a sibling checkpoint (the storages resolve that form)."""
         return self.path if self.checkpoint is None else f"{SIBLING_PREFIX}{self.checkpoint}/{self.path}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetadataPart:
+    """A part file of partitioned metadata (version 6): its ``path`` relative to the checkpoint, its ``size`` in
+    bytes and the SHA-256 of its bytes (lowercase hex), which a reader checks before it parses the part."""
+
+    path: str
+    size: int
+    sha256: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,6 +199,9 @@ class Metadata:
             block shape and the keys of its scales.
         format_version: the version of the document this was read from (:data:`FORMAT_VERSION` for
             metadata made in memory); not part of the comparison of two Metadata.
+        parts: the part files of partitioned metadata (version 6), in the order the index numbers them; empty
+            for a document that holds its boxes itself. Not part of the comparison of two Metadata: how the
+            boxes are stored is the writer's choice, not what the checkpoint holds.
     """
 
     save_id: str
@@ -183,6 +215,14 @@ class Metadata:
     content_hashes: bool = False
     scaled: dict[str, ScaledRecord] = field(default_factory=dict)
     format_version: int = field(default=FORMAT_VERSION, compare=False)
+    parts: tuple[MetadataPart, ...] = field(default=(), compare=False)
+
+    @property
+    def own_paths(self) -> tuple[str, ...]:
+        """Every file of this checkpoint the committed document ties to it: its own data files (not those of
+        sibling checkpoints it references) and the part files of partitioned metadata. What maintenance keeps,
+        and what a copy of the checkpoint copies besides ``metadata.json``."""
+        return tuple(f.path for f in self.files if f.checkpoint is None) + tuple(p.path for p in self.parts)
 
     @property
     def writes_version(self) -> int:
@@ -196,12 +236,15 @@ class Metadata:
 
     @property
     def referenced_bytes(self) -> int:
-        """Bytes of tensor data stored in other checkpoints' files (referenced by an incremental save)."""
+        """Bytes of tensor data stored in other checkpoints' files (referenced by an incremental save); tensors
+        whose boxes are in a part that was not read (partitioned metadata) are not counted."""
         others = np.array([f.checkpoint is not None for f in self.files], dtype=bool)
         if not others.any():
             return 0
         total = 0
         for t in self.tensors.values():
+            if isinstance(t.boxes, PartBoxes):  # in a part that was not read: not counted
+                continue
             columns = BoxColumns.of(t.boxes, len(t.global_shape))
             total += int(columns.byte_length[others[columns.file]].sum())
         return total
@@ -213,9 +256,14 @@ class Metadata:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of tensor data stored (each box once), in its own files and referenced ones alike."""
+        """Bytes of tensor data stored (each box once), in its own files and referenced ones alike. A tensor whose
+        boxes are in a part that was not read counts its whole size: its boxes tile it, each stored once."""
         return sum(
-            t.boxes.total_bytes if isinstance(t.boxes, SavedBoxes) else sum(b.byte_length for b in t.boxes)
+            t.nbytes
+            if isinstance(t.boxes, PartBoxes)
+            else t.boxes.total_bytes
+            if isinstance(t.boxes, SavedBoxes)
+            else sum(b.byte_length for b in t.boxes)
             for t in self.tensors.values()
         )
 

@@ -17,12 +17,14 @@ from typing import Any
 
 import crc32c
 import numpy as np
+import numpy.typing as npt
 
 from reshard.errors import CorruptCheckpointError
 from reshard.geometry.boxes import Box
 from reshard.geometry.grid import expand_grid
 from reshard.geometry.tiling import MAX_CORNER_NDIM, find_tiling_problem, untiled_groups
-from reshard.metadata.columns import BoxColumns, Int64Array, SavedBox, SavedBoxes
+from reshard.metadata.columns import BoxColumns, Int64Array, PartBoxes, SavedBox, SavedBoxes
+from reshard.metadata.index import parse_index_entry, parse_parts_member
 from reshard.metadata.model import (
     CHECKSUM_ALGORITHM,
     CONTENT_HASH_ALGORITHM,
@@ -33,6 +35,7 @@ from reshard.metadata.model import (
     MAX_NDIM,
     METADATA_CHECKSUM_MEMBER,
     METADATA_FILE,
+    PARTITIONED_VERSION,
     READABLE_VERSIONS,
     REFERENCED_FILE_PATTERN,
     SCALED_VERSION,
@@ -43,12 +46,13 @@ from reshard.metadata.model import (
     SavedObject,
     TensorMetadata,
 )
+from reshard.metadata.paths import check_relative_path, plain_data_file
 from reshard.metadata.scaled import parse_scaled
 from reshard.metadata.wire import SEAL_LENGTH, SEAL_PREFIX
 from reshard.state.codec import decode_tagged, strict_json_loads
 from reshard.state.dtypes import DTYPE_BY_NAME
 
-__all__ = ["check_relative_path", "parse_metadata"]
+__all__ = ["DocumentParser", "check_relative_path", "parse_metadata"]
 
 
 def parse_metadata(raw: bytes, *, where: str = METADATA_FILE, lazy: bool = False) -> Metadata:
@@ -58,7 +62,7 @@ def parse_metadata(raw: bytes, *, where: str = METADATA_FILE, lazy: bool = False
         doc = strict_json_loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
         raise CorruptCheckpointError(f"{where}: not valid JSON: {exc}") from exc
-    return _Parser(where, lazy=lazy, sealed=sealed).parse(doc)
+    return DocumentParser(where, lazy=lazy, sealed=sealed).parse(doc)
 
 
 def _check_seal(raw: bytes, where: str) -> bool:
@@ -80,34 +84,9 @@ def _check_seal(raw: bytes, where: str) -> bool:
     return True
 
 
-def check_relative_path(path: str) -> str | None:
-    """Why ``path`` is not a safe relative file name inside a checkpoint, or None when it is.
-
-    Safe names are POSIX relative paths of non-empty components, without ``.``/``..``, backslashes,
-    NUL, a URL scheme or a drive letter.
-    """
-    if not path:
-        return "is empty"
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        return "is not valid UTF-8 text"
-    if "\x00" in path:
-        return "contains NUL"
-    if "\\" in path:
-        return "contains a backslash"
-    if path.startswith("/"):
-        return "is absolute"
-    if ":" in path:
-        return "contains ':' (a scheme or drive)"
-    parts = path.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        return "has an empty, '.' or '..' component"
-    return None
-
-
-class _Parser:
-    """Validating decoder of the wire form; every error names the JSON path of the bad field."""
+class DocumentParser:
+    """Validating decoder of the wire form; every error names the JSON path of the bad field. Used for
+    ``metadata.json`` here and for the part files of version 6 (:mod:`reshard.metadata.parts`)."""
 
     def __init__(self, where: str, *, lazy: bool = False, sealed: bool = False) -> None:
         self.where = where
@@ -115,9 +94,16 @@ class _Parser:
         self.sealed = sealed
         self.version = 1
         self.hashed = False
+        self.sizes: tuple[tuple[DataFile, ...], npt.NDArray[np.uint64]] | None = None
 
     def fail(self, path: str, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{self.where}: {path}: {message}")
+
+    def file_sizes(self, files: tuple[DataFile, ...]) -> npt.NDArray[np.uint64]:
+        """The sizes of ``files`` as an array, made once per parse (every packed tensor checks its byte ranges)."""
+        if self.sizes is None or self.sizes[0] is not files:
+            self.sizes = (files, np.array([f.size for f in files], dtype=np.uint64))
+        return self.sizes[1]
 
     def obj(self, value: object, path: str, keys: set[str]) -> dict[str, Any]:
         if not isinstance(value, dict):
@@ -165,9 +151,16 @@ class _Parser:
         tensors_doc = top["tensors"]
         if not isinstance(tensors_doc, dict):
             raise self.fail("tensors", "expected an object")
+        save_id = self.string(top["save_id"], "save_id")
+        parts = parse_parts_member(self, top["parts"], save_id) if self.version >= PARTITIONED_VERSION else ()
         tensors = {
-            self.key(key, "tensors"): self.tensor(key, value, files, chunk_bytes) for key, value in tensors_doc.items()
+            self.key(key, "tensors"): parse_index_entry(self, key, value, len(parts))
+            if parts
+            else self.tensor(key, value, files, chunk_bytes)
+            for key, value in tensors_doc.items()
         }
+        if parts and len({t.boxes.part for t in tensors.values() if isinstance(t.boxes, PartBoxes)}) != len(parts):
+            raise self.fail("parts", "a part holds no tensor of the index")
         objects_doc = top["objects"]
         if not isinstance(objects_doc, dict):
             raise self.fail("objects", "expected an object")
@@ -182,7 +175,7 @@ class _Parser:
             for path, value in common_doc.items()
         }
         return Metadata(
-            save_id=self.string(top["save_id"], "save_id"),
+            save_id=save_id,
             created_by=self.string(top["created_by"], "created_by"),
             world_size=world_size,
             checksum_chunk_bytes=chunk_bytes,
@@ -193,6 +186,7 @@ class _Parser:
             content_hashes=self.hashed,
             scaled=parse_scaled(top["scaled"], tensors, objects, self.fail) if self.version >= SCALED_VERSION else {},
             format_version=self.version,
+            parts=parts,
         )
 
     def check_version(self, doc: object) -> None:
@@ -236,7 +230,22 @@ class _Parser:
             members.add("content_hash")
         if self.version >= SCALED_VERSION:
             members.add("scaled")
+        if self.version >= PARTITIONED_VERSION:
+            members.add("parts")
         return members
+
+    def described(self, path: str, doc: dict[str, Any]) -> tuple[str, tuple[int, ...], int | None]:
+        """A tensor's dtype name, global shape and fingerprint (None when it has none), checked."""
+        fingerprint = None
+        if "fingerprint" in doc:
+            text = doc["fingerprint"]
+            if not isinstance(text, str) or len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
+                raise self.fail(f"{path}.fingerprint", "expected 16 lowercase hex digits")
+            fingerprint = int(text, 16)
+        dtype_name = self.string(doc["dtype"], f"{path}.dtype")
+        if dtype_name not in DTYPE_BY_NAME:
+            raise self.fail(f"{path}.dtype", f"unknown dtype {dtype_name!r}")
+        return dtype_name, self.int_list(doc["global_shape"], f"{path}.global_shape", max_len=MAX_NDIM), fingerprint
 
     def check_content_hash(self, top: dict[str, Any]) -> None:
         """The content-hash algorithm, where the version has one: sets :attr:`hashed`."""
@@ -262,6 +271,11 @@ class _Parser:
         out = []
         seen: set[tuple[str | None, str]] = set()
         for i, item in enumerate(value):
+            quick = plain_data_file(item)  # the common entry, checked at once: a load's every rank parses thousands
+            if quick is not None and (None, quick.path) not in seen:
+                seen.add((None, quick.path))
+                out.append(quick)
+                continue
             fields = {"path", "size"}
             if self.version >= HASHED_VERSION and isinstance(item, dict) and "checkpoint" in item:
                 fields.add("checkpoint")
@@ -323,17 +337,8 @@ class _Parser:
         doc = self.obj(
             value, path, keys | {"fingerprint"} if isinstance(value, dict) and "fingerprint" in value else keys
         )
-        fingerprint = None
-        if "fingerprint" in doc:
-            text = doc["fingerprint"]
-            if not isinstance(text, str) or len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
-                raise self.fail(f"{path}.fingerprint", "expected 16 lowercase hex digits")
-            fingerprint = int(text, 16)
-        dtype_name = self.string(doc["dtype"], f"{path}.dtype")
-        dtype = DTYPE_BY_NAME.get(dtype_name)
-        if dtype is None:
-            raise self.fail(f"{path}.dtype", f"unknown dtype {dtype_name!r}")
-        global_shape = self.int_list(doc["global_shape"], f"{path}.global_shape", max_len=MAX_NDIM)
+        dtype_name, global_shape, fingerprint = self.described(path, doc)
+        dtype = DTYPE_BY_NAME[dtype_name]
         if "packed" in doc:
             if math.prod(global_shape) * dtype.itemsize > MAX_INTEGER:
                 raise self.fail(
@@ -422,7 +427,7 @@ class _PackedTensor:
 
     def __init__(
         self,
-        parser: _Parser,
+        parser: DocumentParser,
         path: str,
         value: object,
         global_shape: tuple[int, ...],
@@ -482,7 +487,7 @@ class _PackedTensor:
         byte_length = (np.prod(shape, axis=1) if d else np.ones(n, dtype=np.int64)) * self.itemsize
         if (file >= len(self.files)).any():
             raise self.fail("file", f"a file index is out of range ({len(self.files)} files)")
-        sizes = np.array([f.size for f in self.files], dtype=np.uint64)
+        sizes = self.parser.file_sizes(self.files)
         past = byte_offset.astype(np.uint64) + byte_length.astype(np.uint64) > sizes[file] if n else np.zeros(0, bool)
         if past.any():
             i = int(np.argmax(past))

@@ -21,6 +21,7 @@ from reshard.metadata.model import (
     METADATA_CHECKSUM_MEMBER,
     PACK_MIN_BOXES,
     PACK_MIN_CHECKSUMS,
+    PARTITIONED_VERSION,
     SCALED_VERSION,
 )
 from reshard.state.codec import encode_tagged
@@ -28,23 +29,30 @@ from reshard.state.codec import encode_tagged
 if TYPE_CHECKING:
     from reshard.metadata.model import Metadata, TensorMetadata
 
-__all__ = ["SEAL_LENGTH", "SEAL_PREFIX", "metadata_to_bytes", "metadata_to_json", "seal_document"]
+__all__ = [
+    "SEAL_LENGTH",
+    "SEAL_PREFIX",
+    "metadata_to_bytes",
+    "metadata_to_json",
+    "seal_document",
+    "tensor_entry",
+]
 
 
-def metadata_to_json(metadata: Metadata, *, packed: bool | None = None) -> dict[str, Any]:
-    """See :meth:`Metadata.to_json_dict`."""
-    version = metadata.writes_version
+def metadata_to_json(
+    metadata: Metadata,
+    *,
+    packed: bool | None = None,
+    index: dict[str, Any] | None = None,
+    parts: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """See :meth:`Metadata.to_json_dict`. With ``index`` and ``parts`` (:mod:`reshard.metadata.partition`): the
+    version-6 document, whose ``tensors`` member is ``index`` and whose ``parts`` member follows it."""
+    version = metadata.writes_version if index is None else PARTITIONED_VERSION
     hashed = metadata.content_hashes
-    tensors: dict[str, Any] = {}
-    for key, t in metadata.tensors.items():
-        entry: dict[str, Any] = {"dtype": t.dtype, "global_shape": list(t.global_shape)}
-        if t.fingerprint is not None:
-            entry["fingerprint"] = f"{t.fingerprint:016x}"
-        if _should_pack(t, packed):
-            entry["packed"] = _packed_json(t, hashed)
-        else:
-            entry["boxes"] = [_box_json(b, hashed) for b in t.boxes]
-        tensors[key] = entry
+    tensors: dict[str, Any] = (
+        {key: tensor_entry(t, packed, hashed) for key, t in metadata.tensors.items()} if index is None else index
+    )
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
         "version": version,
@@ -60,6 +68,7 @@ def metadata_to_json(metadata: Metadata, *, packed: bool | None = None) -> dict[
     return doc | {
         "files": [_file_json(f.path, f.size, f.checkpoint) for f in metadata.files],
         "tensors": tensors,
+        **({} if parts is None else {"parts": parts}),
         "objects": {
             key: {
                 "global_shape": list(o.global_shape),
@@ -78,6 +87,19 @@ def metadata_to_json(metadata: Metadata, *, packed: bool | None = None) -> dict[
         },
         "common": {path: encode_tagged(value, where=path) for path, value in metadata.common.items()},
     }
+
+
+def tensor_entry(tensor: TensorMetadata, packed: bool | None, hashed: bool) -> dict[str, Any]:
+    """The wire form of one tensor (``tensors[key]`` of versions 1 to 5): dtype, global shape, fingerprint,
+    and its boxes, packed or plain (``packed`` as in :meth:`Metadata.to_json_dict`)."""
+    entry: dict[str, Any] = {"dtype": tensor.dtype, "global_shape": list(tensor.global_shape)}
+    if tensor.fingerprint is not None:
+        entry["fingerprint"] = f"{tensor.fingerprint:016x}"
+    if _should_pack(tensor, packed):
+        entry["packed"] = _packed_json(tensor, hashed)
+    else:
+        entry["boxes"] = [_box_json(b, hashed) for b in tensor.boxes]
+    return entry
 
 
 def _file_json(path: str, size: int, checkpoint: str | None) -> dict[str, Any]:
