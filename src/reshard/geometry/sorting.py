@@ -22,8 +22,8 @@ _PACKED_LIMIT = 1 << 62
 
 def lexsort(keys: Sequence[npt.NDArray[Any]]) -> npt.NDArray[np.intp]:
     """The indices that sort the rows by ``keys`` as ``numpy.lexsort(keys)`` does (the *last* key primary, ties
-    kept in index order) for keys of integers or booleans: the most significant keys that fit are packed into one int64 and sorted once, any others
-    sort first as ``numpy.lexsort`` would."""
+    kept in index order), for keys of integers or booleans: the most significant keys that fit are packed into one
+    int64 and sorted once, any others sort first as ``numpy.lexsort`` would."""
     if not keys:
         raise ValueError("lexsort needs at least one key")
     if len(keys[0]) == 0:
