@@ -325,6 +325,8 @@ class ManagerStep(Flow):
     places = ("root",)
     foreign: ClassVar[dict[str, tuple[str, ...]]] = {"root": ("notes.txt",)}
     incremental: ClassVar[bool] = False
+    follow_up_overwrites: ClassVar[bool] = False
+    """Whether the follow-up's save of step 3 passes ``overwrite=True`` (a flow whose run may have saved step 3)."""
 
     def manager(self, root: Path, timeout: float | None = None) -> Any:
         import reshard
@@ -351,7 +353,7 @@ class ManagerStep(Flow):
 
         manager = self.manager(place / "root")
         try:
-            manager.save(3, states.single_process_state(3, world))
+            manager.save(3, states.single_process_state(3, world), overwrite=self.follow_up_overwrites)
         except reshard.CheckpointError as exc:
             return Finding("other", f"a later manager save failed: {type(exc).__name__}: {exc}")
         finally:
@@ -367,6 +369,7 @@ class ReusedPlanStep(ManagerStep):
     reshard.flows.save_reuse); both armed, and the plan cache's commit pinned among the kill points."""
 
     name = "manager_reuse"
+    follow_up_overwrites = True  # its run may have committed step 3
 
     def run(self, run: RankRun) -> dict[str, Any] | None:
         manager = self.manager(run.place / "root", run.timeout)
@@ -378,18 +381,6 @@ class ReusedPlanStep(ManagerStep):
     def check(self, place: Path, world: int, answers: Answers, killed: bool) -> tuple[int | None, Finding | None]:
         # A commit a rank reports (done, or unconfirmed when a rank died after it) may be step 2's or step 3's.
         return check_root(place / "root", world, 2 if guarantees.confirmed(answers) else None)
-
-    def follow_up(self, place: Path, world: int) -> Finding | None:
-        import reshard
-
-        manager = self.manager(place / "root")
-        try:
-            manager.save(3, states.single_process_state(3, world), overwrite=True)
-        except reshard.CheckpointError as exc:
-            return Finding("other", f"a later manager save failed: {type(exc).__name__}: {exc}")
-        finally:
-            manager.close()
-        return check_root(place / "root", world, 3)[1]
 
     def pinned(self, events: dict[int, list[str]]) -> list[KillPoint]:
         cache = [i for i, name in enumerate(events[0]) if name.endswith("plans.reshard-cache")][:1]

@@ -376,3 +376,19 @@ def test_save_group_must_hold_the_primary_copies(pool4: RankPool, tmp_path: Path
         assert result.error_class == "ShardingError"
         assert "'a'" in result.message
     assert not (bad / "metadata.json").exists()
+
+
+@pytest.mark.unit
+def test_a_dtensor_module_still_being_imported_by_another_thread_holds_no_dtensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While one thread imports torch.distributed.tensor, the module is in sys.modules without its DTensor class yet;
+    another thread flattening a state dict then asks whether a value is a DTensor: the answer is no, never an
+    AttributeError (found as a contract-suite setup that failed when two flows prepared their checkpoints at once)."""
+    import sys
+    import types
+
+    from reshard.state.dtensor import is_dtensor
+
+    monkeypatch.setitem(sys.modules, "torch.distributed.tensor", types.ModuleType("torch.distributed.tensor"))
+    assert is_dtensor(torch.zeros(2)) is False

@@ -46,9 +46,10 @@ IndexRuns = tuple[tuple[int, int], ...]
 
 
 def is_dtensor(value: object) -> bool:
-    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (without importing that module)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(value, module.DTensor)
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (without importing that module). While another
+    thread is still importing it, the module is in ``sys.modules`` without its class: no DTensor exists yet."""
+    dtensor_class = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor_class is not None and isinstance(value, dtensor_class)
 
 
 def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
