@@ -98,7 +98,7 @@ def measure(ranks: int, model: MoETransformer, per_node: int, log: Callable[[str
     layout = MegatronLayout(model, save_par)
     terms = {
         "overwrite": False, "fingerprint": True, "checksum_chunk_bytes": 4 * MiB, "content_hash": False,
-        "verify_base": False, "base": None, "certify": None, "reuse_plan": True,
+        "verify_base": False, "base": None, "certify": None, "reuse_plan": True, "metadata_parts": None,
     }  # fmt: skip
     assert set(terms) == set(AGREED_TERMS)
     context = {"path": "/checkpoints/step_1000", "options": terms}

@@ -194,6 +194,16 @@ def _damage(path: Path, how: str, tmp_path: Path) -> None:
     elif how == "hash_lies":
         document["parts"][0]["sha256"] = "0" * 64
         write_sealed(path, document)
+    elif how == "huge":  # a sparse part of 1 GiB that the index says it is: over the limit, refused unread
+        with part.open("r+b") as f:
+            f.truncate(1 << 30)
+        document["parts"][0]["size"] = 1 << 30
+        write_sealed(path, document)
+    elif how == "unicode_digits":  # the part's number in Arabic-Indic digits, which int() and \\d accept
+        name = document["parts"][0]["path"].replace("00000", "\u0660" * 5)
+        part.rename(path / name)
+        document["parts"][0]["path"] = name
+        write_sealed(path, document)
     elif how == "hostile_entry":  # a part whose index matches it, but whose boxes leave their tensor
         entries = json.loads(part.read_bytes())
         key = next(iter(entries["tensors"]))
@@ -217,6 +227,8 @@ DAMAGES = [
     "size_lies",
     "hash_lies",
     "hostile_entry",
+    "huge",
+    "unicode_digits",
 ]
 
 
@@ -231,6 +243,7 @@ def test_a_damaged_part_is_the_same_corruption_on_every_rank_before_any_tensor_b
     outcomes = outcomes_on_threads(2, lambda r: reshard.load(templates[r], storage, group=group.member(r)))
     assert all(isinstance(o, reshard.CorruptCheckpointError) for o in outcomes), outcomes
     assert str(outcomes[0]) == str(outcomes[1])
+    assert str(path) in str(outcomes[0])  # the error names the checkpoint, not only a relative path
     assert storage.range_bytes_read == 0
     assert all(not t["w"].any() and not t["ids"].any() for t in templates)
     with pytest.raises(reshard.CorruptCheckpointError):

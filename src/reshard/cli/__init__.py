@@ -286,7 +286,7 @@ def _add_checkpoint_parsers(sub: Any, storage: argparse.ArgumentParser, quiet: a
         help="show the tensors, dtypes, shapes, boxes and bytes of a checkpoint",
         description="Print, per tensor, its dtype, global shape, number of saved boxes, the grid of box offsets "
         "per axis and its bytes; then objects, common values, totals and the saving layout. Reads only "
-        "metadata.json.",
+        "metadata.json and, for a partitioned checkpoint (format version 6), its metadata parts, each verified.",
     )
     inspect.add_argument("path", help="checkpoint directory or URL (file://, s3://bucket/prefix, gs://bucket/prefix)")
     inspect.add_argument("--json", action="store_true", help="print the same facts as JSON")

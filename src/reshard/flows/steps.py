@@ -53,7 +53,7 @@ def _is_pointer(pointer: dict[str, Any]) -> bool:
 
 logger = logging.getLogger("reshard")
 
-_STEP = re.compile(r"^step_(\d{9,})$")
+_STEP = re.compile(r"^step_([0-9]{9,})$")
 
 
 def step_of(name: str) -> int | None:

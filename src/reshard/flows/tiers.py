@@ -147,7 +147,7 @@ def _same_directory(pattern: str | os.PathLike[str], root: Any) -> bool:
         return False
     wanted = os.path.abspath(os.fspath(root))
     parts = [re.escape(part) for part in os.path.abspath(os.fspath(pattern)).split("{node}")]
-    return re.fullmatch(r"\d+".join(parts), wanted) is not None
+    return re.fullmatch(r"[0-9]+".join(parts), wanted) is not None
 
 
 def tier_terms(tiers: Tiers, durable_root: str) -> dict[str, Any]:

@@ -66,7 +66,7 @@ _ACCELERATE_PREFIXES = ("scheduler", "sampler", "dl_state_dict", "scaler.pt", "r
 optimizers excepted: reshard saves those); other files of the directory are the user's and are not recorded."""
 
 _ACCELERATE_OWN_MODEL_FILES = re.compile(
-    r"^(?:(?:pytorch_)?model(?:_\d+)?\.(?:safetensors|bin)|optimizer(?:_\d+)?\.bin|pytorch_model_fsdp_\d+|optimizer_\d+)$"
+    r"^(?:(?:pytorch_)?model(?:_[0-9]+)?\.(?:safetensors|bin)|optimizer(?:_[0-9]+)?\.bin|pytorch_model_fsdp_[0-9]+|optimizer_[0-9]+)$"
 )
 """accelerate's own model and optimizer files and folders (written by ``save_state`` without reshard): a reshard
 save into a directory holding them is refused, or a later load without reshard would read them with the new

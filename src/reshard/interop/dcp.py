@@ -66,7 +66,7 @@ __all__ = ["MEGATRON_COMMON_KEY", "ImportResult", "import_dcp"]
 MEGATRON_COMMON_KEY = "megatron.common"
 """The ShardedObject (grid ``(1,)``) that holds a Megatron checkpoint's common state (its ``common.pt``)."""
 
-_MEGATRON_OBJECT = re.compile(r"^(?P<key>.+)/shard_(?P<offset>\d+(?:\.\d+)*)_(?P<grid>\d+(?:\.\d+)*)$")
+_MEGATRON_OBJECT = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[0-9]+(?:\.[0-9]+)*)_(?P<grid>[0-9]+(?:\.[0-9]+)*)$")
 
 _PICKLE_WARNING = (
     "a torch.distributed.checkpoint directory keeps its metadata as a pickle, and loading it can execute "

@@ -75,8 +75,8 @@ def data_file_name(save_id: str, rank: int) -> str:
 
 
 DATA_FILE_PATTERN = re.compile(
-    rf"^{DATA_DIR}/[0-9a-f]{{8,}}-(?:r\d{{5,}}\.bin(?:\.parts-[0-9a-f]{{8}}/\d{{5,}}|\.compose-\d+-\d{{5,}}-[0-9a-f]{{8}})?"
-    rf"|metadata-\d{{5,}}\.json)$"
+    rf"^{DATA_DIR}/[0-9a-f]{{8,}}-(?:r[0-9]{{5,}}\.bin(?:\.parts-[0-9a-f]{{8}}/[0-9]{{5,}}|\.compose-[0-9]+-[0-9]{{5,}}-[0-9a-f]{{8}})?"
+    rf"|metadata-[0-9]{{5,}}\.json)$"
 )
 """The names a save writes under ``data/``: data files, the temporary part objects of an object-store
 upload that was cut short, and the part files of partitioned metadata (format version 6). Maintenance deletes

@@ -132,7 +132,7 @@ def _marker_name(name: str, generation: int) -> str:
 
 def lock_markers(storage: Storage, name: str = LOCK_FILE) -> dict[int, str]:
     """The markers of lock ``name`` (a name at the storage's root) that exist, by generation."""
-    pattern = re.compile(rf"^{re.escape(name)}(?:\.(\d{{12}}))?$")
+    pattern = re.compile(rf"^{re.escape(name)}(?:\.([0-9]{{12}}))?$")
     out = {}
     for found in storage.list_names(name):
         match = pattern.match(found)

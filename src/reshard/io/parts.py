@@ -42,7 +42,8 @@ def read_parts(storage: Storage, metadata: Metadata, keys: Iterable[str] | None 
     numbers = sorted({n for key in wanted if key in metadata.tensors and (n := part_of(metadata, key)) is not None})
     tensors: dict[str, TensorMetadata] = {}
     for number in numbers:
-        tensors |= parse_part(_read_part(storage, metadata, number), metadata, number, wanted)
+        where = storage.describe(metadata.parts[number].path)
+        tensors |= parse_part(_read_part(storage, metadata, number), metadata, number, wanted, where=where)
     return with_tensors(metadata, tensors)
 
 

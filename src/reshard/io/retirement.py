@@ -89,7 +89,7 @@ _MAX_LOCK_BYTES = 64 * 1024
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 _TEMPORARY = re.compile(rf"^(?:{REFERENCES_DIR}/)?\.[^/]+\.tmp-[0-9a-f]{{32}}$")
 """The temporary names of :meth:`~reshard.storage.Storage.commit` (a local commit cut short leaves one)."""
-_LOCK_TEMPORARY = re.compile(rf"^\.{re.escape(LOCK_FILE)}(?:\.\d{{12}})?\.tmp-[0-9a-f]{{32}}$")
+_LOCK_TEMPORARY = re.compile(rf"^\.{re.escape(LOCK_FILE)}(?:\.[0-9]{{12}})?\.tmp-[0-9a-f]{{32}}$")
 """The temporary of a lock marker's create-only commit (a save killed at its lock's link leaves one)."""
 
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from reshard.metadata.columns import PartBoxes
-from reshard.metadata.model import MAX_INTEGER, MAX_NDIM, PART_FILE_PATTERN, MetadataPart, TensorMetadata
+from reshard.metadata.model import (
+    MAX_INTEGER,
+    MAX_METADATA_BYTES,
+    MAX_NDIM,
+    PART_FILE_PATTERN,
+    MetadataPart,
+    TensorMetadata,
+)
 from reshard.metadata.paths import check_relative_path
 from reshard.state.dtypes import DTYPE_BY_NAME
 
@@ -38,7 +45,10 @@ def parse_parts_member(parser: DocumentParser, value: object, save_id: str) -> t
         digest = parser.string(entry["sha256"], f"parts[{i}].sha256")
         if len(digest) != 64 or not set(digest) <= _HEX:
             raise parser.fail(f"parts[{i}].sha256", "expected 64 lowercase hexadecimal digits")
-        out.append(MetadataPart(path=path, size=parser.integer(entry["size"], f"parts[{i}].size"), sha256=digest))
+        size = parser.integer(entry["size"], f"parts[{i}].size")
+        if size > MAX_METADATA_BYTES:  # a part is read whole into memory: the limit of metadata.json holds for it
+            raise parser.fail(f"parts[{i}].size", f"{size} bytes, more than metadata may hold ({MAX_METADATA_BYTES})")
+        out.append(MetadataPart(path=path, size=size, sha256=digest))
     return tuple(out)
 
 

@@ -81,7 +81,7 @@ METADATA_FILE = "metadata.json"
 DATA_DIR = "data"
 PART_FORMAT = "reshard-metadata-part"
 """The ``format`` member of a part file of partitioned metadata (version 6)."""
-PART_FILE_PATTERN = re.compile(r"^data/(?P<save_id>[0-9a-f]{8,})-metadata-(?P<number>\d{5,})\.json$")
+PART_FILE_PATTERN = re.compile(r"^data/(?P<save_id>[0-9a-f]{8,})-metadata-(?P<number>[0-9]{5,})\.json$")
 """The names of the part files of partitioned metadata: ``data/<save id>-metadata-<number>.json``. The save id
 keeps two saves' parts apart, and ``data/`` makes them files of the save like its data files."""
 
@@ -100,7 +100,7 @@ def document_digest(raw: bytes) -> str:
 CHECKSUM_ALGORITHM = "crc32c"
 SIBLING_PREFIX = "../"
 """How a storage name addresses a file of a sibling checkpoint (:attr:`DataFile.location`)."""
-REFERENCED_FILE_PATTERN = re.compile(r"^data/[0-9a-f]{32}-r\d{5,}\.bin$")
+REFERENCED_FILE_PATTERN = re.compile(r"^data/[0-9a-f]{32}-r[0-9]{5,}\.bin$")
 """The only names a file of a sibling checkpoint may have: a data file as a save names it
 (``data/<save id>-r<rank>.bin``, docs/format.md sections 9 and 15.2), so that a reference never names another
 kind of file."""

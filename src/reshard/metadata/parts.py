@@ -35,19 +35,20 @@ def with_tensors(metadata: Metadata, tensors: dict[str, TensorMetadata]) -> Meta
 
 
 def parse_part(
-    raw: bytes, metadata: Metadata, number: int, keys: Collection[str] | None = None
+    raw: bytes, metadata: Metadata, number: int, keys: Collection[str] | None = None, *, where: str | None = None
 ) -> dict[str, TensorMetadata]:
     """The tensors of part ``number`` of partitioned ``metadata`` (version 6), from the part file's bytes
     ``raw``: its size and SHA-256 are checked against the index first, then that it holds exactly the keys the
     index puts in it, then the boxes of ``keys`` (None: of all of them) exactly as a tensor of a whole document
     (inside its tensor and tiling it, byte ranges inside the files, checksums). The boxes of a key not asked for
-    are neither decoded nor returned: a rank of a load validates what it uses.
+    are neither decoded nor returned: a rank of a load validates what it uses. ``where`` names the part in errors
+    (its location in the checkpoint's storage; default: its path in the checkpoint).
 
     Raises:
         CorruptCheckpointError: anything wrong, naming the part and the JSON path of the bad field.
     """
     part = metadata.parts[number]
-    where = part.path
+    where = where or part.path
     if len(raw) != part.size:
         raise CorruptCheckpointError(f"{where}: holds {len(raw)} bytes, the metadata says {part.size}")
     if hashlib.sha256(raw).hexdigest() != part.sha256:

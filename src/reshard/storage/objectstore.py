@@ -139,7 +139,7 @@ def is_retryable(exc: BaseException) -> bool:
     return False
 
 
-_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+_CONTENT_RANGE = re.compile(r"^bytes ([0-9]+)-([0-9]+)/([0-9]+|\*)$")
 
 
 def _checked_range(where: str, start: int, end: int, data: bytes, content_range: str | None) -> int:
