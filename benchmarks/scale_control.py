@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The control path at scale: a save's planning step flat and in two levels, and with its plan reused.
+"""The control path at scale: a save's planning step flat and in two levels, and with its plan reused; a read-once
+load's schedule made and reused.
 
     python benchmarks/scale_control.py                          # 1024 and 4096 simulated ranks (about 2 minutes)
     python benchmarks/scale_control.py --ranks 8192 16384 --json control.json
@@ -20,6 +21,13 @@ and every figure comes from the code a real save runs, on the bytes it would exc
   8-byte length; a node message is a ``frame`` of its ranks' payloads): what the coordinator receives and in how
   many messages, what a node leader receives, for the descriptions (a save without reuse) and for the offers.
 
+- **a read-once load's schedule** on the loading layout of ``scale.py`` (TP 4, twice the stages): each rank's needs
+  (``describe_need``: key, box, dtype of every target piece, encoded by ``needs_bytes``), gathered on a miss; the
+  coordinator's scheduling (``Planner.schedules``: ``schedule_reads`` and the encoding of every rank's part); a hit
+  of a ``ReadPlanCache`` (the offers read, the fingerprints looked up, the schedules to scatter found); after a
+  restart, the needs file decoded (``decode_plan_file``) and scheduled again; and the sizes of the needs, the offers,
+  the schedules and the file.
+
 The network is not simulated: how long a gather of these bytes takes depends on it (``benchmarks/hierarchy.py``
 times the two-level path over gloo on this machine).
 """
@@ -38,17 +46,20 @@ from typing import Any, TypeVar
 
 from scale import layouts  # the same layouts as scale.py
 
-from reshard.flows.plan_cache import CachedPlan, PlanCache
+from reshard.flows.load_planning import Planner
+from reshard.flows.plan_cache import CachedPlan, PlanCache, ReadPlanCache
 from reshard.flows.save_phases import AGREED_TERMS, check_agreement
 from reshard.net.hierarchy import frame
 from reshard.net.transports import padded_size
 from reshard.planning.descriptions import DescriptionTable, encode_description
 from reshard.planning.layouts import (
+    READ_PLANS,
     decode_plan_file,
     encode_offer,
     encode_plan_file,
     layout_bytes,
     layout_fingerprint,
+    needs_bytes,
     read_offer,
 )
 from reshard.planning.save_plan import plan_save_table
@@ -152,6 +163,52 @@ def measure(ranks: int, model: MoETransformer, per_node: int, log: Callable[[str
     return out
 
 
+def measure_reads(ranks: int, model: MoETransformer, log: Callable[[str], None]) -> dict[str, Any]:
+    """A read-once load's schedule on ``ranks`` ranks: made (a miss), reused in memory, made again after a restart."""
+    _, load_par = layouts(ranks)
+    layout = MegatronLayout(model, load_par)
+    needs = [
+        needs_bytes([[p.key, list(p.box.offset), list(p.box.shape), "bfloat16"] for p in layout.rank_targets(rank)])
+        for rank in range(ranks)
+    ]
+    fingerprints = tuple(layout_fingerprint(n, rank=r, world=ranks, kind=READ_PLANS) for r, n in enumerate(needs))
+    offers = [json.dumps({"grids": {}, "keys": None, "needs": None, "fingerprint": f}).encode() for f in fingerprints]
+    planner = Planner(read_once=True, round_bytes=16 * MiB, min_slab_bytes=4 * MiB, refuses_unused=False)
+    out: dict[str, Any] = {
+        "reads_needs_mib": sum(map(len, needs)) / MiB,
+        "reads_offer_bytes_max": max(map(len, offers)),
+    }
+    schedules, out["reads_scheduled_s"] = timed(lambda: planner.schedules_of_encoded(needs))
+    assert schedules is not None
+    out["reads_schedules_mib"] = sum(map(len, schedules)) / MiB
+    cache = ReadPlanCache()
+    cache.store(planner.key(fingerprints), schedules, tuple(needs))
+
+    def hit() -> tuple[bytes, ...] | None:
+        offered = tuple(json.loads(o)["fingerprint"] for o in offers)
+        found, replies = cache.lookup(planner.key(offered), planner.schedules_of_encoded)
+        assert found
+        return replies
+
+    assert timed(hit)[0] == schedules
+    out["reads_reused_s"] = timed(hit)[1]
+    needs_file, out["reads_cache_encode_s"] = timed(
+        lambda: encode_plan_file(fingerprints, tuple(needs), kind=READ_PLANS)
+    )
+    out["reads_cache_file_mib"] = len(needs_file) / MiB
+
+    def restart() -> tuple[bytes, ...] | None:
+        return planner.schedules_of_encoded(list(decode_plan_file(needs_file, fingerprints, kind=READ_PLANS)))
+
+    again, out["reads_restart_s"] = timed(restart)
+    assert again == schedules
+    log(
+        f"  read once: needs {out['reads_needs_mib']:.1f} MiB, scheduled {out['reads_scheduled_s']:.2f} s, reused "
+        f"{out['reads_reused_s'] * 1e3:.0f} ms, {out['reads_restart_s']:.2f} s after a restart"
+    )
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
@@ -171,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text, file=sys.stderr, flush=True)
 
     model = MoETransformer(layers=args.layers, experts=args.experts)
-    rows = [measure(r, model, args.ranks_per_node, log) for r in sorted(args.ranks)]
+    rows = [measure(r, model, args.ranks_per_node, log) | measure_reads(r, model, log) for r in sorted(args.ranks)]
     columns = [
         ("ranks", "ranks", "{:.0f}"), ("planned_s", "planned s", "{:.2f}"), ("reused_s", "reused s", "{:.3f}"),
         ("restart_s", "restart s", "{:.2f}"), ("cache_file_mib", "cache MiB", "{:.1f}"),
@@ -182,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         ("describe_two_level_coordinator_messages", "2lvl msgs", "{:.0f}"),
         ("describe_two_level_leader_mib", "leader MiB", "{:.2f}"),
         ("offer_flat_coordinator_mib", "offers MiB", "{:.2f}"),
+        ("reads_needs_mib", "needs MiB", "{:.1f}"), ("reads_scheduled_s", "sched s", "{:.2f}"),
+        ("reads_reused_s", "sched hit s", "{:.3f}"), ("reads_restart_s", "sched rst s", "{:.2f}"),
     ]  # fmt: skip
     print(" ".join(f"{title:>10}" for _, title, _ in columns))
     for row in rows:

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "scale_control.py"
+MIB = 1 << 20
 
 
 @pytest.mark.timeout(120)
@@ -34,6 +35,13 @@ def test_scale_control_benchmark_runs_at_a_tiny_size(tmp_path: Path) -> None:
         assert row["describe_two_level_leader_mib"] < row["describe_flat_coordinator_mib"]
         assert row["cache_file_mib"] * 1024 > row["description_kib_max"]  # every layout is in the file
         for name in ("planned_s", "reused_s", "restart_s", "cache_encode_s", "cache_write_s"):
+            assert row[name] > 0, name
+        # a read-once load's schedule: an offer of a fixed small size instead of the needs; the file holds them all
+        assert (
+            0 < row["reads_offer_bytes_max"] < 200 and row["reads_needs_mib"] * MIB > 16 * row["reads_offer_bytes_max"]
+        )
+        assert row["reads_cache_file_mib"] >= row["reads_needs_mib"] and row["reads_schedules_mib"] > 0
+        for name in ("reads_scheduled_s", "reads_reused_s", "reads_restart_s"):
             assert row[name] > 0, name
 
 

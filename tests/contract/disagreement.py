@@ -66,6 +66,7 @@ ALTERNATES: dict[str, dict[str, Any]] = {
         "staging": "staging",
         "read_once": True,
         "object_grid": "same_coordinate",
+        "reuse_plan": False,
     },
 }
 

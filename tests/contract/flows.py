@@ -446,6 +446,68 @@ class ReadOnceLoad(Flow):
         return [] if first is None else [KillPoint(rank=0, index=first, when="before")]
 
 
+@register
+class ReusedReadSchedule(Flow):
+    """A root whose step 1 holds A (saved by one process): each rank's ``CheckpointManager`` loads the latest step
+    twice with ``LoadOptions(read_once=True)`` (the first schedules and writes the read plan cache,
+    ``reads.reshard-cache``; the second reuses the schedule in memory), then a new manager (a restarted job) loads it
+    once more (the schedule made again from the needs in the file): all armed, the cache's commit pinned among the
+    kill points. Every load returns A; the root loads as before; a later load and save of the root work."""
+
+    name = "manager_read_reuse"
+    places = ("root",)
+    foreign: ClassVar[dict[str, tuple[str, ...]]] = {"root": ("notes.txt",)}
+
+    def prepare_place(self, place: Path, world: int) -> None:
+        import reshard
+
+        manager = reshard.CheckpointManager(place / "root")
+        manager.save(1, states.single_process_state(1, world))
+        manager.close()
+
+    def run(self, run: RankRun) -> dict[str, Any] | None:
+        import reshard
+
+        def generation(manager: Any) -> int:
+            template = states.full_template(run.world)
+            found = manager.load_latest_with_state(template, options=reshard.LoadOptions(read_once=True))
+            got = states.generation_of(found[1], run.world, (1, 2, 3)) if found is not None else None
+            return -1 if got is None else got
+
+        first = reshard.CheckpointManager(run.place / "root", timeout=run.timeout)
+        with run.armed():
+            generations = [generation(first), generation(first)]
+            restarted = reshard.CheckpointManager(run.place / "root", timeout=run.timeout)
+            generations.append(generation(restarted))
+        first.close()
+        restarted.close()
+        return {"generation": generations[0] if len(set(generations)) == 1 else -1}
+
+    def check(self, place: Path, world: int, answers: Answers, killed: bool) -> tuple[int | None, Finding | None]:
+        finding = guarantees.returned_generation(answers, (1,), what="load")
+        generation, lost = check_root(place / "root", world, 1)
+        return generation, finding or lost
+
+    def follow_up(self, place: Path, world: int) -> Finding | None:
+        import reshard
+
+        manager = reshard.CheckpointManager(place / "root", keep_last=1)
+        try:
+            found = manager.load_latest_with_state(states.full_template(world))
+            if found is None or states.generation_of(found[1], world, (1, 2, 3)) != 1:
+                return Finding("lost", "a later manager load did not return step 1")
+            manager.save(2, states.single_process_state(2, world))
+        except reshard.CheckpointError as exc:
+            return Finding("other", f"a later manager load or save failed: {type(exc).__name__}: {exc}")
+        finally:
+            manager.close()
+        return check_root(place / "root", world, 2)[1]
+
+    def pinned(self, events: dict[int, list[str]]) -> list[KillPoint]:
+        cache = [i for i, name in enumerate(events[0]) if name.endswith("reads.reshard-cache")][:1]
+        return [KillPoint(rank=0, index=i, when=w) for i in cache for w in ("before", "after")] + super().pinned(events)
+
+
 def write_json(path: Path, doc: Any) -> None:
     path.write_text(json.dumps(doc))
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from reshard.planning.layouts import PLAN_CACHE_FILE
+from reshard.planning.layouts import PLAN_CACHE_FILE, READ_PLANS
 from reshard.state.dtypes import DTYPE_BY_NAME
 from tests.contract import guarantees, states
 from tests.metadata_docs import read_doc, write_doc
@@ -51,7 +51,7 @@ USER_FILES = {
     "home": (".ssh/id_rsa", "notes.txt", "data/00000000000000000000000000000000-r00000.bin"),
     "decoy": ("retired.json", "src/a.py", "data/user.csv"),
 }
-ROOT_NAMES = (".lock", "latest.json", "step_", PLAN_CACHE_FILE)
+ROOT_NAMES = (".lock", "latest.json", "step_", PLAN_CACHE_FILE, READ_PLANS.name)
 """What a root tool may touch in the root: its lock, pointer and plan cache (docs/api.md's manager root) and the
 steps' directories (their names start so)."""
 SIBLING_FILES = ("metadata.json", "retired.json", "refs", ".lock")

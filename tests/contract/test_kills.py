@@ -31,6 +31,7 @@ PLAN: dict[tuple[str, int], tuple[int | None, int]] = {
     ("manager_reuse", 3): (12, 2),
     ("incremental", 2): (14, 2),
     ("read_once", 3): (10, 1),
+    ("manager_read_reuse", 3): (10, 1),
     ("hierarchical", 4): (12, 1),
     ("hierarchical_load", 3): (8, 1),
     ("transfer", 3): (8, 1),

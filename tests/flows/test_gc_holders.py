@@ -556,7 +556,7 @@ def test_retention_removes_the_latest_temporaries_of_dead_managers_and_no_one_el
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("pointer", ["latest.json", "plans.reshard-cache"])
+@pytest.mark.parametrize("pointer", ["latest.json", "plans.reshard-cache", "reads.reshard-cache"])
 @pytest.mark.parametrize("kind", ["fifo", "symlink"])
 def test_a_temporary_name_that_is_no_regular_file_stays_and_retention_goes_on(
     tmp_path: Path, pointer: str, kind: str

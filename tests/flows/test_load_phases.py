@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,19 +20,18 @@ from reshard.flows.load_phases import (
     LoadContext,
     Matched,
     Outcome,
-    Planner,
     ReadPlan,
     Staged,
     attempt,
     exchange,
     map_back,
     match_template,
-    plan_reads,
     read,
     read_metadata_once,
     stage,
     verify,
 )
+from reshard.flows.load_planning import Planner, plan_reads
 from reshard.flows.stats import PhaseClock
 from reshard.io.sources import as_source
 from reshard.net.comm import Communicator
@@ -222,14 +222,13 @@ def test_a_template_refused_on_one_rank_fails_the_planning_step_on_every_rank(ck
     assert sorted(errors) == [0, 1] and all("rank 1" in message for message in errors.values())
 
 
-def test_the_planner_schedules_only_when_it_reads_once_and_something_is_shared() -> None:
-    plain = Planner(read_once=False, round_bytes=4096, min_slab_bytes=64, refuses_unused=False)
+def test_the_planner_schedules_only_what_something_shares() -> None:
     once = Planner(read_once=True, round_bytes=4096, min_slab_bytes=64, refuses_unused=False)
-    shared = [{"needs": [["w", [0], [8], "float32"]]}] * 2
-    apart = [{"needs": [["w", [0], [4], "float32"]]}, {"needs": [["w", [4], [4], "float32"]]}]
-    assert plain.schedules(shared) is None and once.schedules(apart) is None
+    shared = [[["w", [0], [8], "float32"]]] * 2
+    apart = [[["w", [0], [4], "float32"]], [["w", [4], [4], "float32"]]]
+    assert once.schedules(apart) is None
     schedules = once.schedules(shared)
-    assert schedules is not None and [s.shared for s in schedules] == [True, True]
+    assert schedules is not None and [json.loads(s)["shared"] for s in schedules] == [True, True]
 
 
 # ---- 4.-6. stage, read, exchange ---------------------------------------------------------------------------

@@ -7,7 +7,8 @@ The flow is a fixed list of phases (:mod:`reshard.flows.load_phases`), each endi
 3. each rank reads the metadata parts its keys need (partitioned metadata, format version 6) and plans its
    reads: for every target box, the overlaps with the saved boxes and the byte runs
    that hold them. With ``LoadOptions(read_once=...)`` in effect the coordinator first schedules who reads
-   which part (:mod:`reshard.planning.exchange`): the planner's choice, carried by the plan;
+   which part (:mod:`reshard.planning.exchange`), or reuses the schedule of a plan cache
+   (:mod:`reshard.flows.load_planning`): the planner's choice, carried by the plan;
 4. with node-local staging, each node downloads the files it needs once;
 5. each rank reads those bytes (:mod:`reshard.io.reader`), straight into the destination tensor when the
    overlap is one contiguous run of the same dtype, otherwise through a reused buffer (or a mapping of a
@@ -38,14 +39,15 @@ from reshard.flows.load_phases import (
     exchange,
     map_back,
     match_template,
-    plan_reads,
     read,
     read_metadata_once,
     stage,
     unstage,
     verify,
 )
+from reshard.flows.load_planning import plan_reads
 from reshard.flows.options import LoadOptions
+from reshard.flows.plan_cache import ReadPlanCache
 from reshard.flows.stats import EXCHANGE, LoadStats, PhaseClock
 from reshard.io.sources import CheckpointSource, as_source, read_full_metadata
 from reshard.metadata import Metadata
@@ -80,6 +82,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     timeout: datetime.timedelta | float | None = None,
     stats: LoadStats | None = None,
+    plan_cache: ReadPlanCache | None = None,
 ) -> Any:
     """Load a checkpoint into a template state dict of the current layout. Called by all ranks of ``group``.
 
@@ -104,6 +107,10 @@ def load(
             :func:`reshard.save`).
         timeout: how long any collective may wait for the slowest rank.
         stats: if given, filled with this rank's read accounting.
+        plan_cache: read-once schedules kept across loads (a :class:`~reshard.flows.plan_cache.ReadPlanCache`; a
+            :class:`~reshard.CheckpointManager` passes its own): with ``LoadOptions(reuse_plan=True)``, the default, a
+            read-once load whose ranks' targets were scheduled before reuses that schedule instead of gathering
+            them. Every rank passes one, or none.
 
     Returns:
         A state dict of the template's structure in which each ShardedTensor is replaced by its filled
@@ -124,24 +131,16 @@ def load(
         comm = Communicator(group, timeout=timeout)
         opened = as_source(source, storage_options)
         try:
-            return _load_from(opened, state_dict, comm, strict=strict, stats=stats, options=options, started=started)
+            ctx = LoadContext(opened, comm, options, strict, PhaseClock("load", comm.rank, started), plan_cache)
+            return _load_from(ctx, state_dict, stats=stats)
         finally:
             if opened is not source:
                 opened.close()
 
 
-def _load_from(
-    source: CheckpointSource,
-    state_dict: Any,
-    comm: Communicator,
-    *,
-    strict: bool,
-    stats: LoadStats | None,
-    options: LoadOptions,
-    started: float,
-) -> Any:
+def _load_from(ctx: LoadContext, state_dict: Any, *, stats: LoadStats | None) -> Any:
     """The body of :func:`load` once the source is open: the phases of :mod:`reshard.flows.load_phases`."""
-    ctx = LoadContext(source, comm, options, strict, PhaseClock("load", comm.rank, started))
+    comm, strict, options = ctx.comm, ctx.strict, ctx.options
     agreed = read_metadata_once(ctx)
     metadata = agreed.metadata
     with ctx.clock.phase("plan"):
@@ -168,6 +167,7 @@ def _load_from(
         needed = _bytes_needed(metadata, template, planned)
         _fill_stats(stats, ctx.clock, planned, done, exchanged, staged, needed=needed, template=template)
         stats.read_once, stats.read_once_reason = agreed.read_once, agreed.read_once_reason
+        stats.schedule_reused = planned.reused
     _log(ctx, planned)
     return result
 

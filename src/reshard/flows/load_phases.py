@@ -6,9 +6,10 @@ The flow (:func:`reshard.flows.load.load`) runs them in a fixed order, every ran
    reads and validates the metadata, the ranks' arguments are agreed on, the others decode its bytes;
 2. :func:`match_template` (local): the template's pieces, keys and objects that the checkpoint holds, and
    the missing entries (``strict=False``); the caller's state dict is only read;
-3. :func:`plan_reads` (collective: one step): the coordinator checks for unused source entries and, when
-   the :class:`Planner` reads once, schedules who reads what (:mod:`reshard.planning.exchange`); each rank
-   plans its reads (:func:`reshard.planning.load_plan.plan_load`);
+3. :func:`reshard.flows.load_planning.plan_reads` (collective: one step, two after a miss of a plan cache): the
+   coordinator checks for unused source entries and, when the load reads once, schedules who reads what
+   (:mod:`reshard.planning.exchange`), or reuses a schedule; each rank plans its reads
+   (:func:`reshard.planning.load_plan.plan_load`) into a :class:`ReadPlan`;
 4. :func:`stage` (collective, optional): node-local staging of the files the reads need;
 5. :func:`read` (collective: one step): each rank reads, verifies and copies its bytes into place;
 6. :func:`exchange` (collective: one step, a no-op without a read-once schedule): the bytes several ranks
@@ -24,7 +25,6 @@ the same agreed error instead of leaving its peers waiting. The tensors of the t
 from __future__ import annotations
 
 import functools
-import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,18 +32,19 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from reshard.errors import CheckpointError, CorruptCheckpointError, MismatchError
+from reshard.errors import CheckpointError, CorruptCheckpointError
 from reshard.flows.options import LoadOptions, check_terms, load_terms
+from reshard.flows.plan_cache import ReadPlanCache
 from reshard.flows.stats import PhaseClock
 from reshard.geometry.boxes import Box
-from reshard.io.exchange import ExchangeCounters, cell_view, describe_need, run_exchange
-from reshard.io.reader import ReadBudget, ReadExecutor
+from reshard.io.exchange import ExchangeCounters, run_exchange
+from reshard.io.reader import ReadExecutor
 from reshard.io.sources import CheckpointSource
 from reshard.io.staging import StagedFiles, node_id, stage_files
 from reshard.metadata import Metadata, SavedObject
 from reshard.net.comm import Communicator
-from reshard.planning.exchange import MIN_SLAB_BYTES, CellRef, RankSchedule, schedule_reads
-from reshard.planning.load_plan import DEFAULT_MAX_READ_AMPLIFICATION, LoadPlan, TargetPiece, check_template, plan_load
+from reshard.planning.exchange import RankSchedule
+from reshard.planning.load_plan import LoadPlan, check_template
 from reshard.planning.objects import ObjectMatch
 from reshard.state.codec import decode_object_blob
 from reshard.state.dtypes import dtype_name
@@ -58,7 +59,6 @@ __all__ = [
     "LoadContext",
     "Matched",
     "Outcome",
-    "Planner",
     "ReadDone",
     "ReadPlan",
     "Staged",
@@ -66,7 +66,6 @@ __all__ = [
     "exchange",
     "map_back",
     "match_template",
-    "plan_reads",
     "read",
     "read_metadata_once",
     "stage",
@@ -107,14 +106,16 @@ def attempt(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Outcome[T]:
 
 @dataclass(frozen=True)
 class LoadContext:
-    """What every phase of one load on one rank may use: the open source, the group, the arguments, and the
-    clock that times the phases (an instrument: no phase reads it)."""
+    """What every phase of one load on one rank may use: the open source, the group, the arguments, the
+    clock that times the phases (an instrument: no phase reads it), and the cache of read-once schedules the
+    caller keeps (a :class:`~reshard.CheckpointManager`'s; None: none)."""
 
     source: CheckpointSource
     comm: Communicator
     options: LoadOptions
     strict: bool
     clock: PhaseClock
+    plans: ReadPlanCache | None = None
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ def _arguments(ctx: LoadContext) -> dict[str, Any]:
     node = node_id(options.staging.node_group) if options.staging is not None else ""
     kind = type(ctx.source).__name__ + (" refusing unused entries" if ctx.source.refuses_unused else "")
     wanted, reason = _read_once_wanted(ctx)
-    terms = load_terms(options, strict=ctx.strict, source=kind, node=node)
+    terms = load_terms(options, strict=ctx.strict, source=kind, node=node, plan_cache=ctx.plans is not None)
     return {"terms": terms, "read_once": wanted, "reason": reason, "budget": options.memory_budget_bytes}
 
 
@@ -233,96 +234,6 @@ def match_template(state_dict: Any, metadata: Metadata, *, rank: int, strict: bo
 
 
 @dataclass(frozen=True)
-class Planner:
-    """How the reads of a load are planned, the same on every rank. Without ``read_once`` each rank reads
-    its own pieces; with it the coordinator schedules one reader per shared cell, exchanging in rounds of at
-    most ``round_bytes`` and slabs of at least ``min_slab_bytes``. ``refuses_unused``: the source refuses
-    entries that no rank's template uses (safetensors), so the coordinator needs every rank's keys."""
-
-    read_once: bool
-    round_bytes: int
-    min_slab_bytes: int
-    refuses_unused: bool
-
-    @classmethod
-    def of(cls, agreed: Agreed, source: CheckpointSource) -> Planner:
-        """The planner of a load: the exchange's round is half the smallest budget (the send and the
-        receive buffers live together; the read buffers are released by then)."""
-        return cls(
-            read_once=agreed.read_once,
-            round_bytes=max(4096, agreed.budget // 2),
-            min_slab_bytes=max(MIN_SLAB_BYTES, agreed.metadata.checksum_chunk_bytes),
-            refuses_unused=source.refuses_unused,
-        )
-
-    def describe(self, matched: Matched) -> dict[str, Any]:
-        """What this rank sends the coordinator: its keys (where the source refuses unused entries) and,
-        reading once, its target pieces (:func:`~reshard.io.exchange.describe_need`)."""
-        return {
-            "grids": {key: list(grid) for key, grid in matched.grids},
-            "keys": sorted(set(matched.keys)) if self.refuses_unused else None,
-            "needs": [describe_need(k, p) for k, p in zip(matched.keys, matched.pieces, strict=True)]
-            if self.read_once
-            else None,
-        }
-
-    def schedules(self, docs: list[dict[str, Any]]) -> list[RankSchedule] | None:
-        """On the coordinator: every rank's read-once schedule, or None when each rank reads its own
-        pieces (not reading once, or nothing needed by more than one rank)."""
-        if not self.read_once:
-            return None
-        schedules = schedule_reads(
-            [d["needs"] for d in docs], round_bytes=self.round_bytes, min_slab_bytes=self.min_slab_bytes
-        )
-        return schedules if any(s.shared for s in schedules) else None
-
-
-def check_unused(source: CheckpointSource, keys_per_rank: list[list[str] | None]) -> None:
-    """On the coordinator: the source's entries no rank's template uses, an error where it refuses them."""
-    if not source.refuses_unused:
-        return
-    unused = source.unused_entries({key for keys in keys_per_rank for key in keys or ()})
-    if unused:
-        shown = ", ".join(repr(name) for name in unused[:20])
-        raise MismatchError(
-            f"{source.describe()}: {len(unused)} tensors of the source are used by no template key of this "
-            f"load: {shown}{' ...' if len(unused) > 20 else ''} (a key map that does not fit the checkpoint? "
-            "pass allow_unused=True to the source to load a part of it)"
-        )
-
-
-def check_object_grids(grids_per_rank: list[dict[str, list[int]]]) -> None:
-    """On the coordinator: every rank's template gives each per-rank object the same grid (its global shape),
-    else a :class:`~reshard.MismatchError` naming the ranks' grids (an ``object_grid`` policy is applied to one
-    grid, the same for every rank)."""
-    seen: dict[str, dict[tuple[int, ...], list[int]]] = {}
-    for rank, grids in enumerate(grids_per_rank):
-        for key, grid in grids.items():
-            seen.setdefault(key, {}).setdefault(tuple(grid), []).append(rank)
-    for key, by_grid in sorted(seen.items()):
-        if len(by_grid) > 1:
-            shown = "; ".join(f"{list(grid)} on ranks {ranks}" for grid, ranks in by_grid.items())
-            raise MismatchError(f"object {key!r}: the ranks' templates give it different grids: {shown}")
-
-
-def _check_all_unused(source: CheckpointSource, docs: list[dict[str, Any]]) -> None:
-    """The coordinator's part of a planning step without a schedule: the object grids agree, and no source
-    entry goes unused where the source refuses that."""
-    check_object_grids([d["grids"] for d in docs])
-    check_unused(source, [d["keys"] for d in docs])
-
-
-def _combine_plans(source: CheckpointSource, planner: Planner, payloads: list[bytes]) -> tuple[bool, list[bytes]]:
-    """The coordinator's part of a read-once planning step: check unused entries, then schedule (or not)."""
-    docs = [json.loads(p) for p in payloads]
-    _check_all_unused(source, docs)
-    schedules = planner.schedules(docs)
-    if schedules is None:
-        return False, [b""] * len(docs)
-    return True, [json.dumps(s.to_json()).encode() for s in schedules]
-
-
-@dataclass(frozen=True)
 class ReadPlan:
     """This rank's reads: the plan, the views its boxes land in, and the read-once schedule (None: each
     rank reads its own pieces, and there is nothing to exchange)."""
@@ -335,80 +246,8 @@ class ReadPlan:
     metadata: Metadata
     """The metadata planned with: the agreed one, with the boxes of this rank's keys read from their parts
     (partitioned metadata, :meth:`~reshard.io.sources.CheckpointSource.complete_metadata`)."""
-
-
-def _own_reads(ctx: LoadContext, metadata: Metadata, matched: Matched, schedule: RankSchedule | None) -> ReadPlan:
-    """The plan of the cells this rank reads: its scheduled ones, or all its pieces."""
-    refs: list[CellRef]
-    if schedule is None:
-        refs = [[i, list(p.box.offset), list(p.box.shape)] for i, p in enumerate(matched.pieces)]
-    else:
-        refs = schedule.reads
-    boxes = tuple(Box(tuple(ref[1]), tuple(ref[2])) for ref in refs)
-    views = tuple(matched.pieces[ref[0]].view if schedule is None else cell_view(matched.pieces, ref) for ref in refs)
-    on_device = any(view.device.type != "cpu" for view in views)
-    # Staged loads read local copies; otherwise the storage says what a request costs.
-    request_cost = 0 if ctx.options.staging is not None else ctx.source.storage.request_cost_bytes
-    amplification = ctx.options.max_read_amplification
-    if amplification is None and request_cost == 0:
-        amplification = DEFAULT_MAX_READ_AMPLIFICATION
-    plan = plan_load(
-        metadata,
-        [TargetPiece(key=matched.keys[ref[0]], box=box) for ref, box in zip(refs, boxes, strict=True)],
-        max_read_amplification=amplification,
-        max_read_bytes=ReadBudget.of(ctx.options.memory_budget_bytes, device=on_device).max_read_bytes,
-        request_cost_bytes=request_cost,
-    )
-    return ReadPlan(plan, views, boxes, schedule, on_device, metadata)
-
-
-def _local_plan(
-    ctx: LoadContext, metadata: Metadata, planner: Planner, matched: Outcome[Matched]
-) -> tuple[dict[str, Any], ReadPlan | Metadata]:
-    """This rank's part of the planning step: its description and, unless the coordinator may schedule its
-    reads, the plan of its own pieces, else the metadata to plan them with (the parts of partitioned metadata
-    that this rank's keys need are read here, inside the step, so that a failure is agreed on)."""
-    mine = matched.get()
-    metadata = ctx.source.complete_metadata(metadata, set(mine.keys))  # the parts this rank's keys need
-    if planner.read_once:
-        return planner.describe(mine), metadata
-    return planner.describe(mine), _own_reads(ctx, metadata, mine, None)
-
-
-def _description(local: Outcome[tuple[dict[str, Any], ReadPlan | Metadata]]) -> dict[str, Any]:
-    return local.get()[0]
-
-
-def _encoded(local: Outcome[tuple[dict[str, Any], ReadPlan | Metadata]]) -> bytes:
-    return json.dumps(local.get()[0]).encode()
-
-
-def plan_reads(ctx: LoadContext, agreed: Agreed, matched: Outcome[Matched]) -> ReadPlan:
-    """Phase 3, one collective step: each rank describes its template (a failure of
-    :func:`match_template` on any rank fails the step on every rank); the coordinator checks for unused
-    source entries and, reading once, lets the :class:`Planner` schedule (the replies are scattered: a
-    plain load's step is a gather and a broadcast only); each rank then has the plan of its own reads."""
-    comm, clock = ctx.comm, ctx.clock
-    planner = Planner.of(agreed, ctx.source)
-    with clock.exchange():
-        with clock.phase("plan"):
-            local = attempt(_local_plan, ctx, agreed.metadata, planner, matched)
-        if planner.read_once:
-            combine = functools.partial(_combine_plans, ctx.source, planner)
-            shared, reply = comm.step_scatter("load planning", functools.partial(_encoded, local), combine)
-        else:
-            shared, reply = False, b""
-            comm.step(
-                "load planning",
-                functools.partial(_description, local),
-                functools.partial(_check_all_unused, ctx.source),
-            )
-    with clock.phase("plan"):
-        own = local.get()[1]
-        if isinstance(own, ReadPlan):
-            return own
-        schedule = RankSchedule.from_json(json.loads(reply)) if shared else None
-        return _own_reads(ctx, own, matched.get(), schedule)
+    reused: bool = False
+    """Whether the read-once schedule came from a plan cache (the needs were not gathered); the same on every rank."""
 
 
 @dataclass(frozen=True)

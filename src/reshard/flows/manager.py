@@ -7,6 +7,7 @@ Layout of a root (a directory or an object-store prefix)::
     latest.json           {"step": 2000, "path": "step_000002000"}: the newest committed step, a hint
     .lock                 held by the manager that is saving (see reshard.io.locking)
     plans.reshard-cache   the layouts of the newest save plan, a validated cache (reshard.flows.plan_cache)
+    reads.reshard-cache   the needs of the newest read-once schedule of a load, a validated cache (the same)
 
 A checkpoint is *complete* when its ``metadata.json`` exists (it is written last, atomically) and parses;
 anything else under a step directory is an interrupted or running save. ``latest.json`` is updated only
@@ -65,9 +66,9 @@ from reshard.flows.certify import (
 from reshard.flows.load import load
 from reshard.flows.maintenance import validate_checkpoint
 from reshard.flows.options import SaveOptions, check_terms
-from reshard.flows.plan_cache import PlanCache
+from reshard.flows.plan_cache import PlanCache, ReadPlanCache
 from reshard.flows.save import SaveResult, save_replacing
-from reshard.flows.skipped import SkippedStep, metadata_digest, still_skipped, uncertified_skipped
+from reshard.flows.skipped import SkippedStep, step_digest, still_skipped, uncertified_skipped
 from reshard.flows.steps import (
     LATEST_FILE,
     StepInfo,
@@ -142,6 +143,7 @@ class CheckpointManager:
         self.group, self.timeout = group, timeout
         self.certify_options, self.certify_hook = certify, certify_hook
         self._plans = PlanCache.beside(self.root)  # save plans, kept in the root for restarts (flows/plan_cache.py)
+        self._read_plans = ReadPlanCache.beside(self.root)  # the read-once schedules of its loads (the same)
         self._checks: dict[int, Checks] = {}  # the checks of the steps this manager saved (before its hook)
         self.resumed_past: frozenset[int] = frozenset()
         """The complete steps newer than the one :meth:`load_latest` resumed from whose data failed to load: a save
@@ -526,7 +528,10 @@ class CheckpointManager:
             listed = reversed(scan_root(self.root))
             return [
                 root,
-                [[s.step, s.status, s.problem, self._digest(s), s.certified, s.certification] for s in listed],
+                [
+                    [s.step, s.status, s.problem, step_digest(self.root, s), s.certified, s.certification]
+                    for s in listed
+                ],
             ]
 
         def coordinators(values: list[list[Any]]) -> list[list[Any]]:
@@ -555,7 +560,8 @@ class CheckpointManager:
                 )
                 continue
             try:
-                loaded = load(state_dict, self.path_of(step), group=self.group, timeout=self.timeout, **load_kwargs)
+                kwargs = {"plan_cache": self._read_plans, **load_kwargs}
+                loaded = load(state_dict, self.path_of(step), group=self.group, timeout=self.timeout, **kwargs)
             except (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError) as exc:
                 skip(step, str(exc))
                 unloadable.append(SkippedStep(step, digest))
@@ -583,16 +589,6 @@ class CheckpointManager:
         """The steps a resume skipped (as :meth:`load_latest` does; a tiered restore too): a save may go past them."""
         self._skipped = tuple(skipped)
         self.resumed_past = frozenset(s.step for s in skipped)
-
-    def _digest(self, info: StepInfo) -> str | None:
-        """On the coordinator: the identity of a complete step's save as :meth:`load_latest` lists it."""
-        if info.status != "complete":
-            return None
-        child = self.root.child(info.name)
-        try:
-            return metadata_digest(child)
-        finally:
-            child.close()
 
     def load_latest(self, state_dict: Any, **load_kwargs: Any) -> int | None:
         """Like :meth:`load_latest_with_state` (tensors are filled in place), returning only the step."""

@@ -179,6 +179,12 @@ class LoadOptions:
             (grids of another number of axes raise :class:`~reshard.MismatchError`); ``"skip"`` loads no cell
             of a changed grid (every one keeps the template's value, every saved cell is named). An object
             whose grid did not change loads as ever.
+        reuse_plan: in the loads of a :class:`~reshard.CheckpointManager` (which keeps the read-once schedules of its
+            loads, in memory and in its root; or of any caller passing ``plan_cache=`` to :func:`reshard.load`), a
+            read-once load whose ranks' targets (keys, boxes, dtypes, group size, every rank's position) were
+            scheduled before sends only a fingerprint of them at planning and reuses that schedule; any difference
+            schedules anew (docs/scale.md, "Plans reused"). A load that does not read once has no schedule: there it
+            changes nothing.
 
     Every rank of a load passes the same options, checked in the load's first collective step (a difference
     is a :class:`~reshard.CheckpointError` on every rank naming the option and the ranks of each value, before
@@ -202,6 +208,7 @@ class LoadOptions:
     staging: StagingOptions | None = None
     read_once: bool | None = None
     object_grid: ObjectGrid = "exact"
+    reuse_plan: bool = True
 
     def __post_init__(self) -> None:
         if self.object_grid not in OBJECT_GRIDS:
@@ -217,11 +224,11 @@ class LoadOptions:
             )
 
 
-def load_terms(options: LoadOptions, *, strict: bool, source: str, node: str) -> dict[str, Any]:
+def load_terms(options: LoadOptions, *, strict: bool, source: str, node: str, plan_cache: bool) -> dict[str, Any]:
     """The arguments of one rank's load that every rank must pass alike (JSON values), for :func:`check_terms`:
-    every field of ``options`` but the two that may differ per rank (see :class:`LoadOptions`), ``strict``
-    and the kind of ``source``. ``node`` names this rank's node (the staging directory must agree among the
-    ranks of each node)."""
+    every field of ``options`` but the two that may differ per rank (see :class:`LoadOptions`), ``strict``,
+    the kind of ``source`` and whether a plan cache was passed (``plan_cache``). ``node`` names this rank's node
+    (the staging directory must agree among the ranks of each node)."""
     staging = options.staging
     return {
         "allow_dtype_cast": bool(options.allow_dtype_cast),
@@ -229,6 +236,8 @@ def load_terms(options: LoadOptions, *, strict: bool, source: str, node: str) ->
         "verify": bool(options.verify),
         "read_once": options.read_once if options.read_once is None else bool(options.read_once),
         "object_grid": str(options.object_grid),
+        "reuse_plan": bool(options.reuse_plan),
+        "plan_cache": bool(plan_cache),
         "staging": staging is not None,
         "staging.keep": None if staging is None else bool(staging.keep),
         "staging.directory": None if staging is None else [node, os.path.abspath(staging.path)],

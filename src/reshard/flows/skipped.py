@@ -24,12 +24,12 @@ from typing import Any
 from reshard.errors import CheckpointError
 from reshard.flows.certify import certification_status
 from reshard.flows.maintenance import validate_checkpoint
-from reshard.flows.steps import step_name
+from reshard.flows.steps import StepInfo, step_name
 from reshard.io.sources import read_metadata_bytes
 from reshard.metadata import document_digest
 from reshard.storage import Storage
 
-__all__ = ["SkippedStep", "metadata_digest", "still_skipped", "uncertified_skipped"]
+__all__ = ["SkippedStep", "metadata_digest", "step_digest", "still_skipped", "uncertified_skipped"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +61,17 @@ def metadata_digest(checkpoint: Storage) -> str | None:
         return document_digest(read_metadata_bytes(checkpoint))
     except (OSError, CheckpointError):
         return None
+
+
+def step_digest(root: Storage, info: StepInfo) -> str | None:
+    """The identity of a complete step's save in ``root`` as a listing of the steps shows it (None: not complete)."""
+    if info.status != "complete":
+        return None
+    child = root.child(info.name)
+    try:
+        return metadata_digest(child)
+    finally:
+        child.close()
 
 
 def still_skipped(root: Storage, skipped: SkippedStep) -> str | None:

@@ -24,7 +24,7 @@ from reshard.io.parts import read_parts
 from reshard.io.references import is_retired
 from reshard.io.sources import read_metadata_bytes
 from reshard.metadata import METADATA_FILE, Metadata
-from reshard.planning.layouts import PLAN_CACHE_FILE, PLAN_FILE_MAGIC
+from reshard.planning.layouts import PLAN_FILES, PlanFileKind
 from reshard.storage import FileTooLargeError, ReadRequest, Storage
 
 __all__ = [
@@ -42,8 +42,11 @@ __all__ = [
 LATEST_FILE = "latest.json"
 _LATEST_TEMPORARY = re.compile(rf"^\.{re.escape(LATEST_FILE)}\.tmp-[0-9a-f]{{32}}$")
 """The temporary of ``latest.json``'s commit (a manager killed while it replaced the pointer leaves one)."""
-_PLANS_TEMPORARY = re.compile(rf"^\.{re.escape(PLAN_CACHE_FILE)}\.tmp-[0-9a-f]{{32}}$")
-"""The temporary of the plan cache's commit (:mod:`reshard.flows.plan_cache`; a manager killed while writing it)."""
+
+
+def _plans_temporary(kind: PlanFileKind) -> re.Pattern[str]:
+    """The temporary of a plan cache's commit (:mod:`reshard.flows.plan_cache`; a manager killed while writing it)."""
+    return re.compile(rf"^\.{re.escape(kind.name)}\.tmp-[0-9a-f]{{32}}$")
 
 
 def _is_pointer(pointer: dict[str, Any]) -> bool:
@@ -215,10 +218,12 @@ def sweep_pointer_temporaries(root: Storage) -> None:
         if _LATEST_TEMPORARY.match(name) and _is_latest_temporary(root, name):
             logger.info("retention: removing %s, left by a manager killed while it moved the pointer", name)
             _delete_temporary(root, name)
-    for name in root.list_names(f".{PLAN_CACHE_FILE}.tmp-"):
-        if _PLANS_TEMPORARY.match(name) and _is_plans_temporary(root, name):
-            logger.info("retention: removing %s, left by a manager killed while it wrote the plan cache", name)
-            _delete_temporary(root, name)
+    for kind in PLAN_FILES:
+        pattern = _plans_temporary(kind)
+        for name in root.list_names(f".{kind.name}.tmp-"):
+            if pattern.match(name) and _is_plans_temporary(root, name, kind):
+                logger.info("retention: removing %s, left by a manager killed while it wrote a plan cache", name)
+                _delete_temporary(root, name)
 
 
 def _is_latest_temporary(root: Storage, name: str) -> bool:
@@ -233,9 +238,10 @@ def _is_latest_temporary(root: Storage, name: str) -> bool:
     return isinstance(pointer, dict) and set(pointer) == {"step", "path"} and _is_pointer(pointer)
 
 
-def _is_plans_temporary(root: Storage, name: str) -> bool:
-    """Whether ``name`` begins as reshard's plan cache does, or is empty (False: gone, another start, unreadable)."""
-    head = memoryview(bytearray(len(PLAN_FILE_MAGIC)))
+def _is_plans_temporary(root: Storage, name: str, kind: PlanFileKind) -> bool:
+    """Whether ``name`` begins as reshard's plan cache of ``kind`` does, or is empty (False: gone, another start,
+    unreadable)."""
+    head = memoryview(bytearray(len(kind.magic)))
     try:
         got = root.read_ranges([ReadRequest(name, 0, head)])[0]
     except FileNotFoundError:
@@ -243,7 +249,7 @@ def _is_plans_temporary(root: Storage, name: str) -> bool:
     except OSError as exc:
         _warn_unread_temporary(root, name, exc)
         return False
-    return PLAN_FILE_MAGIC.startswith(bytes(head[:got]))
+    return kind.magic.startswith(bytes(head[:got]))
 
 
 def _warn_unread_temporary(root: Storage, name: str, exc: OSError) -> None:

@@ -16,6 +16,10 @@ The plan cache file (:data:`PLAN_CACHE_FILE`, written by :class:`reshard.flows.p
 layouts of one group, with their fingerprints and a SHA-256 of the whole: :func:`decode_plan_file` returns the
 layouts only when the checksum holds and every stored layout hashes to the fingerprint its rank sent now, so a
 damaged, truncated, stale or forged file is never used (a forgery would need a SHA-256 collision).
+
+A load that reads once keeps its schedules the same way (:class:`reshard.flows.plan_cache.ReadPlanCache`): a rank's
+"layout" there is its *needs* (:func:`needs_bytes`: the target pieces the read-once schedule is computed from), in a
+file and a fingerprint domain of their own (:data:`READ_PLANS`), so that neither file is ever taken for the other.
 """
 
 from __future__ import annotations
@@ -30,14 +34,19 @@ from reshard.planning.descriptions import DescriptionTable, LocalSaveDescription
 
 __all__ = [
     "PLAN_CACHE_FILE",
+    "PLAN_FILES",
     "PLAN_FILE_MAGIC",
+    "READ_PLANS",
+    "SAVE_PLANS",
     "Offer",
+    "PlanFileKind",
     "decode_plan_file",
     "encode_offer",
     "encode_plan_file",
     "is_description",
     "layout_bytes",
     "layout_fingerprint",
+    "needs_bytes",
     "offer_contexts",
     "plan_file_extent",
     "plan_file_head_bytes",
@@ -57,14 +66,38 @@ _HEADER_LENGTH = struct.Struct("<Q")
 _DIGEST_BYTES = 32
 
 
+@dataclass(frozen=True, slots=True)
+class PlanFileKind:
+    """What a plan cache file holds: its name in a manager's root, the magic it begins with, and the domain its
+    layouts' fingerprints are hashed in (a save layout and a load's needs never share a fingerprint)."""
+
+    name: str
+    magic: bytes
+    domain: bytes
+
+
+SAVE_PLANS = PlanFileKind(PLAN_CACHE_FILE, PLAN_FILE_MAGIC, _DOMAIN)
+"""The layouts of the newest save plan (:class:`reshard.flows.plan_cache.PlanCache`)."""
+READ_PLANS = PlanFileKind("reads.reshard-cache", b"RSREADS1", b"reshard read-once needs v1\x00")
+"""The needs of the newest read-once schedule of a load (:class:`reshard.flows.plan_cache.ReadPlanCache`)."""
+PLAN_FILES = (SAVE_PLANS, READ_PLANS)
+"""Every plan cache file a manager may keep in its root."""
+
+
 def layout_bytes(description: LocalSaveDescription) -> bytes:
     """The part of a rank's description that determines the save plan (its encoded form, without a context)."""
     return encode_description(description, None)
 
 
-def layout_fingerprint(layout: bytes, *, rank: int, world: int) -> str:
-    """SHA-256 (hex) of ``layout`` at position ``rank`` of a group of ``world`` ranks."""
-    digest = hashlib.sha256(_DOMAIN)
+def needs_bytes(needs: list[list[Any]]) -> bytes:
+    """A load's target pieces as a read-once schedule takes them (``[key, offset, shape, dtype name]`` each, in piece
+    order: :func:`reshard.io.exchange.describe_need`), in one canonical encoding: what its fingerprint is of."""
+    return json.dumps(needs, separators=(",", ":"), allow_nan=False).encode()
+
+
+def layout_fingerprint(layout: bytes, *, rank: int, world: int, kind: PlanFileKind = SAVE_PLANS) -> str:
+    """SHA-256 (hex) of ``layout`` at position ``rank`` of a group of ``world`` ranks (in the domain of ``kind``)."""
+    digest = hashlib.sha256(kind.domain)
     digest.update(_POSITION.pack(rank, world))
     digest.update(layout)
     return digest.hexdigest()
@@ -113,13 +146,15 @@ def offer_contexts(payloads: list[bytes]) -> list[Any]:
     return [DescriptionTable.from_wire([p])[1][0] if is_description(p) else read_offer(p).context for p in payloads]
 
 
-def encode_plan_file(fingerprints: tuple[str, ...], layouts: tuple[bytes, ...]) -> bytes:
+def encode_plan_file(
+    fingerprints: tuple[str, ...], layouts: tuple[bytes, ...], *, kind: PlanFileKind = SAVE_PLANS
+) -> bytes:
     """The plan cache file of one group: its fingerprints and layouts (in rank order), behind a SHA-256 of all."""
     header = json.dumps(
         {"format": 1, "world": len(layouts), "fingerprints": list(fingerprints), "lengths": [len(x) for x in layouts]}
     ).encode()
     body = b"".join((_HEADER_LENGTH.pack(len(header)), header, *layouts))
-    return PLAN_FILE_MAGIC + hashlib.sha256(body).digest() + body
+    return kind.magic + hashlib.sha256(body).digest() + body
 
 
 def plan_file_head_bytes(world: int) -> int:
@@ -128,7 +163,7 @@ def plan_file_head_bytes(world: int) -> int:
     return len(PLAN_FILE_MAGIC) + _DIGEST_BYTES + _HEADER_LENGTH.size + 4096 + 128 * world
 
 
-def plan_file_extent(head: bytes, fingerprints: tuple[str, ...]) -> int:
+def plan_file_extent(head: bytes, fingerprints: tuple[str, ...], *, kind: PlanFileKind = SAVE_PLANS) -> int:
     """From the first bytes of a plan cache file (at least :func:`plan_file_head_bytes`, or all of a shorter file):
     the size the whole file must have, provided its header is a plan cache's, of ``fingerprints`` (so that a file
     of another layout, or garbage, is known for a miss without being read whole).
@@ -136,8 +171,8 @@ def plan_file_extent(head: bytes, fingerprints: tuple[str, ...]) -> int:
     Raises:
         ValueError: naming what does not hold.
     """
-    start = len(PLAN_FILE_MAGIC) + _DIGEST_BYTES
-    if head[: len(PLAN_FILE_MAGIC)] != PLAN_FILE_MAGIC or len(head) < start + _HEADER_LENGTH.size:
+    start = len(kind.magic) + _DIGEST_BYTES
+    if head[: len(kind.magic)] != kind.magic or len(head) < start + _HEADER_LENGTH.size:
         raise ValueError("not a plan cache file")
     (length,) = _HEADER_LENGTH.unpack_from(head, start)
     at = start + _HEADER_LENGTH.size
@@ -158,18 +193,20 @@ def plan_file_extent(head: bytes, fingerprints: tuple[str, ...]) -> int:
     return int(at + length + sum(lengths))
 
 
-def decode_plan_file(raw: bytes | bytearray, fingerprints: tuple[str, ...]) -> tuple[bytes, ...]:
+def decode_plan_file(
+    raw: bytes | bytearray, fingerprints: tuple[str, ...], *, kind: PlanFileKind = SAVE_PLANS
+) -> tuple[bytes, ...]:
     """The layouts of a plan cache file, provided its checksum holds and every layout hashes, at its rank in a group
     of ``len(fingerprints)``, to ``fingerprints[rank]`` (what that rank sent now).
 
     Raises:
         ValueError: naming what does not hold (the file is then a miss, never an error).
     """
-    start = len(PLAN_FILE_MAGIC) + _DIGEST_BYTES
-    if raw[: len(PLAN_FILE_MAGIC)] != PLAN_FILE_MAGIC or len(raw) < start + _HEADER_LENGTH.size:
+    start = len(kind.magic) + _DIGEST_BYTES
+    if raw[: len(kind.magic)] != kind.magic or len(raw) < start + _HEADER_LENGTH.size:
         raise ValueError("not a plan cache file")
     body = memoryview(raw)[start:]
-    if hashlib.sha256(body).digest() != raw[len(PLAN_FILE_MAGIC) : start]:
+    if hashlib.sha256(body).digest() != raw[len(kind.magic) : start]:
         raise ValueError("its checksum does not match (damaged or truncated)")
     (length,) = _HEADER_LENGTH.unpack_from(body)
     header = json.loads(bytes(body[_HEADER_LENGTH.size : _HEADER_LENGTH.size + length]))
@@ -185,7 +222,7 @@ def decode_plan_file(raw: bytes | bytearray, fingerprints: tuple[str, ...]) -> t
     for rank, size in enumerate(lengths):
         layout = bytes(body[at : at + size])
         at += size
-        if layout_fingerprint(layout, rank=rank, world=len(fingerprints)) != fingerprints[rank]:
+        if layout_fingerprint(layout, rank=rank, world=len(fingerprints), kind=kind) != fingerprints[rank]:
             raise ValueError(f"the layout of rank {rank} does not hash to its fingerprint")
         layouts.append(layout)
     return tuple(layouts)
