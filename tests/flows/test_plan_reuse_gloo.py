@@ -98,3 +98,39 @@ def test_plans_are_reused_in_memory_and_after_a_restart_and_a_changed_rank_is_ca
         assert pool4.run_ok(rank_loads, str(tmp_path / "root" / f"step_{step:09d}"), step) == [True] * 4
     changed = pool4.run_ok(rank_saves, root, [4], [3])  # rank 1's box now overlaps rank 0's (and rank 2's)
     assert all(s[0][0].startswith("ShardingError") for s in changed) and len({s[0][0] for s in changed}) == 1
+
+
+def rank_manager_loads(ctx: RankContext, root: str, loads: int, rank1_rows: int) -> list[tuple[bool, bool]]:
+    """A fresh manager loads the latest step ``loads`` times with ``LoadOptions(read_once=True)`` into rows of ``w``
+    cut in halves (ranks 0 and 2 the first, 1 and 3 the second: two replicas of each half), rank 1 with
+    ``rank1_rows`` rows instead of 4; per load, whether the schedule was reused and the bytes are those saved."""
+    manager = reshard.CheckpointManager(root, timeout=TIMEOUT)
+    half = ctx.rank % 2
+    rows = rank1_rows if ctx.rank == 1 else 4
+    out = []
+    try:
+        for _ in range(loads):
+            template = state(ctx.rank, ctx.world_size, 0)
+            template["w"] = reshard.ShardedTensor(
+                key="w", data=torch.zeros(rows, 4), global_shape=(ctx.world_size * 2, 4), global_offset=(half * 4, 0)
+            )
+            stats = reshard.LoadStats()
+            step, loaded = manager.load_latest_with_state(  # type: ignore[misc]
+                template, options=reshard.LoadOptions(read_once=True), stats=stats
+            )
+            saved = torch.cat([state(r, ctx.world_size, step)["w"].data for r in range(ctx.world_size)])
+            same = torch.equal(loaded["w"].data, saved[half * 4 : half * 4 + rows])
+            out.append((stats.schedule_reused, same and stats.bytes_from_peers > 0))
+    finally:
+        manager.close()
+    return out
+
+
+def test_read_once_schedules_are_reused_in_memory_and_after_a_restart(pool4: RankPool, tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    pool4.run_ok(rank_saves, root, [1], [2])
+    first = pool4.run_ok(rank_manager_loads, root, 2, 4)
+    assert first == [[(False, True), (True, True)]] * 4  # scheduled, then reused in memory; the bytes saved
+    assert (tmp_path / "root" / "reads.reshard-cache").is_file()
+    assert pool4.run_ok(rank_manager_loads, root, 1, 4) == [[(True, True)]] * 4  # a restart: the needs in the root
+    assert pool4.run_ok(rank_manager_loads, root, 1, 2) == [[(False, True)]] * 4  # rank 1 alone changed

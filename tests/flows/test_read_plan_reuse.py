@@ -14,6 +14,7 @@ import torch
 
 import reshard
 from reshard.errors import CheckpointError
+from reshard.flows.load import load_reusing
 from reshard.flows.plan_cache import ReadPlanCache
 from reshard.io.exchange import describe_need
 from reshard.net.transports import ThreadGroup
@@ -82,9 +83,7 @@ def load_on_threads(
 
     def rank(r: int) -> tuple[dict[str, Any], reshard.LoadStats, int]:
         member, stats = group.member(r), reshard.LoadStats()
-        loaded = reshard.load(
-            templates(r), path, group=member, options=options(r), stats=stats, plan_cache=caches[r], timeout=20
-        )
+        loaded = load_reusing(caches[r], templates(r), path, group=member, options=options(r), stats=stats, timeout=20)
         return loaded, stats, member.bytes_sent
 
     results = on_threads(WORLD, rank, group=group)
@@ -212,7 +211,7 @@ def test_ranks_that_disagree_fail_alike_naming_the_term(ckpt: Path, term: str) -
     def rank(r: int) -> Any:
         options = reshard.LoadOptions(read_once=True, reuse_plan=not (term == "reuse_plan" and r == 1))
         cache = None if term == "plan_cache" and r == 3 else ReadPlanCache()
-        return reshard.load(template(r), ckpt, group=group.member(r), options=options, plan_cache=cache, timeout=20)
+        return load_reusing(cache, template(r), ckpt, group=group.member(r), options=options, timeout=20)
 
     outcomes = outcomes_on_threads(WORLD, rank)
     assert all(isinstance(o, CheckpointError) for o in outcomes), outcomes

@@ -55,7 +55,7 @@ from reshard.net.comm import Communicator
 from reshard.net.transports import Group
 from reshard.storage import CheckpointLocation, storage_for
 
-__all__ = ["LoadStats", "load", "read_metadata"]
+__all__ = ["LoadStats", "load", "load_reusing", "read_metadata"]
 
 logger = logging.getLogger("reshard")
 
@@ -82,7 +82,6 @@ def load(
     storage_options: dict[str, Any] | None = None,
     timeout: datetime.timedelta | float | None = None,
     stats: LoadStats | None = None,
-    plan_cache: ReadPlanCache | None = None,
 ) -> Any:
     """Load a checkpoint into a template state dict of the current layout. Called by all ranks of ``group``.
 
@@ -107,10 +106,6 @@ def load(
             :func:`reshard.save`).
         timeout: how long any collective may wait for the slowest rank.
         stats: if given, filled with this rank's read accounting.
-        plan_cache: read-once schedules kept across loads (a :class:`~reshard.flows.plan_cache.ReadPlanCache`; a
-            :class:`~reshard.CheckpointManager` passes its own): with ``LoadOptions(reuse_plan=True)``, the default, a
-            read-once load whose ranks' targets were scheduled before reuses that schedule instead of gathering
-            them. Every rank passes one, or none.
 
     Returns:
         A state dict of the template's structure in which each ShardedTensor is replaced by its filled
@@ -123,6 +118,37 @@ def load(
         CorruptCheckpointError: invalid metadata, a checksum mismatch, a truncated or missing file.
         CheckpointError: any failure, raised on every rank and naming the failing ranks.
     """
+    return load_reusing(
+        None,
+        state_dict,
+        source,
+        group=group,
+        strict=strict,
+        options=options,
+        storage_options=storage_options,
+        timeout=timeout,
+        stats=stats,
+    )
+
+
+def load_reusing(
+    plan_cache: ReadPlanCache | None,
+    state_dict: Any,
+    source: CheckpointLocation | CheckpointSource,
+    *,
+    group: Group = None,
+    strict: bool = True,
+    options: LoadOptions | None = None,
+    storage_options: dict[str, Any] | None = None,
+    timeout: datetime.timedelta | float | None = None,
+    stats: LoadStats | None = None,
+) -> Any:
+    """:func:`load` with the read-once schedules ``plan_cache`` keeps across loads (a
+    :class:`~reshard.flows.plan_cache.ReadPlanCache`; a :class:`~reshard.CheckpointManager` passes its own, as
+    :func:`reshard.flows.save.save_replacing` takes a manager's save plans; :func:`reshard.load` keeps none): with
+    ``LoadOptions(reuse_plan=True)``, the default, a read-once load whose ranks' targets were scheduled before
+    reuses that schedule instead of gathering them (:mod:`reshard.flows.load_planning`). Called by all ranks of
+    ``group``, each passing a cache, or each None."""
     started = time.perf_counter()
     # Paused from the first step: a collection the caller's objects made due must not start in this call
     # (reshard.flows.collector).

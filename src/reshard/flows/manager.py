@@ -63,7 +63,7 @@ from reshard.flows.certify import (
     decide_certification,
     prefer_certified,
 )
-from reshard.flows.load import load
+from reshard.flows.load import load_reusing
 from reshard.flows.maintenance import validate_checkpoint
 from reshard.flows.options import SaveOptions, check_terms
 from reshard.flows.plan_cache import PlanCache, ReadPlanCache
@@ -560,8 +560,8 @@ class CheckpointManager:
                 )
                 continue
             try:
-                kwargs = {"plan_cache": self._read_plans, **load_kwargs}
-                loaded = load(state_dict, self.path_of(step), group=self.group, timeout=self.timeout, **kwargs)
+                path, plans = self.path_of(step), self._read_plans
+                loaded = load_reusing(plans, state_dict, path, group=self.group, timeout=self.timeout, **load_kwargs)
             except (CorruptCheckpointError, IncompleteCheckpointError, CheckpointNotFoundError) as exc:
                 skip(step, str(exc))
                 unloadable.append(SkippedStep(step, digest))

@@ -180,7 +180,7 @@ class LoadOptions:
             of a changed grid (every one keeps the template's value, every saved cell is named). An object
             whose grid did not change loads as ever.
         reuse_plan: in the loads of a :class:`~reshard.CheckpointManager` (which keeps the read-once schedules of its
-            loads, in memory and in its root; or of any caller passing ``plan_cache=`` to :func:`reshard.load`), a
+            loads, in memory and in its root; or of any caller of :func:`reshard.flows.load.load_reusing`), a
             read-once load whose ranks' targets (keys, boxes, dtypes, group size, every rank's position) were
             scheduled before sends only a fingerprint of them at planning and reuses that schedule; any difference
             schedules anew (docs/scale.md, "Plans reused"). A load that does not read once has no schedule: there it

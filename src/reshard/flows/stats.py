@@ -113,8 +113,8 @@ class LoadStats:
             shared file system, mounted at /mnt/ckpt)``, ``/tmp/x is ext4 (local, mounted at /)``, an override
             (``LocalStorage(shared=True) for ...``, ``RESHARD_SHARED_FILESYSTEM=1 (...)``); where the ranks'
             storages differ, the first rank's that wanted the mode agreed on (`` (on rank 3)`` when not rank 0).
-        schedule_reused: whether the read-once schedule came from a plan cache (``load(plan_cache=...)``, a
-            :class:`~reshard.CheckpointManager`'s loads): the ranks' needs were neither gathered nor (from memory)
+        schedule_reused: whether the read-once schedule came from a plan cache (a :class:`~reshard.CheckpointManager`'s
+            loads, :func:`reshard.flows.load.load_reusing`): the ranks' needs were neither gathered nor (from memory)
             scheduled again; the same on every rank.
         files_downloaded, bytes_downloaded: with staging, the whole data files this rank downloaded for its
             node (each file needed by a node is downloaded by exactly one of its ranks).

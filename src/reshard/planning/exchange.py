@@ -272,23 +272,22 @@ def pack_rounds(transfers: list[Transfer], size: int, round_bytes: int) -> list[
 
 def _rounds(placed: list[list[Transfer]], size: int) -> list[list[dict[str, list[list[Any]]]]]:
     """Packed rounds as messages: per round and rank, ``{"send": [[peer, [cells]]...], "recv": [...]}``. A
-    rank receives a round's messages in the order of their peers, each message's cells in plan order."""
+    rank receives a round's messages in the order of their peers, each message's cells in plan order. Only the
+    ranks a round moves bytes of are sorted out (the others get empty lists), so that the work is the transfers'
+    and not rounds times ranks (hundreds of rounds of thousands of ranks at scale)."""
     out = []
     for batch in placed:
-        outgoing: list[dict[int, list[CellRef]]] = [{} for _ in range(size)]
-        incoming: list[dict[int, list[CellRef]]] = [{} for _ in range(size)]
+        outgoing: dict[int, dict[int, list[CellRef]]] = {}
+        incoming: dict[int, dict[int, list[CellRef]]] = {}
         for t in batch:
-            outgoing[t.src].setdefault(t.dst, []).append([*_ref(t.src_piece, t.box), None, t.ident])
-            incoming[t.dst].setdefault(t.src, []).append([*_ref(t.dst_piece, t.box), t.wire, t.ident])
-        out.append(
-            [
-                {
-                    "send": [[peer, cells] for peer, cells in sorted(outgoing[r].items())],
-                    "recv": [[peer, cells] for peer, cells in sorted(incoming[r].items())],
-                }
-                for r in range(size)
-            ]
-        )
+            outgoing.setdefault(t.src, {}).setdefault(t.dst, []).append([*_ref(t.src_piece, t.box), None, t.ident])
+            incoming.setdefault(t.dst, {}).setdefault(t.src, []).append([*_ref(t.dst_piece, t.box), t.wire, t.ident])
+        row: list[dict[str, list[list[Any]]]] = [{"send": [], "recv": []} for _ in range(size)]
+        for rank, peers in outgoing.items():
+            row[rank]["send"] = [[peer, cells] for peer, cells in sorted(peers.items())]
+        for rank, peers in incoming.items():
+            row[rank]["recv"] = [[peer, cells] for peer, cells in sorted(peers.items())]
+        out.append(row)
     return out
 
 
