@@ -308,10 +308,22 @@ def damaged(kind: str, raw: bytes) -> bytes:
         return encode_plan_file(fingerprints_now(), tuple(other), kind=READ_PLANS)
     if kind == "a save plan file":  # the right needs, under the save cache's magic
         return raw.replace(READ_PLANS.magic, b"RSPLANS1", 1)
+    if kind == "float lengths":  # the right needs, a header whose lengths are floats, the checksum made again
+        import hashlib
+        import json
+        import struct
+
+        body = raw[8 + 32 :]
+        (length,) = struct.unpack_from("<Q", body)
+        header = json.loads(body[8 : 8 + length])
+        header["lengths"] = [float(n) for n in header["lengths"]]
+        encoded = json.dumps(header).encode()
+        body = struct.pack("<Q", len(encoded)) + encoded + body[8 + length :]
+        return raw[:8] + hashlib.sha256(body).digest() + body
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["flipped", "truncated", "empty", "forged", "a save plan file"])
+@pytest.mark.parametrize("kind", ["flipped", "truncated", "empty", "forged", "a save plan file", "float lengths"])
 def test_a_bad_read_plan_file_is_a_miss_never_an_error(root: Path, caplog: pytest.LogCaptureFixture, kind: str) -> None:
     manager_loads(root)
     path = root / READS

@@ -114,8 +114,9 @@ class LoadStats:
             (``LocalStorage(shared=True) for ...``, ``RESHARD_SHARED_FILESYSTEM=1 (...)``); where the ranks'
             storages differ, the first rank's that wanted the mode agreed on (`` (on rank 3)`` when not rank 0).
         schedule_reused: whether the read-once schedule came from a plan cache (a :class:`~reshard.CheckpointManager`'s
-            loads, :func:`reshard.flows.load.load_reusing`): the ranks' needs were neither gathered nor (from memory)
-            scheduled again; the same on every rank.
+            loads, :func:`reshard.flows.load.load_reusing`): the ranks' needs were not gathered; the coordinator
+            took the schedule from memory, or (a restarted manager) made it again from the needs kept in the root's
+            ``reads.reshard-cache`` (a debug log says which); the same on every rank.
         files_downloaded, bytes_downloaded: with staging, the whole data files this rank downloaded for its
             node (each file needed by a node is downloaded by exactly one of its ranks).
         files_reused: with staging, complete files found in the staging directory and reused.

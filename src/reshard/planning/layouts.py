@@ -157,6 +157,17 @@ def encode_plan_file(
     return kind.magic + hashlib.sha256(body).digest() + body
 
 
+def _lengths(values: Any) -> list[int]:
+    """A header's layout lengths: a list of integers (a float, a string or a bool is not one).
+
+    Raises:
+        ValueError: naming what is not.
+    """
+    if not isinstance(values, list) or not all(type(n) is int for n in values):
+        raise ValueError(f"its layout lengths are not integers: {str(values)[:80]}")
+    return values
+
+
 def plan_file_head_bytes(world: int) -> int:
     """How many first bytes of a plan cache file of a group of ``world`` ranks :func:`plan_file_extent` needs at most
     (its header holds a fingerprint and a length per rank)."""
@@ -180,7 +191,7 @@ def plan_file_extent(head: bytes, fingerprints: tuple[str, ...], *, kind: PlanFi
         raise ValueError(f"a header of {length} bytes, longer than the file's first {len(head) - at}")
     try:
         header = json.loads(head[at : at + length])
-        lengths = [int(n) for n in header["lengths"]]
+        lengths = _lengths(header["lengths"])
         match = header["format"] == 1 and header["world"] == len(fingerprints)
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise ValueError(f"its header is not a plan cache's ({exc})") from None
@@ -214,7 +225,7 @@ def decode_plan_file(
         raise ValueError(f"it holds a group of {header.get('world')!r} ranks, not {len(fingerprints)}")
     if tuple(header["fingerprints"]) != fingerprints:
         raise ValueError("it holds another layout")
-    lengths = [int(n) for n in header["lengths"]]
+    lengths = _lengths(header["lengths"])
     at = _HEADER_LENGTH.size + length
     if len(lengths) != len(fingerprints) or at + sum(lengths) != len(body) or min(lengths, default=0) < 0:
         raise ValueError("its layouts do not fill it")
