@@ -693,3 +693,73 @@ def test_racing_writers_leave_exactly_one_whole_checkpoint(tmp_path: Path, overw
         referenced = {f.path for f in reshard.read_metadata(path).files}
         assert {f"data/{p.name}" for p in (path / "data").iterdir()} == referenced  # no loser's file is left
         assert lock_markers(LocalStorage(path)) == {}
+
+
+class _StartsAnotherSaveAtRelease(LocalStorage):
+    """The first save: once its ``metadata.json`` is committed, the moment its save lock is released another save
+    of the same path starts (``on_release``), and this save goes on only when that one holds the lock."""
+
+    def __init__(self, root: Path, on_release: Any) -> None:
+        super().__init__(root)
+        self.committed = False
+        self.on_release = on_release
+
+    def commit(self, name: str, data: bytes, *, replace: bool) -> None:
+        super().commit(name, data, replace=replace)
+        self.committed = self.committed or name == METADATA_FILE
+
+    def delete(self, name: str) -> None:
+        super().delete(name)
+        if self.committed and name.startswith(".lock") and self.on_release is not None:
+            on_release, self.on_release = self.on_release, None
+            on_release()
+
+
+class _HoldsInItsWrite(LocalStorage):
+    """The second save: says when it writes its data (it holds the save lock then) and waits for ``go``."""
+
+    def __init__(self, root: Path, writing: threading.Event, go: threading.Event) -> None:
+        super().__init__(root)
+        self.writing, self.go = writing, go
+
+    def open_writer(self, name: str, *, max_buffered_bytes: int | None = None) -> Any:
+        if name.startswith("data/"):
+            self.writing.set()
+            assert self.go.wait(30), "the first save never finished"
+        return super().open_writer(name, max_buffered_bytes=max_buffered_bytes)
+
+
+@pytest.mark.unit
+def test_an_overwrite_started_the_moment_another_releases_its_lock_leaves_no_replaced_file(tmp_path: Path) -> None:
+    """Two overwrites of one path in a row, the second taking the lock the instant the first releases it: the first
+    save's checkpoint replaced, the files of the one before it are gone too (they were left, unreferenced, when the
+    first save removed what it replaced only after releasing its lock, and the second held it by then)."""
+    path = tmp_path / "ckpt"
+    reshard.save({"w": torch.full((8,), -1.0)}, path)
+    writing, go = threading.Event(), threading.Event()
+    outcome: list[object] = []
+
+    def second_save() -> None:
+        try:
+            reshard.save({"w": torch.full((8,), 2.0)}, _HoldsInItsWrite(path, writing, go), overwrite=True)
+            outcome.append("saved")
+        except Exception as exc:  # the assertion below names it
+            outcome.append(exc)
+
+    second = threading.Thread(target=second_save)
+
+    def start_second() -> None:
+        second.start()
+        assert writing.wait(30), "the second save never began writing"
+
+    try:
+        reshard.save({"w": torch.full((8,), 1.0)}, _StartsAnotherSaveAtRelease(path, start_second), overwrite=True)
+    finally:
+        go.set()
+        if second.ident is not None:
+            second.join(60)
+    assert outcome == ["saved"]
+    assert torch.equal(reshard.load({"w": torch.zeros(8)}, path)["w"], torch.full((8,), 2.0))
+    referenced = {f.path for f in reshard.read_metadata(path).files}
+    assert {f"data/{p.name}" for p in (path / "data").iterdir()} == referenced
+    assert lock_markers(LocalStorage(path)) == {}

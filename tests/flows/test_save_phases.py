@@ -212,7 +212,7 @@ def run_save(tmp_path: Path, world: int, *, break_rank: int | None = None) -> li
             committed = commit(comm, request, described, planned, written, timing)
         except CheckpointError as exc:
             return written, exc
-        return written, committed, finish(planned, committed, described, written, timing)
+        return written, committed, finish(committed, described, written, timing)
 
     return on_threads(world, rank)
 

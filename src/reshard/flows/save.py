@@ -300,7 +300,7 @@ def run_phases(
     written = clock.timed("write", write_assigned)(request, described, planned, rank=rank)
     facts = clock.timed("certify", certify_facts)(request, described, planned)
     committed = commit(comm, request, described, planned, written, clock, facts)
-    return planned, committed, finish(planned, committed, described, written, clock)
+    return planned, committed, finish(committed, described, written, clock)
 
 
 def saved_result(

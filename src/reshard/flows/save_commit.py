@@ -2,11 +2,10 @@
 
 4. :func:`commit` (every rank, one collective: gather the write reports, broadcast a summary): the coordinator
    runs :func:`commit_on_coordinator` (assemble the metadata, narrow the markers, check the referenced files,
-   publish the metadata's part files, if partitioned, then ``metadata.json``). The commit is the point of no
-   return; a failure after it is :class:`~reshard.UnconfirmedCommitError`, and before it removes this save's files
-   and markers.
-5. :func:`finish` (every rank, local): remove the files an overwrite replaced (coordinator) and return this
-   rank's statistics.
+   publish the metadata's part files, if partitioned, then ``metadata.json``, and remove the files an overwrite
+   replaced before the save lock is released). The commit is the point of no return; a failure after it is
+   :class:`~reshard.UnconfirmedCommitError`, and before it removes this save's files and markers.
+5. :func:`finish` (every rank, local): this rank's statistics.
 """
 
 from __future__ import annotations
@@ -113,7 +112,7 @@ def commit_on_coordinator(
     except ValueError as exc:
         raise CheckpointError(f"SaveOptions(metadata_parts={request.metadata_parts!r}): {exc}") from None
     try:
-        coordinator.commit.publish(documents.document, parts=documents.parts)
+        coordinator.commit.publish(documents.document, parts=documents.parts, keep=documents.metadata.own_paths)
     except StorageError as exc:
         raise StorageError(f"on the coordinator (rank {rank}): {exc}") from exc
     return Committed.of(documents.metadata, sum(r.rewritten_bytes for r in reports))
@@ -235,14 +234,9 @@ def committed_as(storage: Storage, save_id: str) -> bool:
 # ---- 5. finish -----------------------------------------------------------------------------------------------
 
 
-def finish(
-    planned: Planned, committed: Committed, described: Described, written: Written, clock: PhaseClock
-) -> SaveStats:
-    """Phase 5 on one rank, no collective, after the commit: on the coordinator of an overwrite, remove the data
-    files of the checkpoint replaced; this rank's statistics of the save."""
-    with clock.phase("commit"):
-        if committed.metadata is not None and planned.coordinator is not None:
-            planned.coordinator.commit.remove_replaced(set(committed.metadata.own_paths))
+def finish(committed: Committed, described: Described, written: Written, clock: PhaseClock) -> SaveStats:
+    """Phase 5 on one rank, no collective, after the commit: this rank's statistics of the save (what an overwrite
+    replaced was removed by the commit itself, under the save lock: :meth:`reshard.io.commit.SaveCommit.publish`)."""
     reuse = written.reuse if written.reuse is not None else Reuse()
     stats = SaveStats()
     fill_save_stats(

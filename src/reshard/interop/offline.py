@@ -405,12 +405,11 @@ class CheckpointWriter:
             )
             document = metadata.to_json_bytes()
             Metadata.from_json_bytes(document, where=self.storage.describe(METADATA_FILE))  # what a reader checks
-            self._commit.publish(document)
+            self._commit.publish(document, keep={self._name})
         except BaseException:
             self._discard()
             raise
         self._done = True
-        self._commit.remove_replaced({self._name})
         self._close_storage()
         return metadata
 

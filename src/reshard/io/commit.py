@@ -27,8 +27,10 @@ single-process :class:`~reshard.interop.offline.CheckpointWriter`), in this orde
    outcome is known not to be committed**. After a commit, or when the outcome is unknown, nothing is
    deleted (an unknown outcome leaves files that ``reshard gc`` removes once it is clear they are not
    referenced), so that no failure after the point of no return can cost a committed checkpoint.
-5. :meth:`SaveCommit.remove_replaced` after a committed overwrite: the replaced checkpoint's data files
-   (best effort; never raises).
+5. after a committed overwrite, still inside :meth:`SaveCommit.publish` and under the same save lock: the replaced
+   checkpoint's data files that the new one does not name (best effort; never raises). Only then is the lock
+   released, so the next save of the path, which may replace this one at once, never starts while the files this
+   one replaced are still there (it would remove only this one's, and leave those for ``reshard gc``).
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ from __future__ import annotations
 import enum
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from reshard.errors import CheckpointError, CheckpointExistsError, CheckpointLockedError, StorageError
 from reshard.io.datafile import is_data_file_of
 from reshard.io.locking import Lock, LockTiming, acquire_lock
-from reshard.io.references import RETIRED_FILE, lock_for_deletion, protected_files
+from reshard.io.references import RETIRED_FILE, protected_files, refuse_a_link
 from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata, document_digest
 
 if TYPE_CHECKING:
@@ -181,11 +183,15 @@ class SaveCommit:
 
     # ---- 3. publish ----------------------------------------------------------------------------------
 
-    def publish(self, document: bytes, *, parts: Sequence[tuple[str, bytes]] = ()) -> None:
+    def publish(
+        self, document: bytes, *, parts: Sequence[tuple[str, bytes]] = (), keep: Collection[str] | None = None
+    ) -> None:
         """Commit ``document`` as ``metadata.json``, after every data file it names is durable. On return
-        the checkpoint is committed (:attr:`outcome` is COMMITTED) and the lock released. ``parts``: the part
-        files of partitioned metadata (name under ``data/``, bytes), written and made durable first, like the
-        data files (a failure before the commit leaves them to :meth:`discard`, as this save's files).
+        the checkpoint is committed (:attr:`outcome` is COMMITTED), what an overwrite replaced is removed and the
+        lock released. ``parts``: the part files of partitioned metadata (name under ``data/``, bytes), written and
+        made durable first, like the data files (a failure before the commit leaves them to :meth:`discard`, as this
+        save's files). ``keep``: every file ``document`` names (its ``own_paths``); the replaced checkpoint's other
+        files are removed before the lock is released (None: none is, they are left to ``reshard gc``).
 
         Raises:
             CheckpointLockedError: this save lost its lock (another writer judged it stale); not committed.
@@ -234,6 +240,8 @@ class SaveCommit:
                 raise StorageError(f"committing {where} failed: {exc}") from exc
         self.outcome = CommitOutcome.COMMITTED
         self._remove_dead_files()  # what a holder wrongly judged stale finished since begin (never raises)
+        if keep is not None:
+            self._remove_replaced(set(keep))
         self.release_lock()
 
     def _write_part(self, name: str, data: bytes) -> None:
@@ -298,30 +306,27 @@ class SaveCommit:
             )
         self.release_lock()
 
-    def remove_replaced(self, keep: set[str]) -> None:
-        """After a committed overwrite: remove the replaced checkpoint's data files that the new one does
-        not name (``keep``) and that no other checkpoint references (:mod:`reshard.io.references`), under the save lock
-        taken again (nothing is removed through a symbolic link, or while another holds the lock). Only names
-        under ``data/`` are touched; a failure is logged, never raised, because the new checkpoint is already
-        committed and complete."""
-        if self.outcome is not CommitOutcome.COMMITTED or not self.replaced - keep:
+    def _remove_replaced(self, keep: set[str]) -> None:
+        """Right after a committed overwrite, under this save's lock (so no incremental save adds a reference marker
+        while the markers are judged, and no other save of the path runs): remove the replaced checkpoint's data files
+        that the new one does not name (``keep``) and that no other checkpoint references
+        (:mod:`reshard.io.references`). Nothing is removed through a symbolic link, or once the lock is lost. Only names
+        under ``data/`` are touched; a failure is logged, never raised: the new checkpoint is committed and complete."""
+        doomed = sorted(n for n in self.replaced - keep if n.startswith(f"{DATA_DIR}/"))
+        if not doomed:
             return
         try:
-            lock = lock_for_deletion(self.storage)  # no save adds a reference marker while the markers are judged
+            refuse_a_link(self.storage)
+            if self.lock is not None:
+                self.lock.check()
+            referenced, _ = protected_files(self.storage)
         except (OSError, CheckpointError) as exc:
             logger.warning("the replaced checkpoint's files are kept for `reshard gc`: %s", exc)
             return
-        try:
-            referenced, _ = protected_files(self.storage)
-        except (OSError, CheckpointError) as exc:
-            logger.warning("the replaced checkpoint's files are kept: its reference markers cannot be read: %s", exc)
-            lock.release()
-            return
-        for name in sorted(self.replaced - keep - referenced):
-            if not name.startswith(f"{DATA_DIR}/"):
+        for name in doomed:
+            if name in referenced:
                 continue
             try:
                 self.storage.delete(name)
             except OSError as exc:
                 logger.warning("could not remove %s of the replaced checkpoint: %s", self.storage.describe(name), exc)
-        lock.release(hand_back=False)  # the new metadata ties every data file here
