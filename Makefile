@@ -1,5 +1,6 @@
 # The commands: `make demo` (the main job), `make test` (lint, type check, the whole test suite) and
-# `make test-fast` (the unit tier only: no processes or servers, under 30 s; see tests/tiers.py).
+# `make test-fast` (the unit tier only: no processes or servers, under 30 s on pytest-xdist workers, one per
+# core up to four; see tests/tiers.py).
 # Both create .venv and install what they need. torch is pinned first so that pip takes the local
 # CPU build instead of a multi-GB CUDA build.
 
@@ -32,7 +33,7 @@ test: lint typecheck
 	PYTHONDONTWRITEBYTECODE= $(BIN)/pytest --durations=40
 
 test-fast: $(STAMP)
-	PYTHONDONTWRITEBYTECODE= RESHARD_FAST_TIER=1 $(BIN)/pytest -m unit -q --durations=0 --durations-min=1.0
+	PYTHONDONTWRITEBYTECODE= RESHARD_FAST_TIER=1 $(BIN)/pytest -m unit -q -n auto --maxprocesses 4 --durations=0 --durations-min=1.0
 
 demo: $(STAMP)
 	$(BIN)/reshard demo --plot demo-loss.png
