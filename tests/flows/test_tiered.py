@@ -72,7 +72,10 @@ def _manager(ctx: RankContext, key: str, root: str, durable: Any) -> reshard.Tie
             reshard.LocalDisk(os.path.join(root, "node{node}"), every=2, node_size=NODE_SIZE),
             _durable(durable),
         ]
-        _MANAGERS[key] = reshard.TieredCheckpointManager(tiers, drain_group=_DRAIN_GROUP[0], timeout=20)
+        # The job whose drain is killed: its survivors wait out the timeout, so it is shorter there (as in
+        # test_nodelocal.py's kills).
+        timeout = 10 if key == "killed" else 20
+        _MANAGERS[key] = reshard.TieredCheckpointManager(tiers, drain_group=_DRAIN_GROUP[0], timeout=timeout)
     return _MANAGERS[key]
 
 
