@@ -136,3 +136,29 @@ def test_only_some_cells_keep_their_rounds_with_keep_order() -> None:
     packed = plan.schedules({3})[1]
     assert len(kept.rounds) == len(packed.rounds) == 1 and kept.rounds[0]["recv"][0][1][0][4] == 3
     assert plan.schedules(set())[1].shared is False
+
+
+def test_a_ranks_schedule_lists_only_the_rounds_it_moves_bytes_in() -> None:
+    """Ranks 0 and 1 share a cell sent in many small rounds; ranks 2 and 3 share one sent in a single round; rank
+    4 reads alone. Each rank's part names only its own rounds (what the coordinator encodes grows with the
+    transfers, not rounds times ranks), and every rank expands them to the same number of rounds."""
+    big, small = (64, 4), (2, 4)
+    needs = [
+        [_need("a", (0, 0), big)],
+        [_need("a", (0, 0), big)],
+        [_need("b", (0, 0), small)],
+        [_need("b", (0, 0), small)],
+        [_need("c", (0, 0), small)],
+    ]
+    schedules = schedule_reads(needs, round_bytes=64, min_slab_bytes=16)
+    counts = {s.round_count for s in schedules}
+    assert counts == {len(schedules[0].rounds)} and len(schedules[0].rounds) > 4
+    assert [len(s.active) for s in schedules][2:] == [1, 1, 0]
+    for schedule in schedules:
+        again = RankSchedule.from_json(schedule.to_json())
+        assert again.rounds == schedule.rounds and again == schedule
+        busy = {i for i, rnd in enumerate(schedule.rounds) if rnd["send"] or rnd["recv"]}
+        assert busy == {i for i, _ in schedule.active}
+    idle = schedules[4].to_json()
+    assert idle["active"] == [] and idle["round_count"] == schedules[0].round_count
+    assert schedules[4].rounds == [{"send": [], "recv": []}] * schedules[0].round_count

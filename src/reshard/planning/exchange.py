@@ -39,6 +39,7 @@ __all__ = [
     "MIN_SLAB_BYTES",
     "CellRef",
     "RankSchedule",
+    "Round",
     "Transfer",
     "TransferPlan",
     "cells_of",
@@ -90,6 +91,12 @@ class Transfer:
     """Its number in its schedule (the same on sender and receiver): how a delta transfer names it."""
 
 
+Round = dict[str, list[list[Any]]]
+"""One rank's part of one round: ``{"send": [[peer, [cells]]...], "recv": [...]}``."""
+
+_IDLE: Round = {"send": [], "recv": []}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankSchedule:
     """One rank's part of the schedule.
@@ -97,22 +104,42 @@ class RankSchedule:
     Attributes:
         reads: the cells this rank reads from storage into its own pieces.
         copies: ``(from, to)`` cells this rank copies between two of its own pieces (a key it holds twice).
-        rounds: per round, the cells it sends to each peer and receives from each peer, in message order
-            (every rank has the same number of rounds).
+        round_count: how many rounds the exchange has (the same on every rank; every rank takes part in each).
+        active: ``(index, round)`` of the rounds in which this rank sends or receives, in order: kept sparse (and
+            sent so) because at scale most ranks move bytes in few of hundreds of rounds; :attr:`rounds` expands.
         shared: whether any byte travels between ranks (False: a plain load).
     """
 
     reads: list[CellRef]
     copies: list[list[CellRef]]
-    rounds: list[dict[str, list[list[Any]]]]
+    round_count: int
+    active: list[tuple[int, Round]]
     shared: bool
 
+    @property
+    def rounds(self) -> list[Round]:
+        """Per round, the cells this rank sends to each peer and receives from each peer, in message order
+        (empty in the rounds it only takes part in)."""
+        out = [_IDLE] * self.round_count
+        for index, part in self.active:
+            out[index] = part
+        return out
+
     def to_json(self) -> dict[str, Any]:
-        return {"reads": self.reads, "copies": self.copies, "rounds": self.rounds, "shared": self.shared}
+        return {
+            "reads": self.reads,
+            "copies": self.copies,
+            "round_count": self.round_count,
+            "active": [[index, part] for index, part in self.active],
+            "shared": self.shared,
+        }
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> RankSchedule:
-        return cls(reads=doc["reads"], copies=doc["copies"], rounds=doc["rounds"], shared=doc["shared"])
+        """The schedule :meth:`to_json` wrote (the coordinator of the same step sent it)."""
+        active = [(int(index), part) for index, part in doc["active"]]
+        count = int(doc["round_count"])
+        return cls(reads=doc["reads"], copies=doc["copies"], round_count=count, active=active, shared=doc["shared"])
 
 
 def _ref(piece: int, box: Box) -> CellRef:
@@ -250,44 +277,55 @@ def pack_rounds(transfers: list[Transfer], size: int, round_bytes: int) -> list[
     placed: list[list[Transfer]] = []
     send_floor = [0] * size  # every round before it is full for the rank's sends
     recv_floor = [0] * size
+    count = 0  # len(placed), kept apart: the scan below is the hot loop at scale
     for t in transfers:
-        index = max(send_floor[t.src], recv_floor[t.dst])
-        while index < len(placed) and (
-            sent[index][t.src] + t.nbytes > round_bytes or received[index][t.dst] + t.nbytes > round_bytes
-        ):
+        src, dst, nbytes = t.src, t.dst, t.nbytes
+        room = round_bytes - nbytes
+        index = max(send_floor[src], recv_floor[dst])
+        while index < count and (sent[index][src] > room or received[index][dst] > room):
             index += 1
-        if index == len(placed):
+        if index == count:
             placed.append([])
             sent.append([0] * size)
             received.append([0] * size)
+            count += 1
         placed[index].append(t)
-        sent[index][t.src] += t.nbytes
-        received[index][t.dst] += t.nbytes
-        while send_floor[t.src] < len(placed) and sent[send_floor[t.src]][t.src] >= round_bytes:
-            send_floor[t.src] += 1
-        while recv_floor[t.dst] < len(placed) and received[recv_floor[t.dst]][t.dst] >= round_bytes:
-            recv_floor[t.dst] += 1
+        sent[index][src] += nbytes
+        received[index][dst] += nbytes
+        floor = send_floor[src]
+        while floor < count and sent[floor][src] >= round_bytes:
+            floor += 1
+        send_floor[src] = floor
+        floor = recv_floor[dst]
+        while floor < count and received[floor][dst] >= round_bytes:
+            floor += 1
+        recv_floor[dst] = floor
     return placed
 
 
-def _rounds(placed: list[list[Transfer]], size: int) -> list[list[dict[str, list[list[Any]]]]]:
-    """Packed rounds as messages: per round and rank, ``{"send": [[peer, [cells]]...], "recv": [...]}``. A
-    rank receives a round's messages in the order of their peers, each message's cells in plan order. Only the
-    ranks a round moves bytes of are sorted out (the others get empty lists), so that the work is the transfers'
-    and not rounds times ranks (hundreds of rounds of thousands of ranks at scale)."""
-    out = []
-    for batch in placed:
+def _rounds(placed: list[list[Transfer]], size: int) -> list[list[tuple[int, Round]]]:
+    """Packed rounds as messages, per rank: ``(round index, {"send": [[peer, [cells]]...], "recv": [...]})`` of the
+    rounds it moves bytes in. A rank receives a round's messages in the order of their peers, each message's cells
+    in plan order. Only the ranks a round moves bytes of appear in it, so that the work (and the size of what is
+    sent) is the transfers' and not rounds times ranks (hundreds of rounds of thousands of ranks at scale)."""
+    out: list[list[tuple[int, Round]]] = [[] for _ in range(size)]
+    for index, batch in enumerate(placed):
         outgoing: dict[int, dict[int, list[CellRef]]] = {}
         incoming: dict[int, dict[int, list[CellRef]]] = {}
         for t in batch:
             outgoing.setdefault(t.src, {}).setdefault(t.dst, []).append([*_ref(t.src_piece, t.box), None, t.ident])
             incoming.setdefault(t.dst, {}).setdefault(t.src, []).append([*_ref(t.dst_piece, t.box), t.wire, t.ident])
-        row: list[dict[str, list[list[Any]]]] = [{"send": [], "recv": []} for _ in range(size)]
-        for rank, peers in outgoing.items():
-            row[rank]["send"] = [[peer, cells] for peer, cells in sorted(peers.items())]
-        for rank, peers in incoming.items():
-            row[rank]["recv"] = [[peer, cells] for peer, cells in sorted(peers.items())]
-        out.append(row)
+        for rank in sorted(outgoing.keys() | incoming.keys()):
+            sends, receives = outgoing.get(rank, {}), incoming.get(rank, {})
+            out[rank].append(
+                (
+                    index,
+                    {
+                        "send": [[peer, cells] for peer, cells in sorted(sends.items())],
+                        "recv": [[peer, cells] for peer, cells in sorted(receives.items())],
+                    },
+                )
+            )
     return out
 
 
@@ -316,14 +354,15 @@ class TransferPlan:
             placed = [kept for batch in whole if (kept := [t for t in batch if t.ident in only])]
         else:
             placed = pack_rounds([t for t in self.transfers if t.ident in only], self.size, self.round_bytes)
-        chosen = [t for batch in placed for t in batch]
-        rounds = _rounds(placed, self.size)
+        shared = any(placed)
+        active = _rounds(placed, self.size)
         return [
             RankSchedule(
                 reads=self.reads[r] if self.reads is not None else [],
                 copies=self.copies[r],
-                rounds=[rnd[r] for rnd in rounds],
-                shared=bool(chosen),
+                round_count=len(placed),
+                active=active[r],
+                shared=shared,
             )
             for r in range(self.size)
         ]
