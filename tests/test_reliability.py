@@ -763,3 +763,73 @@ def test_an_overwrite_started_the_moment_another_releases_its_lock_leaves_no_rep
     referenced = {f.path for f in reshard.read_metadata(path).files}
     assert {f"data/{p.name}" for p in (path / "data").iterdir()} == referenced
     assert lock_markers(LocalStorage(path)) == {}
+
+
+@pytest.mark.unit
+def test_an_overwrite_of_a_checkpoint_whose_metadata_json_is_a_link_is_refused(tmp_path: Path) -> None:
+    """docs/reliability.md, section 7: a save with overwrite=True refuses a checkpoint whose ``metadata.json`` is a
+    symbolic link (it replaced the link, and left the replaced checkpoint's data file behind, unreferenced)."""
+    path = tmp_path / "ckpt"
+    reshard.save({"w": torch.zeros(4)}, path)
+    files = sorted(p.name for p in (path / "data").iterdir())
+    elsewhere = tmp_path / "elsewhere.json"
+    (path / METADATA_FILE).rename(elsewhere)
+    (path / METADATA_FILE).symlink_to(elsewhere)
+    before = elsewhere.read_bytes()
+    with pytest.raises(reshard.StorageError, match="symbolic link"):
+        reshard.save({"w": torch.ones(4)}, path, overwrite=True)
+    assert (path / METADATA_FILE).is_symlink() and elsewhere.read_bytes() == before
+    assert sorted(p.name for p in (path / "data").iterdir()) == files
+    assert lock_markers(LocalStorage(path)) == {}
+
+
+class _LockWriteFailsAfterItsLink(LocalStorage):
+    """The create-only write of the first lock marker lands, then reports a failure (its temporary's removal or
+    the directory's fsync failed: an append-only directory, an I/O error)."""
+
+    failed = False
+
+    def commit(self, name: str, data: bytes, *, replace: bool) -> None:
+        super().commit(name, data, replace=replace)
+        if name.startswith(".lock") and not self.failed:
+            self.failed = True
+            raise OSError(errno.EIO, "I/O error after the link (injected)")
+
+
+@pytest.mark.unit
+def test_a_save_whose_lock_write_fails_after_landing_leaves_no_lock(tmp_path: Path) -> None:
+    """docs/reliability.md: a save that fails releases its lock. One whose lock marker landed but whose write reported
+    a failure left the marker, naming this live process: every later save of the path (and gc) was refused."""
+    path = tmp_path / "ckpt"
+    reshard.save({"w": torch.zeros(4)}, path)
+    with pytest.raises(reshard.StorageError, match="cannot take the save lock"):
+        reshard.save({"w": torch.ones(4)}, _LockWriteFailsAfterItsLink(path), overwrite=True)
+    assert lock_markers(LocalStorage(path)) == {}
+    reshard.save({"w": torch.full((4,), 2.0)}, path, overwrite=True)
+    assert torch.equal(reshard.load({"w": torch.zeros(4)}, path)["w"], torch.full((4,), 2.0))
+
+
+@pytest.mark.unit
+def test_a_checkpoint_writer_dropped_without_commit_or_abort_releases_its_lock(tmp_path: Path) -> None:
+    """An offline writer made outside a ``with`` block and dropped (its caller raised before commit or abort) kept
+    renewing its lock for the life of the process: every save of the path was refused. Collected, it aborts."""
+    import gc
+
+    from reshard.interop.offline import CheckpointWriter
+
+    path = tmp_path / "ckpt"
+    reshard.save({"w": torch.zeros(4)}, path)
+    kept = sorted(p.name for p in (path / "data").iterdir())
+
+    def convert_that_fails() -> None:
+        writer = CheckpointWriter(path, overwrite=True)
+        writer.write_tensor("w", torch.float32, (4,), [torch.ones(4)])
+        raise RuntimeError("the caller's own failure")
+
+    with pytest.raises(RuntimeError):
+        convert_that_fails()
+    gc.collect()  # the traceback held the writer until the with block ended
+    assert lock_markers(LocalStorage(path)) == {}
+    assert sorted(p.name for p in (path / "data").iterdir()) == kept
+    reshard.save({"w": torch.full((4,), 2.0)}, path, overwrite=True)
+    assert torch.equal(reshard.load({"w": torch.zeros(4)}, path)["w"], torch.full((4,), 2.0))

@@ -175,12 +175,8 @@ def test_an_overwrite_after_a_killed_overwrite_keeps_only_its_own_files(
     assert torch.equal(reshard.load(state(0.0, 0), path)["w"], torch.full((ROWS, COLS), 4.0))
 
 
-def test_a_dead_holder_of_a_committed_checkpoint_loses_no_file(tmp_path: Path) -> None:
-    """A save that committed and died before releasing its lock: its files are the checkpoint's. A save at that
-    path (refused: it exists) and one that overwrites it take the stale lock over; neither deletes a file the
-    committed metadata lists before its own commit (the refused one deletes nothing)."""
-    path = tmp_path / "ckpt"
-    result = reshard.save(state(1.0, 1), path)
+def _lock_of_a_gone_process(path: Path, token: str) -> None:
+    """The save lock of ``path`` as a save ``token`` of this machine whose process is gone left it."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(timeout=60)
     stale = LockInfo(
@@ -188,10 +184,19 @@ def test_a_dead_holder_of_a_committed_checkpoint_loses_no_file(tmp_path: Path) -
         machine=machine_identity(),
         pid_namespace=pid_namespace(),
         pid=gone.pid,
-        token=result.save_id,
+        token=token,
         created=time.time(),
     )
     (path / ".lock").write_bytes(stale.to_bytes())
+
+
+def test_a_dead_holder_of_a_committed_checkpoint_loses_no_file(tmp_path: Path) -> None:
+    """A save that committed and died before releasing its lock: its files are the checkpoint's. A save at that
+    path (refused: it exists) and one that overwrites it take the stale lock over; neither deletes a file the
+    committed metadata lists before its own commit (the refused one deletes nothing)."""
+    path = tmp_path / "ckpt"
+    result = reshard.save(state(1.0, 1), path)
+    _lock_of_a_gone_process(path, result.save_id)
     files = data_files(path)
     with pytest.raises(reshard.CheckpointExistsError):
         reshard.save(state(2.0, 2), path)
@@ -250,4 +255,36 @@ def test_a_refused_taker_still_removes_the_dead_saves_files(tmp_path: Path) -> N
         reshard.save(state(2.0, 2), path)
     assert data_files(path) == committed, "the dead save's file outlived the taker that was refused"
     reshard.save(state(3.0, 3), path, overwrite=True)
+    assert data_files(path) == metadata_files(path)
+
+
+def _died_in_its_commit(path: Path, value: float) -> tuple[str, str]:
+    """The state a save of ``path`` killed inside its commit leaves (a lock of a gone process naming its save id, and
+    the commit's temporary holding its whole ``metadata.json``); the temporary's name, and a look-alike's name that
+    is not reshard's (it must stay)."""
+    doomed = reshard.save(state(value, 9), path.parent / "doomed")  # what the dead save's document would be
+    _lock_of_a_gone_process(path, doomed.save_id)
+    temporary, other = f".{METADATA_FILE}.tmp-{'a' * 32}", f".{METADATA_FILE}.tmp-{'b' * 32}"
+    (path / temporary).write_bytes((path.parent / "doomed" / METADATA_FILE).read_bytes())
+    (path / other).write_bytes(b"the user's notes, not a checkpoint's metadata")
+    return temporary, other
+
+
+@pytest.mark.parametrize("after", ["overwrite", "gc"])
+def test_the_commit_temporary_of_a_save_killed_in_its_commit_is_removed(tmp_path: Path, after: str) -> None:
+    """A save killed between writing its commit's temporary and linking it left ``.metadata.json.tmp-<hex>`` (a whole
+    metadata document) that no later overwrite or gc removed: the save that takes the dead save's lock over, and gc,
+    remove it (a file of that name that is not a reshard document stays)."""
+    path = tmp_path / "ckpt"
+    reshard.save(state(1.0, 1), path)
+    temporary, other = _died_in_its_commit(path, 5.0)
+    if after == "overwrite":
+        reshard.save(state(2.0, 2), path, overwrite=True)
+    else:
+        done = run_cli("gc", str(path), "--min-age", "0")
+        assert done.returncode == 0, done.stderr
+        assert "1 commit temporary file" in done.stdout, done.stdout
+    assert not (path / temporary).exists() and (path / other).exists()
+    expected = 2.0 if after == "overwrite" else 1.0
+    assert torch.equal(reshard.load(state(0.0, 0), path)["w"], torch.full((ROWS, COLS), expected))
     assert data_files(path) == metadata_files(path)

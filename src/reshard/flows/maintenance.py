@@ -31,6 +31,7 @@ from typing import Any
 
 from reshard.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, StorageError
 from reshard.flows.progress import Progress, reporting
+from reshard.io.commit import commit_temporaries
 from reshard.io.datafile import DATA_FILE_PATTERN
 from reshard.io.locking import LOCK_FILE
 from reshard.io.references import (
@@ -263,6 +264,9 @@ def _garbage(storage: Storage, metadata: Metadata, min_age_s: float) -> GarbageR
             kept[KEPT_YOUNG].append(name)
         else:
             garbage.append(name)
+    # Left by a save killed inside its commit (gc holds the save lock, so none is live); a young one is left alone, as
+    # a young data file is (a dry run holds no lock: a save may be committing).
+    garbage += [n for n in commit_temporaries(storage) if now - storage.modified_time(n) >= min_age_s]
     return GarbageReport(
         tuple(garbage + stale), tuple(Kept(why, tuple(names)) for why, names in kept.items() if names), min_age_s
     )

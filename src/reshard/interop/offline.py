@@ -12,8 +12,10 @@ committed last), as if one rank had saved it.
 
 from __future__ import annotations
 
+import logging
 import math
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any
@@ -45,6 +47,8 @@ from reshard.state.fingerprint import combine
 from reshard.state.fingerprint import fingerprint as content_fingerprint
 from reshard.state.scaled import ScaledRecord
 from reshard.storage import CheckpointLocation, Storage, storage_for
+
+logger = logging.getLogger("reshard")
 
 __all__ = [
     "CAST_DTYPES",
@@ -210,6 +214,20 @@ class CheckpointReader:
         self.close()
 
 
+def _abandon(file: DataFileWriter, commit: SaveCommit, storage: Storage | None) -> None:
+    """What a :class:`CheckpointWriter` dropped without commit or abort leaves is discarded (never raises)."""
+    logger.warning(
+        "a CheckpointWriter of %s was dropped without commit() or abort(): aborted", commit.storage.describe()
+    )
+    try:
+        file.abort()
+    except Exception as exc:  # a finalizer must not raise; the lock and the files still go
+        logger.warning("aborting the data file of a dropped CheckpointWriter failed: %s", exc)
+    commit.discard()
+    if storage is not None:
+        storage.close()
+
+
 class CheckpointWriter:
     """Writes a checkpoint from this process alone, one tensor at a time.
 
@@ -267,6 +285,11 @@ class CheckpointWriter:
             self._commit.discard()
             self._close_storage()
             raise
+        # A writer dropped without commit() or abort() (outside a with block) must not hold the lock it renews for
+        # the life of the process: collected (or at the interpreter's exit), it aborts.
+        self._abandoned = weakref.finalize(
+            self, _abandon, self._file, self._commit, self.storage if self._owns_storage else None
+        )
 
     def describe(self) -> str:
         """Where the checkpoint is being written, for messages."""
@@ -410,6 +433,7 @@ class CheckpointWriter:
             self._discard()
             raise
         self._done = True
+        self._abandoned.detach()
         self._close_storage()
         return metadata
 
@@ -423,6 +447,7 @@ class CheckpointWriter:
     def _discard(self) -> None:
         """After a failure: remove this writer's files unless its commit happened (or may have)."""
         self._done = True
+        self._abandoned.detach()
         self._commit.discard()
         self._close_storage()
 

@@ -45,17 +45,44 @@ from reshard.errors import CheckpointError, CheckpointExistsError, CheckpointLoc
 from reshard.io.datafile import is_data_file_of
 from reshard.io.locking import Lock, LockTiming, acquire_lock
 from reshard.io.references import RETIRED_FILE, protected_files, refuse_a_link
-from reshard.metadata import DATA_DIR, MAX_METADATA_BYTES, METADATA_FILE, Metadata, document_digest
+from reshard.metadata import DATA_DIR, FORMAT_NAME, MAX_METADATA_BYTES, METADATA_FILE, Metadata, document_digest
 
 if TYPE_CHECKING:
     from reshard.storage import Storage
 
-__all__ = ["CommitOutcome", "SaveCommit"]
+__all__ = ["CommitOutcome", "SaveCommit", "commit_temporaries"]
 
 logger = logging.getLogger("reshard")
 
 _SAVE_ID = re.compile(r"^[0-9a-f]{8,}$")
 """The tokens of save locks (a save's lock token is its save id, as in its data file names)."""
+
+
+_METADATA_TEMPORARY = re.compile(rf"^\.{re.escape(METADATA_FILE)}\.tmp-[0-9a-f]{{32}}$")
+"""The temporary of a local commit of ``metadata.json`` (:meth:`reshard.storage.LocalStorage.commit`)."""
+_DOCUMENT_START = b'{"format":"' + FORMAT_NAME.encode() + b'",'
+
+
+def commit_temporaries(storage: Storage) -> list[str]:
+    """The temporaries of ``metadata.json`` commits at the root of ``storage`` (``.metadata.json.tmp-<32 hex>``,
+    regular files that begin as a reshard metadata document): what a save killed inside its commit left. Only a
+    holder of the checkpoint's save lock may delete them (a commit runs under that lock, so none is live then); a
+    file of that name that is not reshard's (a link, a FIFO, other bytes) is not listed.
+
+    Raises:
+        OSError: listing failed.
+    """
+    found = []
+    for name in storage.list_names(f".{METADATA_FILE}.tmp-"):
+        if not _METADATA_TEMPORARY.match(name):
+            continue
+        try:
+            head = storage.read_bytes(name, max_bytes=MAX_METADATA_BYTES)[: len(_DOCUMENT_START)]
+        except OSError:  # gone, a link, not a regular file, too large: not a temporary reshard left
+            continue
+        if head == _DOCUMENT_START:
+            found.append(name)
+    return found
 
 
 class CommitOutcome(enum.Enum):
@@ -129,11 +156,19 @@ class SaveCommit:
             # any refusal below: the release of a refused save's lock would drop the record with its marker.
             self.dead_saves = tuple(t for t in self.lock.info.dead_saves if _SAVE_ID.match(t) and t != self.save_id)
             self._remove_dead_files()
+            self._remove_commit_temporaries()
         try:
             exists = self.storage.exists(METADATA_FILE)
+            linked = self.storage.is_link(METADATA_FILE)
         except OSError as exc:
             self.release_lock()
             raise StorageError(f"cannot check {self.storage.describe(METADATA_FILE)}: {exc}") from exc
+        if linked:  # an overwrite would replace the link, and could not tell which files it replaced
+            self.release_lock()
+            raise StorageError(
+                f"{self.storage.describe(METADATA_FILE)} is a symbolic link: reshard neither reads nor replaces a "
+                "checkpoint through one (nothing was written)"
+            )
         if exists and not self.overwrite and self.replaces is not None and self._holds(self.replaces):
             self.overwrite = True  # still the damaged save the caller judged, and this save holds its lock now
         if exists and not self.overwrite:
@@ -175,6 +210,16 @@ class SaveCommit:
                 self.storage.describe(),
                 exc,
             )
+
+    def _remove_commit_temporaries(self) -> None:
+        """Under the lock taken over from a dead holder: remove the temporaries of ``metadata.json`` commits
+        (:func:`commit_temporaries`: a save killed inside its commit left one; no commit runs while this save holds
+        the lock). Best effort: a failure is logged, never raised."""
+        try:
+            for name in commit_temporaries(self.storage):
+                self.storage.delete(name)
+        except OSError as exc:
+            logger.warning("the commit temporaries at %s are kept: %s", self.storage.describe(), exc)
 
     def release_lock(self) -> None:
         """Release the save lock (best effort; never raises)."""

@@ -300,6 +300,7 @@ def _take(
             return None
         # a retried create-only write whose first answer was lost: the marker is this one
     except OSError as exc:
+        _withdraw(storage, marker, document)
         raise StorageError(f"cannot take the {what} lock: writing {storage.describe(marker)} failed: {exc}") from exc
     markers = lock_markers(storage, name)
     if max(markers, default=-1) != generation or (basis is not None and basis not in markers):
@@ -313,6 +314,15 @@ def _take(
             with contextlib.suppress(OSError):
                 storage.delete(older_name)
     return mine
+
+
+def _withdraw(storage: Storage, marker: str, document: bytes) -> None:
+    """After a create-only write of ``marker`` that failed: a write that failed after its link (the temporary's
+    removal, the directory's fsync) left the marker in place, naming this live process, which would hold the lock
+    against every writer while it lives; delete it when it is ours (best effort)."""
+    with contextlib.suppress(OSError):
+        if storage.read_bytes(marker, max_bytes=_MAX_MARKER_BYTES) == document:
+            storage.delete(marker)
 
 
 def acquire_lock(
