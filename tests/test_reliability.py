@@ -833,3 +833,17 @@ def test_a_checkpoint_writer_dropped_without_commit_or_abort_releases_its_lock(t
     assert sorted(p.name for p in (path / "data").iterdir()) == kept
     reshard.save({"w": torch.full((4,), 2.0)}, path, overwrite=True)
     assert torch.equal(reshard.load({"w": torch.zeros(4)}, path)["w"], torch.full((4,), 2.0))
+
+
+@pytest.mark.unit
+def test_a_save_over_another_programs_metadata_json_says_what_it_found(tmp_path: Path) -> None:
+    """A directory whose ``metadata.json`` is another program's was refused as holding "a complete checkpoint"."""
+    path = tmp_path / "dataset"
+    path.mkdir()
+    (path / METADATA_FILE).write_text('{"dataset": "imagenet", "rows": 1281167}')
+    with pytest.raises(reshard.CheckpointExistsError, match="a metadata.json that reshard did not write"):
+        reshard.save({"w": torch.ones(4)}, path)
+    assert (path / METADATA_FILE).read_text() == '{"dataset": "imagenet", "rows": 1281167}'
+    reshard.save({"w": torch.ones(4)}, tmp_path / "ckpt")
+    with pytest.raises(reshard.CheckpointExistsError, match="already holds a complete checkpoint"):
+        reshard.save({"w": torch.ones(4)}, tmp_path / "ckpt")

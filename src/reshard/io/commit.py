@@ -173,10 +173,22 @@ class SaveCommit:
             self.overwrite = True  # still the damaged save the caller judged, and this save holds its lock now
         if exists and not self.overwrite:
             self.release_lock()
+            found = (
+                "a complete checkpoint" if self._holds_a_document() else f"a {METADATA_FILE} that reshard did not write"
+            )
             raise CheckpointExistsError(
-                f"{self.storage.describe()} already holds a complete checkpoint; pass overwrite=True (--overwrite on "
+                f"{self.storage.describe()} already holds {found}; pass overwrite=True (--overwrite on "
                 "the command line) to replace it"
             )
+
+    def _holds_a_document(self) -> bool:
+        """Whether ``metadata.json`` here begins as a reshard document (True when it cannot be read: the message
+        then says what it would have said before)."""
+        try:
+            raw = self.storage.read_bytes(METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
+        except OSError:
+            return True
+        return raw.startswith(_DOCUMENT_START)
 
     def _holds(self, digest: str) -> bool:
         """Whether ``metadata.json`` here is the document whose SHA-256 is ``digest`` (False when unreadable)."""
