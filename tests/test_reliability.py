@@ -841,7 +841,7 @@ def test_a_save_over_another_programs_metadata_json_says_what_it_found(tmp_path:
     path = tmp_path / "dataset"
     path.mkdir()
     (path / METADATA_FILE).write_text('{"dataset": "imagenet", "rows": 1281167}')
-    with pytest.raises(reshard.CheckpointExistsError, match="a metadata.json that reshard did not write"):
+    with pytest.raises(reshard.CheckpointExistsError, match=r"a metadata\.json that reshard did not write"):
         reshard.save({"w": torch.ones(4)}, path)
     assert (path / METADATA_FILE).read_text() == '{"dataset": "imagenet", "rows": 1281167}'
     reshard.save({"w": torch.ones(4)}, tmp_path / "ckpt")
